@@ -1,0 +1,3 @@
+from astrolabe.cli import main
+
+raise SystemExit(main())

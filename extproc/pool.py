@@ -1,0 +1,116 @@
+"""The endpoint pool: configured endpoints, their health, and this replica's in-flight count per endpoint.
+
+NOTE: everything here runs on the event loop thread; no locks. ``replace`` swaps the endpoint list atomically
+(one attribute assignment) and keeps health and in-flight counts of addresses that stay, so a reload drops no
+traffic: a request already routed keeps its destination, and its release still finds its counter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import aiohttp
+
+from extproc.config import EndpointConfig, HealthCheckConfig
+
+logger = logging.getLogger(__name__)
+
+
+class EndpointPool:
+    """Endpoints with health state and in-flight counters.
+
+    Args:
+        endpoints: the configured endpoints; all start healthy until a health check says otherwise.
+    """
+
+    def __init__(self, endpoints: Sequence[EndpointConfig]) -> None:
+        self._endpoints: tuple[EndpointConfig, ...] = ()
+        self._healthy: dict[str, bool] = {}
+        self._in_flight: dict[str, int] = {}
+        self.replace(endpoints)
+
+    @property
+    def endpoints(self) -> tuple[EndpointConfig, ...]:
+        """Configured endpoints, sorted by address."""
+        return self._endpoints
+
+    def replace(self, endpoints: Sequence[EndpointConfig]) -> None:
+        """Installs a new endpoint list (a config reload)."""
+        new = tuple(sorted(endpoints, key=lambda e: e.address))
+        addresses = {e.address for e in new}
+        self._healthy = {a: self._healthy.get(a, True) for a in addresses}
+        # Counters of removed endpoints stay until their requests end (release drops them at zero).
+        self._in_flight = {a: n for a, n in self._in_flight.items() if a in addresses or n > 0}
+        self._endpoints = new
+
+    def set_healthy(self, address: str, healthy: bool) -> None:
+        if address in self._healthy and self._healthy[address] != healthy:
+            logger.warning("endpoint %s is now %s", address, "healthy" if healthy else "UNHEALTHY")
+            self._healthy[address] = healthy
+
+    def is_healthy(self, address: str) -> bool:
+        return self._healthy.get(address, False)
+
+    def in_flight(self, address: str) -> int:
+        """Requests routed to ``address`` by this replica that have not ended."""
+        return self._in_flight.get(address, 0)
+
+    def acquire(self, address: str) -> None:
+        self._in_flight[address] = self._in_flight.get(address, 0) + 1
+
+    def release(self, address: str) -> None:
+        remaining = self._in_flight.get(address, 0) - 1
+        if remaining > 0 or any(e.address == address for e in self._endpoints):
+            self._in_flight[address] = max(remaining, 0)
+        else:
+            self._in_flight.pop(address, None)
+
+    def serving(self, model: str | None) -> list[EndpointConfig]:
+        """Endpoints (healthy or not) that serve ``model``; all of them when ``model`` is None."""
+        if model is None:
+            return list(self._endpoints)
+        return [e for e in self._endpoints if not e.models or model in e.models]
+
+
+class HealthChecker:
+    """Polls ``GET http://<address><path>`` on every endpoint; ``unhealthy_threshold`` consecutive failures
+    (non-200 or timeout) mark it unhealthy, one success marks it healthy again.
+
+    Args:
+        pool: the pool whose health it maintains.
+        config: path, interval, timeout and threshold.
+    """
+
+    def __init__(self, pool: EndpointPool, config: HealthCheckConfig) -> None:
+        self._pool = pool
+        self._config = config
+        self._failures: dict[str, int] = {}
+        self.first_round_done = asyncio.Event()
+
+    async def _check(self, session: aiohttp.ClientSession, address: str) -> None:
+        try:
+            async with session.get(f"http://{address}{self._config.path}") as response:
+                ok = response.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            ok = False
+        failures = 0 if ok else self._failures.get(address, 0) + 1
+        self._failures[address] = failures
+        if ok:
+            self._pool.set_healthy(address, True)
+        elif failures >= self._config.unhealthy_threshold:
+            self._pool.set_healthy(address, False)
+
+    async def run_once(self, session: aiohttp.ClientSession) -> None:
+        """Checks every endpoint once, concurrently."""
+        await asyncio.gather(*(self._check(session, e.address) for e in self._pool.endpoints))
+
+    async def run(self) -> None:
+        """Runs until cancelled."""
+        timeout = aiohttp.ClientTimeout(total=self._config.timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                await self.run_once(session)
+                self.first_round_done.set()
+                await asyncio.sleep(self._config.interval_s)

@@ -1,0 +1,193 @@
+"""OpenAI request bodies -> ``RoutingRequest``: the protocol-free view the router and policies see.
+
+Accepted shapes (OpenAI API, as vLLM serves it — vllm/entrypoints/openai/protocol.py):
+- ``/v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids, or a list of lists of
+  token ids; ``max_tokens``.
+- ``/v1/chat/completions``: ``messages`` is a list of ``{"role": str, "content": ...}`` whose content is a
+  string, null (assistant turns with tool calls), or a list of content parts (``{"type": "text", "text": str}``;
+  other part types such as images are accepted and carry no text); ``max_completion_tokens`` wins over the
+  deprecated ``max_tokens``.
+- any other path: the body must be a JSON object; only ``model`` and ``stream`` are read.
+A list of prompts is routed as one request (one backend serves the whole batch): its texts are joined with
+newlines and its token ids concatenated.
+
+Raises ``RoutingError(BAD_REQUEST)`` for every malformed body; nothing else escapes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from extproc.errors import ErrorCode, RoutingError
+
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRequest:
+    """What routing needs to know about one HTTP request.
+
+    Attributes:
+        request_id: Envoy's ``x-request-id`` (or a generated one).
+        method: HTTP method.
+        path: request path without the query string.
+        model: requested model name, None when absent (GET, or a body without ``model``).
+        prompt_text: prompt (completions) or concatenated message texts (chat); None for token-id prompts.
+        prompt_token_ids: token ids of a token-id prompt, concatenated; None for text prompts.
+        max_tokens: requested output cap in tokens, None when the client did not set one.
+        stream: whether the client asked for SSE streaming.
+        num_body_bytes: size of the request body in bytes (0 without a body).
+    """
+
+    request_id: str
+    method: str
+    path: str
+    model: str | None = None
+    prompt_text: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    max_tokens: int | None = None
+    stream: bool = False
+    num_body_bytes: int = 0
+
+
+def _bad(message: str, param: str | None = None) -> RoutingError:
+    return RoutingError(ErrorCode.BAD_REQUEST, message, param)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional_str(body: dict, key: str) -> str | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        raise _bad(f"'{key}' must be a string", key)
+    return value
+
+
+def _optional_bool(body: dict, key: str) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad(f"'{key}' must be a boolean", key)
+    return value
+
+
+def _optional_count(body: dict, key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not _is_int(value) or value < 0:
+        raise _bad(f"'{key}' must be a non-negative integer", key)
+    return value
+
+
+def _token_ids(values: list, param: str) -> tuple[int, ...]:
+    if not all(_is_int(v) and v >= 0 for v in values):
+        raise _bad(f"'{param}' token ids must be non-negative integers", param)
+    return tuple(values)
+
+
+def _parse_prompt(prompt: object) -> tuple[str | None, tuple[int, ...] | None]:
+    """Returns (text, token_ids); exactly one is not None."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if not isinstance(prompt, list) or not prompt:
+        raise _bad("'prompt' must be a string, a non-empty list of strings or of token ids, or a list of such lists",
+                   "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return "\n".join(prompt), None
+    if all(_is_int(p) for p in prompt):
+        return None, _token_ids(prompt, "prompt")
+    if all(isinstance(p, list) and p for p in prompt):
+        ids: list[int] = []
+        for p in prompt:
+            ids.extend(_token_ids(p, "prompt"))
+        return None, tuple(ids)
+    raise _bad("'prompt' mixes types: use one string, a list of strings, a list of token ids, "
+               "or a list of non-empty token-id lists", "prompt")
+
+
+def _content_text(content: object, index: int) -> str:
+    param = f"messages[{index}].content"
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise _bad(f"'{param}' must be a string, null, or a list of content parts", param)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise _bad(f"'{param}[{j}]' must be an object with a string 'type'", f"{param}[{j}]")
+        if part["type"] == "text":
+            if not isinstance(part.get("text"), str):
+                raise _bad(f"'{param}[{j}].text' must be a string", f"{param}[{j}].text")
+            texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _parse_messages(messages: object) -> str:
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    texts = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise _bad(f"'messages[{i}]' must be an object", f"messages[{i}]")
+        if not isinstance(message.get("role"), str):
+            raise _bad(f"'messages[{i}].role' must be a string", f"messages[{i}].role")
+        texts.append(_content_text(message.get("content"), i))
+    return "\n".join(texts)
+
+
+def parse_body(request_id: str, method: str, path: str, body: bytes) -> RoutingRequest:
+    """Parses an OpenAI-style JSON body into a ``RoutingRequest``.
+
+    Args:
+        request_id: the request's id.
+        method: HTTP method (``POST``).
+        path: request path; a query string is ignored.
+        body: the whole request body, UTF-8 JSON.
+
+    Returns:
+        The routing view of the request.
+
+    Raises:
+        RoutingError: BAD_REQUEST if the body is not a JSON object or a field has the wrong type or is missing.
+    """
+    path = path.split("?", 1)[0]
+    try:
+        parsed = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _bad(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise _bad("request body nests too deeply") from None
+    if not isinstance(parsed, dict):
+        raise _bad(f"request body must be a JSON object, got {type(parsed).__name__}")
+    text: str | None = None
+    ids: tuple[int, ...] | None = None
+    max_tokens: int | None = None
+    if path == COMPLETIONS_PATH:
+        if "prompt" not in parsed:
+            raise _bad("'prompt' is required", "prompt")
+        text, ids = _parse_prompt(parsed["prompt"])
+        max_tokens = _optional_count(parsed, "max_tokens")
+    elif path == CHAT_COMPLETIONS_PATH:
+        if "messages" not in parsed:
+            raise _bad("'messages' is required", "messages")
+        text = _parse_messages(parsed["messages"])
+        max_tokens = _optional_count(parsed, "max_completion_tokens")
+        legacy = _optional_count(parsed, "max_tokens")
+        max_tokens = legacy if max_tokens is None else max_tokens
+    return RoutingRequest(
+        request_id=request_id,
+        method=method,
+        path=path,
+        model=_optional_str(parsed, "model"),
+        prompt_text=text,
+        prompt_token_ids=ids,
+        max_tokens=max_tokens,
+        stream=_optional_bool(parsed, "stream"),
+        num_body_bytes=len(body),
+    )

@@ -1,0 +1,205 @@
+"""``astrolabe extproc``: the grpc.aio server, gRPC health, config reload and graceful shutdown.
+
+No routing code lives here: ``stream.StreamHandler`` handles each ext_proc stream and ``router.Router`` decides.
+
+Health (grpc.health.v1) reports the service names ``""``, ``liveness``, ``readiness`` and
+``envoy.service.ext_proc.v3.ExternalProcessor``. ``liveness`` is SERVING while the process runs; the others
+become SERVING after the first round of endpoint health checks and NOT_SERVING when shutdown starts, so that
+Envoy's health checker moves new streams elsewhere while in-flight streams drain (for at most
+``grace_period_s``; a stream still open then is cancelled, which ends nothing for a request whose route was
+already sent, since every response phase is skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import random
+import signal
+from pathlib import Path
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from extproc import wire
+from extproc.config import ConfigError, ExtprocConfig, load_config
+from extproc.policies.registry import build_policy
+from extproc.pool import EndpointPool, HealthChecker
+from extproc.router import Router
+from extproc.stream import StreamHandler
+
+logger = logging.getLogger(__name__)
+
+_GRPC_MESSAGE_OVERHEAD_BYTES = 1 << 20
+"""Room above ``max_body_bytes`` for the rest of a ProcessingRequest (headers, metadata)."""
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    """The ext_proc service: one ``StreamHandler`` per ``Process`` stream."""
+
+    def __init__(self, router: Router, max_body_bytes: int) -> None:
+        self._router = router
+        self._max_body_bytes = max_body_bytes
+
+    async def Process(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+        handler = StreamHandler(self._router, self._max_body_bytes)
+        try:
+            async for message in request_iterator:
+                for response in await handler.on_message(message):
+                    yield response
+        finally:
+            # Envoy closes the stream when the HTTP request ends (also on client disconnect): the request's
+            # in-flight slot is released here.
+            handler.close()
+
+
+class ConfigWatcher:
+    """Reloads the config file when its content changes; applies the endpoint list live.
+
+    A change to any other key is logged as needing a restart; an invalid file is logged and ignored (the
+    previous pool keeps serving).
+    """
+
+    def __init__(self, path: Path, config: ExtprocConfig, pool: EndpointPool) -> None:
+        self._path = path
+        self._config = config
+        self._pool = pool
+        self._digest = _digest(path)
+
+    def poll(self) -> bool:
+        """Checks the file once; returns True when a new endpoint list was applied."""
+        digest = _digest(self._path)
+        if digest is None or digest == self._digest:
+            return False
+        self._digest = digest
+        try:
+            new = load_config(self._path)
+        except ConfigError as exc:
+            logger.error("config reload rejected, keeping the previous endpoints: %s", exc)
+            return False
+        if (new.listen, new.policy, new.policy_params, new.seed, new.max_body_bytes, new.health_check) != (
+                self._config.listen, self._config.policy, self._config.policy_params, self._config.seed,
+                self._config.max_body_bytes, self._config.health_check):
+            logger.warning("config reload: only 'endpoints' apply live; restart for the other changes")
+        self._pool.replace(new.endpoints)
+        self._config = new
+        logger.info("config reloaded: %d endpoints", len(new.endpoints))
+        return True
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.reload_interval_s)
+            self.poll()
+
+
+def _digest(path: Path) -> bytes | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).digest()
+    except OSError:
+        return None
+
+
+class ExtprocServer:
+    """The running extproc: gRPC server, health, background tasks.
+
+    Args:
+        config: validated configuration.
+        config_path: file to watch for endpoint changes, or None.
+    """
+
+    def __init__(self, config: ExtprocConfig, config_path: Path | None = None) -> None:
+        self.config = config
+        self.pool = EndpointPool(config.endpoints)
+        policy = build_policy(config.policy, config.policy_params, random.Random(config.seed))
+        self.router = Router(self.pool, policy)
+        self.health = health.aio.HealthServicer()
+        self._checker = HealthChecker(self.pool, config.health_check) if config.health_check.enabled else None
+        self._watcher = ConfigWatcher(config_path, config, self.pool) if config_path else None
+        self._tasks: list[asyncio.Task] = []
+        max_message_bytes = config.max_body_bytes + _GRPC_MESSAGE_OVERHEAD_BYTES
+        self._server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ])
+        pb_grpc.add_ExternalProcessorServicer_to_server(
+            ExternalProcessor(self.router, config.max_body_bytes), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self.port = 0
+
+    async def _set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in wire.HEALTH_SERVICE_NAMES:
+            if name != "liveness":
+                await self.health.set(name, status)
+
+    async def start(self) -> int:
+        """Binds and starts serving; returns the bound port (the config may ask for port 0).
+
+        Raises:
+            RuntimeError: the listen address cannot be bound.
+        """
+        self.port = self._server.add_insecure_port(self.config.listen)
+        if self.port == 0:
+            raise RuntimeError(f"cannot listen on {self.config.listen}")
+        await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        await self._set_serving(False)
+        await self._server.start()
+        if self._checker:
+            self._tasks.append(asyncio.create_task(self._checker.run(), name="endpoint-health"))
+            await self._checker.first_round_done.wait()
+        if self._watcher:
+            self._tasks.append(asyncio.create_task(self._watcher.run(), name="config-watch"))
+        await self._set_serving(True)
+        logger.info("extproc listening on %s (port %d), policy %s, %d endpoints",
+                    self.config.listen, self.port, self.config.policy, len(self.pool.endpoints))
+        return self.port
+
+    async def stop(self) -> None:
+        """Graceful shutdown: NOT_SERVING, refuse new streams, drain in-flight ones for ``grace_period_s``."""
+        await self._set_serving(False)
+        await self._server.stop(self.config.grace_period_s)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        logger.info("extproc stopped")
+
+
+async def serve(config: ExtprocConfig, config_path: Path | None) -> None:
+    """Runs until SIGTERM or SIGINT, then shuts down gracefully."""
+    server = ExtprocServer(config, config_path)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    await stop.wait()
+    logger.info("shutdown requested: draining for at most %.1f s", config.grace_period_s)
+    await server.stop()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="astrolabe extproc", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, type=Path, help="YAML config (see extproc/config.py)")
+    parser.add_argument("--listen", help="override 'listen' (host:port)")
+    parser.add_argument("--policy", help="override 'policy'")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args.config)
+        if args.listen or args.policy:
+            config = dataclasses.replace(config, listen=args.listen or config.listen,
+                                         policy=args.policy or config.policy)
+            build_policy(config.policy, config.policy_params, random.Random(0))
+    except (ConfigError, ValueError) as exc:
+        logger.error("invalid configuration: %s", exc)
+        return 2
+    asyncio.run(serve(config, args.config))
+    return 0

@@ -1,0 +1,157 @@
+"""One ext_proc ``Process`` stream = one HTTP request: phase handling, body buffering, response ordering.
+
+Body modes (taken from ``protocol_config`` on the first message; Envoy 1.40 sends it):
+- no body (request headers carry ``end_of_stream``, e.g. GET): routed at once on the headers, no parsing.
+- ``BUFFERED``: headers are answered with CONTINUE; the whole body arrives in one message and its answer
+  carries the destination header mutation (allowed on a body response only in this mode) and metadata.
+- ``FULL_DUPLEX_STREAMED``: the headers answer is held back until the body is complete and parsed; then the
+  answers go out in Envoy's required order: headers (with the destination) -> the body re-sent as
+  ``streamed_response`` chunks of <= 62 KB -> trailers (only if the request had trailers).
+- any other mode (``NONE``, ``STREAMED``): routed on the headers without reading the body.
+
+Errors become an ``immediate_response`` (OpenAI-style JSON) at the moment they are known; a body over
+``max_body_bytes`` is refused as soon as the running total passes the limit.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import uuid
+
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc import messages, wire
+from extproc.errors import ErrorCode, RoutingError
+from extproc.request import RoutingRequest, parse_body
+from extproc.router import Decision, Router
+
+logger = logging.getLogger(__name__)
+
+_BodyMode = processing_mode_pb2.ProcessingMode
+
+
+class Phase(enum.Enum):
+    """Where the stream is in the request's life."""
+
+    HEADERS = "headers"      # waiting for request headers
+    BODY = "body"            # collecting the body
+    ROUTED = "routed"        # destination sent; later messages are acknowledged unchanged
+    REJECTED = "rejected"    # immediate response sent; Envoy ends the stream
+
+
+class StreamHandler:
+    """Turns the ``ProcessingRequest`` messages of one stream into ``ProcessingResponse`` messages.
+
+    Args:
+        router: chooses the destination and counts in-flight requests.
+        max_body_bytes: larger request bodies are answered with 413.
+    """
+
+    def __init__(self, router: Router, max_body_bytes: int) -> None:
+        self._router = router
+        self._max_body_bytes = max_body_bytes
+        self._phase = Phase.HEADERS
+        self._body_mode = _BodyMode.BUFFERED
+        self._body = bytearray()
+        self._method = ""
+        self._path = ""
+        self._request_id = ""
+        self.decision: Decision | None = None
+
+    async def on_message(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """Answers one message; never raises (unexpected errors become a 500 immediate response)."""
+        try:
+            return await self._dispatch(message)
+        except RoutingError as error:
+            return self._reject(error)
+        except Exception:  # noqa: BLE001 - a bug must cost one request, not the stream loop
+            logger.exception("internal error on request %s", self._request_id)
+            return self._reject(RoutingError(ErrorCode.INTERNAL, "internal error in the endpoint picker"))
+
+    def close(self) -> None:
+        """The stream ended (the HTTP request is over): release the in-flight slot, once."""
+        if self.decision is not None:
+            self._router.release(self.decision)
+            self.decision = None
+
+    def _reject(self, error: RoutingError) -> list[pb.ProcessingResponse]:
+        logger.debug("request %s rejected: %s %s", self._request_id, error.http_status, error.message)
+        self._phase = Phase.REJECTED
+        return [messages.immediate_error(error)]
+
+    async def _dispatch(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if message.HasField("protocol_config"):
+            self._body_mode = message.protocol_config.request_body_mode
+        kind = message.WhichOneof("request")
+        if self._phase is Phase.REJECTED:
+            return []
+        if kind == "request_headers":
+            return await self._on_headers(message.request_headers)
+        if kind == "request_body":
+            return await self._on_body(message.request_body)
+        if kind == "request_trailers":
+            return await self._on_trailers()
+        # Response phases are skipped in our Envoy configs; answer unchanged if a config sends them anyway.
+        return [_acknowledge(kind)]
+
+    async def _on_headers(self, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        values = {h.key.lower(): (h.raw_value or h.value.encode()).decode("latin-1") for h in headers.headers.headers}
+        self._method = values.get(":method", "")
+        self._path = values.get(":path", "")
+        self._request_id = values.get(wire.REQUEST_ID_HEADER) or uuid.uuid4().hex
+        if headers.end_of_stream or self._body_mode not in (_BodyMode.BUFFERED, _BodyMode.FULL_DUPLEX_STREAMED):
+            decision = await self._route(RoutingRequest(self._request_id, self._method, self._path))
+            return [messages.headers_route(decision.destination)]
+        self._phase = Phase.BODY
+        if self._body_mode == _BodyMode.BUFFERED:
+            return [messages.headers_continue()]
+        return []  # FULL_DUPLEX_STREAMED: the headers answer waits for the body
+
+    async def _on_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if self._phase is not Phase.BODY:
+            return [_acknowledge("request_body")]
+        self._body += body.body
+        if len(self._body) > self._max_body_bytes:
+            raise RoutingError(ErrorCode.BODY_TOO_LARGE,
+                               f"request body exceeds the limit of {self._max_body_bytes} bytes")
+        if self._body_mode == _BodyMode.BUFFERED:
+            decision = await self._route_body()
+            return [messages.body_route(decision.destination)]
+        if not body.end_of_stream:
+            return []
+        return await self._full_duplex_answers(had_trailers=False)
+
+    async def _on_trailers(self) -> list[pb.ProcessingResponse]:
+        if self._phase is Phase.BODY and self._body_mode == _BodyMode.FULL_DUPLEX_STREAMED:
+            return await self._full_duplex_answers(had_trailers=True)
+        return [messages.trailers_continue()]
+
+    async def _full_duplex_answers(self, *, had_trailers: bool) -> list[pb.ProcessingResponse]:
+        decision = await self._route_body()
+        answers = [messages.headers_route(decision.destination)]
+        answers += messages.streamed_body(bytes(self._body), end_of_stream=not had_trailers)
+        if had_trailers:
+            answers.append(messages.trailers_continue())
+        return answers
+
+    async def _route_body(self) -> Decision:
+        request = parse_body(self._request_id, self._method, self._path, bytes(self._body))
+        return await self._route(request)
+
+    async def _route(self, request: RoutingRequest) -> Decision:
+        self.decision = await self._router.route(request)
+        self._phase = Phase.ROUTED
+        return self.decision
+
+
+def _acknowledge(kind: str | None) -> pb.ProcessingResponse:
+    """An answer that changes nothing, for a phase we do not act on."""
+    if kind in ("request_headers", "response_headers"):
+        return pb.ProcessingResponse(**{kind: pb.HeadersResponse()})
+    if kind in ("request_body", "response_body"):
+        return pb.ProcessingResponse(**{kind: pb.BodyResponse()})
+    if kind in ("request_trailers", "response_trailers"):
+        return pb.ProcessingResponse(**{kind: pb.TrailersResponse()})
+    raise RoutingError(ErrorCode.BAD_REQUEST, f"unexpected ext_proc message {kind!r}")

@@ -1,0 +1,108 @@
+import json
+
+import pytest
+
+from extproc.errors import ErrorCode, RoutingError
+from extproc.request import parse_body
+
+
+def _parse(path, body):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return parse_body("rid", "POST", path, raw)
+
+
+@pytest.mark.parametrize(
+    "body, text, ids",
+    [
+        ({"model": "m", "prompt": "hello"}, "hello", None),
+        ({"model": "m", "prompt": ["a", "b"]}, "a\nb", None),
+        ({"model": "m", "prompt": [1, 2, 3]}, None, (1, 2, 3)),
+        ({"model": "m", "prompt": [[1, 2], [3]]}, None, (1, 2, 3)),
+        ({"model": "m", "prompt": ""}, "", None),
+    ],
+    ids=["string", "list-of-strings", "token-ids", "list-of-token-id-lists", "empty-string"],
+)
+def test_completions_prompt_shapes(body, text, ids):
+    req = _parse("/v1/completions", body)
+    assert (req.prompt_text, req.prompt_token_ids, req.model) == (text, ids, "m")
+
+
+@pytest.mark.parametrize(
+    "messages, text",
+    [
+        ([{"role": "user", "content": "hi"}], "hi"),
+        ([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], "s\nu"),
+        ([{"role": "user", "content": [{"type": "text", "text": "a"},
+                                       {"type": "image_url", "image_url": {"url": "x"}},
+                                       {"type": "text", "text": "b"}]}], "a\nb"),
+        ([{"role": "assistant", "content": None, "tool_calls": []}, {"role": "user", "content": "q"}], "\nq"),
+    ],
+    ids=["string", "system+user", "content-parts", "null-content"],
+)
+def test_chat_message_shapes(messages, text):
+    req = _parse("/v1/chat/completions", {"model": "m", "messages": messages})
+    assert req.prompt_text == text and req.prompt_token_ids is None
+
+
+def test_fields_read():
+    req = _parse("/v1/completions?x=1", {"model": "m", "prompt": "p", "max_tokens": 7, "stream": True})
+    assert (req.path, req.max_tokens, req.stream, req.request_id) == ("/v1/completions", 7, True, "rid")
+    assert req.num_body_bytes > 0
+
+
+def test_chat_max_completion_tokens_wins():
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "max_completion_tokens": 9}
+    assert _parse("/v1/chat/completions", body).max_tokens == 9
+    del body["max_completion_tokens"]
+    assert _parse("/v1/chat/completions", body).max_tokens == 5
+
+
+def test_other_paths_need_only_an_object():
+    req = _parse("/v1/embeddings", {"model": "m", "input": "x"})
+    assert req.model == "m" and req.prompt_text is None
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", b"{not json", None),
+        ("/v1/completions", b"\xff\xfe", None),
+        ("/v1/completions", b"[1, 2]", None),
+        ("/v1/completions", b'"text"', None),
+        ("/v1/completions", b"[" * 100000, None),
+        ("/v1/completions", {"model": "m"}, "prompt"),
+        ("/v1/completions", {"prompt": 5}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": [1, "a"]}, "prompt"),
+        ("/v1/completions", {"prompt": [1, True]}, "prompt"),
+        ("/v1/completions", {"prompt": [-1]}, "prompt"),
+        ("/v1/completions", {"prompt": [[1], []]}, "prompt"),
+        ("/v1/completions", {"prompt": "p", "model": 3}, "model"),
+        ("/v1/completions", {"prompt": "p", "max_tokens": "10"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "p", "max_tokens": -1}, "max_tokens"),
+        ("/v1/completions", {"prompt": "p", "max_tokens": 1.5}, "max_tokens"),
+        ("/v1/completions", {"prompt": "p", "stream": "yes"}, "stream"),
+        ("/v1/chat/completions", {"model": "m"}, "messages"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {"messages": ["hi"]}, "messages[0]"),
+        ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages[0].role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [1]}]}, "messages[0].content[0]"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+         "messages[0].content[0].text"),
+        ("/v1/chat/completions", {"messages": [{"role": "u", "content": "x"}], "max_completion_tokens": True},
+         "max_completion_tokens"),
+        ("/v1/embeddings", b"[]", None),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_malformed_bodies_are_400(path, body, param):
+    with pytest.raises(RoutingError) as info:
+        _parse(path, body)
+    err = info.value
+    assert err.code is ErrorCode.BAD_REQUEST and err.http_status == 400
+    assert err.param == param
+    payload = json.loads(err.json_body())
+    assert payload["error"]["code"] == 400 and payload["error"]["type"] == "BadRequestError"
+    assert payload["error"]["message"]
