@@ -8,6 +8,7 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
     seed: null                      # seeds the policy RNG; null = from os.urandom
     max_body_bytes: 8388608         # larger request bodies get 413
     grace_period_s: 10.0            # shutdown drains in-flight streams for at most this long
+    metrics_listen: null            # host:port for Prometheus /metrics (null = off)
     reload_interval_s: 1.0          # how often the file is checked for changes (endpoints reload live)
     health_check:                   # active HTTP health checks of the endpoints
       enabled: true
@@ -78,6 +79,7 @@ class ExtprocConfig:
     seed: int | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     grace_period_s: float = 10.0
+    metrics_listen: str | None = None
     reload_interval_s: float = 1.0
     health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig)
 
@@ -184,6 +186,9 @@ def parse_config(raw: object) -> ExtprocConfig:
     listen = _typed(raw, "listen", str, "<root>", d.listen)
     if listen.rpartition(":")[2].isdigit() is False:
         raise ConfigError(f"listen: expected 'host:port', got {listen!r}")
+    metrics_listen = _typed(raw, "metrics_listen", str, "<root>", d.metrics_listen)
+    if metrics_listen is not None and not metrics_listen.rpartition(":")[2].isdigit():
+        raise ConfigError(f"metrics_listen: expected 'host:port', got {metrics_listen!r}")
     params = raw.get("policy_params") or {}
     if not isinstance(params, Mapping):
         raise ConfigError("policy_params: expected a mapping")
@@ -197,6 +202,7 @@ def parse_config(raw: object) -> ExtprocConfig:
         policy_params=dict(params),
         seed=_typed(raw, "seed", int, "<root>", d.seed),
         max_body_bytes=max_body,
+        metrics_listen=metrics_listen,
         grace_period_s=float(_typed(raw, "grace_period_s", (int, float), "<root>", d.grace_period_s)),
         reload_interval_s=_positive(float(_typed(raw, "reload_interval_s", (int, float), "<root>",
                                                  d.reload_interval_s)), "reload_interval_s"),

@@ -8,9 +8,11 @@ Failure policy (the only place it is decided):
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from extproc.errors import ErrorCode, RoutingError
+from extproc.metrics import ExtprocMetrics
 from extproc.policies.base import EndpointView, Policy
 from extproc.pool import EndpointPool
 from extproc.request import RoutingRequest
@@ -37,11 +39,13 @@ class Router:
     Args:
         pool: the endpoint pool (shared with the health checker and config reloads).
         policy: the dispatch policy.
+        metrics: where routing time and outcomes are counted (a private registry if None).
     """
 
-    def __init__(self, pool: EndpointPool, policy: Policy) -> None:
+    def __init__(self, pool: EndpointPool, policy: Policy, metrics: ExtprocMetrics | None = None) -> None:
         self.pool = pool
         self.policy = policy
+        self.metrics = metrics or ExtprocMetrics(pool)
 
     async def route(self, request: RoutingRequest) -> Decision:
         """Chooses the destination and counts the request in flight there until ``release``.
@@ -49,6 +53,7 @@ class Router:
         Raises:
             RoutingError: MODEL_NOT_FOUND or NO_HEALTHY_ENDPOINT.
         """
+        start_s = time.monotonic()
         serving = self.pool.serving(request.model)
         if not serving:
             raise RoutingError(ErrorCode.MODEL_NOT_FOUND,
@@ -61,6 +66,8 @@ class Router:
                                else "no healthy endpoint")
         chosen = self.policy.choose(request, views)
         self.pool.acquire(chosen.address)
+        self.metrics.routing_seconds.observe(time.monotonic() - start_s)
+        self.metrics.requests.labels("routed").inc()
         logger.debug("request %s -> %s (%s)", request.request_id, chosen.address, self.policy.TYPE)
         return Decision(chosen.address, self.policy.TYPE)
 

@@ -25,9 +25,11 @@ from pathlib import Path
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
 
 from extproc import wire
 from extproc.config import ConfigError, ExtprocConfig, load_config
+from extproc.metrics import ExtprocMetrics
 from extproc.policies.registry import build_policy
 from extproc.pool import EndpointPool, HealthChecker
 from extproc.router import Router
@@ -116,7 +118,9 @@ class ExtprocServer:
         self.config = config
         self.pool = EndpointPool(config.endpoints)
         policy = build_policy(config.policy, config.policy_params, random.Random(config.seed))
-        self.router = Router(self.pool, policy)
+        self.metrics = ExtprocMetrics(self.pool)
+        self.router = Router(self.pool, policy, self.metrics)
+        self._metrics_server = None
         self.health = health.aio.HealthServicer()
         self._checker = HealthChecker(self.pool, config.health_check) if config.health_check.enabled else None
         self._watcher = ConfigWatcher(config_path, config, self.pool) if config_path else None
@@ -149,6 +153,9 @@ class ExtprocServer:
         await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
         await self._set_serving(False)
         await self._server.start()
+        if self.config.metrics_listen:
+            host, _, port = self.config.metrics_listen.rpartition(":")
+            self._metrics_server, _ = start_http_server(int(port), addr=host, registry=self.metrics.registry)
         if self._checker:
             self._tasks.append(asyncio.create_task(self._checker.run(), name="endpoint-health"))
             await self._checker.first_round_done.wait()
@@ -163,6 +170,8 @@ class ExtprocServer:
         """Graceful shutdown: NOT_SERVING, refuse new streams, drain in-flight ones for ``grace_period_s``."""
         await self._set_serving(False)
         await self._server.stop(self.config.grace_period_s)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -79,6 +79,7 @@ class StreamHandler:
     def _reject(self, error: RoutingError) -> list[pb.ProcessingResponse]:
         logger.debug("request %s rejected: %s %s", self._request_id, error.http_status, error.message)
         self._phase = Phase.REJECTED
+        self._router.metrics.requests.labels(error.code.value).inc()
         return [messages.immediate_error(error)]
 
     async def _dispatch(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:

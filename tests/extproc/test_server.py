@@ -1,0 +1,156 @@
+"""Server lifecycle: gRPC health, endpoint health checks, live config reload, graceful drain."""
+
+import asyncio
+import json
+
+import grpc
+import pytest
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from extproc import wire
+from extproc.config import load_config, parse_config
+from extproc.server import ConfigWatcher, ExtprocServer, main
+from tests.extproc.test_stream import BODY, body_msg, destination_of, headers_msg
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture
+async def backend():
+    """A real HTTP server answering /health (status switchable)."""
+    state = {"status": 200}
+
+    async def health(_request):
+        return web.Response(status=state["status"])
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    yield f"127.0.0.1:{port}", state
+    await runner.cleanup()
+
+
+async def _statuses(port):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return {name: (await stub.Check(health_pb2.HealthCheckRequest(service=name))).status
+                for name in wire.HEALTH_SERVICE_NAMES}
+
+
+async def test_health_services_and_endpoint_checks(backend):
+    address, state = backend
+    config = parse_config({
+        "listen": "127.0.0.1:0",
+        "health_check": {"interval_s": 0.05, "timeout_s": 0.5, "unhealthy_threshold": 1},
+        "endpoints": [{"address": address}, {"address": "127.0.0.1:1"}],  # port 1: nothing listens
+    })
+    server = ExtprocServer(config)
+    port = await server.start()
+    try:
+        assert set((await _statuses(port)).values()) == {SERVING}
+        assert server.pool.is_healthy(address) and not server.pool.is_healthy("127.0.0.1:1")
+        state["status"] = 503
+        for _ in range(200):
+            if not server.pool.is_healthy(address):
+                break
+            await asyncio.sleep(0.02)
+        assert not server.pool.is_healthy(address)
+        state["status"] = 200
+        for _ in range(200):
+            if server.pool.is_healthy(address):
+                break
+            await asyncio.sleep(0.02)
+        assert server.pool.is_healthy(address)
+    finally:
+        await server.stop()
+
+
+def _write(path, endpoints, **extra):
+    path.write_text(json.dumps({"listen": "127.0.0.1:0", "health_check": {"enabled": False},
+                                "endpoints": [{"address": a} for a in endpoints], **extra}))
+
+
+async def test_reload_applies_endpoints_and_rejects_bad_files(tmp_path):
+    path = tmp_path / "extproc.yaml"
+    _write(path, ["127.0.0.1:18001"])
+    server = ExtprocServer(load_config(path), path)
+    watcher = ConfigWatcher(path, server.config, server.pool)
+    server.pool.acquire("127.0.0.1:18001")
+    assert not watcher.poll()  # unchanged
+    _write(path, ["127.0.0.1:18002", "127.0.0.1:18003"])
+    assert watcher.poll()
+    assert [e.address for e in server.pool.endpoints] == ["127.0.0.1:18002", "127.0.0.1:18003"]
+    # a request routed before the reload still releases its slot
+    assert server.pool.in_flight("127.0.0.1:18001") == 1
+    server.pool.release("127.0.0.1:18001")
+    assert server.pool.in_flight("127.0.0.1:18001") == 0
+    path.write_text("endpoints: [")
+    assert not watcher.poll()
+    assert len(server.pool.endpoints) == 2
+
+
+async def test_reload_while_serving(tmp_path):
+    path = tmp_path / "extproc.yaml"
+    _write(path, ["127.0.0.1:18001"], reload_interval_s=0.05)
+    server = ExtprocServer(load_config(path), path)
+    port = await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+
+            async def route_once():
+                call = stub.Process()
+                await call.write(headers_msg())
+                await call.read()
+                await call.write(body_msg(BODY))
+                dest = destination_of((await call.read()).request_body.response)
+                await call.done_writing()
+                return dest
+
+            assert await route_once() == "127.0.0.1:18001"
+            _write(path, ["127.0.0.1:18009"], reload_interval_s=0.05)
+            for _ in range(200):
+                if server.pool.endpoints[0].address == "127.0.0.1:18009":
+                    break
+                await asyncio.sleep(0.02)
+            assert await route_once() == "127.0.0.1:18009"
+    finally:
+        await server.stop()
+
+
+async def test_graceful_shutdown_drains_in_flight_stream():
+    config = parse_config({"listen": "127.0.0.1:0", "grace_period_s": 5, "health_check": {"enabled": False},
+                           "endpoints": [{"address": "127.0.0.1:18001"}]})
+    server = ExtprocServer(config)
+    port = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.ExternalProcessorStub(channel)
+    call = stub.Process()
+    await call.write(headers_msg())
+    await call.read()
+    stopping = asyncio.create_task(server.stop())
+    await asyncio.sleep(0.2)
+    assert not stopping.done()  # waiting for the open stream
+    # the in-flight stream still completes during the drain
+    await call.write(body_msg(BODY))
+    assert destination_of((await call.read()).request_body.response) == "127.0.0.1:18001"
+    await call.done_writing()
+    assert await call.code() == grpc.StatusCode.OK
+    await asyncio.wait_for(stopping, 5)
+    assert server.pool.in_flight("127.0.0.1:18001") == 0
+    await channel.close()
+
+
+def test_main_rejects_bad_config(tmp_path, caplog):
+    path = tmp_path / "bad.yaml"
+    path.write_text("endpoints: [{address: nohost}]")
+    assert main(["--config", str(path)]) == 2
+    assert "endpoints[0].address" in caplog.text
+    assert main(["--config", str(tmp_path / "c.yaml"), "--policy", "x"]) == 2
