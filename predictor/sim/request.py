@@ -1,0 +1,91 @@
+"""One request as the simulated vLLM V1 engine sees it.
+
+Owns `SimRequest` (token counters and timestamps of one request) and its lifecycle enum
+`RequestStatus`. Imports only the standard library; no I/O.
+
+NOTE: status graph, enforced by `predictor.sim.scheduler.Scheduler`:
+WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED, and any unfinished state -> ABORTED.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a `SimRequest` (a subset of vLLM V1 `RequestStatus`)."""
+
+    WAITING = 0
+    """Never scheduled yet."""
+    RUNNING = 1
+    """In the running list; may hold KV blocks."""
+    PREEMPTED = 2
+    """Blocks freed, back at the FRONT of the waiting queue (as vLLM V1 does); will recompute."""
+    FINISHED = 3
+    """Generated all its output tokens."""
+    ABORTED = 4
+    """Removed by `Scheduler.abort_request`."""
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """Token counters and timestamps of one request.
+
+    Attributes:
+        request_id: Unique id among the scheduler's unfinished requests.
+        num_prompt_tokens: Prompt length in tokens, >= 1.
+        num_output_tokens: Tokens the request generates before it finishes, >= 1 (the true length in the
+            emulator, a predicted one in the predictor).
+        arrival_time_s: Arrival time in seconds on the driver's clock (virtual or `time.monotonic()`).
+        num_computed_tokens: Tokens whose KV is in the cache (vLLM `num_computed_tokens`); reset to 0 on
+            preemption.
+        num_generated_tokens: Output tokens sampled so far.
+        status: Lifecycle state.
+        first_token_time_s: End time of the step that sampled the first output token, seconds; None before.
+        finish_time_s: End time of the step that sampled the last output token, seconds; None before.
+        num_preemptions: Times this request was preempted.
+
+    Raises:
+        ValueError: On construction, if a token count is out of range.
+    """
+
+    request_id: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    arrival_time_s: float
+    num_computed_tokens: int = 0
+    num_generated_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    first_token_time_s: float | None = None
+    finish_time_s: float | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 1:
+            raise ValueError(f"request {self.request_id}: num_prompt_tokens must be >= 1, got {self.num_prompt_tokens}")
+        if self.num_output_tokens < 1:
+            raise ValueError(f"request {self.request_id}: num_output_tokens must be >= 1, got {self.num_output_tokens}")
+        if not 0 <= self.num_generated_tokens <= self.num_output_tokens:
+            raise ValueError(
+                f"request {self.request_id}: num_generated_tokens must be in [0, {self.num_output_tokens}], "
+                f"got {self.num_generated_tokens}"
+            )
+        if not 0 <= self.num_computed_tokens <= self.num_tokens:
+            raise ValueError(
+                f"request {self.request_id}: num_computed_tokens must be in [0, {self.num_tokens}], "
+                f"got {self.num_computed_tokens}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus sampled output tokens (vLLM `Request.num_tokens`)."""
+        return self.num_prompt_tokens + self.num_generated_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request is FINISHED or ABORTED."""
+        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
