@@ -54,6 +54,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             async for message in request_iterator:
                 for response in await handler.on_message(message):
                     yield response
+            logger.debug("stream of %s closed by Envoy", handler.request_id)
+        except asyncio.CancelledError:
+            logger.debug("stream of %s cancelled", handler.request_id)
+            raise
         finally:
             # Envoy closes the stream when the HTTP request ends (also on client disconnect): the request's
             # in-flight slot is released here.

@@ -70,6 +70,10 @@ class StreamHandler:
             logger.exception("internal error on request %s", self._request_id)
             return self._reject(RoutingError(ErrorCode.INTERNAL, "internal error in the endpoint picker"))
 
+    @property
+    def request_id(self) -> str:
+        return self._request_id
+
     def close(self) -> None:
         """The stream ended (the HTTP request is over): release the in-flight slot, once."""
         if self.decision is not None:

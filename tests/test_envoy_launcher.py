@@ -22,12 +22,12 @@ _DESTINATION_HEADER = "x-gateway-destination-endpoint"
 _EXPECTED_MODES = {
     "buffered": {
         "request_header_mode": "SEND", "request_body_mode": "BUFFERED", "request_trailer_mode": "SKIP",
-        "response_header_mode": "SKIP", "response_body_mode": "NONE", "response_trailer_mode": "SKIP",
+        "response_header_mode": "SKIP", "response_body_mode": "NONE", "response_trailer_mode": "SEND",
     },
     "full-duplex": {
         "request_header_mode": "SEND", "request_body_mode": "FULL_DUPLEX_STREAMED",
         "request_trailer_mode": "SEND",
-        "response_header_mode": "SKIP", "response_body_mode": "NONE", "response_trailer_mode": "SKIP",
+        "response_header_mode": "SKIP", "response_body_mode": "NONE", "response_trailer_mode": "SEND",
     },
 }
 

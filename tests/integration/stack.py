@@ -56,7 +56,8 @@ class Stack:
             "endpoints": endpoints, **extra}))
 
     def start_extproc(self) -> None:
-        self.extproc = self.procs.start([PY, "-m", "astrolabe", "extproc", "--config", str(self.config_path)],
+        self.extproc = self.procs.start([PY, "-m", "astrolabe", "extproc", "--config", str(self.config_path),
+                                         "--log-level", "DEBUG"],
                                         name="extproc", log_path=self.tmp / "extproc.log")
         self.extproc.wait_tcp("127.0.0.1", self.extproc_port, timeout_s=20)
         self.extproc.wait_http(self.metrics_url, timeout_s=20)

@@ -1,0 +1,138 @@
+"""Prometheus metrics of one emulated vLLM instance, under vLLM V1's names.
+
+Owns a private ``CollectorRegistry`` per instance (several instances may share a process in tests). Gauges and
+the preemption counter are read from the live scheduler at scrape time by a custom collector, so they are never
+stale; latency histograms and token counters are fed by the engine loop. Every duration is in the emulator's
+own wall-clock seconds (``time.monotonic()``), i.e. already multiplied by the time scale.
+
+Must not import aiohttp. Source: vllm/v1/metrics/loggers.py PrometheusStatLogger (vLLM 0.x) for names, labels
+and histogram buckets. Known differences: no prefix-cache, spec-decode or LoRA metrics; ``server.main`` turns off
+``_created`` series process-wide; the ``iteration_tokens_total`` buckets are a fixed list, not derived from
+cudagraph sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
+
+ENGINE_LABEL = "0"
+"""vLLM's ``engine`` label of a single-engine server."""
+
+_TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                  40.0, 80.0)
+_REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                              120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class _SchedulerCollector(Collector):
+    """Reads live gauges (and the preemption counter) from a ``predictor.sim.Scheduler`` on every scrape."""
+
+    def __init__(self, scheduler: Any, model_name: str, cache_info: dict[str, str]) -> None:
+        self._scheduler = scheduler
+        self._labels = [model_name, ENGINE_LABEL]
+        self._cache_info = cache_info
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, doc, labels=["model_name", "engine"])
+        family.add_metric(self._labels, value)
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        sched = self._scheduler
+        yield self._gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                          len(sched.running))
+        yield self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                          len(sched.waiting))
+        yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                          float(sched.kv_cache_usage_frac))
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 labels=["engine", *self._cache_info])
+        info.add_metric([ENGINE_LABEL, *self._cache_info.values()], 1.0)
+        yield info
+        preempt = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                                      labels=["model_name", "engine"])
+        preempt.add_metric(self._labels, float(sched.num_preemptions_total))
+        yield preempt
+
+
+class EmulatorMetrics:
+    """The metric set of one instance; methods are called by the engine loop after each step.
+
+    Args:
+        scheduler: the instance's ``predictor.sim.Scheduler`` (read at scrape time).
+        model_name: served model name, the ``model_name`` label.
+        cache_info: labels of ``vllm:cache_config_info`` (e.g. block_size, num_gpu_blocks), values as strings.
+    """
+
+    def __init__(self, scheduler: Any, model_name: str, cache_info: dict[str, str]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_SchedulerCollector(scheduler, model_name, cache_info))
+        labels = ["model_name", "engine"]
+        self._label_values = {"model_name": model_name, "engine": ENGINE_LABEL}
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(**self._label_values)
+
+        def counter(name: str, doc: str) -> Any:
+            # prometheus_client appends "_total" itself.
+            return Counter(name, doc, labels, registry=self.registry).labels(**self._label_values)
+
+        self._prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self._generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                [*labels, "finished_reason"], registry=self.registry)
+        self._ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                          _TTFT_BUCKETS_S)
+        self._itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                         _ITL_BUCKETS_S)
+        self._e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                         _REQUEST_LATENCY_BUCKETS_S)
+        self._queue = hist("vllm:request_queue_time_seconds",
+                           "Histogram of time spent in WAITING phase for request.", _REQUEST_LATENCY_BUCKETS_S)
+        self._prefill = hist("vllm:request_prefill_time_seconds",
+                             "Histogram of time spent in PREFILL phase for request.", _REQUEST_LATENCY_BUCKETS_S)
+        self._decode = hist("vllm:request_decode_time_seconds",
+                            "Histogram of time spent in DECODE phase for request.", _REQUEST_LATENCY_BUCKETS_S)
+        self._iteration_tokens = hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                      _ITERATION_TOKENS_BUCKETS)
+
+    def observe_step(self, num_scheduled_tokens: int, num_new_tokens: int) -> None:
+        """One engine step: tokens in the batch (prefill + decode) and output tokens it produced."""
+        self._iteration_tokens.observe(num_scheduled_tokens)
+        if num_new_tokens:
+            self._generation_tokens.inc(num_new_tokens)
+
+    def observe_first_token(self, num_prompt_tokens: int, ttft_s: float) -> None:
+        """A request's prefill finished: its prompt length (tokens) and time to first token (s)."""
+        self._prompt_tokens.inc(num_prompt_tokens)
+        self._ttft.observe(ttft_s)
+
+    def observe_inter_token(self, gap_s: float) -> None:
+        """Seconds between two consecutive output tokens of one request."""
+        self._itl.observe(gap_s)
+
+    def observe_finished(self, finished_reason: str, e2e_s: float, queue_s: float | None,
+                         prefill_s: float | None, decode_s: float | None) -> None:
+        """A request ended ("stop", "length" or "abort"); phase durations in seconds, None if never reached."""
+        self._success.labels(finished_reason=finished_reason, **self._label_values).inc()
+        if finished_reason == "abort":
+            return
+        self._e2e.observe(e2e_s)
+        for hist, value in ((self._queue, queue_s), (self._prefill, prefill_s), (self._decode, decode_s)):
+            if value is not None:
+                hist.observe(max(0.0, value))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric of this instance."""
+        return generate_latest(self.registry)

@@ -1,0 +1,246 @@
+"""OpenAI request parsing and response shaping for the vLLM emulator.
+
+Owns the wire format only: turning a JSON body of ``/v1/completions`` or ``/v1/chat/completions`` into a
+:class:`ParsedRequest`, and turning token counts back into OpenAI JSON objects and SSE events. It knows
+nothing of the scheduler or of time, and must not import aiohttp or ``predictor.sim``.
+
+Source: vllm/entrypoints/openai/protocol.py (CompletionRequest, ChatCompletionRequest, ErrorResponse) and
+serving_completion.py / serving_chat.py (vLLM 0.x). Known differences: one prompt and ``n == 1`` only; no
+logprobs, stop strings, tools or sampling parameters (they are accepted and ignored); the chat template is a
+plain "role: content" join, not the model's template.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""``max_tokens`` when a completions request gives none (vLLM and OpenAI default)."""
+
+_WORDS = (" tok", " en", " ize", " the", " of", " and", " a", " to")
+"""Generated text: token ``i`` is ``_WORDS[i % len(_WORDS)]`` (deterministic, one short word per token)."""
+
+
+class ApiError(Exception):
+    """A request the server answers with an OpenAI error object.
+
+    Attributes:
+        status: HTTP status code (400, 404, ...).
+        err_type: OpenAI error ``type`` ("BadRequestError", "NotFoundError").
+        param: name of the offending field, or None.
+    """
+
+    _TYPES = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = self._TYPES.get(status, "InternalServerError")
+        self.param = param
+
+    def to_json(self) -> dict[str, Any]:
+        """The error body, vLLM's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.status}}
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """What the emulator needs from one OpenAI request.
+
+    Attributes:
+        is_chat: True for ``/v1/chat/completions``.
+        model: requested model name.
+        prompt_text: prompt as text (chat: template applied), or None when token ids were given.
+        num_prompt_token_ids: number of prompt token ids when the prompt was given as ids, else None.
+        max_tokens: requested output cap in tokens, or None (chat without a cap: up to the context limit).
+        stream: send SSE events instead of one JSON body.
+        include_usage: ``stream_options.include_usage`` (usage is always sent in the final chunk anyway).
+        ignore_eos: vLLM extension; generate exactly ``max_tokens`` tokens.
+    """
+
+    is_chat: bool
+    model: str
+    prompt_text: str | None
+    num_prompt_token_ids: int | None
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+
+
+def _check_type(body: dict[str, Any], key: str, types: tuple[type, ...], default: Any) -> Any:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    # bool is an int subclass; a JSON true must not pass as a token count.
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise ApiError(400, f"'{key}' has the wrong type: {type(value).__name__}", param=key)
+    return value
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _parse_prompt(prompt: Any) -> tuple[str | None, int | None]:
+    """Returns (text, num_token_ids), exactly one not None; raises ApiError for batches or bad types."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if _is_token_ids(prompt) and prompt:
+        return None, len(prompt)
+    if isinstance(prompt, list) and prompt:
+        if len(prompt) > 1:
+            raise ApiError(400, "batched prompts are not supported by the emulator: send one prompt", param="prompt")
+        return _parse_prompt(prompt[0])
+    raise ApiError(400, "'prompt' must be a string, a list of one string, or a (list of one) token-id list",
+                   param="prompt")
+
+
+def _message_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, "only {'type': 'text', 'text': ...} content parts are supported", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise ApiError(400, "message 'content' must be a string or a list of text parts", param="messages")
+
+
+def apply_chat_template(messages: Any) -> str:
+    """Joins chat messages into one prompt, one ``"role: content"`` line each, then ``"assistant:"``.
+
+    Raises:
+        ApiError: 400 if ``messages`` is not a non-empty list of ``{"role": str, "content": ...}``.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    lines = []
+    for msg in messages:
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise ApiError(400, "each message must be an object with a string 'role'", param="messages")
+        lines.append(f"{msg['role']}: {_message_text(msg.get('content'))}")
+    lines.append("assistant:")
+    return "\n".join(lines)
+
+
+def parse_request(raw_body: bytes, is_chat: bool) -> ParsedRequest:
+    """Parses and type-checks one request body.
+
+    Args:
+        raw_body: the HTTP body, UTF-8 JSON.
+        is_chat: True for ``/v1/chat/completions``, False for ``/v1/completions``.
+
+    Returns:
+        The parsed request (model name not yet checked against the served one).
+
+    Raises:
+        ApiError: 400 for invalid JSON, a wrong field type, ``n != 1``, a batch of prompts, or ``max_tokens < 1``.
+    """
+    try:
+        body = json.loads(raw_body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = _check_type(body, "model", (str,), None)
+    if model is None:
+        raise ApiError(400, "'model' is required", param="model")
+    if _check_type(body, "n", (int,), 1) != 1:
+        raise ApiError(400, "only n=1 is supported by the emulator", param="n")
+    stream = _check_type(body, "stream", (bool,), False)
+    stream_options = _check_type(body, "stream_options", (dict,), {})
+    ignore_eos = _check_type(body, "ignore_eos", (bool,), False)
+    if is_chat:
+        prompt_text, num_ids = apply_chat_template(body.get("messages")), None
+        max_tokens = _check_type(body, "max_completion_tokens", (int,), None)
+        if max_tokens is None:
+            max_tokens = _check_type(body, "max_tokens", (int,), None)
+    else:
+        prompt_text, num_ids = _parse_prompt(body.get("prompt"))
+        max_tokens = _check_type(body, "max_tokens", (int,), DEFAULT_COMPLETION_MAX_TOKENS)
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    return ParsedRequest(is_chat=is_chat, model=model, prompt_text=prompt_text, num_prompt_token_ids=num_ids,
+                         max_tokens=max_tokens, stream=stream,
+                         include_usage=bool(stream_options.get("include_usage", False)), ignore_eos=ignore_eos)
+
+
+def context_length_error(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None) -> ApiError:
+    """The 400 vLLM returns when prompt plus ``max_tokens`` exceeds ``max_model_len`` (all in tokens).
+
+    Source: vllm/entrypoints/openai/serving_engine.py OpenAIServing._validate_input (vLLM 0.x wording).
+    """
+    if max_tokens is None:
+        return ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, your request "
+                             f"has {num_prompt_tokens} input tokens. Please reduce the length of the input messages.")
+    return ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                         f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, {max_tokens} "
+                         f"in the completion). Please reduce the length of the messages or completion.")
+
+
+def generated_text(start_token: int, end_token: int) -> str:
+    """Text of generated tokens ``[start_token, end_token)`` (0-based output positions)."""
+    n = len(_WORDS)
+    return "".join(_WORDS[i % n] for i in range(start_token, end_token))
+
+
+def usage_json(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    """OpenAI ``usage`` object (token counts)."""
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseShaper:
+    """Builds the JSON objects of one response; ``created`` is a Unix time in seconds (display only)."""
+
+    is_chat: bool
+    response_id: str
+    model: str
+    created: int
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def full_response(self, text: str, finish_reason: str, usage: dict[str, int]) -> dict[str, Any]:
+        """Non-streaming body: ``chat.completion`` or ``text_completion`` with ``usage``."""
+        if self.is_chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason, "stop_reason": None}
+            out = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                      "stop_reason": None}
+            out = self._envelope("text_completion", [choice])
+        out["usage"] = usage
+        return out
+
+    def sse_chunk(self, text: str, first: bool, finish_reason: str | None = None,
+                  usage: dict[str, int] | None = None) -> bytes:
+        """One SSE event ``data: {json}\\n\\n``; the chat delta of the ``first`` chunk carries the role."""
+        if self.is_chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            out = self._envelope("chat.completion.chunk", [choice])
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            out = self._envelope("text_completion", [choice])
+        if usage is not None:
+            out["usage"] = usage
+        return b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+"""The last SSE event of every stream."""

@@ -1,0 +1,373 @@
+"""HTTP server of one emulated vLLM instance (OpenAI-compatible API, ``/health``, ``/metrics``) and its CLI.
+
+Owns the aiohttp application, request admission (prompt counting, context-length check, output-length draw)
+and the ``astrolabe emulator`` entry point :func:`main`. Scheduling and step timing live in
+``predictor.sim`` and :mod:`bench.emulator.engine_loop`; wire formats in :mod:`bench.emulator.openai_api`.
+
+Output length: ``max_tokens`` with ``ignore_eos``; otherwise ``min(max_tokens, round(X))`` with X log-normal of
+the configured median and sigma (ShareGPT-like replies), drawn from the instance's seeded ``random.Random`` in
+arrival order. Chat requests without a cap may run to ``max_model_len`` (vLLM's default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import math
+import random
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import prometheus_client
+from aiohttp import web
+from predictor.sim import EngineConfig, LinearBatchTimeModel, Scheduler
+from prometheus_client import CONTENT_TYPE_LATEST
+from tagger.tokenizer import TOKENIZER_NAME, count_tokens
+
+from bench.emulator.engine_loop import EngineLoop, RequestHandle
+from bench.emulator.metrics import EmulatorMetrics
+from bench.emulator.openai_api import SSE_DONE, ApiError, ParsedRequest, ResponseShaper, context_length_error
+from bench.emulator.openai_api import generated_text, parse_request, usage_json
+
+logger = logging.getLogger(__name__)
+
+INSTANCE_HEADER = "x-emulator-instance"
+"""Response header naming the instance that served a request, ``host:port``."""
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatorConfig:
+    """Settings of one emulated instance (CLI flags mirror vLLM's names).
+
+    Attributes:
+        engine: scheduler settings (``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ...).
+        batch_time_model: shipped model name (``predictor.sim.known_models()``) or a JSON file path.
+        served_model_name: the only model name accepted in requests.
+        host, port: listen address; port 0 picks a free port.
+        seed: seeds the output-length and step-noise generators.
+        max_model_len: context limit in tokens (prompt + output).
+        stream_interval: output tokens per SSE event after the first (vLLM/SGLang ``stream_interval``), >= 1.
+        time_scale: wall-clock seconds per modelled H200 second, > 0.
+        step_noise_frac: stddev of multiplicative step-time noise, fraction, >= 0.
+        output_len_median_tokens: median of the log-normal output length, tokens, >= 1.
+        output_len_sigma: sigma (of the underlying normal) of the output length, >= 0.
+    """
+
+    engine: EngineConfig = EngineConfig()
+    batch_time_model: str = "llama-2-7b"
+    served_model_name: str = "llama-2-7b"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    seed: int = 0
+    max_model_len: int = 4096
+    stream_interval: int = 1
+    time_scale: float = 1.0
+    step_noise_frac: float = 0.0
+    output_len_median_tokens: float = 200.0
+    output_len_sigma: float = 1.0
+
+    def __post_init__(self) -> None:
+        checks = {"max_model_len": self.max_model_len >= 2, "stream_interval": self.stream_interval >= 1,
+                  "time_scale": self.time_scale > 0, "step_noise_frac": self.step_noise_frac >= 0,
+                  "output_len_median_tokens": self.output_len_median_tokens >= 1,
+                  "output_len_sigma": self.output_len_sigma >= 0, "port": 0 <= self.port <= 65535}
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{name} is out of range: {getattr(self, name)!r}")
+
+
+def load_batch_time_model(name_or_path: str) -> LinearBatchTimeModel:
+    """A shipped batch-time model by name, or one read from a JSON file written by ``to_json``.
+
+    Raises:
+        ValueError: unknown name, or a malformed file.
+        OSError: the file cannot be read.
+    """
+    if name_or_path.endswith(".json") or Path(name_or_path).is_file():
+        return LinearBatchTimeModel.from_json(name_or_path)
+    return LinearBatchTimeModel.default(name_or_path)
+
+
+class _Instance:
+    """Per-app state: scheduler, engine loop, metrics, RNG and the admission rule."""
+
+    def __init__(self, config: EmulatorConfig) -> None:
+        self.config = config
+        self.scheduler = Scheduler(config.engine)
+        cache_info = {"block_size": str(config.engine.block_size), "num_gpu_blocks": str(config.engine.num_gpu_blocks),
+                      "cache_dtype": "auto", "enable_prefix_caching": "False"}
+        self.metrics = EmulatorMetrics(self.scheduler, config.served_model_name, cache_info)
+        self.engine = EngineLoop(self.scheduler, load_batch_time_model(config.batch_time_model), self.metrics,
+                                 time_scale=config.time_scale, step_noise_frac=config.step_noise_frac,
+                                 rng=random.Random(config.seed + 1))
+        self._output_rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self.instance_name = f"{config.host}:{config.port}"
+
+    def next_request_id(self, is_chat: bool) -> str:
+        return f"{'chatcmpl' if is_chat else 'cmpl'}-{next(self._ids)}"
+
+    def num_output_tokens(self, max_tokens: int, ignore_eos: bool) -> tuple[int, str]:
+        """Output length (tokens) and its finish_reason, for a cap of ``max_tokens``."""
+        if ignore_eos:
+            return max_tokens, "length"
+        cfg = self.config
+        draw = self._output_rng.lognormvariate(math.log(cfg.output_len_median_tokens), cfg.output_len_sigma)
+        num_tokens = max(1, round(draw))
+        return (max_tokens, "length") if num_tokens >= max_tokens else (num_tokens, "stop")
+
+    def admit(self, parsed: ParsedRequest, request_id: str) -> RequestHandle:
+        """Validates a parsed request against this instance and queues it.
+
+        Raises:
+            ApiError: 404 for another model name; 400 when the context limit is exceeded or the KV cache can
+                never hold the request.
+        """
+        cfg = self.config
+        if parsed.model != cfg.served_model_name:
+            raise ApiError(404, f"The model `{parsed.model}` does not exist.", param="model")
+        if parsed.num_prompt_token_ids is not None:
+            num_prompt_tokens = parsed.num_prompt_token_ids
+        else:
+            # A real tokenizer adds a BOS token, so even an empty prompt costs one token.
+            num_prompt_tokens = max(1, count_tokens(parsed.prompt_text or ""))
+        max_tokens = parsed.max_tokens
+        if max_tokens is None:
+            if num_prompt_tokens >= cfg.max_model_len:
+                raise context_length_error(cfg.max_model_len, num_prompt_tokens, None)
+            max_tokens = cfg.max_model_len - num_prompt_tokens
+        elif num_prompt_tokens + max_tokens > cfg.max_model_len:
+            raise context_length_error(cfg.max_model_len, num_prompt_tokens, max_tokens)
+        num_output_tokens, finish_reason = self.num_output_tokens(max_tokens, parsed.ignore_eos)
+        try:
+            return self.engine.add_request(request_id, num_prompt_tokens, num_output_tokens, finish_reason,
+                                           stream_interval=cfg.stream_interval if parsed.stream else 0)
+        except ValueError as exc:
+            raise ApiError(400, f"request cannot be served by this instance: {exc}") from None
+
+
+_INSTANCE = web.AppKey("instance", _Instance)
+
+
+def _error_response(exc: ApiError) -> web.Response:
+    return web.json_response(exc.to_json(), status=exc.status)
+
+
+async def _generate(request: web.Request, is_chat: bool) -> web.StreamResponse:
+    instance = request.app[_INSTANCE]
+    request_id = instance.next_request_id(is_chat)
+    try:
+        parsed = parse_request(await request.read(), is_chat)
+        handle = instance.admit(parsed, request_id)
+    except ApiError as exc:
+        return _error_response(exc)
+    shaper = ResponseShaper(is_chat, request_id, instance.config.served_model_name, int(time.time()))
+    try:
+        if parsed.stream:
+            return await _stream(request, handle, shaper)
+        while handle.finish_reason is None:
+            await handle.wait_progress(0)
+        if handle.finish_reason == "abort":
+            return _error_response(ApiError(503, "the server is shutting down"))
+        num_out = handle.num_generated_tokens
+        body = shaper.full_response(generated_text(0, num_out), handle.finish_reason,
+                                    usage_json(handle.sim.num_prompt_tokens, num_out))
+        return web.json_response(body)
+    finally:
+        # Client gone (handler cancelled) or write failed: free the request's slot and KV blocks.
+        if handle.finish_reason is None:
+            instance.engine.abort(request_id)
+
+
+async def _stream(request: web.Request, handle: RequestHandle, shaper: ResponseShaper) -> web.StreamResponse:
+    """SSE: first token at once, then one event per ``stream_interval`` tokens, final event with usage."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    num_sent = 0
+    try:
+        while True:
+            await handle.wait_progress(num_sent)
+            reason = handle.finish_reason
+            if reason == "abort":
+                break
+            num_generated = handle.num_generated_tokens
+            if reason is not None:
+                usage = usage_json(handle.sim.num_prompt_tokens, num_generated)
+                await response.write(shaper.sse_chunk(generated_text(num_sent, num_generated), num_sent == 0,
+                                                      reason, usage) + SSE_DONE)
+                break
+            if num_generated > num_sent:
+                await response.write(shaper.sse_chunk(generated_text(num_sent, num_generated), num_sent == 0))
+                num_sent = num_generated
+        await response.write_eof()
+    except ConnectionError:
+        logger.debug("client of %s went away", handle.sim.request_id)
+    return response
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, is_chat=False)
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, is_chat=True)
+
+
+async def _models(request: web.Request) -> web.Response:
+    cfg = request.app[_INSTANCE].config
+    card = {"id": cfg.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+            "root": cfg.served_model_name, "parent": None, "max_model_len": cfg.max_model_len}
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = request.app[_INSTANCE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _add_instance_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[INSTANCE_HEADER] = request.app[_INSTANCE].instance_name
+
+
+def build_app(config: EmulatorConfig) -> web.Application:
+    """The aiohttp application of one instance; its engine loop starts and stops with the app.
+
+    Raises:
+        ValueError: unknown batch-time model name or malformed model file.
+        OSError: the batch-time model file cannot be read.
+    """
+    app = web.Application()
+    instance = _Instance(config)
+    app[_INSTANCE] = instance
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.on_response_prepare.append(_add_instance_header)
+
+    async def _start_engine(_: web.Application) -> None:
+        instance.engine.start()
+
+    async def _stop_engine(_: web.Application) -> None:
+        await instance.engine.stop()
+
+    app.on_startup.append(_start_engine)
+    app.on_shutdown.append(_stop_engine)
+    return app
+
+
+@dataclass(slots=True)
+class RunningEmulator:
+    """A started instance: ``host``/``port`` it listens on; ``stop()`` aborts in-flight requests and closes."""
+
+    host: str
+    port: int
+    runner: web.AppRunner
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_emulator(config: EmulatorConfig) -> RunningEmulator:
+    """Builds and starts one instance on the running event loop (port 0 = any free port).
+
+    Raises:
+        OSError: the address cannot be bound.
+        ValueError: see :func:`build_app`.
+    """
+    app = build_app(config)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    app[_INSTANCE].instance_name = f"{config.host}:{port}"
+    return RunningEmulator(config.host, port, runner)
+
+
+def _parse_args(argv: Sequence[str]) -> tuple[EmulatorConfig, str]:
+    d, e = EmulatorConfig(), EngineConfig()
+    p = argparse.ArgumentParser(prog="astrolabe emulator", description="Run one emulated vLLM OpenAI server.")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port (logged at startup)")
+    p.add_argument("--served-model-name", default=d.served_model_name)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="tokens, prompt + output")
+    p.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens)
+    p.add_argument("--block-size", type=int, default=e.block_size, help="tokens per KV block")
+    p.add_argument("--num-gpu-blocks", type=int, default=e.num_gpu_blocks,
+                   help="KV blocks (vLLM: --num-gpu-blocks-override)")
+    p.add_argument("--no-enable-chunked-prefill", action="store_true")
+    p.add_argument("--batch-time-model", default=d.batch_time_model, help="shipped model name or JSON path")
+    p.add_argument("--stream-interval", type=int, default=d.stream_interval, help="tokens per SSE event")
+    p.add_argument("--time-scale", type=float, default=d.time_scale,
+                   help="wall seconds per modelled H200 second (>1 = slower)")
+    p.add_argument("--step-noise", type=float, default=d.step_noise_frac, help="stddev fraction of step time")
+    p.add_argument("--output-len-median", type=float, default=d.output_len_median_tokens, help="tokens")
+    p.add_argument("--output-len-sigma", type=float, default=d.output_len_sigma)
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    a = p.parse_args(list(argv))
+    try:
+        engine = EngineConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                              block_size=a.block_size, num_gpu_blocks=a.num_gpu_blocks,
+                              enable_chunked_prefill=not a.no_enable_chunked_prefill)
+        config = EmulatorConfig(
+            engine=engine, batch_time_model=a.batch_time_model, served_model_name=a.served_model_name, host=a.host,
+            port=a.port, seed=a.seed, max_model_len=a.max_model_len, stream_interval=a.stream_interval,
+            time_scale=a.time_scale, step_noise_frac=a.step_noise, output_len_median_tokens=a.output_len_median,
+            output_len_sigma=a.output_len_sigma)
+    except ValueError as exc:
+        p.error(str(exc))
+    return config, a.log_level
+
+
+async def _serve(config: EmulatorConfig) -> None:
+    server = await start_emulator(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    logger.info("emulated vLLM %r listening on %s (time scale %.3g: each step takes %.3g x the modelled H200 time; "
+                "all reported times are emulator wall-clock seconds; tokenizer: %s)", config.served_model_name,
+                server.base_url, config.time_scale, config.time_scale, TOKENIZER_NAME)
+    try:
+        await stop.wait()
+    finally:
+        logger.info("shutting down %s", server.base_url)
+        await server.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``astrolabe emulator``: runs one instance until SIGTERM/SIGINT, then aborts in-flight requests.
+
+    Returns:
+        0 after a clean shutdown (argparse exits with 2 on bad flags).
+    """
+    config, log_level = _parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        load_batch_time_model(config.batch_time_model)
+    except (ValueError, OSError) as exc:
+        logger.error("cannot load batch-time model: %s", exc)
+        return 2
+    # Fewer series per scrape; process-wide, so only the CLI does it (tests may share a process).
+    prometheus_client.disable_created_metrics()
+    asyncio.run(_serve(config))
+    return 0
