@@ -125,6 +125,21 @@ class LinearBatchTimeModel:
             + self.c4_s_per_seq * batch.num_seqs
         )
 
+    def decode_run_time_s(self, batch: ScheduledBatch, num_steps: int) -> float:
+        """Total time of `batch` (decodes only) and the num_steps - 1 steps after it in which the same requests
+        decode again, each step adding one context token per sequence, seconds.
+
+        Closed form of Σ_{j<k} step_time(batch with decode context + j·n) = k·t₁ + c3·n·k(k-1)/2 (k = num_steps,
+        n = decodes, t₁ = step_time_s(batch)), exact because the model is linear in decode context.
+
+        Raises:
+            ValueError: If num_steps < 1 or the batch holds prefill tokens.
+        """
+        if num_steps < 1 or batch.num_prefill_tokens:
+            raise ValueError("decode_run_time_s needs num_steps >= 1 and a decode-only batch")
+        growth_s = self.c3_s_per_token * batch.num_decode_seqs * (num_steps * (num_steps - 1) // 2)
+        return num_steps * self.step_time_s(batch) + growth_s
+
     def to_json(self, path: str | Path) -> None:
         """Write the coefficients to a JSON file (one object, the attribute names as keys).
 
@@ -259,6 +274,37 @@ def mape(model: BatchTimeModel, rows: Sequence[ProfileRow]) -> float:
         raise ValueError("rows is empty")
     errors = [abs(model.step_time_s(r.to_batch()) - r.time_s) / r.time_s for r in rows]
     return float(np.mean(errors))
+
+
+HOLDOUT_EVERY = 5
+"""Every HOLDOUT_EVERY-th shape of each kind is held out of the fit (see `split_holdout`)."""
+
+
+def split_holdout(rows: Sequence[ProfileRow]) -> tuple[list[ProfileRow], list[ProfileRow]]:
+    """Fixed train / held-out split of profile rows: 1 shape in `HOLDOUT_EVERY` of each kind is held out.
+
+    Within each kind (prefill, decode, mixed), rows are sorted by shape (prefill_seqs, prefill_len, decode_seqs,
+    decode_ctx_sum) and those at positions 2, 7, 12, ... are held out. Why: stratifying by kind keeps every
+    kind in both sets; a stable shape order makes the split independent of CSV row order; starting at 2 keeps
+    the smallest and largest shapes of each kind in the training set, so held-out error measures
+    interpolation between profiled shapes, which is how the model is used (no extrapolation claims).
+
+    Returns:
+        (train rows, held-out rows), each in that sorted order, kinds in the order prefill, decode, mixed,
+        then any other kind alphabetically.
+    """
+    order = {"prefill": 0, "decode": 1, "mixed": 2}
+    kinds = sorted({r.kind for r in rows}, key=lambda kind: (order.get(kind, len(order)), kind))
+    train: list[ProfileRow] = []
+    heldout: list[ProfileRow] = []
+    for kind in kinds:
+        shapes = sorted(
+            (r for r in rows if r.kind == kind),
+            key=lambda r: (r.prefill_seqs, r.prefill_len, r.decode_seqs, r.decode_ctx_sum, r.time_s),
+        )
+        for index, row in enumerate(shapes):
+            (heldout if index % HOLDOUT_EVERY == 2 else train).append(row)
+    return train, heldout
 
 
 def write_shipped_models(

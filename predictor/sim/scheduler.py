@@ -129,7 +129,9 @@ class Scheduler:
     Drive it with `schedule()` then `update_after_step(batch, now_s)`, once per engine step: every non-empty
     batch must be applied before the next `schedule()` (blocks are reserved at schedule time, tokens counted
     at update time). `add_request` and `abort_request` may be called at any point. Finished and aborted
-    requests are forgotten (not returned by `get_request`).
+    requests are forgotten (not returned by `get_request`). `restore_running` rebuilds a running request from a
+    snapshot (`predictor.sim.snapshot`); `advance_decodes` applies a run of identical decode steps at once (the
+    predictor's skip-ahead, `predictor.sim.predict`), equal to stepping them one by one.
 
     Args:
         config: Engine settings.
@@ -239,6 +241,43 @@ class Scheduler:
         request.status = RequestStatus.ABORTED
         return request
 
+    def restore_running(self, request: SimRequest, num_blocks_held: int) -> None:
+        """Append a request that is already RUNNING (e.g. rebuilt from a snapshot) to the running list.
+
+        Args:
+            request: A request with status RUNNING, fewer computed tokens than tokens (vLLM never leaves a
+                running request with nothing to compute) and fewer generated tokens than num_output_tokens.
+            num_blocks_held: KV blocks it holds, >= blocks_for_tokens(num_computed_tokens).
+
+        Raises:
+            ValueError: If the id is taken, the request is in another state, the running list is full
+                (max_num_seqs), num_blocks_held is too small, or fewer blocks are free.
+        """
+        if request.request_id in self._requests:
+            raise ValueError(f"duplicate request_id {request.request_id!r}")
+        if request.status != RequestStatus.RUNNING or request.num_computed_tokens >= request.num_tokens:
+            raise ValueError(
+                f"request {request.request_id!r} must be RUNNING with computed < total tokens, got "
+                f"{request.status.name} with {request.num_computed_tokens}/{request.num_tokens}"
+            )
+        if request.num_generated_tokens >= request.num_output_tokens:
+            raise ValueError(f"request {request.request_id!r} has already generated all its output tokens")
+        if len(self.running) >= self.config.max_num_seqs:
+            raise ValueError(f"running list is full (max_num_seqs={self.config.max_num_seqs})")
+        num_needed = blocks_for_tokens(request.num_computed_tokens, self.config.block_size)
+        if num_blocks_held < num_needed:
+            raise ValueError(
+                f"request {request.request_id!r} holds {num_blocks_held} blocks, fewer than the {num_needed} its "
+                f"{request.num_computed_tokens} computed tokens need"
+            )
+        if not self._pool.allocate(num_blocks_held):
+            raise ValueError(
+                f"request {request.request_id!r}: {num_blocks_held} blocks wanted, {self._pool.num_free_blocks} free"
+            )
+        self._num_blocks_held[request.request_id] = num_blocks_held
+        self._requests[request.request_id] = request
+        self.running.append(request)
+
     # ---- one step --------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         """Decide the next step: which requests compute how many tokens, preempting if KV runs out.
@@ -311,9 +350,12 @@ class Scheduler:
         """Hold blocks for num_computed + num_new_tokens tokens; False (nothing changed) if short."""
         num_needed = blocks_for_tokens(request.num_computed_tokens + num_new_tokens, self.config.block_size)
         num_held = self._num_blocks_held.get(request.request_id, 0)
-        if not self._pool.allocate(max(0, num_needed - num_held)):
+        if num_needed <= num_held:
+            # Most decodes stay inside their last block; this early exit is the scheduler's hot path.
+            return True
+        if not self._pool.allocate(num_needed - num_held):
             return False
-        self._num_blocks_held[request.request_id] = max(num_needed, num_held)
+        self._num_blocks_held[request.request_id] = num_needed
         return True
 
     def _free_blocks(self, request: SimRequest) -> None:
@@ -391,3 +433,45 @@ class Scheduler:
         if finished_ids:
             self.running = [r for r in self.running if r.request_id not in finished_ids]
         return output
+
+    def advance_decodes(self, batch: ScheduledBatch, num_steps: int) -> None:
+        """Apply `batch`, a pure-decode batch just returned by `schedule()`, and the `num_steps - 1` identical
+        decode steps that would follow it, in one go (the predictor's skip-ahead over decode runs).
+
+        The result equals `num_steps` rounds of `update_after_step` / `schedule()` / ... / `update_after_step`
+        when none of those steps finishes a request, admits one or preempts one: each running request computes
+        and samples `num_steps` tokens and holds blocks for its new context. Timestamps are untouched (no
+        request samples its first or last token in such a run).
+
+        Args:
+            batch: The latest `schedule()` result: one decode per running request, nothing else.
+            num_steps: Steps to apply, >= 1.
+
+        Raises:
+            ValueError: (state unchanged) If batch is not such a batch, num_steps < 1, a request would finish
+                within num_steps, or the blocks for the new context are not free (the caller must stop the run
+                before a preemption).
+        """
+        if (
+            num_steps < 1
+            or batch.num_prefill_tokens
+            or batch.preempted_request_ids
+            or batch.num_decode_seqs != len(self.running)
+        ):
+            raise ValueError("advance_decodes needs num_steps >= 1 and a batch of one decode per running request")
+        block_size = self.config.block_size
+        held = self._num_blocks_held
+        num_new_blocks = 0
+        for request in self.running:
+            if request.num_output_tokens - request.num_generated_tokens <= num_steps:
+                raise ValueError(f"request {request.request_id!r} would finish within {num_steps} steps")
+            num_needed = blocks_for_tokens(request.num_computed_tokens + num_steps, block_size)
+            num_new_blocks += max(0, num_needed - held.get(request.request_id, 0))
+        if not self._pool.allocate(num_new_blocks):
+            raise ValueError(f"{num_new_blocks} more blocks needed, {self._pool.num_free_blocks} free")
+        for request in self.running:
+            request.num_computed_tokens += num_steps
+            request.num_generated_tokens += num_steps
+            num_needed = blocks_for_tokens(request.num_computed_tokens, block_size)
+            if num_needed > held.get(request.request_id, 0):
+                held[request.request_id] = num_needed

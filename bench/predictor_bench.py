@@ -1,0 +1,222 @@
+"""`astrolabe bench predictor`: latency of one prediction (`predictor.sim.predict`) versus instance size.
+
+For each size (requests waiting + running on the instance) it builds realistic instance states, times `predict`
+many times (`time.perf_counter`) and `predict_by_stepping` fewer times as the baseline in the same run, and
+prints a table: size, p50 / p99 milliseconds, mean simulated steps, for both, and the p50 speed-up.
+
+States: a Llama-2-7B (H200 profile) instance with the paper's limits (max_num_seqs 48, max_num_batched_tokens
+512, block size 16) and a 2,048-block KV cache (32 k tokens, so long requests also contend for blocks), driven in
+virtual time by `Engine` from a burst of requests; every request that finishes is replaced at once so the
+instance always holds `size` requests; the state is taken after a random number of steps (so the queue holds
+waiting, prefilling, decoding and preempted requests at mixed progress). Lengths: ShareGPT first exchanges
+(`bench.workloads` cache, prompt + output <= 4,096 tokens) when the cache file exists, else a seeded
+log-normal (prompt median 160 tokens, output median 200 tokens, sigma 1.0, similar to ShareGPT), capped alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from predictor.sim.batch_time import LinearBatchTimeModel
+from predictor.sim.engine import Engine
+from predictor.sim.predict import Prediction, predict, predict_by_stepping
+from predictor.sim.request import SimRequest
+from predictor.sim.scheduler import EngineConfig
+from predictor.sim.snapshot import InstanceSnapshot, RequestState
+
+logger = logging.getLogger(__name__)
+
+BENCH_CONFIG = EngineConfig(max_num_seqs=48, max_num_batched_tokens=512, block_size=16, num_gpu_blocks=2048)
+"""Engine limits as in the Astrolabe paper's Llama-2-7B setup; KV cache of 2,048 blocks x 16 tokens."""
+MAX_MODEL_LEN_TOKENS = 4096
+"""Longest prompt + output kept (Llama-2's context)."""
+DEFAULT_SIZES = (16, 64, 256, 512)
+
+
+@dataclass(frozen=True, slots=True)
+class SizeResult:
+    """Measurements for one instance size.
+
+    Attributes:
+        num_requests: Requests on the instance (waiting + running) before the new one.
+        predict_ms: Latencies of `predict`, milliseconds.
+        predict_steps: Mean `schedule()` calls per `predict`.
+        stepping_ms: Latencies of `predict_by_stepping`, milliseconds.
+        stepping_steps: Mean steps per `predict_by_stepping`.
+    """
+
+    num_requests: int
+    predict_ms: list[float]
+    predict_steps: float
+    stepping_ms: list[float]
+    stepping_steps: float
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile, q in [0, 100]; values non-empty."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def load_lengths(rng: random.Random, use_sharegpt: bool = True) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) pairs, ShareGPT if its cache exists and use_sharegpt, else log-normal."""
+    if use_sharegpt:
+        try:
+            from bench import workloads
+
+            if workloads.DEFAULT_CACHE_PATH.exists():
+                pairs = workloads.load_sharegpt_pairs()
+                lengths = [
+                    (p.num_prompt_tokens, p.num_output_tokens)
+                    for p in pairs
+                    if p.num_prompt_tokens >= 1
+                    and p.num_output_tokens >= 1
+                    and p.num_prompt_tokens + p.num_output_tokens <= MAX_MODEL_LEN_TOKENS
+                ]
+                if lengths:
+                    logger.info("using %d ShareGPT length pairs", len(lengths))
+                    return lengths
+        except (ImportError, OSError, ValueError) as exc:
+            logger.warning("ShareGPT lengths unavailable (%s); using log-normal lengths", exc)
+    lengths = []
+    while len(lengths) < 5000:
+        num_prompt_tokens = max(1, round(rng.lognormvariate(math.log(160), 1.0)))
+        num_output_tokens = max(1, round(rng.lognormvariate(math.log(200), 1.0)))
+        if num_prompt_tokens + num_output_tokens <= MAX_MODEL_LEN_TOKENS:
+            lengths.append((num_prompt_tokens, num_output_tokens))
+    return lengths
+
+
+def build_state(
+    num_requests: int, lengths: Sequence[tuple[int, int]], rng: random.Random, model: LinearBatchTimeModel
+) -> InstanceSnapshot:
+    """An instance holding `num_requests` requests at mixed progress (see the module docstring).
+
+    Raises:
+        ValueError: If num_requests < 1.
+    """
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    engine = Engine(BENCH_CONFIG, model)
+    next_id = 0
+
+    def top_up() -> None:
+        nonlocal next_id
+        scheduler = engine.scheduler
+        while len(scheduler.waiting) + len(scheduler.running) < num_requests:
+            num_prompt_tokens, num_output_tokens = rng.choice(lengths)
+            engine.add_request(SimRequest(f"r{next_id}", num_prompt_tokens, num_output_tokens, engine.now_s))
+            next_id += 1
+
+    top_up()
+    for _ in range(rng.randint(100, 600)):
+        engine.step()
+        top_up()
+    return InstanceSnapshot.from_scheduler(engine.scheduler, engine.now_s)
+
+
+def _timed(
+    fn: Callable[[InstanceSnapshot, RequestState, LinearBatchTimeModel], Prediction],
+    snapshot: InstanceSnapshot,
+    target: RequestState,
+    model: LinearBatchTimeModel,
+) -> tuple[float, Prediction]:
+    """(latency in milliseconds, result) of one call."""
+    start_s = time.perf_counter()
+    prediction = fn(snapshot, target, model)
+    return (time.perf_counter() - start_s) * 1000.0, prediction
+
+
+def run_size(
+    num_requests: int,
+    *,
+    num_states: int,
+    num_predictions: int,
+    num_baseline: int,
+    lengths: Sequence[tuple[int, int]],
+    rng: random.Random,
+    model: LinearBatchTimeModel,
+) -> SizeResult:
+    """Time `predict` num_predictions times and `predict_by_stepping` num_baseline times over num_states states."""
+    states = [build_state(num_requests, lengths, rng, model) for _ in range(num_states)]
+    predict_ms: list[float] = []
+    predict_steps: list[int] = []
+    stepping_ms: list[float] = []
+    stepping_steps: list[int] = []
+    for i in range(num_predictions):
+        snapshot = states[i % num_states]
+        num_prompt_tokens, num_output_tokens = rng.choice(lengths)
+        target = RequestState(f"new{i}", num_prompt_tokens, num_output_tokens, snapshot.now_s)
+        latency_ms, prediction = _timed(predict, snapshot, target, model)
+        predict_ms.append(latency_ms)
+        predict_steps.append(prediction.num_steps_simulated)
+        if i < num_baseline:
+            latency_ms, reference = _timed(predict_by_stepping, snapshot, target, model)
+            stepping_ms.append(latency_ms)
+            stepping_steps.append(reference.num_steps_simulated)
+            if not math.isclose(reference.e2e_s, prediction.e2e_s, rel_tol=1e-9):
+                raise AssertionError(f"predict and predict_by_stepping disagree: {prediction} vs {reference}")
+    return SizeResult(
+        num_requests, predict_ms, statistics.fmean(predict_steps), stepping_ms, statistics.fmean(stepping_steps)
+    )
+
+
+def format_table(results: Sequence[SizeResult]) -> str:
+    """The printed table, one row per size."""
+    header = (
+        f"{'size':>5} | {'predict p50 ms':>14} {'p99 ms':>8} {'steps':>8} | "
+        f"{'stepping p50 ms':>15} {'p99 ms':>8} {'steps':>8} | {'speed-up p50':>12}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in results:
+        p50, p99 = percentile(r.predict_ms, 50), percentile(r.predict_ms, 99)
+        s50, s99 = percentile(r.stepping_ms, 50), percentile(r.stepping_ms, 99)
+        lines.append(
+            f"{r.num_requests:>5} | {p50:>14.3f} {p99:>8.3f} {r.predict_steps:>8.1f} | "
+            f"{s50:>15.3f} {s99:>8.3f} {r.stepping_steps:>8.1f} | {s50 / p50:>11.1f}x"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of `astrolabe bench predictor`; prints the latency table; returns 0."""
+    parser = argparse.ArgumentParser(prog="astrolabe bench predictor", description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="instance sizes")
+    parser.add_argument("--states", type=int, default=8, help="instance states per size")
+    parser.add_argument("--predictions", type=int, default=400, help="timed predict calls per size")
+    parser.add_argument("--baseline", type=int, default=10, help="timed predict_by_stepping calls per size")
+    parser.add_argument("--model", default="llama-2-7b", help="shipped batch-time model")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lognormal", action="store_true", help="log-normal lengths even if ShareGPT is cached")
+    parser.add_argument("--quick", action="store_true", help="few states and calls (a smoke run)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.states, args.predictions, args.baseline = 2, 6, 2
+    if min(args.sizes) < 1 or args.states < 1 or args.predictions < 1 or not 1 <= args.baseline <= args.predictions:
+        parser.error("sizes, --states and --predictions must be >= 1 and 1 <= --baseline <= --predictions")
+    rng = random.Random(args.seed)
+    model = LinearBatchTimeModel.default(args.model)
+    lengths = load_lengths(rng, use_sharegpt=not args.lognormal)
+    results = [
+        run_size(
+            size,
+            num_states=args.states,
+            num_predictions=args.predictions,
+            num_baseline=args.baseline,
+            lengths=lengths,
+            rng=rng,
+            model=model,
+        )
+        for size in args.sizes
+    ]
+    print(f"predictor latency, {args.model}, {BENCH_CONFIG}")
+    print(format_table(results))
+    return 0

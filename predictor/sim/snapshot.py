@@ -1,0 +1,168 @@
+"""Frozen snapshots of one simulated instance: what the predictor simulates forward from.
+
+Owns `RequestState` (one request's counters) and `InstanceSnapshot` (engine settings, queues, clock), with
+`InstanceSnapshot.from_scheduler` (copy a live `Scheduler`) and `InstanceSnapshot.to_scheduler` (build a fresh,
+independent `Scheduler` in that state). Copies are explicit, field by field: a prediction never deep-copies a
+scheduler and never touches the caller's objects. Imports only the standard library and `predictor.sim`.
+
+NOTE: KV blocks are stored per running request (`RequestState.num_blocks_held`); the free blocks are the rest
+of `config.num_gpu_blocks`, so block accounting is consistent by construction.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from predictor.sim.kv_blocks import blocks_for_tokens
+from predictor.sim.request import RequestStatus, SimRequest
+from predictor.sim.scheduler import EngineConfig, Scheduler
+
+logger = logging.getLogger(__name__)
+
+NUM_EXTRA_OUTPUT_TOKENS_WHEN_OVERDUE = 10
+"""Output tokens still assumed for a request that has generated at least its expected output length.
+
+Source: the reference system's predictor (AKafakA/Astrolabe; see /work/shared/FACTS.md): "a request that has
+already generated more than predicted is assumed to need 10 more tokens". Applied here also when generated
+equals expected, since a live request at that count has not finished (else it would not be in the state).
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestState:
+    """One request's progress, as recorded in a snapshot.
+
+    Attributes:
+        request_id: Unique within the snapshot.
+        num_prompt_tokens: Prompt length, tokens, >= 1.
+        num_output_tokens: Expected output length, tokens, >= 1 (true or predicted); may be <= the generated
+            count (see `NUM_EXTRA_OUTPUT_TOKENS_WHEN_OVERDUE`).
+        arrival_time_s: Arrival time, seconds on the snapshot's clock.
+        num_computed_tokens: Tokens whose KV is cached; 0 for a waiting request.
+        num_generated_tokens: Output tokens sampled so far, >= 0.
+        num_blocks_held: KV blocks held (running requests only); None = exactly those its computed tokens need.
+        num_preemptions: Times it was preempted; a waiting request with any is restored as PREEMPTED.
+    """
+
+    request_id: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    arrival_time_s: float = 0.0
+    num_computed_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_blocks_held: int | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_remaining_output_tokens(self) -> int:
+        """Output tokens still to generate, with the overdue rule applied (>= 1)."""
+        if self.num_generated_tokens >= self.num_output_tokens:
+            return NUM_EXTRA_OUTPUT_TOKENS_WHEN_OVERDUE
+        return self.num_output_tokens - self.num_generated_tokens
+
+    def to_sim_request(self, status: RequestStatus) -> SimRequest:
+        """A new `SimRequest` with these counters, whose output length obeys the overdue rule.
+
+        Raises:
+            ValueError: As `SimRequest` does for out-of-range counts.
+        """
+        return SimRequest(
+            request_id=self.request_id,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_generated_tokens + self.num_remaining_output_tokens,
+            arrival_time_s=self.arrival_time_s,
+            num_computed_tokens=self.num_computed_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+            status=status,
+            num_preemptions=self.num_preemptions,
+        )
+
+    @classmethod
+    def from_sim_request(cls, request: SimRequest, num_blocks_held: int | None = None) -> RequestState:
+        """Record a `SimRequest`'s counters (the request is not kept)."""
+        return cls(
+            request_id=request.request_id,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            arrival_time_s=request.arrival_time_s,
+            num_computed_tokens=request.num_computed_tokens,
+            num_generated_tokens=request.num_generated_tokens,
+            num_blocks_held=num_blocks_held,
+            num_preemptions=request.num_preemptions,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSnapshot:
+    """State of one instance at one time: settings, waiting queue (FCFS order), running list (schedule order).
+
+    Attributes:
+        config: Engine settings.
+        now_s: Time of the snapshot, seconds on the driver's clock; predictions are measured from it.
+        waiting: Waiting requests, front first; each with no computed tokens.
+        running: Running requests in schedule order; each with computed < prompt + generated tokens.
+        num_preemptions_total: Preemptions so far (carried over, informational).
+    """
+
+    config: EngineConfig
+    now_s: float
+    waiting: tuple[RequestState, ...] = ()
+    running: tuple[RequestState, ...] = ()
+    num_preemptions_total: int = 0
+
+    @property
+    def num_used_blocks(self) -> int:
+        """KV blocks held by running requests."""
+        return sum(self._num_blocks_held(r) for r in self.running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """KV blocks held by nobody (negative only for an invalid snapshot, which `to_scheduler` rejects)."""
+        return self.config.num_gpu_blocks - self.num_used_blocks
+
+    def _num_blocks_held(self, state: RequestState) -> int:
+        if state.num_blocks_held is not None:
+            return state.num_blocks_held
+        return blocks_for_tokens(state.num_computed_tokens, self.config.block_size)
+
+    @classmethod
+    def from_scheduler(cls, scheduler: Scheduler, now_s: float) -> InstanceSnapshot:
+        """Copy a live scheduler's queues and block holdings (the scheduler is only read).
+
+        Take it between steps: during a step in flight the batch's blocks are already reserved but its tokens
+        not yet counted, and the snapshot records exactly that.
+
+        Args:
+            scheduler: The scheduler to copy.
+            now_s: Its driver's current time, seconds.
+        """
+        return cls(
+            config=scheduler.config,
+            now_s=now_s,
+            waiting=tuple(RequestState.from_sim_request(r) for r in scheduler.waiting),
+            running=tuple(
+                RequestState.from_sim_request(r, scheduler.num_blocks_held(r.request_id)) for r in scheduler.running
+            ),
+            num_preemptions_total=scheduler.num_preemptions_total,
+        )
+
+    def to_scheduler(self) -> Scheduler:
+        """A new `Scheduler` in this state, sharing no mutable object with the snapshot or its source.
+
+        Output lengths obey the overdue rule (`NUM_EXTRA_OUTPUT_TOKENS_WHEN_OVERDUE`).
+
+        Raises:
+            ValueError: If the snapshot is invalid: duplicate ids, a waiting request with computed tokens, a
+                running request with nothing left to compute, more running requests than max_num_seqs, more
+                blocks held than exist, or a request that could never fit (see `Scheduler.add_request`).
+        """
+        scheduler = Scheduler(self.config)
+        scheduler.num_preemptions_total = self.num_preemptions_total
+        for state in self.running:
+            request = state.to_sim_request(RequestStatus.RUNNING)
+            scheduler.restore_running(request, self._num_blocks_held(state))
+        for state in self.waiting:
+            status = RequestStatus.PREEMPTED if state.num_preemptions else RequestStatus.WAITING
+            scheduler.add_request(state.to_sim_request(status))
+        return scheduler

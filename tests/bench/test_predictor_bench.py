@@ -1,0 +1,39 @@
+"""Tests for bench.predictor_bench and bench.cli: the quick benchmark runs and prints its table."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bench.cli import main as bench_main
+from bench.predictor_bench import BENCH_CONFIG, build_state, load_lengths, percentile
+from predictor.sim.batch_time import LinearBatchTimeModel
+
+
+def test_quick_run_prints_a_row_per_size(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_main(["predictor", "--quick", "--lognormal", "--sizes", "16", "64"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "p99 ms" in lines[1] and "speed-up" in lines[1]
+    rows = [line.split("|") for line in lines[3:]]
+    assert [int(row[0]) for row in rows] == [16, 64]
+    for row in rows:
+        p50_ms, p99_ms, steps = (float(x) for x in row[1].split())
+        assert 0 < p50_ms <= p99_ms and steps >= 1
+
+
+def test_state_holds_the_requested_mix() -> None:
+    rng = random.Random(3)
+    lengths = load_lengths(rng, use_sharegpt=False)
+    snapshot = build_state(256, lengths, rng, LinearBatchTimeModel.default("llama-2-7b"))
+    assert len(snapshot.waiting) + len(snapshot.running) == 256
+    assert len(snapshot.running) <= BENCH_CONFIG.max_num_seqs and snapshot.waiting
+    assert any(r.num_generated_tokens > 0 for r in snapshot.running)
+    snapshot.to_scheduler()  # a valid state
+
+
+def test_unknown_benchmark_and_percentile() -> None:
+    assert bench_main(["nope"]) == 2
+    assert bench_main([]) == 2
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([1.0, 2.0], 99) == 2.0
