@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 OTEL_PROTO_VERSION   := 1.45.2
 GOOGLEAPIS_VERSION   := 1.76.0
 
-.PHONY: install demo test clean
+.PHONY: install install-tagger demo test clean
 
 install: $(STAMP)
 
@@ -20,7 +20,13 @@ $(STAMP): pyproject.toml Makefile
 	# xds-protos ships stale opentelemetry/proto and google/{api,rpc} modules that break the OTLP exporter.
 	$(PY) -m pip install -q --force-reinstall --no-deps \
 	    opentelemetry-proto==$(OTEL_PROTO_VERSION) googleapis-common-protos==$(GOOGLEAPIS_VERSION)
+	$(PY) -m predictor.api
 	touch $(STAMP)
+
+# The transformer tagger's extra: torch FIRST from the local CPU wheel (never a CUDA build), then the rest.
+install-tagger: install
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q 'transformers>=4.40' safetensors
 
 demo: install
 	$(VENV)/bin/astrolabe demo $(ARGS)

@@ -3,8 +3,17 @@
 Example (every key but ``endpoints`` is optional; defaults shown)::
 
     listen: 127.0.0.1:9002          # gRPC address of the ExternalProcessor service
-    policy: round-robin             # random | round-robin | least-requests
-    policy_params: {}               # typed per policy (see extproc/policies/)
+    policy: astrolabe               # astrolabe | random | round-robin | least-requests
+    policy_params: {}               # typed per policy, e.g. {k: 2, metric: e2e} for astrolabe
+    output_length:                  # predicted output tokens sent to predictors (extproc/lengths.py)
+      source: fixed                 # fixed | oracle | tagger
+      fixed_tokens: 256             # the estimate for 'fixed' (capped by the request's max_tokens)
+      tagger_path: null             # trained tagger directory for 'tagger'
+    predictor_client:               # calls to predictor sidecars (extproc/predictor_client.py)
+      predict_timeout_s: 0.02       # deadline of one Predict; a late sidecar is dropped for this request
+      notify_timeout_s: 0.5         # deadline of Admit / Release (fire and forget)
+      min_backoff_s: 0.5            # a failing sidecar is skipped this long, doubling per failure
+      max_backoff_s: 10.0
     seed: null                      # seeds the policy RNG; null = from os.urandom
     max_body_bytes: 8388608         # larger request bodies get 413
     grace_period_s: 10.0            # shutdown drains in-flight streams for at most this long
@@ -35,7 +44,9 @@ from typing import Any
 
 import yaml
 
+from extproc.lengths import OutputLengthConfig
 from extproc.policies.registry import build_policy
+from extproc.predictor_client import PredictorClientConfig
 
 
 class ConfigError(ValueError):
@@ -51,6 +62,12 @@ class HealthCheckConfig:
     interval_s: float = 2.0
     timeout_s: float = 1.0
     unhealthy_threshold: int = 2
+
+    def __post_init__(self) -> None:
+        if not self.path.startswith("/"):
+            raise ValueError("path: must start with '/'")
+        if self.unhealthy_threshold < 1:
+            raise ValueError("unhealthy_threshold: must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +91,7 @@ class ExtprocConfig:
 
     endpoints: tuple[EndpointConfig, ...]
     listen: str = "127.0.0.1:9002"
-    policy: str = "round-robin"
+    policy: str = "astrolabe"
     policy_params: Mapping[str, Any] = field(default_factory=dict)
     seed: int | None = None
     max_body_bytes: int = 8 * 1024 * 1024
@@ -82,6 +99,8 @@ class ExtprocConfig:
     metrics_listen: str | None = None
     reload_interval_s: float = 1.0
     health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig)
+    output_length: OutputLengthConfig = field(default_factory=OutputLengthConfig)
+    predictor_client: PredictorClientConfig = field(default_factory=PredictorClientConfig)
 
 
 def parse_ip_port(value: object, where: str) -> str:
@@ -127,26 +146,31 @@ def _positive(value: float, where: str) -> float:
     return value
 
 
-def _health(raw: object, where: str) -> HealthCheckConfig:
+def _flat_section(raw: object, cls: type, where: str) -> Any:
+    """Builds a dataclass of scalar fields, each typed like its default (None default = optional string).
+
+    Rules shared by every section: ``*_s`` durations and ``*_tokens`` counts must be > 0.
+    """
     if raw is None:
-        return HealthCheckConfig()
+        return cls()
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: expected a mapping")
-    _check_keys(raw, HealthCheckConfig, where)
-    d = HealthCheckConfig()
-    path = _typed(raw, "path", str, where, d.path)
-    if not path.startswith("/"):
-        raise ConfigError(f"{where}.path: must start with '/'")
-    threshold = _typed(raw, "unhealthy_threshold", int, where, d.unhealthy_threshold)
-    if threshold < 1:
-        raise ConfigError(f"{where}.unhealthy_threshold: must be >= 1")
-    return HealthCheckConfig(
-        enabled=_typed(raw, "enabled", bool, where, d.enabled),
-        path=path,
-        interval_s=_positive(float(_typed(raw, "interval_s", (int, float), where, d.interval_s)), f"{where}.interval_s"),
-        timeout_s=_positive(float(_typed(raw, "timeout_s", (int, float), where, d.timeout_s)), f"{where}.timeout_s"),
-        unhealthy_threshold=threshold,
-    )
+    _check_keys(raw, cls, where)
+    defaults = cls()
+    values = {}
+    for f in fields(cls):
+        default = getattr(defaults, f.name)
+        types = (str,) if default is None else (int, float) if isinstance(default, float) else (type(default),)
+        value = _typed(raw, f.name, types, where, default)
+        if isinstance(default, float):
+            value = float(value)
+        if value is not None and (f.name.endswith("_s") or f.name.endswith("_tokens")):
+            _positive(value, f"{where}.{f.name}")
+        values[f.name] = value
+    try:
+        return cls(**values)
+    except ValueError as exc:
+        raise ConfigError(f"{where}.{exc}") from None
 
 
 def _endpoint(raw: object, where: str) -> EndpointConfig:
@@ -206,7 +230,9 @@ def parse_config(raw: object) -> ExtprocConfig:
         grace_period_s=float(_typed(raw, "grace_period_s", (int, float), "<root>", d.grace_period_s)),
         reload_interval_s=_positive(float(_typed(raw, "reload_interval_s", (int, float), "<root>",
                                                  d.reload_interval_s)), "reload_interval_s"),
-        health_check=_health(raw.get("health_check"), "health_check"),
+        health_check=_flat_section(raw.get("health_check"), HealthCheckConfig, "health_check"),
+        output_length=_flat_section(raw.get("output_length"), OutputLengthConfig, "output_length"),
+        predictor_client=_flat_section(raw.get("predictor_client"), PredictorClientConfig, "predictor_client"),
     )
     try:  # policy name and params are checked by building the policy once
         build_policy(config.policy, config.policy_params, random.Random(0))

@@ -1,20 +1,27 @@
-"""Protocol-free routing: ``RoutingRequest`` -> ``Decision``, using the pool and the configured policy.
+"""Protocol-free routing: ``RoutingRequest`` -> ``Decision``, using the pool, the policy and the predictors.
 
 Failure policy (the only place it is decided):
 - the requested model is served by no configured endpoint -> MODEL_NOT_FOUND (404);
-- endpoints serve it but none is healthy -> NO_HEALTHY_ENDPOINT (503).
+- endpoints serve it but none is healthy -> NO_HEALTHY_ENDPOINT (503);
+- a prediction policy got no usable prediction (no sidecar, sidecars failed or late) -> ``least-requests`` over
+  all healthy endpoints, counted as outcome ``fallback``; a sidecar failure never fails a request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from extproc.errors import ErrorCode, RoutingError
+from extproc.lengths import OutputLengthEstimator, count_prompt_tokens
 from extproc.metrics import ExtprocMetrics
 from extproc.policies.base import EndpointView, Policy
+from extproc.policies.least_requests import LeastRequestsPolicy
 from extproc.pool import EndpointPool
+from extproc.predictor_client import PredictorClient
 from extproc.request import RoutingRequest
 
 logger = logging.getLogger(__name__)
@@ -26,26 +33,52 @@ class Decision:
 
     Attributes:
         destination: ``ip:port`` written to the destination header and ``envoy.lb`` metadata.
-        policy: name of the policy that chose it.
+        policy: name of the policy that chose it (``least-requests`` on a fallback).
+        request_id: the request's id (sent to the predictor on release).
+        predictor: the chosen endpoint's sidecar that was told about the request (Admit), or None.
     """
 
     destination: str
     policy: str
+    request_id: str = ""
+    predictor: str | None = None
 
 
 class Router:
-    """Chooses endpoints and counts each replica's in-flight requests.
+    """Chooses endpoints, counts each replica's in-flight requests, and keeps sidecars informed.
 
     Args:
         pool: the endpoint pool (shared with the health checker and config reloads).
         policy: the dispatch policy.
         metrics: where routing time and outcomes are counted (a private registry if None).
+        predictors: sidecar client; required when the policy needs predictions.
+        lengths: output-length estimator; required when the policy needs predictions.
+        rng: seeds the fallback's tie-breaking.
     """
 
-    def __init__(self, pool: EndpointPool, policy: Policy, metrics: ExtprocMetrics | None = None) -> None:
+    def __init__(self, pool: EndpointPool, policy: Policy, metrics: ExtprocMetrics | None = None,
+                 predictors: PredictorClient | None = None, lengths: OutputLengthEstimator | None = None,
+                 rng: random.Random | None = None) -> None:
+        if policy.needs_predictions and (predictors is None or lengths is None):
+            raise ValueError(f"policy {policy.TYPE!r} needs a predictor client and an output-length estimator")
         self.pool = pool
         self.policy = policy
         self.metrics = metrics or ExtprocMetrics(pool)
+        self.predictors = predictors
+        self.lengths = lengths
+        self._fallback = LeastRequestsPolicy(rng or random.Random())
+
+    def _healthy_views(self, request: RoutingRequest) -> list[EndpointView]:
+        serving = self.pool.serving(request.model)
+        if not serving:
+            raise RoutingError(ErrorCode.MODEL_NOT_FOUND, f"The model `{request.model}` does not exist.", "model")
+        views = [EndpointView(e.address, self.pool.in_flight(e.address), e.predictor)
+                 for e in serving if self.pool.is_healthy(e.address)]
+        if not views:
+            raise RoutingError(ErrorCode.NO_HEALTHY_ENDPOINT,
+                               f"no healthy endpoint serves model {request.model!r}" if request.model
+                               else "no healthy endpoint")
+        return views
 
     async def route(self, request: RoutingRequest) -> Decision:
         """Chooses the destination and counts the request in flight there until ``release``.
@@ -54,23 +87,41 @@ class Router:
             RoutingError: MODEL_NOT_FOUND or NO_HEALTHY_ENDPOINT.
         """
         start_s = time.monotonic()
-        serving = self.pool.serving(request.model)
-        if not serving:
-            raise RoutingError(ErrorCode.MODEL_NOT_FOUND,
-                               f"The model `{request.model}` does not exist.", "model")
-        views = [EndpointView(e.address, self.pool.in_flight(e.address))
-                 for e in serving if self.pool.is_healthy(e.address)]
-        if not views:
-            raise RoutingError(ErrorCode.NO_HEALTHY_ENDPOINT,
-                               f"no healthy endpoint serves model {request.model!r}" if request.model
-                               else "no healthy endpoint")
-        chosen = self.policy.choose(request, views)
-        self.pool.acquire(chosen.address)
+        views = self._healthy_views(request)
+        if self.policy.needs_predictions:
+            decision = await self._route_predicted(request, views)
+        else:
+            chosen = self.policy.choose(request, views) or self._fallback.choose(request, views)
+            decision = Decision(chosen.address, self.policy.TYPE, request.request_id)
+        self.pool.acquire(decision.destination)
         self.metrics.routing_seconds.observe(time.monotonic() - start_s)
-        self.metrics.requests.labels("routed").inc()
-        logger.debug("request %s -> %s (%s)", request.request_id, chosen.address, self.policy.TYPE)
-        return Decision(chosen.address, self.policy.TYPE)
+        self.metrics.requests.labels("routed" if decision.policy == self.policy.TYPE else "fallback").inc()
+        logger.debug("request %s -> %s (%s)", request.request_id, decision.destination, decision.policy)
+        return decision
+
+    async def _route_predicted(self, request: RoutingRequest, views: list[EndpointView]) -> Decision:
+        candidates = self.policy.candidates(request, views)
+        num_prompt_tokens = await count_prompt_tokens(request)
+        num_output_tokens = await self.lengths.estimate(request)
+        metric = getattr(getattr(self.policy, "params", None), "metric", "e2e")
+        predictions = await asyncio.gather(*(
+            self.predictors.predict(v.predictor, request.request_id, num_prompt_tokens, num_output_tokens, metric)
+            if v.predictor else _none() for v in candidates))
+        scored = [replace(v, prediction=p) for v, p in zip(candidates, predictions)]
+        chosen = self.policy.choose(request, scored)
+        policy_name = self.policy.TYPE
+        if chosen is None:
+            chosen, policy_name = self._fallback.choose(request, views), self._fallback.TYPE
+        if chosen.predictor:
+            self.predictors.admit(chosen.predictor, request.request_id, num_prompt_tokens, num_output_tokens)
+        return Decision(chosen.address, policy_name, request.request_id, chosen.predictor)
 
     def release(self, decision: Decision) -> None:
         """The request routed by ``decision`` has ended (its ext_proc stream closed)."""
         self.pool.release(decision.destination)
+        if decision.predictor and self.predictors is not None:
+            self.predictors.release(decision.predictor, decision.request_id)
+
+
+async def _none() -> None:
+    return None

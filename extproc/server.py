@@ -29,7 +29,9 @@ from prometheus_client import start_http_server
 
 from extproc import wire
 from extproc.config import ConfigError, ExtprocConfig, load_config
+from extproc.lengths import OutputLengthEstimator
 from extproc.metrics import ExtprocMetrics
+from extproc.predictor_client import PredictorClient
 from extproc.policies.registry import build_policy
 from extproc.pool import EndpointPool, HealthChecker
 from extproc.router import Router
@@ -103,6 +105,15 @@ class ConfigWatcher:
             self.poll()
 
 
+def _load_tagger(config: ExtprocConfig):
+    """The length tagger for ``output_length.source: tagger``, else None."""
+    if config.output_length.source != "tagger":
+        return None
+    from tagger.serve import load_tagger  # noqa: PLC0415 (the tagger loads its model only when configured)
+
+    return load_tagger(config.output_length.tagger_path)
+
+
 def _digest(path: Path) -> bytes | None:
     try:
         return hashlib.sha256(path.read_bytes()).digest()
@@ -121,9 +132,15 @@ class ExtprocServer:
     def __init__(self, config: ExtprocConfig, config_path: Path | None = None) -> None:
         self.config = config
         self.pool = EndpointPool(config.endpoints)
-        policy = build_policy(config.policy, config.policy_params, random.Random(config.seed))
+        rng = random.Random(config.seed)
+        policy = build_policy(config.policy, config.policy_params, rng)
         self.metrics = ExtprocMetrics(self.pool)
-        self.router = Router(self.pool, policy, self.metrics)
+        self.predictors = PredictorClient(config.predictor_client)
+        self.router = Router(self.pool, policy, self.metrics, self.predictors,
+                             OutputLengthEstimator(config.output_length, _load_tagger(config)), rng)
+        if policy.needs_predictions and not any(e.predictor for e in config.endpoints):
+            logger.warning("policy %r needs predictor sidecars but no endpoint names one: every request "
+                           "falls back to least-requests", config.policy)
         self._metrics_server = None
         self.health = health.aio.HealthServicer()
         self._checker = HealthChecker(self.pool, config.health_check) if config.health_check.enabled else None
@@ -181,6 +198,7 @@ class ExtprocServer:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.predictors.close()
         logger.info("extproc stopped")
 
 

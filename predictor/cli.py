@@ -1,4 +1,6 @@
-"""`astrolabe predictor <sub>`: predictor tools, one subcommand per function (`fit` now; `serve` to come).
+"""`astrolabe predictor <sub>`: the predictor sidecar (`serve`) and its tools (`fit`).
+
+`serve --backend HOST:PORT --listen HOST:PORT ...` runs the sidecar beside one backend (`predictor.server`).
 
 `fit PROFILE.csv --model NAME -o COEFFS.json` fits `LinearBatchTimeModel` on the fixed training split of the
 profile's rows for one model shape (`predictor.sim.batch_time.split_holdout`: 1 shape in 5 of each kind held
@@ -50,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--model", required=True, help="model shape, the CSV's `model` column (e.g. llama-2-7b)")
     fit.add_argument("-o", "--output", type=Path, required=True, help="coefficients JSON to write")
     fit.set_defaults(handler=_cmd_fit)
+    from predictor import server  # noqa: PLC0415 (keeps `fit` free of gRPC imports until needed)
+
+    serve = subparsers.add_parser("serve", help="run the predictor sidecar beside one backend")
+    server.add_arguments(serve)
+    serve.set_defaults(handler=server.run)
     return parser
 
 

@@ -6,10 +6,11 @@ import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from extproc.policies import least_requests, random_choice, round_robin
+from extproc.policies import least_requests, power_of_k, random_choice, round_robin
 from extproc.policies.base import Policy
 
 _FACTORIES: dict[str, Callable[[Mapping[str, Any], random.Random], Policy]] = {
+    power_of_k.TYPE: power_of_k.build,
     random_choice.TYPE: random_choice.build,
     round_robin.TYPE: round_robin.build,
     least_requests.TYPE: least_requests.build,

@@ -8,7 +8,7 @@ GOOD = {"endpoints": [{"address": "127.0.0.1:8001", "models": ["m"], "predictor"
 
 def test_defaults_and_endpoints():
     config = parse_config(GOOD)
-    assert config.policy == "round-robin" and config.max_body_bytes == 8 * 1024 * 1024
+    assert config.policy == "astrolabe" and config.max_body_bytes == 8 * 1024 * 1024
     assert config.endpoints[0].models == ("m",) and config.endpoints[0].predictor == "127.0.0.1:9001"
     assert config.endpoints[1].address == "[::1]:8002" and config.endpoints[1].models == ()
     assert config.health_check.enabled and config.health_check.path == "/health"
@@ -37,7 +37,13 @@ def test_load_yaml(tmp_path):
         ({"endpoints": [{"address": "1.2.3.4:1", "models": "m"}]}, "endpoints[0].models"),
         ({"endpoints": [{"models": ["m"]}]}, "endpoints[0].address: required"),
         ({"endpoints": [], "policy": "best"}, "policy: unknown policy 'best'"),
-        ({"endpoints": [], "policy_params": {"k": 2}}, "policy: policy 'round-robin' takes no parameters"),
+        ({"endpoints": [], "policy": "round-robin", "policy_params": {"k": 2}},
+         "policy: policy 'round-robin' takes no parameters"),
+        ({"endpoints": [], "policy_params": {"k": 0}}, "policy: policy 'astrolabe': k must be an integer >= 1"),
+        ({"endpoints": [], "policy_params": {"j": 0}}, "policy: policy 'astrolabe': unknown parameter(s) ['j']"),
+        ({"endpoints": [], "output_length": {"source": "guess"}}, "output_length.source: must be one of"),
+        ({"endpoints": [], "output_length": {"fixed_tokens": 0}}, "output_length.fixed_tokens: must be > 0"),
+        ({"endpoints": [], "predictor_client": {"predict_timeout_s": "1"}}, "predictor_client.predict_timeout_s"),
         ({"endpoints": [], "max_body_bytes": 0}, "max_body_bytes: must be >= 1"),
         ({"endpoints": [], "max_body_bytes": True}, "<root>.max_body_bytes: expected"),
         ({"endpoints": [], "health_check": {"interval_s": 0}}, "health_check.interval_s: must be > 0"),

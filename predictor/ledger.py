@@ -1,0 +1,165 @@
+"""The sidecar's model of its instance: admitted requests advanced in simulated time, reconciled with /metrics.
+
+For an unmodified backend the sidecar cannot see the engine's queues. It keeps a ledger instead: every request
+the extproc admitted here is added to a ``predictor.sim.Engine`` at its admission time, and the engine is
+advanced on the sidecar's monotonic clock with the batch-time model, so the ledger's queues evolve as the
+instance's would. Two things make it drift: requests that other routers sent (invisible to this ledger) and
+the gap between predicted and true output lengths (plus lost Release notices). ``reconcile`` corrects the
+drift from the backend's Prometheus gauges:
+
+- more requests on the backend (running + waiting) than in the ledger: the difference is added as *phantom*
+  requests with the mean lengths of recent admissions;
+- fewer on the backend: requests leave the ledger, phantoms first, then those closest to finishing, but never
+  one admitted within ``visibility_grace_s`` (vLLM's gauges lag, and a burst of simultaneous dispatches must
+  see each other before the backend shows them).
+
+NOTE: all methods take the current time explicitly (seconds on the caller's monotonic clock) and run on one
+thread (the sidecar's event loop).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from predictor.sim import BatchTimeModel, Engine, EngineConfig, SimRequest
+
+logger = logging.getLogger(__name__)
+
+_EMA_WEIGHT = 0.05
+"""Weight of each new admission in the running mean of lengths used for phantom requests."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackendObservation:
+    """What the backend's /metrics said (vLLM gauge names in the comments).
+
+    Attributes:
+        num_running: ``vllm:num_requests_running``.
+        num_waiting: ``vllm:num_requests_waiting``.
+        kv_cache_usage_frac: ``vllm:kv_cache_usage_perc`` (a fraction 0..1).
+        num_preemptions_total: ``vllm:num_preemptions_total``.
+        num_gpu_blocks: from ``vllm:cache_config_info``, or None.
+        block_size: from ``vllm:cache_config_info``, or None.
+    """
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage_frac: float = 0.0
+    num_preemptions_total: int = 0
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+
+
+@dataclass(slots=True)
+class ReconcileStats:
+    """Running totals of reconciliation, for ``State`` and tests."""
+
+    num_reconciliations: int = 0
+    num_phantoms_added: int = 0
+    num_requests_removed: int = 0
+    last_difference: int = 0
+
+
+class Ledger:
+    """Admitted requests of one instance in simulated time.
+
+    Args:
+        config: the instance's engine limits and KV cache.
+        batch_time: its step execution-time model.
+        now_s: current time, seconds.
+        visibility_grace_s: how long an admitted request is protected from removal by reconciliation.
+        default_prompt_tokens: initial mean prompt length of phantom requests, tokens.
+        default_output_tokens: initial mean output length of phantom requests, tokens.
+    """
+
+    def __init__(self, config: EngineConfig, batch_time: BatchTimeModel, now_s: float, *,
+                 visibility_grace_s: float = 2.0, default_prompt_tokens: int = 256,
+                 default_output_tokens: int = 256) -> None:
+        self.engine = Engine(config, batch_time, now_s)
+        self.visibility_grace_s = visibility_grace_s
+        self._admitted_at_s: dict[str, float] = {}
+        self._mean_prompt_tokens = float(default_prompt_tokens)
+        self._mean_output_tokens = float(default_output_tokens)
+        self._num_phantoms = 0
+        self.stats = ReconcileStats()
+
+    @property
+    def scheduler(self):
+        return self.engine.scheduler
+
+    def advance(self, now_s: float) -> None:
+        """Runs the simulated instance up to ``now_s`` (a step in progress then completes)."""
+        for step in self.engine.advance_to(now_s):
+            for request in step.output.finished:
+                self._admitted_at_s.pop(request.request_id, None)
+
+    def num_unfinished(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    def admit(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int, now_s: float) -> bool:
+        """Adds a request dispatched here at ``now_s``; returns False if the id is already in the ledger.
+
+        Raises:
+            ValueError: token counts < 1, or a request that can never fit this instance's KV cache.
+        """
+        self.advance(now_s)
+        if self.scheduler.get_request(request_id) is not None:
+            return False
+        self.engine.add_request(SimRequest(request_id, max(num_prompt_tokens, 1), max(num_output_tokens, 1),
+                                           arrival_time_s=max(now_s, self.engine.now_s)))
+        self._admitted_at_s[request_id] = now_s
+        self._mean_prompt_tokens += _EMA_WEIGHT * (num_prompt_tokens - self._mean_prompt_tokens)
+        self._mean_output_tokens += _EMA_WEIGHT * (num_output_tokens - self._mean_output_tokens)
+        return True
+
+    def release(self, request_id: str, now_s: float) -> bool:
+        """Removes a request that ended; returns False if it had already left the ledger."""
+        self.advance(now_s)
+        self._admitted_at_s.pop(request_id, None)
+        return self.scheduler.abort_request(request_id) is not None
+
+    def reconcile(self, observed: BackendObservation, now_s: float) -> int:
+        """Moves the ledger's request count toward the backend's; returns the change (+ added, - removed)."""
+        self.advance(now_s)
+        self.stats.num_reconciliations += 1
+        recent = {rid for rid, t in self._admitted_at_s.items() if now_s - t < self.visibility_grace_s}
+        num_backend = observed.num_running + observed.num_waiting
+        num_ledger = self.num_unfinished()
+        if num_backend > num_ledger:
+            change = self._add_phantoms(num_backend - num_ledger, now_s)
+        else:
+            change = -self._remove(num_ledger - len(recent & self._ids()) - num_backend, recent)
+        self.stats.last_difference = num_backend - num_ledger
+        return change
+
+    def _ids(self) -> set[str]:
+        return {r.request_id for r in self.scheduler.running} | {r.request_id for r in self.scheduler.waiting}
+
+    def _add_phantoms(self, count: int, now_s: float) -> int:
+        added = 0
+        for _ in range(count):
+            self._num_phantoms += 1
+            try:
+                self.engine.add_request(SimRequest(
+                    f"phantom-{self._num_phantoms}", max(round(self._mean_prompt_tokens), 1),
+                    max(round(self._mean_output_tokens), 1), arrival_time_s=max(now_s, self.engine.now_s)))
+            except ValueError:  # cannot fit the KV cache with these means: nothing sensible to add
+                break
+            added += 1
+        self.stats.num_phantoms_added += added
+        return added
+
+    def _remove(self, count: int, protected: set[str]) -> int:
+        if count <= 0:
+            return 0
+        candidates = [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.request_id not in protected]
+        # phantoms first, then whoever has the least left to generate (the ledger is most likely late on them)
+        candidates.sort(key=lambda r: (not r.request_id.startswith("phantom-"),
+                                       r.num_output_tokens - r.num_generated_tokens))
+        for request in candidates[:count]:
+            self.scheduler.abort_request(request.request_id)
+            self._admitted_at_s.pop(request.request_id, None)
+        removed = min(count, len(candidates))
+        self.stats.num_requests_removed += removed
+        return removed

@@ -1,0 +1,253 @@
+"""``astrolabe predictor serve``: the sidecar beside one backend (gRPC Predictor API + health).
+
+It keeps a ``Ledger`` of the requests the extproc admitted here, answers Predict by simulating the instance
+forward from the ledger's state with the new request added (``predictor.sim.predict``), and every
+``reconcile_interval_s`` scrapes the backend's /metrics to correct the ledger. ``state_age_s`` in every answer is
+the time since the last successful reconciliation (a dead or slow backend makes it grow).
+At start it reads ``block_size`` and ``num_gpu_blocks`` from the backend's ``vllm:cache_config_info`` when the
+flags leave them unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import signal
+import time
+
+import aiohttp
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from predictor.api import pb, pb_grpc
+from predictor.backend_metrics import MetricsFormatError, parse_vllm_metrics
+from predictor.ledger import Ledger
+from predictor.sim import EngineConfig, LinearBatchTimeModel
+from predictor.sim.predict import predict
+from predictor.sim.snapshot import InstanceSnapshot, RequestState
+
+logger = logging.getLogger(__name__)
+
+STATE_SOURCE_LEDGER = "ledger"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SidecarConfig:
+    """Sidecar settings (CLI flags of the same names).
+
+    Attributes:
+        backend: ``host:port`` of the vLLM server whose /metrics is scraped.
+        listen: ``host:port`` of the gRPC server.
+        engine: the instance's engine limits (vLLM names); KV fields may be replaced from the backend.
+        batch_time_model: shipped model name or JSON path (``predictor.sim.LinearBatchTimeModel``).
+        time_scale: multiplies modelled step times (1.0 for a real GPU; the emulator's time scale otherwise).
+        reconcile_interval_s: how often /metrics is scraped, seconds.
+        visibility_grace_s: an admitted request is not reconciled away for this long, seconds.
+    """
+
+    backend: str
+    listen: str = "127.0.0.1:9100"
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    batch_time_model: str = "llama-2-7b"
+    time_scale: float = 1.0
+    reconcile_interval_s: float = 0.1
+    visibility_grace_s: float = 2.0
+    discover_kv_cache: bool = True
+
+
+def load_batch_time(name_or_path: str, time_scale: float = 1.0) -> LinearBatchTimeModel:
+    """A shipped model (by name) or a JSON file, with every coefficient multiplied by ``time_scale``.
+
+    Raises:
+        ValueError: unknown name, bad JSON, or ``time_scale <= 0``.
+        OSError: unreadable file.
+    """
+    if not time_scale > 0:
+        raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    model = (LinearBatchTimeModel.from_json(name_or_path) if name_or_path.endswith(".json")
+             else LinearBatchTimeModel.default(name_or_path))
+    return dataclasses.replace(model, c0_s=model.c0_s * time_scale, c1_s_per_token=model.c1_s_per_token * time_scale,
+                               c2_s_per_token2=model.c2_s_per_token2 * time_scale,
+                               c3_s_per_token=model.c3_s_per_token * time_scale,
+                               c4_s_per_seq=model.c4_s_per_seq * time_scale)
+
+
+class PredictorServicer(pb_grpc.PredictorServicer):
+    """Translates gRPC messages to ledger calls; no logic of its own."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self._sidecar = sidecar
+
+    async def Predict(self, request, context):  # noqa: N802
+        if request.num_prompt_tokens < 1 or request.num_predicted_output_tokens < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "num_prompt_tokens and num_predicted_output_tokens must be >= 1")
+        return self._sidecar.predict(request.num_prompt_tokens, request.num_predicted_output_tokens)
+
+    async def Admit(self, request, context):  # noqa: N802
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        try:
+            added = self._sidecar.ledger.admit(request.request_id, request.num_prompt_tokens,
+                                               request.num_predicted_output_tokens, time.monotonic())
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.AdmitResponse(duplicate=not added)
+
+    async def Release(self, request, context):  # noqa: N802
+        return pb.ReleaseResponse(known=self._sidecar.ledger.release(request.request_id, time.monotonic()))
+
+    async def State(self, request, context):  # noqa: N802
+        return pb.StateResponse(state_json=json.dumps(self._sidecar.state()))
+
+
+class Sidecar:
+    """The running sidecar: ledger, reconciliation loop, gRPC server."""
+
+    def __init__(self, config: SidecarConfig) -> None:
+        self.config = config
+        self.batch_time = load_batch_time(config.batch_time_model, config.time_scale)
+        self.ledger = self._new_ledger(config.engine)
+        self.last_reconciled_s: float | None = None
+        self.health = health.aio.HealthServicer()
+        self._server = grpc.aio.server()
+        pb_grpc.add_PredictorServicer_to_server(PredictorServicer(self), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self._task: asyncio.Task | None = None
+        self.port = 0
+
+    def _new_ledger(self, engine: EngineConfig) -> Ledger:
+        return Ledger(engine, self.batch_time, time.monotonic(), visibility_grace_s=self.config.visibility_grace_s)
+
+    def state_age_s(self, now_s: float) -> float:
+        return float("inf") if self.last_reconciled_s is None else now_s - self.last_reconciled_s
+
+    def predict(self, num_prompt_tokens: int, num_output_tokens: int) -> pb.PredictResponse:
+        """Predicted TTFT and E2E, in seconds from now, of a new request on this instance."""
+        now_s = time.monotonic()
+        self.ledger.advance(now_s)
+        scheduler = self.ledger.scheduler
+        # The ledger's clock may stand at the end of the step in progress, a little ahead of now.
+        snapshot = InstanceSnapshot.from_scheduler(scheduler, self.ledger.engine.now_s)
+        result = predict(snapshot, RequestState("new", num_prompt_tokens, num_output_tokens), self.batch_time)
+        lag_s = self.ledger.engine.now_s - now_s
+        return pb.PredictResponse(
+            ttft_s=result.ttft_s + lag_s, e2e_s=result.e2e_s + lag_s, state_age_s=self.state_age_s(now_s),
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            num_free_blocks=scheduler.num_free_blocks, num_gpu_blocks=scheduler.config.num_gpu_blocks,
+            state_source=STATE_SOURCE_LEDGER, num_steps_simulated=result.num_steps_simulated)
+
+    def state(self) -> dict:
+        now_s = time.monotonic()
+        self.ledger.advance(now_s)
+        scheduler = self.ledger.scheduler
+
+        def req(r):
+            return {"id": r.request_id, "prompt": r.num_prompt_tokens, "output": r.num_output_tokens,
+                    "computed": r.num_computed_tokens, "generated": r.num_generated_tokens}
+
+        return {"state_source": STATE_SOURCE_LEDGER, "state_age_s": self.state_age_s(now_s),
+                "engine": dataclasses.asdict(scheduler.config),
+                "running": [req(r) for r in scheduler.running], "waiting": [req(r) for r in scheduler.waiting],
+                "num_free_blocks": scheduler.num_free_blocks, "reconcile": dataclasses.asdict(self.ledger.stats)}
+
+    async def _scrape(self, session: aiohttp.ClientSession):
+        async with session.get(f"http://{self.config.backend}/metrics") as response:
+            response.raise_for_status()
+            return parse_vllm_metrics(await response.text())
+
+    async def _discover_kv_cache(self, session: aiohttp.ClientSession) -> None:
+        try:
+            observed = await self._scrape(session)
+        except (aiohttp.ClientError, asyncio.TimeoutError, MetricsFormatError) as exc:
+            logger.warning("cannot read the backend's KV cache config yet (%s); using the flags", exc)
+            return
+        if observed.num_gpu_blocks and observed.block_size:
+            engine = dataclasses.replace(self.config.engine, num_gpu_blocks=observed.num_gpu_blocks,
+                                         block_size=observed.block_size)
+            if engine != self.ledger.scheduler.config:
+                self.ledger = self._new_ledger(engine)
+                logger.info("KV cache from the backend: %d blocks of %d tokens", engine.num_gpu_blocks,
+                            engine.block_size)
+
+    async def _reconcile_loop(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=max(self.config.reconcile_interval_s * 5, 1.0))
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            if self.config.discover_kv_cache:
+                await self._discover_kv_cache(session)
+            while True:
+                try:
+                    observed = await self._scrape(session)
+                    self.ledger.reconcile(observed, time.monotonic())
+                    self.last_reconciled_s = time.monotonic()
+                except (aiohttp.ClientError, asyncio.TimeoutError, MetricsFormatError) as exc:
+                    logger.debug("reconciliation skipped: %s", exc)
+                await asyncio.sleep(self.config.reconcile_interval_s)
+
+    async def start(self) -> int:
+        self.port = self._server.add_insecure_port(self.config.listen)
+        if self.port == 0:
+            raise RuntimeError(f"cannot listen on {self.config.listen}")
+        await self._server.start()
+        self._task = asyncio.create_task(self._reconcile_loop(), name="reconcile")
+        for name in ("", "liveness", "readiness", "astrolabe.predictor.v1.Predictor"):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        logger.info("predictor for %s listening on %s (port %d)", self.config.backend, self.config.listen, self.port)
+        return self.port
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        await self._server.stop(grace_s)
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+async def serve(config: SidecarConfig) -> None:
+    sidecar = Sidecar(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await sidecar.start()
+    await stop.wait()
+    await sidecar.stop()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", required=True, help="host:port of the vLLM server")
+    parser.add_argument("--listen", default="127.0.0.1:9100", help="host:port of the gRPC server")
+    parser.add_argument("--batch-time-model", default="llama-2-7b", help="shipped model name or JSON path")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="step time multiplier (emulated backends)")
+    parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
+    parser.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    parser.add_argument("--num-gpu-blocks", type=int, default=EngineConfig.num_gpu_blocks)
+    parser.add_argument("--no-enable-chunked-prefill", dest="chunked_prefill", action="store_false")
+    parser.add_argument("--no-discover-kv-cache", dest="discover", action="store_false",
+                        help="keep --block-size/--num-gpu-blocks even if the backend reports others")
+    parser.add_argument("--reconcile-interval-s", type=float, default=0.1)
+    parser.add_argument("--visibility-grace-s", type=float, default=2.0)
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                              block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+                              enable_chunked_prefill=args.chunked_prefill)
+        config = SidecarConfig(backend=args.backend, listen=args.listen, engine=engine,
+                               batch_time_model=args.batch_time_model, time_scale=args.time_scale,
+                               reconcile_interval_s=args.reconcile_interval_s,
+                               visibility_grace_s=args.visibility_grace_s, discover_kv_cache=args.discover)
+        load_batch_time(config.batch_time_model, config.time_scale)
+    except (ValueError, OSError) as exc:
+        logger.error("invalid sidecar configuration: %s", exc)
+        return 2
+    asyncio.run(serve(config))
+    return 0

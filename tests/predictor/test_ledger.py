@@ -1,0 +1,77 @@
+"""The sidecar's ledger: admission, release, simulated progress, reconciliation with backend gauges."""
+
+import pytest
+
+from predictor.ledger import BackendObservation, Ledger
+from predictor.sim import EngineConfig, LinearBatchTimeModel
+
+CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=16, num_gpu_blocks=64)
+MODEL = LinearBatchTimeModel.default("llama-2-7b")
+
+
+def ledger(now_s=0.0, **kwargs):
+    return Ledger(CONFIG, MODEL, now_s, **kwargs)
+
+
+def test_admit_release_and_duplicates():
+    led = ledger()
+    assert led.admit("a", 10, 5, now_s=0.0)
+    assert not led.admit("a", 10, 5, now_s=0.0)
+    assert led.num_unfinished() == 1
+    assert led.release("a", now_s=0.001)
+    assert not led.release("a", now_s=0.001)
+    assert led.num_unfinished() == 0
+
+
+def test_requests_progress_and_finish_in_simulated_time():
+    led = ledger()
+    led.admit("a", 10, 3, now_s=0.0)
+    led.advance(0.002)  # at least the prefill step has started
+    assert led.num_unfinished() == 1
+    led.advance(10.0)  # a few steps of ~6 ms each: long finished
+    assert led.num_unfinished() == 0
+    assert not led.release("a", now_s=10.0)  # finished in the simulation already
+
+
+def test_reconcile_adds_phantoms_for_requests_from_elsewhere():
+    led = ledger()
+    led.admit("a", 100, 100, now_s=0.0)
+    change = led.reconcile(BackendObservation(num_running=3, num_waiting=2), now_s=0.0)
+    assert change == 4 and led.num_unfinished() == 5
+    assert led.stats.num_phantoms_added == 4
+    # phantoms take the lengths of recent admissions
+    phantom = next(r for r in led.scheduler.waiting if r.request_id.startswith("phantom-"))
+    assert phantom.num_prompt_tokens > 0 and phantom.num_output_tokens > 0
+
+
+def test_reconcile_removes_extra_requests_but_not_recent_ones():
+    led = ledger(visibility_grace_s=1.0)
+    for i in range(3):
+        led.admit(f"old{i}", 50, 400, now_s=0.0)
+    led.admit("recent", 50, 400, now_s=1.5)
+    # the backend shows 1 request; "recent" is protected (admitted 0.1 s ago), so two old ones go
+    change = led.reconcile(BackendObservation(num_running=1, num_waiting=0), now_s=1.6)
+    assert change == -2
+    ids = {r.request_id for r in (*led.scheduler.running, *led.scheduler.waiting)}
+    assert "recent" in ids and len(ids) == 2
+
+
+def test_reconcile_removes_phantoms_first():
+    led = ledger(visibility_grace_s=0.0)
+    led.admit("real", 50, 400, now_s=0.0)
+    led.reconcile(BackendObservation(num_running=3, num_waiting=0), now_s=0.0)
+    assert led.num_unfinished() == 3
+    led.reconcile(BackendObservation(num_running=1, num_waiting=0), now_s=0.01)
+    ids = {r.request_id for r in (*led.scheduler.running, *led.scheduler.waiting)}
+    assert ids == {"real"}
+
+
+def test_reconcile_agreeing_changes_nothing():
+    led = ledger()
+    led.admit("a", 50, 400, now_s=0.0)
+    assert led.reconcile(BackendObservation(num_running=1, num_waiting=0), now_s=0.0) == 0
+
+
+def test_admit_rejects_a_request_that_can_never_fit():
+    with pytest.raises(ValueError):
+        ledger().admit("huge", 64 * 16, 10, now_s=0.0)

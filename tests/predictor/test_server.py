@@ -1,0 +1,118 @@
+"""The predictor sidecar over real gRPC, reconciling against a real emulated vLLM's /metrics."""
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import grpc
+import pytest
+
+from bench.emulator.server import EmulatorConfig, start_emulator
+from predictor.api import pb, pb_grpc
+from predictor.server import Sidecar, SidecarConfig, load_batch_time
+from predictor.sim import EngineConfig
+
+ENGINE = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, block_size=16, num_gpu_blocks=512)
+
+
+@pytest.fixture
+async def emulator():
+    emu = await start_emulator(EmulatorConfig(port=0, engine=ENGINE, time_scale=20.0))
+    yield emu
+    await emu.stop()
+
+
+async def start_sidecar(backend, **kwargs):
+    sidecar = Sidecar(SidecarConfig(backend=backend, listen="127.0.0.1:0", engine=ENGINE, **kwargs))
+    port = await sidecar.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    return sidecar, channel, pb_grpc.PredictorStub(channel)
+
+
+async def test_admit_makes_the_next_prediction_include_the_request():
+    sidecar, channel, stub = await start_sidecar("127.0.0.1:1")  # no backend: ledger only
+    try:
+        ask = pb.PredictRequest(request_id="x", num_prompt_tokens=200, num_predicted_output_tokens=100)
+        idle = await stub.Predict(ask, timeout=5)
+        assert 0 < idle.ttft_s < idle.e2e_s and idle.num_running + idle.num_waiting == 0
+        for i in range(12):
+            reply = await stub.Admit(pb.AdmitRequest(request_id=f"r{i}", num_prompt_tokens=200,
+                                                     num_predicted_output_tokens=300), timeout=5)
+            assert not reply.duplicate
+        assert (await stub.Admit(pb.AdmitRequest(request_id="r0", num_prompt_tokens=200,
+                                                 num_predicted_output_tokens=300), timeout=5)).duplicate
+        busy = await stub.Predict(ask, timeout=5)
+        assert busy.num_running + busy.num_waiting == 12
+        assert busy.e2e_s > idle.e2e_s and busy.ttft_s > idle.ttft_s
+        assert busy.state_source == "ledger" and busy.state_age_s == float("inf")  # never reconciled
+        assert (await stub.Release(pb.ReleaseRequest(request_id="r3"), timeout=5)).known
+        assert not (await stub.Release(pb.ReleaseRequest(request_id="nope"), timeout=5)).known
+        state = json.loads((await stub.State(pb.StateRequest(), timeout=5)).state_json)
+        assert len(state["running"]) + len(state["waiting"]) == 11
+    finally:
+        await channel.close()
+        await sidecar.stop()
+
+
+@pytest.mark.parametrize("prompt, output", [(0, 10), (10, 0)])
+async def test_bad_predict_arguments_are_invalid_argument(prompt, output):
+    sidecar, channel, stub = await start_sidecar("127.0.0.1:1")
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Predict(pb.PredictRequest(num_prompt_tokens=prompt, num_predicted_output_tokens=output),
+                               timeout=5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Admit(pb.AdmitRequest(request_id="", num_prompt_tokens=1, num_predicted_output_tokens=1),
+                             timeout=5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await channel.close()
+        await sidecar.stop()
+
+
+async def _wait(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)
+
+
+async def test_reconciliation_corrects_the_ledger(emulator):
+    backend = f"127.0.0.1:{emulator.port}"
+    sidecar, channel, stub = await start_sidecar(backend, visibility_grace_s=0.3, time_scale=20.0)
+    try:
+        await _wait(lambda: sidecar.last_reconciled_s is not None)
+        # KV cache discovered from vllm:cache_config_info
+        assert sidecar.ledger.scheduler.config.num_gpu_blocks == ENGINE.num_gpu_blocks
+        # 1) admitted here but never sent to the backend (e.g. lost): reconciled away after the grace period
+        for i in range(5):
+            await stub.Admit(pb.AdmitRequest(request_id=f"ghost{i}", num_prompt_tokens=50,
+                                             num_predicted_output_tokens=2000), timeout=5)
+        assert sidecar.ledger.num_unfinished() == 5
+        await _wait(lambda: sidecar.ledger.num_unfinished() == 0)
+        # 2) requests sent to the backend by someone else: appear in the ledger as phantoms
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "llama-2-7b", "prompt": "hi", "max_tokens": 400, "ignore_eos": True}
+            tasks = [asyncio.create_task(session.post(f"{emulator.base_url}/v1/completions", json=body))
+                     for _ in range(6)]
+            await _wait(lambda: sidecar.ledger.num_unfinished() >= 6)
+            assert sidecar.ledger.stats.num_phantoms_added >= 6
+            reply = await stub.Predict(pb.PredictRequest(num_prompt_tokens=10, num_predicted_output_tokens=10),
+                                       timeout=5)
+            assert reply.state_age_s < 1.0
+            for task in tasks:
+                task.cancel()
+    finally:
+        await channel.close()
+        await sidecar.stop()
+
+
+def test_load_batch_time_scales_every_coefficient():
+    base, scaled = load_batch_time("llama-2-7b"), load_batch_time("llama-2-7b", 4.0)
+    assert scaled.c0_s == pytest.approx(4 * base.c0_s) and scaled.c3_s_per_token == pytest.approx(4 * base.c3_s_per_token)
+    with pytest.raises(ValueError):
+        load_batch_time("llama-2-7b", 0.0)
+    with pytest.raises(ValueError):
+        load_batch_time("no-such-model")
