@@ -219,14 +219,15 @@ async def serve(config: SidecarConfig) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig()
     parser.add_argument("--backend", required=True, help="host:port of the vLLM server")
     parser.add_argument("--listen", default="127.0.0.1:9100", help="host:port of the gRPC server")
     parser.add_argument("--batch-time-model", default="llama-2-7b", help="shipped model name or JSON path")
     parser.add_argument("--time-scale", type=float, default=1.0, help="step time multiplier (emulated backends)")
-    parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
-    parser.add_argument("--block-size", type=int, default=EngineConfig.block_size)
-    parser.add_argument("--num-gpu-blocks", type=int, default=EngineConfig.num_gpu_blocks)
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--num-gpu-blocks", type=int, default=defaults.num_gpu_blocks)
     parser.add_argument("--no-enable-chunked-prefill", dest="chunked_prefill", action="store_false")
     parser.add_argument("--no-discover-kv-cache", dest="discover", action="store_false",
                         help="keep --block-size/--num-gpu-blocks even if the backend reports others")

@@ -45,6 +45,14 @@ class Stack:
         self.backends[f"127.0.0.1:{port}"] = proc
         return f"127.0.0.1:{port}"
 
+    def start_sidecar(self, backend: str, *extra: str) -> str:
+        port = free_port()
+        proc = self.procs.start([PY, "-m", "astrolabe", "predictor", "serve", "--backend", backend,
+                                 "--listen", f"127.0.0.1:{port}", *extra],
+                                name=f"sidecar-{port}", log_path=self.tmp / f"sidecar-{port}.log")
+        proc.wait_tcp("127.0.0.1", port, timeout_s=30)
+        return f"127.0.0.1:{port}"
+
     def write_config(self, endpoints: list[dict], **extra) -> None:
         self.extproc_port = self.extproc_port or free_port()
         metrics_port = free_port()
@@ -84,11 +92,13 @@ class Stack:
                 raise TimeoutError("Envoy never routed a request through the extproc")
             time.sleep(0.1)
 
+    def metric(self, series: str) -> float:
+        """One sample of the extproc's /metrics, e.g. ``astrolabe_extproc_requests_total{outcome="routed"}``."""
+        for line in httpx.get(self.metrics_url, timeout=2).text.splitlines():
+            if line.startswith(series + " "):
+                return float(line.split()[-1])
+        raise KeyError(series)
+
     def in_flight(self, endpoint: str) -> float:
         """The extproc's own in-flight count for ``endpoint`` (from its /metrics)."""
-        text = httpx.get(self.metrics_url, timeout=2).text
-        key = f'astrolabe_extproc_in_flight_requests{{endpoint="{endpoint}"}}'
-        for line in text.splitlines():
-            if line.startswith(key):
-                return float(line.split()[-1])
-        raise KeyError(endpoint)
+        return self.metric(f'astrolabe_extproc_in_flight_requests{{endpoint="{endpoint}"}}')
