@@ -1,0 +1,250 @@
+"""Open-loop replay of a request trace against an OpenAI-compatible endpoint (Envoy in the demo).
+
+Owns: sending each :class:`bench.workloads.TraceRequest` at its arrival offset as a streaming
+``POST /v1/chat/completions``, timing it, and reporting one :class:`RequestResult` per request. Must not start
+processes or import gRPC.
+
+NOTE: arrivals are open-loop (a slow server does not delay later sends). All times are taken on
+``time.monotonic()`` in this process, so they include Envoy and extproc overhead. TTFT is the time from sending the
+request to the first SSE event that carries content; E2E is the time to ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Sequence
+
+import aiohttp
+from tqdm import tqdm
+
+from bench.workloads import TraceRequest
+
+logger = logging.getLogger(__name__)
+
+INSTANCE_HEADER = "x-emulator-instance"
+"""Response header in which the emulator names itself (``host:port``)."""
+
+CHAT_PATH = "/v1/chat/completions"
+_DONE = b"[DONE]"
+_MAX_ERROR_CHARS = 300
+
+
+@dataclasses.dataclass(slots=True)
+class RequestResult:
+    """Outcome of one replayed request.
+
+    Attributes:
+        id: the trace request's id.
+        num_prompt_tokens: prompt tokens (trace value, ``tagger.tokenizer``).
+        max_tokens: output tokens requested (``max_tokens`` with ``ignore_eos``).
+        send_offset_s: when it was sent, seconds after the replay started (monotonic clock).
+        status: HTTP status, or None if no response arrived.
+        instance: value of the ``x-emulator-instance`` response header, or None if absent.
+        ttft_s: seconds from send to the first content event, or None if none arrived.
+        e2e_s: seconds from send to ``[DONE]``, or None if the stream did not finish.
+        num_completion_tokens: ``usage.completion_tokens`` of the final chunk, or None if absent.
+        error: why the request failed, or None if it succeeded.
+    """
+
+    id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    send_offset_s: float
+    status: int | None = None
+    instance: str | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    num_completion_tokens: int | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the request counts as a success (no error recorded)."""
+        return self.error is None
+
+
+def chat_body(model: str, request: TraceRequest) -> dict[str, object]:
+    """The JSON body sent for ``request``: streaming chat completion, exactly ``num_output_tokens`` tokens."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": request.prompt}],
+        "max_tokens": request.num_output_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def _has_content(event: dict) -> bool:
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if delta.get("content") or choice.get("text"):
+            return True
+    return False
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, result: RequestResult, sent_s: float) -> None:
+    """Consume an SSE body, filling ttft_s, e2e_s and num_completion_tokens of ``result``."""
+    async for raw_line in resp.content:
+        line = raw_line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == _DONE:
+            result.e2e_s = time.monotonic() - sent_s
+            return
+        # Decoding every event costs CPU the emulators need; after the first token only the usage chunk matters.
+        if result.ttft_s is not None and b'"usage"' not in data:
+            continue
+        event = json.loads(data)
+        if result.ttft_s is None and _has_content(event):
+            result.ttft_s = time.monotonic() - sent_s
+        usage = event.get("usage")
+        if usage:
+            result.num_completion_tokens = usage.get("completion_tokens")
+
+
+async def send_request(
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    request: TraceRequest,
+    replay_start_s: float,
+    request_timeout_s: float,
+) -> RequestResult:
+    """Send one streaming chat completion and time it; never raises for request failures.
+
+    Args:
+        session: shared client session.
+        url: full URL of the chat completions endpoint.
+        model: served model name.
+        request: the trace request.
+        replay_start_s: ``time.monotonic()`` at the start of the replay, for ``send_offset_s``.
+        request_timeout_s: limit on the whole request (headers and stream), seconds.
+
+    Returns:
+        The result; ``error`` is set if the status is not 200, the stream broke or timed out, or
+        ``usage.completion_tokens`` differs from ``max_tokens``.
+    """
+    sent_s = time.monotonic()
+    result = RequestResult(request.id, request.num_prompt_tokens, request.num_output_tokens, sent_s - replay_start_s)
+    try:
+        async with session.post(
+            url,
+            json=chat_body(model, request),
+            headers={"x-request-id": request.id},
+            timeout=aiohttp.ClientTimeout(total=request_timeout_s),
+        ) as resp:
+            result.status = resp.status
+            result.instance = resp.headers.get(INSTANCE_HEADER)
+            if resp.status != 200:
+                text = await resp.text(errors="replace")
+                result.error = f"HTTP {resp.status}: {text[:_MAX_ERROR_CHARS]}"
+                return result
+            await _read_stream(resp, result, sent_s)
+    except asyncio.TimeoutError:
+        result.error = f"timed out after {request_timeout_s:g} s"
+        return result
+    except (aiohttp.ClientError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_CHARS]
+        return result
+    if result.e2e_s is None:
+        result.error = "stream ended before [DONE]"
+    elif result.num_completion_tokens != request.num_output_tokens:
+        result.error = f"usage.completion_tokens={result.num_completion_tokens}, expected {request.num_output_tokens}"
+    return result
+
+
+async def replay(
+    base_url: str,
+    trace: Sequence[TraceRequest],
+    *,
+    model: str,
+    request_timeout_s: float = 120.0,
+    overall_timeout_s: float = 600.0,
+    progress: bool = True,
+    progress_desc: str = "requests",
+) -> list[RequestResult]:
+    """Send every request of ``trace`` at its arrival offset and wait for all of them.
+
+    Args:
+        base_url: scheme, host and port, e.g. ``"http://127.0.0.1:10000"``.
+        trace: requests in arrival order.
+        model: served model name put in each body.
+        request_timeout_s: limit per request, seconds.
+        overall_timeout_s: limit on the whole replay from its start, seconds; requests still open then are
+            cancelled and reported with an error, and requests not yet sent are reported unsent.
+        progress: show a tqdm bar of completed requests (on stderr).
+        progress_desc: label of the bar.
+
+    Returns:
+        One result per trace request, trace order.
+    """
+    url = base_url.rstrip("/") + CHAT_PATH
+    # limit=0: one connection per in-flight request, as many as the trace needs (open loop).
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    bar = tqdm(total=len(trace), desc=progress_desc, unit="req", disable=not progress, leave=True)
+    tasks: list[asyncio.Task[RequestResult]] = []
+    start_s = time.monotonic()
+    deadline_s = start_s + overall_timeout_s
+    try:
+        async with aiohttp.ClientSession(connector=connector) as session:
+            for request in trace:
+                delay_s = start_s + request.arrival_offset_s - time.monotonic()
+                if start_s + request.arrival_offset_s > deadline_s:
+                    break
+                if delay_s > 0:
+                    await asyncio.sleep(delay_s)
+                task = asyncio.create_task(
+                    send_request(session, url, model, request, start_s, request_timeout_s)
+                )
+                task.add_done_callback(lambda _t: bar.update(1))
+                tasks.append(task)
+            if tasks:
+                await asyncio.wait(tasks, timeout=max(0.0, deadline_s - time.monotonic()))
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        bar.close()
+    return [_result_of(task, request, start_s, overall_timeout_s) for task, request in _pad(tasks, trace)]
+
+
+def _pad(
+    tasks: list[asyncio.Task[RequestResult]], trace: Sequence[TraceRequest]
+) -> list[tuple[asyncio.Task[RequestResult] | None, TraceRequest]]:
+    return [(tasks[i] if i < len(tasks) else None, request) for i, request in enumerate(trace)]
+
+
+def _result_of(
+    task: asyncio.Task[RequestResult] | None, request: TraceRequest, start_s: float, overall_timeout_s: float
+) -> RequestResult:
+    if task is None:
+        return RequestResult(
+            request.id, request.num_prompt_tokens, request.num_output_tokens, request.arrival_offset_s,
+            error=f"not sent: overall timeout of {overall_timeout_s:g} s",
+        )
+    if task.cancelled():
+        return RequestResult(
+            request.id, request.num_prompt_tokens, request.num_output_tokens, request.arrival_offset_s,
+            error=f"cancelled at the overall timeout of {overall_timeout_s:g} s",
+        )
+    exc = task.exception()
+    if exc is not None:
+        # send_request catches request failures; anything else is a bug worth seeing in the table and log.
+        logger.error("request %s raised %r", request.id, exc)
+        return RequestResult(
+            request.id, request.num_prompt_tokens, request.num_output_tokens, request.arrival_offset_s,
+            error=f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_CHARS],
+        )
+    return task.result()
+
+
+def run_replay(base_url: str, trace: Sequence[TraceRequest], **kwargs: object) -> list[RequestResult]:
+    """Synchronous wrapper of :func:`replay` (runs its own event loop); same arguments and result."""
+    return asyncio.run(replay(base_url, trace, **kwargs))  # type: ignore[arg-type]
