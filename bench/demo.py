@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import random
 import signal
 import statistics
@@ -34,7 +35,7 @@ import yaml
 
 from bench.loadgen import RequestResult, replay
 from bench.procs import ManagedProcess, ProcessGroup, ProcessStartError, free_port
-from bench.report import format_table, summarize
+from bench.report import ControlPlaneCost, format_comparison, format_costs, format_table, summarize
 from bench.workloads import TraceRequest, build_trace, filter_pairs, load_sharegpt_pairs
 from tagger.tokenizer import TOKENIZER_NAME
 
@@ -72,6 +73,10 @@ class DemoConfig:
     request_timeout_s: float
     log_dir: Path | None
     progress: bool
+    astrolabe_k: int = 2
+    astrolabe_metric: str = "e2e"
+    output_length_source: str = "fixed"
+    predict_timeout_s: float = 0.02
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,7 +92,8 @@ class TracePlan:
 def _parse_args(argv: Sequence[str]) -> DemoConfig:
     p = argparse.ArgumentParser(prog="astrolabe demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--num-instances", type=int, default=4, help="emulated vLLM instances")
-    p.add_argument("--policies", default="random,round-robin,least-requests", help="comma-separated policy names")
+    p.add_argument("--policies", default="astrolabe,round-robin,least-requests",
+                   help="comma-separated policy names (also: random); the first baselines are compared to astrolabe")
     p.add_argument("--num-requests", type=int, default=300, help="requests in the trace (same trace per policy)")
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--load", type=float, default=0.85, help="arrival rate as a fraction of estimated capacity")
@@ -105,6 +111,11 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
     p.add_argument("--request-timeout-s", type=float, default=60.0, help="limit per request, seconds")
     p.add_argument("--log-dir", type=Path, default=None, help="process logs and configs (default: a temp dir)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bars")
+    p.add_argument("--astrolabe-k", type=int, default=2, help="astrolabe: instances probed per request")
+    p.add_argument("--astrolabe-metric", choices=("e2e", "ttft"), default="e2e", help="astrolabe: compared figure")
+    p.add_argument("--output-length-source", choices=("fixed", "oracle", "tagger"), default="fixed",
+                   help="predicted output tokens sent to sidecars (extproc output_length.source)")
+    p.add_argument("--predict-timeout-s", type=float, default=0.02, help="deadline of one Predict call")
     ns = p.parse_args(list(argv))
     policies = tuple(x.strip() for x in ns.policies.split(",") if x.strip())
     if not policies:
@@ -174,6 +185,37 @@ def start_emulators(procs: ProcessGroup, cfg: DemoConfig, log_dir: Path) -> list
     return [address for _, address in started]
 
 
+def start_sidecars(procs: ProcessGroup, cfg: DemoConfig, instances: Sequence[str], log_dir: Path) -> dict[str, str]:
+    """Start one predictor sidecar per instance (same engine limits and time scale); returns instance -> sidecar.
+
+    Raises:
+        ProcessStartError: a sidecar exited or did not listen within the start timeout.
+    """
+    started: list[tuple[ManagedProcess, str, str]] = []
+    for i, instance in enumerate(instances):
+        port = free_port(HOST)
+        cmd = [
+            sys.executable, "-m", "astrolabe", "predictor", "serve", "--backend", instance,
+            "--listen", f"{HOST}:{port}", "--batch-time-model", MODEL, "--time-scale", str(cfg.time_scale),
+            "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+            "--num-gpu-blocks", str(cfg.num_gpu_blocks), "--block-size", str(cfg.block_size),
+        ]
+        proc = procs.start(cmd, name=f"sidecar-{i}", log_path=log_dir / f"sidecar-{i}.log")
+        started.append((proc, instance, f"{HOST}:{port}"))
+    for proc, _, address in started:
+        proc.wait_tcp(HOST, int(address.rsplit(":", 1)[1]), _START_TIMEOUT_S)
+    return {instance: address for _, instance, address in started}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far, seconds (Linux /proc); 0.0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _wait_grpc_ready(proc: ManagedProcess, address: str, timeout_s: float) -> None:
     """Wait until the extproc's gRPC health service reports ``readiness`` SERVING.
 
@@ -201,19 +243,30 @@ def _wait_grpc_ready(proc: ManagedProcess, address: str, timeout_s: float) -> No
 
 
 def start_router(
-    procs: ProcessGroup, cfg: DemoConfig, policy: str, instances: Sequence[str], log_dir: Path
-) -> tuple[list[ManagedProcess], str]:
-    """Start the extproc for ``policy`` and an Envoy in front of it; returns them and Envoy's base URL.
+    procs: ProcessGroup, cfg: DemoConfig, policy: str, instances: Sequence[str], log_dir: Path,
+    sidecars: dict[str, str] | None = None,
+) -> tuple[list[ManagedProcess], str, str]:
+    """Start the extproc for ``policy`` and an Envoy in front of it.
+
+    Returns:
+        The two processes (extproc first), Envoy's base URL, and the extproc's Prometheus /metrics URL.
 
     Raises:
         ProcessStartError: either process exited or was not ready within the start timeout.
     """
     extproc_address = f"{HOST}:{free_port(HOST)}"
+    metrics_address = f"{HOST}:{free_port(HOST)}"
+    sidecars = sidecars or {}
     config = {
         "listen": extproc_address,
+        "metrics_listen": metrics_address,
         "policy": policy,
         "seed": cfg.seed,
-        "endpoints": [{"address": a, "models": [MODEL]} for a in instances],
+        **({"policy_params": {"k": cfg.astrolabe_k, "metric": cfg.astrolabe_metric},
+            "output_length": {"source": cfg.output_length_source},
+            "predictor_client": {"predict_timeout_s": cfg.predict_timeout_s}} if policy == "astrolabe" else {}),
+        "endpoints": [{"address": a, "models": [MODEL], **({"predictor": sidecars[a]} if a in sidecars else {})}
+                      for a in instances],
     }
     config_path = log_dir / f"extproc-{policy}.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
@@ -234,7 +287,15 @@ def start_router(
     )
     started.append(envoy)
     envoy.wait_http(f"http://{HOST}:{admin_port}/ready", _START_TIMEOUT_S)
-    return started, f"http://{HOST}:{listen_port}"
+    return started, f"http://{HOST}:{listen_port}", f"http://{metrics_address}/metrics"
+
+
+def _scrape_counter(url: str, series_prefix: str) -> float:
+    """Sum of the samples of ``url`` (Prometheus text) whose line starts with ``series_prefix``; 0 if none."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(url, timeout=2.0) as resp:
+        lines = resp.read().decode("utf-8", errors="replace").splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(series_prefix))
 
 
 def _scrape_queue(address: str) -> float:
@@ -303,12 +364,15 @@ def run_policies(cfg: DemoConfig, plan: TracePlan, log_dir: Path) -> int:
     Raises:
         ProcessStartError: a process exited or did not become ready.
     """
-    summaries = []
+    summaries, costs = [], []
     with ProcessGroup() as procs:
         instances = start_emulators(procs, cfg, log_dir)
         logger.info("instances ready: %s", ", ".join(instances))
+        sidecars = start_sidecars(procs, cfg, instances, log_dir) if "astrolabe" in cfg.policies else {}
+        sidecar_pids = [p.pid for p in procs.processes if p.name.startswith("sidecar-")]
         for policy in cfg.policies:
-            routers, base_url = start_router(procs, cfg, policy, instances, log_dir)
+            routers, base_url, metrics_url = start_router(procs, cfg, policy, instances, log_dir, sidecars)
+            sidecar_cpu_s = sum(cpu_seconds(pid) for pid in sidecar_pids)
             try:
                 duration_s = plan.trace[-1].arrival_offset_s if plan.trace else 0.0
                 results = asyncio.run(replay(
@@ -316,16 +380,25 @@ def run_policies(cfg: DemoConfig, plan: TracePlan, log_dir: Path) -> int:
                     overall_timeout_s=duration_s + 2 * cfg.request_timeout_s, progress=cfg.progress,
                     progress_desc=f"{policy:>14}",
                 ))
+                costs.append(ControlPlaneCost(
+                    policy, len(results),
+                    _scrape_counter(metrics_url, 'astrolabe_extproc_predictions_total'),
+                    _scrape_counter(metrics_url, 'astrolabe_extproc_requests_total{outcome="fallback"}'),
+                    cpu_seconds(routers[0].pid),
+                    sum(cpu_seconds(pid) for pid in sidecar_pids) - sidecar_cpu_s))
             finally:
                 for proc in reversed(routers):
                     proc.stop()
-            summary = summarize(policy, results)
-            summaries.append(summary)
+            summaries.append(summarize(policy, results))
             _log_errors(policy, results, log_dir)
             wait_idle(instances)
         print(format_header(cfg, plan, instances))
         print()
         print(format_table(summaries, instances))
+        print()
+        print(format_comparison(summaries, "astrolabe"))
+        print()
+        print(format_costs(costs))
         print(f"logs: {log_dir}")
     return 1 if any(s.num_errors for s in summaries) else 0
 

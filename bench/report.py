@@ -86,6 +86,18 @@ def _fmt_s(value_s: float) -> str:
     return "-" if math.isnan(value_s) else f"{value_s:.3f}"
 
 
+def _render(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Fixed-width lines: header, rule, rows; first column left-aligned, the others right-aligned."""
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+
+    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
 def format_table(summaries: Sequence[PolicySummary], instances: Sequence[str]) -> str:
     """A fixed-width table, one row per summary, plus a legend of the instance columns.
 
@@ -119,15 +131,64 @@ def format_table(summaries: Sequence[PolicySummary], instances: Sequence[str]) -
         if any(others):
             row.append(str(other))
         rows.append(row)
-    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        # Policy names left-aligned, numbers right-aligned.
-        return "  ".join(
-            cell.ljust(w) if c == 0 else cell.rjust(w) for c, (cell, w) in enumerate(zip(cells, widths))
-        ).rstrip()
-
-    out = [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+    out = _render(header, rows)
     out.append("latencies in seconds over successful requests; i<k> = requests answered by instance k:")
     out += [f"  i{i} = {inst}" for i, inst in enumerate(instances)]
     return "\n".join(out)
+
+
+_COMPARED = (("TTFT mean", "ttft_mean_s"), ("TTFT p50", "ttft_p50_s"), ("TTFT p99", "ttft_p99_s"),
+             ("E2E mean", "e2e_mean_s"), ("E2E p99", "e2e_p99_s"))
+
+
+def format_comparison(summaries: Sequence[PolicySummary], policy: str) -> str:
+    """Each latency figure of ``policy`` as a ratio to the best (lowest) baseline of the same run.
+
+    A ratio below 1 means ``policy`` is better. Returns an explanatory line instead when ``policy`` or every
+    baseline is missing from ``summaries``.
+    """
+    ours = next((s for s in summaries if s.policy == policy), None)
+    baselines = [s for s in summaries if s.policy != policy]
+    if ours is None or not baselines:
+        return f"(no comparison: the run needs {policy!r} and at least one baseline)"
+    rows = []
+    for label, field in _COMPARED:
+        best = min(baselines, key=lambda s: getattr(s, field))
+        best_s, ours_s = getattr(best, field), getattr(ours, field)
+        ratio = ours_s / best_s if best_s > 0 else math.nan
+        rows.append([label, _fmt_s(ours_s), _fmt_s(best_s), best.policy, "-" if math.isnan(ratio) else f"{ratio:.2f}x"])
+    lines = _render(["figure", policy, "best baseline", "which", "ratio"], rows)
+    lines.append(f"ratio = {policy} / best baseline (lower is better for {policy})")
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ControlPlaneCost:
+    """What routing cost during one policy's replay.
+
+    Attributes:
+        policy: policy name.
+        num_requests: requests replayed.
+        num_predictions: predictor calls the extproc made (any outcome).
+        num_fallbacks: requests routed by the least-requests fallback (no usable prediction).
+        extproc_cpu_s: CPU time of the extproc process over its whole life, seconds.
+        sidecar_cpu_s: CPU time of all predictor sidecars during the replay, seconds.
+    """
+
+    policy: str
+    num_requests: int
+    num_predictions: float
+    num_fallbacks: float
+    extproc_cpu_s: float
+    sidecar_cpu_s: float
+
+
+def format_costs(costs: Sequence[ControlPlaneCost]) -> str:
+    """Control-plane cost per request: predictions, fallbacks, extproc and sidecar CPU milliseconds."""
+    rows = [[c.policy, f"{c.num_predictions / max(c.num_requests, 1):.2f}", str(int(c.num_fallbacks)),
+             f"{1000 * c.extproc_cpu_s / max(c.num_requests, 1):.2f}",
+             f"{1000 * c.sidecar_cpu_s / max(c.num_requests, 1):.2f}"] for c in costs]
+    lines = _render(["policy", "predictions/req", "fallbacks", "extproc CPU ms/req", "sidecars CPU ms/req"], rows)
+    lines.append("CPU: user+system time of the extproc process (start-up included) and of the predictor sidecars "
+                 "(during the replay, reconciliation included), divided by the requests")
+    return "\n".join(lines)

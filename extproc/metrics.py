@@ -1,6 +1,8 @@
 """Prometheus metrics of the extproc (served on ``metrics_port`` when set).
 
 - ``astrolabe_extproc_requests_total{outcome}``: streams by outcome (``routed`` or an error code).
+- ``astrolabe_extproc_predictions_total{outcome}``: predictor calls per outcome (``ok`` or ``failed``, which
+  includes deadlines missed and sidecars skipped while backing off).
 - ``astrolabe_extproc_routing_seconds``: time from the last needed message to the routing decision.
 - ``astrolabe_extproc_in_flight_requests{endpoint}``: this replica's in-flight count per endpoint (read live
   from the pool at scrape time).
@@ -44,6 +46,8 @@ class ExtprocMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter("astrolabe_extproc_requests", "ext_proc streams by outcome",
                                 ["outcome"], registry=self.registry)
+        self.predictions = Counter("astrolabe_extproc_predictions", "Predictor calls by outcome",
+                                   ["outcome"], registry=self.registry)
         self.routing_seconds = Histogram(
             "astrolabe_extproc_routing_seconds", "Time to choose an endpoint, seconds",
             buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),

@@ -15,6 +15,7 @@ import random
 import time
 from dataclasses import dataclass, replace
 
+from extproc.endpoint_metrics import MetricsScraper
 from extproc.errors import ErrorCode, RoutingError
 from extproc.lengths import OutputLengthEstimator, count_prompt_tokens
 from extproc.metrics import ExtprocMetrics
@@ -54,11 +55,15 @@ class Router:
         predictors: sidecar client; required when the policy needs predictions.
         lengths: output-length estimator; required when the policy needs predictions.
         rng: seeds the fallback's tie-breaking.
+        endpoint_metrics: source of ``EndpointView.metrics`` for policies that ``needs_metrics`` (None: every
+            endpoint's metrics read None and such a policy falls back).
+        clock: monotonic clock, seconds (dispatch times for ``num_recent_requests``).
     """
 
     def __init__(self, pool: EndpointPool, policy: Policy, metrics: ExtprocMetrics | None = None,
                  predictors: PredictorClient | None = None, lengths: OutputLengthEstimator | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, endpoint_metrics: MetricsScraper | None = None,
+                 clock=time.monotonic) -> None:
         if policy.needs_predictions and (predictors is None or lengths is None):
             raise ValueError(f"policy {policy.TYPE!r} needs a predictor client and an output-length estimator")
         self.pool = pool
@@ -67,12 +72,18 @@ class Router:
         self.predictors = predictors
         self.lengths = lengths
         self._fallback = LeastRequestsPolicy(rng or random.Random())
+        self.endpoint_metrics = endpoint_metrics
+        self._clock = clock
 
     def _healthy_views(self, request: RoutingRequest) -> list[EndpointView]:
         serving = self.pool.serving(request.model)
         if not serving:
             raise RoutingError(ErrorCode.MODEL_NOT_FOUND, f"The model `{request.model}` does not exist.", "model")
-        views = [EndpointView(e.address, self.pool.in_flight(e.address), e.predictor)
+        since_s = self._clock() - self.policy.recent_window_s
+        scraper = self.endpoint_metrics if self.policy.needs_metrics else None
+        views = [EndpointView(e.address, self.pool.in_flight(e.address), e.predictor,
+                              metrics=scraper.get(e.address) if scraper is not None else None,
+                              num_recent_requests=self.pool.num_dispatched_since(e.address, since_s))
                  for e in serving if self.pool.is_healthy(e.address)]
         if not views:
             raise RoutingError(ErrorCode.NO_HEALTHY_ENDPOINT,
@@ -94,6 +105,7 @@ class Router:
             chosen = self.policy.choose(request, views) or self._fallback.choose(request, views)
             decision = Decision(chosen.address, self.policy.TYPE, request.request_id)
         self.pool.acquire(decision.destination)
+        self.pool.record_dispatch(decision.destination, self._clock())
         self.metrics.routing_seconds.observe(time.monotonic() - start_s)
         self.metrics.requests.labels("routed" if decision.policy == self.policy.TYPE else "fallback").inc()
         logger.debug("request %s -> %s (%s)", request.request_id, decision.destination, decision.policy)
@@ -108,6 +120,9 @@ class Router:
             self.predictors.predict(v.predictor, request.request_id, num_prompt_tokens, num_output_tokens, metric)
             if v.predictor else _none() for v in candidates))
         scored = [replace(v, prediction=p) for v, p in zip(candidates, predictions)]
+        num_ok = sum(p is not None for p in predictions)
+        self.metrics.predictions.labels("ok").inc(num_ok)
+        self.metrics.predictions.labels("failed").inc(sum(v.predictor is not None for v in candidates) - num_ok)
         chosen = self.policy.choose(request, scored)
         policy_name = self.policy.TYPE
         if chosen is None:

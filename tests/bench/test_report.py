@@ -79,3 +79,35 @@ def test_format_table_counts_unknown_instances_as_other() -> None:
     lines = table.splitlines()
     assert lines[0].split()[-3:] == ["i0", "i1", "other"]
     assert lines[2].split()[-3:] == ["4", "0", "6"]
+
+
+def _row(policy: str, ttft_p99_s: float, e2e_p99_s: float) -> PolicySummary:
+    return PolicySummary(policy, 10, 0, 1.0, 0.5, ttft_p99_s, 2.0, e2e_p99_s, {})
+
+
+def test_comparison_ratios_against_the_best_baseline() -> None:
+    from bench.report import format_comparison
+
+    text = format_comparison([_row("astrolabe", 1.0, 6.0), _row("round-robin", 4.0, 5.0),
+                              _row("least-requests", 2.0, 8.0)], "astrolabe")
+    rows = {line.split()[0] + " " + line.split()[1]: line.split() for line in text.splitlines()[2:7]}
+    assert rows["TTFT p99"][-2:] == ["least-requests", "0.50x"]  # 1.0 / 2.0
+    assert rows["E2E p99"][-2:] == ["round-robin", "1.20x"]  # 6.0 / 5.0
+    assert rows["TTFT mean"][-1] == "1.00x"
+
+
+def test_comparison_needs_both_sides() -> None:
+    from bench.report import format_comparison
+
+    assert "no comparison" in format_comparison([_row("round-robin", 1, 1)], "astrolabe")
+    assert "no comparison" in format_comparison([_row("astrolabe", 1, 1)], "astrolabe")
+
+
+def test_costs_per_request() -> None:
+    from bench.report import ControlPlaneCost, format_costs
+
+    text = format_costs([ControlPlaneCost("astrolabe", 200, 400, 3, 1.5, 0.8),
+                         ControlPlaneCost("round-robin", 200, 0, 0, 0.5, 0.1)])
+    astro = text.splitlines()[2].split()
+    assert astro == ["astrolabe", "2.00", "3", "7.50", "4.00"]
+    assert text.splitlines()[3].split()[1:3] == ["0.00", "0"]
