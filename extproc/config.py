@@ -3,7 +3,8 @@
 Example (every key but ``endpoints`` is optional; defaults shown)::
 
     listen: 127.0.0.1:9002          # gRPC address of the ExternalProcessor service
-    policy: astrolabe               # astrolabe | random | round-robin | least-requests
+    policy: astrolabe               # astrolabe | random | round-robin | least-requests | min-qpm | infaas |
+                                    # llumnix | gie
     policy_params: {}               # typed per policy, e.g. {k: 2, metric: e2e} for astrolabe
     output_length:                  # predicted output tokens sent to predictors (extproc/lengths.py)
       source: fixed                 # fixed | oracle | tagger
@@ -19,6 +20,8 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
     grace_period_s: 10.0            # shutdown drains in-flight streams for at most this long
     metrics_listen: null            # host:port for Prometheus /metrics (null = off)
     reload_interval_s: 1.0          # how often the file is checked for changes (endpoints reload live)
+    metrics_interval_s: 0.05        # endpoint /metrics scrape interval (only for infaas | llumnix | gie)
+    metrics_staleness_s: 2.0        # an older scrape counts as missing (GIE's default)
     health_check:                   # active HTTP health checks of the endpoints
       enabled: true
       path: /health
@@ -98,6 +101,8 @@ class ExtprocConfig:
     grace_period_s: float = 10.0
     metrics_listen: str | None = None
     reload_interval_s: float = 1.0
+    metrics_interval_s: float = 0.05
+    metrics_staleness_s: float = 2.0
     health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig)
     output_length: OutputLengthConfig = field(default_factory=OutputLengthConfig)
     predictor_client: PredictorClientConfig = field(default_factory=PredictorClientConfig)
@@ -230,6 +235,10 @@ def parse_config(raw: object) -> ExtprocConfig:
         grace_period_s=float(_typed(raw, "grace_period_s", (int, float), "<root>", d.grace_period_s)),
         reload_interval_s=_positive(float(_typed(raw, "reload_interval_s", (int, float), "<root>",
                                                  d.reload_interval_s)), "reload_interval_s"),
+        metrics_interval_s=_positive(float(_typed(raw, "metrics_interval_s", (int, float), "<root>",
+                                                  d.metrics_interval_s)), "metrics_interval_s"),
+        metrics_staleness_s=_positive(float(_typed(raw, "metrics_staleness_s", (int, float), "<root>",
+                                                   d.metrics_staleness_s)), "metrics_staleness_s"),
         health_check=_flat_section(raw.get("health_check"), HealthCheckConfig, "health_check"),
         output_length=_flat_section(raw.get("output_length"), OutputLengthConfig, "output_length"),
         predictor_client=_flat_section(raw.get("predictor_client"), PredictorClientConfig, "predictor_client"),

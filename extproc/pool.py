@@ -8,6 +8,7 @@ traffic: a request already routed keeps its destination, and its release still f
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Sequence
 
@@ -29,6 +30,8 @@ class EndpointPool:
         self._endpoints: tuple[EndpointConfig, ...] = ()
         self._healthy: dict[str, bool] = {}
         self._in_flight: dict[str, int] = {}
+        # Dispatch times (router's monotonic clock, seconds) per address, oldest first, for min-qpm.
+        self._dispatch_times_s: dict[str, collections.deque[float]] = {}
         self.replace(endpoints)
 
     @property
@@ -43,6 +46,7 @@ class EndpointPool:
         self._healthy = {a: self._healthy.get(a, True) for a in addresses}
         # Counters of removed endpoints stay until their requests end (release drops them at zero).
         self._in_flight = {a: n for a, n in self._in_flight.items() if a in addresses or n > 0}
+        self._dispatch_times_s = {a: t for a, t in self._dispatch_times_s.items() if a in addresses}
         self._endpoints = new
 
     def set_healthy(self, address: str, healthy: bool) -> None:
@@ -66,6 +70,20 @@ class EndpointPool:
             self._in_flight[address] = max(remaining, 0)
         else:
             self._in_flight.pop(address, None)
+
+    def record_dispatch(self, address: str, now_s: float) -> None:
+        """Notes that this replica dispatched a request to ``address`` at ``now_s`` (monotonic seconds)."""
+        self._dispatch_times_s.setdefault(address, collections.deque()).append(now_s)
+
+    def num_dispatched_since(self, address: str, since_s: float) -> int:
+        """Dispatches to ``address`` at or after ``since_s``; older records are dropped (callers ask with a
+        non-decreasing ``since_s`` per window, so nothing still needed is lost)."""
+        times_s = self._dispatch_times_s.get(address)
+        if not times_s:
+            return 0
+        while times_s and times_s[0] < since_s:
+            times_s.popleft()
+        return len(times_s)
 
     def serving(self, model: str | None) -> list[EndpointConfig]:
         """Endpoints (healthy or not) that serve ``model``; all of them when ``model`` is None."""

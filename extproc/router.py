@@ -102,8 +102,10 @@ class Router:
         if self.policy.needs_predictions:
             decision = await self._route_predicted(request, views)
         else:
-            chosen = self.policy.choose(request, views) or self._fallback.choose(request, views)
-            decision = Decision(chosen.address, self.policy.TYPE, request.request_id)
+            chosen, policy_name = self.policy.choose(request, views), self.policy.TYPE
+            if chosen is None:  # e.g. a metrics policy with no fresh scrape of any endpoint
+                chosen, policy_name = self._fallback.choose(request, views), self._fallback.TYPE
+            decision = Decision(chosen.address, policy_name, request.request_id)
         self.pool.acquire(decision.destination)
         self.pool.record_dispatch(decision.destination, self._clock())
         self.metrics.routing_seconds.observe(time.monotonic() - start_s)

@@ -19,7 +19,6 @@ import dataclasses
 import hashlib
 import logging
 import random
-import signal
 from pathlib import Path
 
 import grpc
@@ -27,8 +26,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
+from astrolabe.lifecycle import wait_for_termination
 from extproc import wire
 from extproc.config import ConfigError, ExtprocConfig, load_config
+from extproc.endpoint_metrics import MetricsScraper
 from extproc.lengths import OutputLengthEstimator
 from extproc.metrics import ExtprocMetrics
 from extproc.predictor_client import PredictorClient
@@ -136,8 +137,12 @@ class ExtprocServer:
         policy = build_policy(config.policy, config.policy_params, rng)
         self.metrics = ExtprocMetrics(self.pool)
         self.predictors = PredictorClient(config.predictor_client)
+        # Only load-based policies read engine metrics; the others never scrape the backends.
+        self.endpoint_metrics = (MetricsScraper(self.pool, config.metrics_interval_s, config.metrics_staleness_s)
+                                 if policy.needs_metrics else None)
         self.router = Router(self.pool, policy, self.metrics, self.predictors,
-                             OutputLengthEstimator(config.output_length, _load_tagger(config)), rng)
+                             OutputLengthEstimator(config.output_length, _load_tagger(config)), rng,
+                             endpoint_metrics=self.endpoint_metrics)
         if policy.needs_predictions and not any(e.predictor for e in config.endpoints):
             logger.warning("policy %r needs predictor sidecars but no endpoint names one: every request "
                            "falls back to least-requests", config.policy)
@@ -182,6 +187,8 @@ class ExtprocServer:
             await self._checker.first_round_done.wait()
         if self._watcher:
             self._tasks.append(asyncio.create_task(self._watcher.run(), name="config-watch"))
+        if self.endpoint_metrics is not None:
+            self._tasks.append(asyncio.create_task(self.endpoint_metrics.run(), name="endpoint-metrics"))
         await self._set_serving(True)
         logger.info("extproc listening on %s (port %d), policy %s, %d endpoints",
                     self.config.listen, self.port, self.config.policy, len(self.pool.endpoints))
@@ -205,12 +212,8 @@ class ExtprocServer:
 async def serve(config: ExtprocConfig, config_path: Path | None) -> None:
     """Runs until SIGTERM or SIGINT, then shuts down gracefully."""
     server = ExtprocServer(config, config_path)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await server.start()
-    await stop.wait()
+    await wait_for_termination()
     logger.info("shutdown requested: draining for at most %.1f s", config.grace_period_s)
     await server.stop()
 

@@ -16,13 +16,13 @@ import contextlib
 import dataclasses
 import json
 import logging
-import signal
 import time
 
 import aiohttp
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from astrolabe.lifecycle import wait_for_termination
 from predictor.api import pb, pb_grpc
 from predictor.backend_metrics import MetricsFormatError, parse_vllm_metrics
 from predictor.ledger import Ledger
@@ -208,13 +208,10 @@ class Sidecar:
 
 
 async def serve(config: SidecarConfig) -> None:
+    """Runs the sidecar until SIGTERM or SIGINT."""
     sidecar = Sidecar(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await sidecar.start()
-    await stop.wait()
+    await wait_for_termination()
     await sidecar.stop()
 
 

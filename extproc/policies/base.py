@@ -32,6 +32,30 @@ class Prediction:
 
 
 @dataclass(frozen=True, slots=True)
+class EndpointMetrics:
+    """An endpoint's last scraped engine metrics (vLLM ``/metrics`` gauges), as load-based policies read them.
+
+    Attributes:
+        num_requests_running: ``vllm:num_requests_running``.
+        num_requests_waiting: ``vllm:num_requests_waiting``.
+        kv_cache_usage_frac: ``vllm:kv_cache_usage_perc``, a fraction in [0, 1].
+        num_free_blocks: free KV blocks, (1 - kv_cache_usage_frac) * num_gpu_blocks, rounded down.
+        num_gpu_blocks: KV blocks of the instance (``vllm:cache_config_info``); 0 when the backend does not say.
+        num_waiting_prompt_blocks: KV blocks the waiting requests' prompts need; None when unknown (vLLM's
+            /metrics does not export it; only an in-engine exporter or the cluster simulator knows it).
+        age_s: seconds between the scrape and the moment the policy reads it.
+    """
+
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage_frac: float
+    num_free_blocks: int
+    num_gpu_blocks: int
+    num_waiting_prompt_blocks: int | None = None
+    age_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class EndpointView:
     """A routable endpoint as policies see it.
 
@@ -40,24 +64,34 @@ class EndpointView:
         num_in_flight: requests this extproc replica routed there whose ext_proc stream has not ended yet.
         predictor: ``host:port`` of its predictor sidecar, or None.
         prediction: the sidecar's prediction for the request being routed; None when not asked or failed.
+        metrics: the endpoint's scraped metrics when the policy ``needs_metrics`` and a fresh scrape exists;
+            None otherwise (not scraped, scrape failed, or older than the staleness limit).
+        num_recent_requests: requests this replica dispatched there within the policy's ``recent_window_s``.
     """
 
     address: str
     num_in_flight: int = 0
     predictor: str | None = None
     prediction: Prediction | None = None
+    metrics: EndpointMetrics | None = None
+    num_recent_requests: int = 0
 
 
 class Policy(abc.ABC):
     """Chooses one endpoint for a request. Subclasses set ``TYPE`` (the registry name).
 
-    A policy that sets ``needs_predictions`` works in two steps around the router's I/O: ``candidates`` picks
+    A policy that sets ``needs_metrics`` gets ``EndpointView.metrics`` filled (None for an endpoint without a
+    fresh scrape; such a policy must never fail on None). A policy that sets ``needs_predictions`` works in two steps around the router's I/O: ``candidates`` picks
     the endpoints whose sidecars are asked, the router fills ``EndpointView.prediction`` for them, and
     ``choose`` gets those candidates back.
     """
 
     TYPE: ClassVar[str]
     needs_predictions: ClassVar[bool] = False
+    needs_metrics: ClassVar[bool] = False
+    """True when ``choose`` reads ``EndpointView.metrics`` (the extproc then starts its metrics scraper)."""
+    recent_window_s: float = 60.0
+    """Window of ``EndpointView.num_recent_requests``, seconds (only ``min-qpm`` reads it)."""
 
     def candidates(self, request: RoutingRequest, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
         """The endpoints ``choose`` will consider (default: all of them). Same contract for ``endpoints``."""

@@ -6,7 +6,7 @@ import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from extproc.policies import least_requests, power_of_k, random_choice, round_robin
+from extproc.policies import gie, infaas, least_requests, llumnix, min_qpm, power_of_k, random_choice, round_robin
 from extproc.policies.base import Policy
 
 _FACTORIES: dict[str, Callable[[Mapping[str, Any], random.Random], Policy]] = {
@@ -14,6 +14,10 @@ _FACTORIES: dict[str, Callable[[Mapping[str, Any], random.Random], Policy]] = {
     random_choice.TYPE: random_choice.build,
     round_robin.TYPE: round_robin.build,
     least_requests.TYPE: least_requests.build,
+    min_qpm.TYPE: min_qpm.build,
+    infaas.TYPE: infaas.build,
+    llumnix.TYPE: llumnix.build,
+    gie.TYPE: gie.build,
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)

@@ -19,7 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def test_defaults_meet_the_documented_sizing() -> None:
     cfg = demo._parse_args([])
     assert cfg.num_instances == 4
-    assert cfg.policies == ("random", "round-robin", "least-requests")
+    assert cfg.policies == ("astrolabe", "round-robin", "least-requests")
     assert cfg.num_requests >= 300
     assert (cfg.load, cfg.rate_qps, cfg.body_mode) == (0.85, None, "full-duplex")
 
@@ -80,26 +80,34 @@ def _started_pids(stderr: str) -> list[int]:
 @pytest.mark.slow
 def test_quick_demo_end_to_end(tmp_path: Path) -> None:
     argv = [
-        "--num-instances", "2", "--num-requests", "20", "--policies", "round-robin,least-requests",
+        "--num-instances", "2", "--num-requests", "20", "--policies", "astrolabe,round-robin,least-requests",
         "--no-progress", "--log-dir", str(tmp_path),
     ]
-    done = _run_demo(argv, timeout_s=150)
+    done = _run_demo(argv, timeout_s=200)
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-5000:]}"
     lines = done.stdout.splitlines()
     assert any(line.startswith("time: emulated H200 step times x") for line in lines)
-    rows = {cells[0]: cells for cells in map(str.split, lines) if cells[:1] in (["round-robin"], ["least-requests"])}
-    assert set(rows) == {"round-robin", "least-requests"}
+    policies = (["astrolabe"], ["round-robin"], ["least-requests"])
+    rows = {}
+    for cells in map(str.split, lines):  # the first row of each policy is the latency table's
+        if cells[:1] in policies and cells[0] not in rows:
+            rows[cells[0]] = cells
+    assert set(rows) == {"astrolabe", "round-robin", "least-requests"}
     for cells in rows.values():
         # policy, requests, errors, 5 latencies, then one count per instance.
         assert cells[1:3] == ["20", "0"]
         assert sum(int(n) for n in cells[8:10]) == 20
     # Round robin alternates between the two instances.
     assert rows["round-robin"][8:10] == ["10", "10"]
+    # the comparison with the best baseline and the control-plane cost follow the table
+    assert any(line.startswith("TTFT p99 ") and line.endswith("x") for line in lines)
+    costs = [cells for cells in map(str.split, lines) if cells[:1] == ["astrolabe"]][-1]
+    assert costs[1] == "2.00"  # two predictions per request (k = 2, both instances)
     pids = _started_pids(done.stderr)
-    assert len(pids) == 2 + 2 * 2  # emulators, then extproc + Envoy per policy
+    assert len(pids) == 2 + 2 + 3 * 2  # emulators, sidecars, then extproc + Envoy per policy
     assert not [pid for pid in pids if pid_alive(pid)]
     assert {p.name for p in tmp_path.glob("results-*.jsonl")} == {
-        "results-round-robin.jsonl", "results-least-requests.jsonl"
+        "results-astrolabe.jsonl", "results-round-robin.jsonl", "results-least-requests.jsonl"
     }
 
 

@@ -70,3 +70,26 @@ def test_unreadable_and_invalid_yaml(tmp_path):
 def test_ip_port_normalised():
     assert parse_ip_port("[0:0::1]:80", "x") == "[::1]:80"
     assert parse_ip_port("127.0.0.1:0080", "x") == "127.0.0.1:80"
+
+
+@pytest.mark.parametrize(
+    "extra, interval_s, staleness_s",
+    [({}, 0.05, 2.0), ({"metrics_interval_s": 0.2, "metrics_staleness_s": 5}, 0.2, 5.0)],
+    ids=["defaults-as-gie", "set"],
+)
+def test_metrics_scrape_keys(extra, interval_s, staleness_s):
+    config = parse_config({**GOOD, "policy": "gie", **extra})
+    assert (config.metrics_interval_s, config.metrics_staleness_s) == (interval_s, staleness_s)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [({"metrics_interval_s": 0}, "metrics_interval_s: must be > 0"),
+     ({"metrics_staleness_s": -1}, "metrics_staleness_s: must be > 0"),
+     ({"metrics_interval_s": "fast"}, "metrics_interval_s: expected"),
+     ({"policy": "gie", "policy_params": {"prefix_weight": 3}}, "policy: policy 'gie': unknown parameter")],
+    ids=["zero-interval", "negative-staleness", "string-interval", "gie-bad-param"],
+)
+def test_metrics_scrape_key_errors(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config({**GOOD, **extra})

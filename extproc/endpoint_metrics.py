@@ -1,0 +1,112 @@
+"""Scrapes every endpoint's vLLM ``/metrics`` at an interval, for the policies that read engine load.
+
+Owns ``MetricsScraper``: one background task that GETs ``http://<address>/metrics`` of every configured endpoint
+every ``interval_s`` (GIE's default refresh is 50 ms), parses it with ``predictor.backend_metrics`` (the
+project's only vLLM /metrics parser) and keeps the last good scrape per endpoint with its ``time.monotonic()``
+time. ``get(address)`` returns it as an ``EndpointMetrics`` only while it is younger than ``staleness_s``
+(GIE: 2 s); otherwise None, and the policies treat that endpoint as unknown.
+Started by ``extproc.server`` only when the configured policy sets ``needs_metrics``.
+
+NOTE: derived fields. ``num_free_blocks = floor((1 - kv_cache_usage_frac) * num_gpu_blocks)`` with
+``num_gpu_blocks`` from ``vllm:cache_config_info`` (0 when the backend does not export it, so free blocks read
+0). ``num_waiting_prompt_blocks`` is always None: vLLM exports no per-request queue detail, and the router's
+own dispatch records cannot tell which of its requests are still waiting; ``llumnix`` then counts it as 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import aiohttp
+
+from extproc.policies.base import EndpointMetrics
+from extproc.pool import EndpointPool
+from predictor.backend_metrics import MetricsFormatError, parse_vllm_metrics
+from predictor.ledger import BackendObservation
+
+logger = logging.getLogger(__name__)
+
+
+def to_endpoint_metrics(observation: BackendObservation, age_s: float) -> EndpointMetrics:
+    """Converts a parsed scrape into what policies read (see the module NOTE for derived fields)."""
+    num_gpu_blocks = observation.num_gpu_blocks or 0
+    usage_frac = min(max(observation.kv_cache_usage_frac, 0.0), 1.0)
+    return EndpointMetrics(
+        num_requests_running=observation.num_running,
+        num_requests_waiting=observation.num_waiting,
+        kv_cache_usage_frac=usage_frac,
+        num_free_blocks=math.floor((1.0 - usage_frac) * num_gpu_blocks + 1e-9),
+        num_gpu_blocks=num_gpu_blocks,
+        num_waiting_prompt_blocks=None,
+        age_s=age_s,
+    )
+
+
+class MetricsScraper:
+    """Polls ``/metrics`` of every endpoint in ``pool``.
+
+    Args:
+        pool: whose endpoints are scraped (re-read every round, so config reloads apply).
+        interval_s: seconds between the starts of two rounds (> 0).
+        staleness_s: a scrape older than this many seconds reads as None (> 0).
+        timeout_s: deadline of one scrape, seconds; default: ``staleness_s``.
+        clock: monotonic clock in seconds (injected for tests).
+
+    Raises:
+        ValueError: a non-positive interval, staleness or timeout.
+    """
+
+    def __init__(self, pool: EndpointPool, interval_s: float = 0.05, staleness_s: float = 2.0,
+                 timeout_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        timeout_s = staleness_s if timeout_s is None else timeout_s
+        if not (interval_s > 0 and staleness_s > 0 and timeout_s > 0):
+            raise ValueError("interval_s, staleness_s and timeout_s must be > 0")
+        self._pool = pool
+        self.interval_s = interval_s
+        self.staleness_s = staleness_s
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self._last: dict[str, tuple[float, BackendObservation]] = {}
+        self.num_failures = 0
+
+    def get(self, address: str) -> EndpointMetrics | None:
+        """The last good scrape of ``address`` if younger than ``staleness_s``, else None."""
+        entry = self._last.get(address)
+        if entry is None:
+            return None
+        age_s = self._clock() - entry[0]
+        if age_s > self.staleness_s:
+            return None
+        return to_endpoint_metrics(entry[1], age_s)
+
+    async def _scrape(self, session: aiohttp.ClientSession, address: str) -> None:
+        try:
+            async with session.get(f"http://{address}/metrics") as response:
+                if response.status != 200:
+                    raise MetricsFormatError(f"HTTP {response.status}")
+                text = await response.text()
+            self._last[address] = (self._clock(), parse_vllm_metrics(text))
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, MetricsFormatError) as exc:
+            # The previous scrape stays until it goes stale; failures are counted, not raised.
+            self.num_failures += 1
+            logger.debug("metrics scrape of %s failed: %s", address, exc)
+
+    async def run_once(self, session: aiohttp.ClientSession) -> None:
+        """Scrapes every endpoint once, concurrently; forgets endpoints no longer configured."""
+        addresses = [e.address for e in self._pool.endpoints]
+        for gone in set(self._last) - set(addresses):
+            del self._last[gone]
+        await asyncio.gather(*(self._scrape(session, a) for a in addresses))
+
+    async def run(self) -> None:
+        """Runs until cancelled."""
+        timeout = aiohttp.ClientTimeout(total=self._timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                start_s = self._clock()
+                await self.run_once(session)
+                await asyncio.sleep(max(0.0, self.interval_s - (self._clock() - start_s)))
