@@ -60,12 +60,12 @@ class ParsedRequest:
         num_prompt_token_ids: number of prompt token ids when the prompt was given as ids, else None.
         max_tokens: requested output cap in tokens, or None (chat without a cap: up to the context limit).
         stream: send SSE events instead of one JSON body.
-        include_usage: ``stream_options.include_usage`` (usage is always sent in the final chunk anyway).
+        include_usage: ``stream_options.include_usage``: a last chunk with empty ``choices`` carries ``usage``.
         ignore_eos: vLLM extension; generate exactly ``max_tokens`` tokens.
     """
 
     is_chat: bool
-    model: str
+    model: str | None
     prompt_text: str | None
     num_prompt_token_ids: int | None
     max_tokens: int | None
@@ -153,9 +153,7 @@ def parse_request(raw_body: bytes, is_chat: bool) -> ParsedRequest:
         raise ApiError(400, f"invalid JSON body: {exc}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    model = _check_type(body, "model", (str,), None)
-    if model is None:
-        raise ApiError(400, "'model' is required", param="model")
+    model = _check_type(body, "model", (str,), None)  # None: the served model, as vLLM does
     if _check_type(body, "n", (int,), 1) != 1:
         raise ApiError(400, "only n=1 is supported by the emulator", param="n")
     stream = _check_type(body, "stream", (bool,), False)
@@ -207,7 +205,7 @@ class ResponseShaper:
 
     is_chat: bool
     response_id: str
-    model: str
+    model: str | None
     created: int
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -227,19 +225,24 @@ class ResponseShaper:
         out["usage"] = usage
         return out
 
-    def sse_chunk(self, text: str, first: bool, finish_reason: str | None = None,
-                  usage: dict[str, int] | None = None) -> bytes:
+    def sse_chunk(self, text: str, first: bool, finish_reason: str | None = None) -> bytes:
         """One SSE event ``data: {json}\\n\\n``; the chat delta of the ``first`` chunk carries the role."""
         if self.is_chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            out = self._envelope("chat.completion.chunk", [choice])
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            out = self._envelope("text_completion", [choice])
-        if usage is not None:
-            out["usage"] = usage
-        return b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n"
+            return _sse(self._envelope("chat.completion.chunk", [choice]))
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return _sse(self._envelope("text_completion", [choice]))
+
+    def sse_usage_chunk(self, usage: dict[str, int]) -> bytes:
+        """The chunk vLLM sends last when ``stream_options.include_usage`` is set: no choices, only ``usage``."""
+        out = self._envelope("chat.completion.chunk" if self.is_chat else "text_completion", [])
+        out["usage"] = usage
+        return _sse(out)
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -130,7 +130,7 @@ class _Instance:
                 never hold the request.
         """
         cfg = self.config
-        if parsed.model != cfg.served_model_name:
+        if parsed.model is not None and parsed.model != cfg.served_model_name:
             raise ApiError(404, f"The model `{parsed.model}` does not exist.", param="model")
         if parsed.num_prompt_token_ids is not None:
             num_prompt_tokens = parsed.num_prompt_token_ids
@@ -170,7 +170,7 @@ async def _generate(request: web.Request, is_chat: bool) -> web.StreamResponse:
     shaper = ResponseShaper(is_chat, request_id, instance.config.served_model_name, int(time.time()))
     try:
         if parsed.stream:
-            return await _stream(request, handle, shaper)
+            return await _stream(request, handle, shaper, parsed.include_usage)
         while handle.finish_reason is None:
             await handle.wait_progress(0)
         if handle.finish_reason == "abort":
@@ -185,8 +185,10 @@ async def _generate(request: web.Request, is_chat: bool) -> web.StreamResponse:
             instance.engine.abort(request_id)
 
 
-async def _stream(request: web.Request, handle: RequestHandle, shaper: ResponseShaper) -> web.StreamResponse:
-    """SSE: first token at once, then one event per ``stream_interval`` tokens, final event with usage."""
+async def _stream(request: web.Request, handle: RequestHandle, shaper: ResponseShaper,
+                  include_usage: bool) -> web.StreamResponse:
+    """SSE as vLLM sends it: first token at once, then one event per ``stream_interval`` tokens, the final event
+    with ``finish_reason``, then (``include_usage``) a usage-only chunk, then ``[DONE]``."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     num_sent = 0
@@ -198,9 +200,10 @@ async def _stream(request: web.Request, handle: RequestHandle, shaper: ResponseS
                 break
             num_generated = handle.num_generated_tokens
             if reason is not None:
-                usage = usage_json(handle.sim.num_prompt_tokens, num_generated)
-                await response.write(shaper.sse_chunk(generated_text(num_sent, num_generated), num_sent == 0,
-                                                      reason, usage) + SSE_DONE)
+                final = shaper.sse_chunk(generated_text(num_sent, num_generated), num_sent == 0, reason)
+                if include_usage:
+                    final += shaper.sse_usage_chunk(usage_json(handle.sim.num_prompt_tokens, num_generated))
+                await response.write(final + SSE_DONE)
                 break
             if num_generated > num_sent:
                 await response.write(shaper.sse_chunk(generated_text(num_sent, num_generated), num_sent == 0))

@@ -43,7 +43,7 @@ def test_prompt_forms(prompt: object, text: str | None, num_ids: int | None) -> 
     [
         (b"{not json", False, None),
         (b"[1, 2]", False, None),
-        (json.dumps({"prompt": "x"}).encode(), False, "model"),
+        (json.dumps({"prompt": "x", "model": 7}).encode(), False, "model"),
         (_body(prompt=["a", "b"]), False, "prompt"),
         (_body(prompt=[[1], [2]]), False, "prompt"),
         (_body(prompt=7), False, "prompt"),
@@ -58,7 +58,7 @@ def test_prompt_forms(prompt: object, text: str | None, num_ids: int | None) -> 
         (_body(messages=[{"content": "no role"}]), True, "messages"),
         (_body(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), True, "messages"),
     ],
-    ids=["bad-json", "not-object", "no-model", "batch-strings", "batch-ids", "int-prompt", "empty-prompt", "n2",
+    ids=["bad-json", "not-object", "model-not-string", "batch-strings", "batch-ids", "int-prompt", "empty-prompt", "n2",
          "max-tokens-str", "max-tokens-bool", "max-tokens-zero", "stream-str", "messages-str", "messages-empty",
          "message-no-role", "image-part"],
 )
@@ -121,5 +121,7 @@ def test_shapes(is_chat: bool) -> None:
         assert later["choices"][0]["delta"] == {"content": " en"}
     else:
         assert chunk["choices"][0]["text"] == " tok"
-    last = json.loads(shaper.sse_chunk("", first=False, finish_reason="stop", usage=usage)[6:])
-    assert last["usage"] == usage and last["choices"][0]["finish_reason"] == "stop"
+    last = json.loads(shaper.sse_chunk("", first=False, finish_reason="stop")[6:])
+    assert "usage" not in last and last["choices"][0]["finish_reason"] == "stop"
+    usage_only = json.loads(shaper.sse_usage_chunk(usage)[6:])
+    assert usage_only["usage"] == usage and usage_only["choices"] == []

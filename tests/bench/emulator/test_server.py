@@ -111,9 +111,11 @@ async def test_streaming_shape(path: str) -> None:
         events = sse_events(resp.text)
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
+        # vLLM with include_usage: the last chunk has no choices and carries usage
+        usage_chunk, chunks = chunks[-1], chunks[:-1]
+        assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 6
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-        assert chunks[-1]["usage"]["completion_tokens"] == 6
-        assert all("usage" not in c for c in chunks[:-1])
+        assert all("usage" not in c for c in chunks)
         assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
         if is_chat:
             assert chunks[0]["object"] == "chat.completion.chunk"
@@ -123,6 +125,14 @@ async def test_streaming_shape(path: str) -> None:
         else:
             text = "".join(c["choices"][0]["text"] for c in chunks)
         assert len(text.split()) == 6
+
+
+async def test_no_usage_chunk_without_include_usage_and_model_is_optional() -> None:
+    async with emulator() as client:
+        resp = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True})
+        events = sse_events(resp.text)
+        assert events[-1] == "[DONE]" and all("usage" not in json.loads(e) for e in events[:-1])
+        assert json.loads(events[-2])["model"] == MODEL
 
 
 async def test_stream_interval_coalesces_events() -> None:
