@@ -2,7 +2,9 @@
 
 For each size (requests waiting + running on the instance) it builds realistic instance states, times `predict`
 many times (`time.perf_counter`) and `predict_by_stepping` fewer times as the baseline in the same run, and
-prints a table: size, p50 / p99 milliseconds, mean simulated steps, for both, and the p50 speed-up.
+prints a table: size, p50 / p99 milliseconds, mean simulated steps, for both, the p50 speed-up, and p50 / p99 of
+`predict`'s CPU time (`time.thread_time`; on a shared machine wall-clock percentiles include time spent waiting
+for a core, CPU time does not). Every baseline call is checked to give the same result as `predict`.
 
 States: a Llama-2-7B (H200 profile) instance with the paper's limits (max_num_seqs 48, max_num_batched_tokens
 512, block size 16) and a 2,048-block KV cache (32 k tokens, so long requests also contend for blocks), driven in
@@ -22,7 +24,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from predictor.sim.batch_time import LinearBatchTimeModel
 from predictor.sim.engine import Engine
@@ -50,6 +52,7 @@ class SizeResult:
         predict_steps: Mean `schedule()` calls per `predict`.
         stepping_ms: Latencies of `predict_by_stepping`, milliseconds.
         stepping_steps: Mean steps per `predict_by_stepping`.
+        predict_cpu_ms: CPU time of each `predict` call (`time.thread_time`), milliseconds.
     """
 
     num_requests: int
@@ -57,6 +60,7 @@ class SizeResult:
     predict_steps: float
     stepping_ms: list[float]
     stepping_steps: float
+    predict_cpu_ms: list[float] = field(default_factory=list)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -129,10 +133,33 @@ def _timed(
     target: RequestState,
     model: LinearBatchTimeModel,
 ) -> tuple[float, Prediction]:
-    """(latency in milliseconds, result) of one call."""
+    """(wall-clock latency in milliseconds, result) of one call."""
+    latency_ms, _, prediction = _timed_cpu(fn, snapshot, target, model)
+    return latency_ms, prediction
+
+
+def _timed_cpu(
+    fn: Callable[[InstanceSnapshot, RequestState, LinearBatchTimeModel], Prediction],
+    snapshot: InstanceSnapshot,
+    target: RequestState,
+    model: LinearBatchTimeModel,
+) -> tuple[float, float, Prediction]:
+    """(wall-clock latency in milliseconds, CPU time of this thread in milliseconds, result) of one call."""
     start_s = time.perf_counter()
+    start_cpu_s = time.thread_time()
     prediction = fn(snapshot, target, model)
-    return (time.perf_counter() - start_s) * 1000.0, prediction
+    cpu_ms = (time.thread_time() - start_cpu_s) * 1000.0
+    return (time.perf_counter() - start_s) * 1000.0, cpu_ms, prediction
+
+
+def _same(a: Prediction, b: Prediction) -> bool:
+    """Same TTFT and E2E up to float rounding, same step and preemption counts."""
+    return (
+        math.isclose(a.ttft_s, b.ttft_s, rel_tol=1e-9)
+        and math.isclose(a.e2e_s, b.e2e_s, rel_tol=1e-9)
+        and a.num_steps == b.num_steps
+        and a.num_preemptions == b.num_preemptions
+    )
 
 
 def run_size(
@@ -148,6 +175,7 @@ def run_size(
     """Time `predict` num_predictions times and `predict_by_stepping` num_baseline times over num_states states."""
     states = [build_state(num_requests, lengths, rng, model) for _ in range(num_states)]
     predict_ms: list[float] = []
+    predict_cpu_ms: list[float] = []
     predict_steps: list[int] = []
     stepping_ms: list[float] = []
     stepping_steps: list[int] = []
@@ -155,17 +183,23 @@ def run_size(
         snapshot = states[i % num_states]
         num_prompt_tokens, num_output_tokens = rng.choice(lengths)
         target = RequestState(f"new{i}", num_prompt_tokens, num_output_tokens, snapshot.now_s)
-        latency_ms, prediction = _timed(predict, snapshot, target, model)
+        latency_ms, cpu_ms, prediction = _timed_cpu(predict, snapshot, target, model)
         predict_ms.append(latency_ms)
+        predict_cpu_ms.append(cpu_ms)
         predict_steps.append(prediction.num_steps_simulated)
         if i < num_baseline:
             latency_ms, reference = _timed(predict_by_stepping, snapshot, target, model)
             stepping_ms.append(latency_ms)
             stepping_steps.append(reference.num_steps_simulated)
-            if not math.isclose(reference.e2e_s, prediction.e2e_s, rel_tol=1e-9):
+            if not _same(reference, prediction):
                 raise AssertionError(f"predict and predict_by_stepping disagree: {prediction} vs {reference}")
     return SizeResult(
-        num_requests, predict_ms, statistics.fmean(predict_steps), stepping_ms, statistics.fmean(stepping_steps)
+        num_requests,
+        predict_ms,
+        statistics.fmean(predict_steps),
+        stepping_ms,
+        statistics.fmean(stepping_steps),
+        predict_cpu_ms,
     )
 
 
@@ -173,7 +207,8 @@ def format_table(results: Sequence[SizeResult]) -> str:
     """The printed table, one row per size."""
     header = (
         f"{'size':>5} | {'predict p50 ms':>14} {'p99 ms':>8} {'steps':>8} | "
-        f"{'stepping p50 ms':>15} {'p99 ms':>8} {'steps':>8} | {'speed-up p50':>12}"
+        f"{'stepping p50 ms':>15} {'p99 ms':>8} {'steps':>8} | {'speed-up p50':>12} | "
+        f"{'predict cpu p50 ms':>18} {'p99 ms':>8}"
     )
     lines = [header, "-" * len(header)]
     for r in results:
@@ -181,9 +216,14 @@ def format_table(results: Sequence[SizeResult]) -> str:
         s50, s99 = percentile(r.stepping_ms, 50), percentile(r.stepping_ms, 99)
         lines.append(
             f"{r.num_requests:>5} | {p50:>14.3f} {p99:>8.3f} {r.predict_steps:>8.1f} | "
-            f"{s50:>15.3f} {s99:>8.3f} {r.stepping_steps:>8.1f} | {s50 / p50:>11.1f}x"
+            f"{s50:>15.3f} {s99:>8.3f} {r.stepping_steps:>8.1f} | {s50 / p50:>11.1f}x | "
+            f"{_cpu_percentile(r, 50):>18.3f} {_cpu_percentile(r, 99):>8.3f}"
         )
     return "\n".join(lines)
+
+
+def _cpu_percentile(result: SizeResult, q: float) -> float:
+    return percentile(result.predict_cpu_ms, q) if result.predict_cpu_ms else math.nan
 
 
 def main(argv: list[str]) -> int:

@@ -9,9 +9,16 @@ drift from the backend's Prometheus gauges:
 
 - more requests on the backend (running + waiting) than in the ledger: the difference is added as *phantom*
   requests with the mean lengths of recent admissions;
-- fewer on the backend: requests leave the ledger, phantoms first, then those closest to finishing, but never
-  one admitted within ``visibility_grace_s`` (vLLM's gauges lag, and a burst of simultaneous dispatches must
-  see each other before the backend shows them).
+- fewer on the backend: requests leave the ledger, phantoms first, then the most overdue (furthest past their
+  predicted length: their Release was most likely lost), but never one admitted within ``visibility_grace_s``
+  (vLLM's gauges lag, and a burst of simultaneous dispatches must see each other before the backend shows them).
+
+A request the extproc admitted stays in the simulation until its Release arrives (or reconciliation removes
+it): the simulation never finishes it on its own, because only the predicted length is known, and a request
+that outlives its prediction is still occupying its instance. Predictions use ``snapshot()``, which restores
+each request's predicted output length; a request past it is assumed to need 10 more tokens
+(``predictor.sim.snapshot.NUM_EXTRA_OUTPUT_TOKENS_WHEN_OVERDUE``, the reference system's rule). Phantoms do
+finish at their (mean) length; reconciliation brings them back if the backend still shows them.
 
 NOTE: all methods take the current time explicitly (seconds on the caller's monotonic clock) and run on one
 thread (the sidecar's event loop).
@@ -22,7 +29,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import dataclasses
+
 from predictor.sim import BatchTimeModel, Engine, EngineConfig, SimRequest
+from predictor.sim.snapshot import InstanceSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +89,7 @@ class Ledger:
         self.engine = Engine(config, batch_time, now_s)
         self.visibility_grace_s = visibility_grace_s
         self._admitted_at_s: dict[str, float] = {}
+        self._predicted_output_tokens: dict[str, int] = {}
         self._mean_prompt_tokens = float(default_prompt_tokens)
         self._mean_output_tokens = float(default_output_tokens)
         self._num_phantoms = 0
@@ -92,7 +103,26 @@ class Ledger:
         """Runs the simulated instance up to ``now_s`` (a step in progress then completes)."""
         for step in self.engine.advance_to(now_s):
             for request in step.output.finished:
-                self._admitted_at_s.pop(request.request_id, None)
+                self._forget(request.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._admitted_at_s.pop(request_id, None)
+        self._predicted_output_tokens.pop(request_id, None)
+
+    def predicted_output_tokens(self, request_id: str) -> int | None:
+        """The predicted output length an admitted request came with, or None if it is not in the ledger."""
+        return self._predicted_output_tokens.get(request_id)
+
+    def snapshot(self) -> InstanceSnapshot:
+        """The state to predict from, at the ledger's clock, with every admitted request's predicted length."""
+        snap = InstanceSnapshot.from_scheduler(self.scheduler, self.engine.now_s)
+        predicted = self._predicted_output_tokens
+
+        def restore(states):
+            return tuple(dataclasses.replace(r, num_output_tokens=predicted[r.request_id])
+                         if r.request_id in predicted else r for r in states)
+
+        return dataclasses.replace(snap, waiting=restore(snap.waiting), running=restore(snap.running))
 
     def num_unfinished(self) -> int:
         return len(self.scheduler.running) + len(self.scheduler.waiting)
@@ -106,9 +136,14 @@ class Ledger:
         self.advance(now_s)
         if self.scheduler.get_request(request_id) is not None:
             return False
-        self.engine.add_request(SimRequest(request_id, max(num_prompt_tokens, 1), max(num_output_tokens, 1),
+        num_prompt_tokens, num_output_tokens = max(num_prompt_tokens, 1), max(num_output_tokens, 1)
+        config = self.scheduler.config
+        # Open-ended: as long as the KV cache could ever hold, so that only Release ends it.
+        num_open_ended_tokens = max(config.num_gpu_blocks * config.block_size - num_prompt_tokens, num_output_tokens)
+        self.engine.add_request(SimRequest(request_id, num_prompt_tokens, num_open_ended_tokens,
                                            arrival_time_s=max(now_s, self.engine.now_s)))
         self._admitted_at_s[request_id] = now_s
+        self._predicted_output_tokens[request_id] = num_output_tokens
         self._mean_prompt_tokens += _EMA_WEIGHT * (num_prompt_tokens - self._mean_prompt_tokens)
         self._mean_output_tokens += _EMA_WEIGHT * (num_output_tokens - self._mean_output_tokens)
         return True
@@ -116,7 +151,7 @@ class Ledger:
     def release(self, request_id: str, now_s: float) -> bool:
         """Removes a request that ended; returns False if it had already left the ledger."""
         self.advance(now_s)
-        self._admitted_at_s.pop(request_id, None)
+        self._forget(request_id)
         return self.scheduler.abort_request(request_id) is not None
 
     def reconcile(self, observed: BackendObservation, now_s: float) -> int:
@@ -154,12 +189,13 @@ class Ledger:
         if count <= 0:
             return 0
         candidates = [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.request_id not in protected]
-        # phantoms first, then whoever has the least left to generate (the ledger is most likely late on them)
+        predicted = self._predicted_output_tokens
+        # phantoms first, then the furthest past (or closest to) their predicted length
         candidates.sort(key=lambda r: (not r.request_id.startswith("phantom-"),
-                                       r.num_output_tokens - r.num_generated_tokens))
+                                       predicted.get(r.request_id, r.num_output_tokens) - r.num_generated_tokens))
         for request in candidates[:count]:
             self.scheduler.abort_request(request.request_id)
-            self._admitted_at_s.pop(request.request_id, None)
+            self._forget(request.request_id)
         removed = min(count, len(candidates))
         self.stats.num_requests_removed += removed
         return removed

@@ -28,7 +28,7 @@ from predictor.backend_metrics import MetricsFormatError, parse_vllm_metrics
 from predictor.ledger import Ledger
 from predictor.sim import EngineConfig, LinearBatchTimeModel
 from predictor.sim.predict import predict
-from predictor.sim.snapshot import InstanceSnapshot, RequestState
+from predictor.sim.snapshot import RequestState
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class Sidecar:
         self.ledger.advance(now_s)
         scheduler = self.ledger.scheduler
         # The ledger's clock may stand at the end of the step in progress, a little ahead of now.
-        snapshot = InstanceSnapshot.from_scheduler(scheduler, self.ledger.engine.now_s)
+        snapshot = self.ledger.snapshot()
         result = predict(snapshot, RequestState("new", num_prompt_tokens, num_output_tokens), self.batch_time)
         lag_s = self.ledger.engine.now_s - now_s
         return pb.PredictResponse(

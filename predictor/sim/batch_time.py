@@ -117,12 +117,30 @@ class LinearBatchTimeModel:
         """Execution time of `batch`, seconds; 0.0 for an empty batch (nothing runs)."""
         if not batch.num_scheduled_tokens:
             return 0.0
+        return self.step_time_from_counts_s(
+            batch.total_num_scheduled_tokens, batch.prefill_attention_work, batch.decode_context_tokens, batch.num_seqs
+        )
+
+    def step_time_from_counts_s(
+        self, num_tokens: int, prefill_attention_work: int, decode_context_tokens: int, num_seqs: int
+    ) -> float:
+        """Execution time of a non-empty step given its `ScheduledBatch` totals, seconds.
+
+        The one place the formula is evaluated (`step_time_s` and the fast predictor,
+        `predictor.sim.fast_predict`, both call it), so both give bit-identical times.
+
+        Args:
+            num_tokens: Scheduled tokens (`total_num_scheduled_tokens`).
+            prefill_attention_work: `ScheduledBatch.prefill_attention_work`, tokens².
+            decode_context_tokens: `ScheduledBatch.decode_context_tokens`, tokens.
+            num_seqs: Requests in the step (`ScheduledBatch.num_seqs`), >= 1.
+        """
         return (
             self.c0_s
-            + self.c1_s_per_token * batch.total_num_scheduled_tokens
-            + self.c2_s_per_token2 * batch.prefill_attention_work
-            + self.c3_s_per_token * batch.decode_context_tokens
-            + self.c4_s_per_seq * batch.num_seqs
+            + self.c1_s_per_token * num_tokens
+            + self.c2_s_per_token2 * prefill_attention_work
+            + self.c3_s_per_token * decode_context_tokens
+            + self.c4_s_per_seq * num_seqs
         )
 
     def decode_run_time_s(self, batch: ScheduledBatch, num_steps: int) -> float:
@@ -137,8 +155,17 @@ class LinearBatchTimeModel:
         """
         if num_steps < 1 or batch.num_prefill_tokens:
             raise ValueError("decode_run_time_s needs num_steps >= 1 and a decode-only batch")
-        growth_s = self.c3_s_per_token * batch.num_decode_seqs * (num_steps * (num_steps - 1) // 2)
-        return num_steps * self.step_time_s(batch) + growth_s
+        return self.decode_run_time_from_counts_s(batch.num_decode_seqs, batch.decode_context_tokens, num_steps)
+
+    def decode_run_time_from_counts_s(self, num_decode_seqs: int, decode_context_tokens: int, num_steps: int) -> float:
+        """`decode_run_time_s` from counts: num_steps steps of num_decode_seqs decodes (>= 1), the first with
+        decode_context_tokens context tokens, each later one with num_decode_seqs more, seconds.
+
+        Same closed form as `decode_run_time_s` (k·t₁ + c3·n·k(k-1)/2); num_steps >= 1 is not checked here.
+        """
+        first_s = self.step_time_from_counts_s(num_decode_seqs, 0, decode_context_tokens, num_decode_seqs)
+        growth_s = self.c3_s_per_token * num_decode_seqs * (num_steps * (num_steps - 1) // 2)
+        return num_steps * first_s + growth_s
 
     def to_json(self, path: str | Path) -> None:
         """Write the coefficients to a JSON file (one object, the attribute names as keys).

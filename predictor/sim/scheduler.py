@@ -13,6 +13,12 @@ Source: vllm/v1/core/sched/scheduler.py `Scheduler.schedule` and `Scheduler.upda
 - a step's tokens are applied when the caller calls `update_after_step` (vLLM advances
   `num_computed_tokens` at schedule time; the result after a step is the same).
 
+NOTE: a second implementation of these rules, specialised for fast prediction, is `predictor.sim.fast_predict`
+(event-driven; O(1)-O(log n) per event). It is verified against this class by the Hypothesis test
+`tests/predictor/sim/test_predict.py::test_predict_equals_stepping_and_leaves_state_unchanged` (>= 1000 random
+states and configurations: same TTFT/E2E, step and preemption counts as stepping this scheduler). A change to
+`schedule()` or `update_after_step()` must be mirrored there and pass that test.
+
 NOTE: invariants, asserted at the end of `schedule()` and checked by the property tests:
 - total scheduled tokens <= max_num_batched_tokens and len(running) <= max_num_seqs;
 - free + used blocks == num_gpu_blocks, and used blocks == sum over running requests of the blocks they hold;

@@ -99,7 +99,7 @@ async def test_output_estimate_is_capped_by_max_tokens(sidecars):
     try:
         await router.route(request(7, max_tokens=5))
         await asyncio.sleep(0.2)
-        assert only.ledger.scheduler.get_request("req-7").num_output_tokens == 5
+        assert only.ledger.predicted_output_tokens("req-7") == 5
     finally:
         await router.predictors.close()
 

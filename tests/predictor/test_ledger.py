@@ -23,14 +23,24 @@ def test_admit_release_and_duplicates():
     assert led.num_unfinished() == 0
 
 
-def test_requests_progress_and_finish_in_simulated_time():
+def test_admitted_requests_run_until_released_and_predict_with_their_predicted_length():
     led = ledger()
     led.admit("a", 10, 3, now_s=0.0)
-    led.advance(0.002)  # at least the prefill step has started
+    led.advance(0.5)  # ~80 steps of ~6 ms: far past the predicted 3 tokens, but no Release yet
+    (running,) = led.scheduler.running
+    assert running.num_generated_tokens > 3
+    (state,) = led.snapshot().running
+    assert state.num_output_tokens == 3  # the prediction's length; overdue -> 10 more tokens assumed
+    assert state.num_remaining_output_tokens == 10
+    assert led.release("a", now_s=0.5) and led.num_unfinished() == 0
+
+
+def test_phantoms_finish_on_their_own():
+    led = ledger()
+    led.reconcile(BackendObservation(num_running=1, num_waiting=0), now_s=0.0)
     assert led.num_unfinished() == 1
-    led.advance(10.0)  # a few steps of ~6 ms each: long finished
+    led.advance(60.0)
     assert led.num_unfinished() == 0
-    assert not led.release("a", now_s=10.0)  # finished in the simulation already
 
 
 def test_reconcile_adds_phantoms_for_requests_from_elsewhere():
@@ -54,6 +64,16 @@ def test_reconcile_removes_extra_requests_but_not_recent_ones():
     assert change == -2
     ids = {r.request_id for r in (*led.scheduler.running, *led.scheduler.waiting)}
     assert "recent" in ids and len(ids) == 2
+
+
+def test_reconcile_removes_the_most_overdue_first():
+    led = ledger(visibility_grace_s=0.0)
+    led.admit("short", 20, 2, now_s=0.0)
+    led.admit("long", 20, 400, now_s=0.0)
+    led.advance(0.3)
+    led.reconcile(BackendObservation(num_running=1, num_waiting=0), now_s=0.3)
+    ids = {r.request_id for r in (*led.scheduler.running, *led.scheduler.waiting)}
+    assert ids == {"long"}  # "short" is far past its prediction: its Release was most likely lost
 
 
 def test_reconcile_removes_phantoms_first():

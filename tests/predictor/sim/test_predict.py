@@ -1,4 +1,9 @@
-"""Tests for predictor.sim.predict and predictor.sim.snapshot: skip-ahead equals stepping, snapshots are copies."""
+"""Tests for predictor.sim.predict, predictor.sim.fast_predict and predictor.sim.snapshot.
+
+The guard of the fast path: `predict` (event-driven re-implementation of the scheduler in
+`predictor.sim.fast_predict`) must equal `predict_by_stepping` (the real `Scheduler`, one step at a time) on
+every generated state; snapshots are copies.
+"""
 
 from __future__ import annotations
 
@@ -84,7 +89,21 @@ def states(draw: st.DrawFn) -> tuple[InstanceSnapshot, RequestState]:
         dataclasses.replace(s, num_output_tokens=max(1, s.num_generated_tokens)) if late else s
         for s, late in zip(snapshot.running, overdue)
     )
-    snapshot = dataclasses.replace(snapshot, running=running)
+    # Some running requests hold extra blocks (a live vLLM snapshot may), while free blocks allow.
+    num_free_blocks = snapshot.num_free_blocks if draw(st.booleans()) else 0
+    padded = []
+    for state in running:
+        num_extra_blocks = min(num_free_blocks, draw(st.sampled_from([0, 0, 1, 3, 20])))
+        num_free_blocks -= num_extra_blocks
+        if num_extra_blocks:
+            num_held = blocks_for_tokens(state.num_computed_tokens, config.block_size) + num_extra_blocks
+            state = dataclasses.replace(state, num_blocks_held=num_held)
+        padded.append(state)
+    # Any running order is a valid live snapshot; shuffled orders put prefills before decodes, so the budget can
+    # run out before later decodes (never the case in states the scheduler reaches by itself).
+    if draw(st.booleans()):
+        padded = draw(st.permutations(padded))
+    snapshot = dataclasses.replace(snapshot, running=tuple(padded))
     target = RequestState("target", *target_lengths, arrival_time_s=snapshot.now_s)
     return snapshot, target
 
@@ -105,10 +124,67 @@ _OVERDUE = InstanceSnapshot(
 )
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Decodes behind two threshold-capped prefills get no budget in the first steps.
+_STARVED = InstanceSnapshot(
+    EngineConfig(max_num_seqs=6, max_num_batched_tokens=20, block_size=4, num_gpu_blocks=60,
+                 long_prefill_token_threshold=10),
+    now_s=0.0,
+    running=(RequestState("d0", 8, 30, num_computed_tokens=9, num_generated_tokens=2),
+             RequestState("p0", 60, 5, num_computed_tokens=20),
+             RequestState("p1", 70, 5, num_computed_tokens=10),
+             RequestState("d1", 5, 40, num_computed_tokens=7, num_generated_tokens=3),
+             RequestState("d2", 5, 40, num_computed_tokens=8, num_generated_tokens=4)),
+    waiting=(RequestState("w0", 20, 10),),
+)
+# The budget runs out among the decodes behind a long chunk: later prefills and decodes get nothing.
+_STARVED_PREFILLS = InstanceSnapshot(
+    EngineConfig(max_num_seqs=6, max_num_batched_tokens=12, block_size=4, num_gpu_blocks=80,
+                 long_prefill_token_threshold=10),
+    now_s=0.0,
+    running=(RequestState("p0", 40, 5, num_computed_tokens=8),
+             RequestState("d0", 6, 20, num_computed_tokens=7, num_generated_tokens=2),
+             RequestState("d1", 6, 20, num_computed_tokens=8, num_generated_tokens=3),
+             RequestState("p1", 30, 4, num_computed_tokens=4),
+             RequestState("p2", 25, 4, num_computed_tokens=4),
+             RequestState("d2", 3, 15, num_computed_tokens=4, num_generated_tokens=2)),
+)
+_STARVED_TAIL = InstanceSnapshot(
+    EngineConfig(max_num_seqs=4, max_num_batched_tokens=12, block_size=4, num_gpu_blocks=80,
+                 long_prefill_token_threshold=10),
+    now_s=0.0,
+    running=(RequestState("p0", 40, 5, num_computed_tokens=8),
+             RequestState("d0", 6, 20, num_computed_tokens=7, num_generated_tokens=2),
+             RequestState("d1", 6, 20, num_computed_tokens=8, num_generated_tokens=3),
+             RequestState("d2", 3, 15, num_computed_tokens=4, num_generated_tokens=2)),
+)
+# A recomputation (computed >= prompt) cut to one token by the budget counts as a decode in the batch.
+_RECOMPUTE_ONE = InstanceSnapshot(
+    EngineConfig(max_num_seqs=3, max_num_batched_tokens=3, block_size=2, num_gpu_blocks=40),
+    now_s=0.0,
+    running=(RequestState("d0", 4, 9, num_computed_tokens=5, num_generated_tokens=2),
+             RequestState("d1", 3, 9, num_computed_tokens=3, num_generated_tokens=1),
+             RequestState("r", 5, 12, num_computed_tokens=8, num_generated_tokens=6, num_preemptions=1)),
+)
+# Chunked prefill off: the head's whole prompt does not fit beside the decodes, so it waits for completions.
+_NO_ROOM_UNCHUNKED = InstanceSnapshot(
+    EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=4, num_gpu_blocks=60,
+                 enable_chunked_prefill=False),
+    now_s=1.0,
+    running=(RequestState("d0", 4, 6, num_computed_tokens=5, num_generated_tokens=2),
+             RequestState("d1", 3, 9, num_computed_tokens=3, num_generated_tokens=1)),
+    waiting=(RequestState("w", 31, 1),),
+)
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(states())
 @example((_TIGHT, RequestState("target", 3, 4)))
 @example((_OVERDUE, RequestState("target", 7, 12)))
+@example((_STARVED, RequestState("target", 9, 6)))
+@example((_STARVED_PREFILLS, RequestState("target", 5, 6)))
+@example((_STARVED_TAIL, RequestState("target", 5, 6)))
+@example((_RECOMPUTE_ONE, RequestState("target", 2, 3)))
+@example((_NO_ROOM_UNCHUNKED, RequestState("target", 2, 2)))
 def test_predict_equals_stepping_and_leaves_state_unchanged(case: tuple[InstanceSnapshot, RequestState]) -> None:
     snapshot, target = case
     before = dataclasses.replace(snapshot)
@@ -118,6 +194,7 @@ def test_predict_equals_stepping_and_leaves_state_unchanged(case: tuple[Instance
     assert snapshot == before
     event(f"preemptions: {min(slow.num_preemptions, 3)}")
     event(f"skipped: {fast.num_steps_simulated < fast.num_steps}")
+    event(f"extra blocks held: {any(s.num_blocks_held for s in snapshot.running)}")
 
 
 # ---- skip-ahead specifics -----------------------------------------------------------------------------------
@@ -138,6 +215,65 @@ def test_long_decode_run_is_skipped_not_stepped() -> None:
     _assert_same(fast, slow)
     assert fast.num_steps >= 300
     assert fast.num_steps_simulated < fast.num_steps // 5
+
+
+def _busy_snapshot(num_requests: int, num_gpu_blocks: int, seed: int) -> InstanceSnapshot:
+    """A full instance with the benchmark's limits: long queue, mixed progress, tight cache (preemptions)."""
+    import random
+
+    rng = random.Random(seed)
+    config = EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, block_size=16, num_gpu_blocks=num_gpu_blocks)
+    engine = Engine(config, LLAMA)
+    for i in range(num_requests):
+        engine.add_request(SimRequest(f"r{i}", rng.randint(1, 600), rng.randint(1, 300), 0.0))
+    for _ in range(rng.randint(20, 200)):
+        engine.step()
+    return InstanceSnapshot.from_scheduler(engine.scheduler, engine.now_s)
+
+
+@pytest.mark.parametrize(
+    ("num_requests", "num_gpu_blocks", "seed"),
+    [(40, 4096, 0), (40, 200, 1), (60, 120, 2), (30, 80, 3)],
+    ids=["roomy-cache", "tight-cache", "very-tight-cache", "thrashing-cache"],
+)
+def test_busy_instance_equals_stepping(num_requests: int, num_gpu_blocks: int, seed: int) -> None:
+    snapshot = _busy_snapshot(num_requests, num_gpu_blocks, seed)
+    target = RequestState("t", 150, 120)
+    fast = predict(snapshot, target, LLAMA)
+    slow = predict_by_stepping(snapshot, target, LLAMA)
+    _assert_same(fast, slow)
+    assert fast.num_steps_simulated < slow.num_steps_simulated
+    if num_gpu_blocks <= 120:
+        assert slow.num_preemptions > 0
+
+
+class _BatchOnlyLinearModel:
+    """LLAMA seen only through `step_time_s` and `decode_run_time_s` (no count-based pricing), so `predict`
+    takes the Scheduler-based skip-ahead path."""
+
+    def step_time_s(self, batch: ScheduledBatch) -> float:
+        return LLAMA.step_time_s(batch)
+
+    def decode_run_time_s(self, batch: ScheduledBatch, num_steps: int) -> float:
+        return LLAMA.decode_run_time_s(batch, num_steps)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_scheduler_path_for_models_without_count_pricing_equals_stepping(seed: int) -> None:
+    snapshot = _busy_snapshot(30, 150, seed)
+    model = _BatchOnlyLinearModel()
+    target = RequestState("t", 80, 60)
+    slow = predict_by_stepping(snapshot, target, model)
+    _assert_same(predict(snapshot, target, model), slow)
+    _assert_same(predict(snapshot, target, LLAMA), slow)  # the event-driven path agrees as well
+
+
+def test_step_time_from_counts_equals_step_time() -> None:
+    batch = ScheduledBatch({"a": 1, "b": 40, "c": 1}, num_prefill_tokens=40, prefill_attention_work=40 * 90,
+                           num_decode_seqs=2, decode_context_tokens=700)
+    assert LLAMA.step_time_from_counts_s(42, 40 * 90, 700, 3) == LLAMA.step_time_s(batch)
+    decodes = ScheduledBatch({"a": 1, "b": 1}, num_decode_seqs=2, decode_context_tokens=700)
+    assert LLAMA.decode_run_time_from_counts_s(2, 700, 9) == LLAMA.decode_run_time_s(decodes, 9)
 
 
 class _QuadraticDecodeModel:
@@ -236,6 +372,8 @@ def test_overdue_request_needs_ten_more_tokens() -> None:
 def test_invalid_snapshot_is_rejected(snapshot: InstanceSnapshot, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         snapshot.to_scheduler()
+    with pytest.raises(ValueError, match=message):
+        predict(snapshot, RequestState("t", 5, 5), LLAMA)
 
 
 def test_advance_decodes_refuses_a_run_that_finishes_a_request() -> None:
