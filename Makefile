@@ -24,14 +24,20 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # The transformer tagger's extra: torch FIRST from the local CPU wheel (never a CUDA build), then the rest.
-install-tagger: install
+# `make test` needs it (the transformer tagger's tests); `make demo` does not (it uses the light tagger).
+TAGGER_STAMP := $(VENV)/.installed-tagger
+
+install-tagger: $(TAGGER_STAMP)
+
+$(TAGGER_STAMP): $(STAMP)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q 'transformers>=4.40' safetensors
+	touch $(TAGGER_STAMP)
 
 demo: install
 	$(VENV)/bin/astrolabe demo $(ARGS)
 
-test: install
+test: install install-tagger
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:

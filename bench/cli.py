@@ -9,6 +9,7 @@ from astrolabe.cli import dispatch
 
 # benchmark name -> (module, one-line help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "tagger": ("bench.tagger_bench", "per-request latency of both length taggers at 1 and 16 concurrent"),
     "predictor": ("bench.predictor_bench", "latency of one prediction (predictor.sim.predict) versus instance size"),
     "cluster": ("bench.cluster", "dispatch policies on a simulated fleet in virtual time: capacity, P99 TTFT"),
 }

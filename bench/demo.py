@@ -75,8 +75,9 @@ class DemoConfig:
     progress: bool
     astrolabe_k: int = 2
     astrolabe_metric: str = "e2e"
-    output_length_source: str = "fixed"
+    output_length_source: str = "tagger"
     predict_timeout_s: float = 0.02
+    backend: str = "emulator"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,7 +91,8 @@ class TracePlan:
 
 
 def _parse_args(argv: Sequence[str]) -> DemoConfig:
-    p = argparse.ArgumentParser(prog="astrolabe demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="astrolabe demo", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--num-instances", type=int, default=4, help="emulated vLLM instances")
     p.add_argument("--policies", default="astrolabe,round-robin,least-requests",
                    help="comma-separated policy names (also: random); the first baselines are compared to astrolabe")
@@ -113,9 +115,11 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bars")
     p.add_argument("--astrolabe-k", type=int, default=2, help="astrolabe: instances probed per request")
     p.add_argument("--astrolabe-metric", choices=("e2e", "ttft"), default="e2e", help="astrolabe: compared figure")
-    p.add_argument("--output-length-source", choices=("fixed", "oracle", "tagger"), default="fixed",
+    p.add_argument("--output-length-source", choices=("fixed", "oracle", "tagger"), default="tagger",
                    help="predicted output tokens sent to sidecars (extproc output_length.source)")
     p.add_argument("--predict-timeout-s", type=float, default=0.02, help="deadline of one Predict call")
+    p.add_argument("--backend", choices=("emulator", "vllm"), default="emulator",
+                   help="vllm: at most 2 real vLLM servers (tiny model on CPU; make install-vllm), bench/demo_vllm.py")
     ns = p.parse_args(list(argv))
     policies = tuple(x.strip() for x in ns.policies.split(",") if x.strip())
     if not policies:
@@ -138,6 +142,11 @@ def plan_trace(cfg: DemoConfig) -> TracePlan:
     Raises:
         ValueError: the engine settings cannot serve some request of the trace.
     """
+    if cfg.backend == "vllm":
+        from bench import demo_vllm
+
+        trace, rate_qps = demo_vllm.plan_trace(cfg.num_requests, cfg.rate_qps, cfg.max_output_tokens, cfg.seed)
+        return TracePlan(trace, rate_qps, None, None)
     pairs = filter_pairs(load_sharegpt_pairs(), max_model_len=cfg.max_model_len)
     unit = build_trace(pairs, cfg.num_requests, 1.0, random.Random(cfg.seed), max_output_tokens=cfg.max_output_tokens)
     capacity_qps = instance_qps = None
@@ -265,7 +274,7 @@ def start_router(
         **({"policy_params": {"k": cfg.astrolabe_k, "metric": cfg.astrolabe_metric},
             "output_length": {"source": cfg.output_length_source},
             "predictor_client": {"predict_timeout_s": cfg.predict_timeout_s}} if policy == "astrolabe" else {}),
-        "endpoints": [{"address": a, "models": [MODEL], **({"predictor": sidecars[a]} if a in sidecars else {})}
+        "endpoints": [{"address": a, "models": [_model(cfg)], **({"predictor": sidecars[a]} if a in sidecars else {})}
                       for a in instances],
     }
     config_path = log_dir / f"extproc-{policy}.yaml"
@@ -328,6 +337,10 @@ def wait_idle(instances: Sequence[str], timeout_s: float = _IDLE_TIMEOUT_S) -> b
 
 def format_header(cfg: DemoConfig, plan: TracePlan, instances: Sequence[str]) -> str:
     """Lines stating the fleet, the time scale, the tokenizer and the trace that the table refers to."""
+    if cfg.backend == "vllm":
+        from bench import demo_vllm
+
+        return demo_vllm.header(len(instances), len(plan.trace), plan.rate_qps, cfg.seed)
     trace = plan.trace
     mean_prompt = statistics.fmean(r.num_prompt_tokens for r in trace)
     mean_output = statistics.fmean(r.num_output_tokens for r in trace)
@@ -366,9 +379,14 @@ def run_policies(cfg: DemoConfig, plan: TracePlan, log_dir: Path) -> int:
     """
     summaries, costs = [], []
     with ProcessGroup() as procs:
-        instances = start_emulators(procs, cfg, log_dir)
+        if cfg.backend == "vllm":
+            from bench import demo_vllm
+
+            instances, sidecars = demo_vllm.start_fleet(procs, cfg.num_instances, log_dir)
+        else:
+            instances = start_emulators(procs, cfg, log_dir)
+            sidecars = start_sidecars(procs, cfg, instances, log_dir) if "astrolabe" in cfg.policies else {}
         logger.info("instances ready: %s", ", ".join(instances))
-        sidecars = start_sidecars(procs, cfg, instances, log_dir) if "astrolabe" in cfg.policies else {}
         sidecar_pids = [p.pid for p in procs.processes if p.name.startswith("sidecar-")]
         for policy in cfg.policies:
             routers, base_url, metrics_url = start_router(procs, cfg, policy, instances, log_dir, sidecars)
@@ -376,7 +394,7 @@ def run_policies(cfg: DemoConfig, plan: TracePlan, log_dir: Path) -> int:
             try:
                 duration_s = plan.trace[-1].arrival_offset_s if plan.trace else 0.0
                 results = asyncio.run(replay(
-                    base_url, plan.trace, model=MODEL, request_timeout_s=cfg.request_timeout_s,
+                    base_url, plan.trace, model=_model(cfg), request_timeout_s=cfg.request_timeout_s,
                     overall_timeout_s=duration_s + 2 * cfg.request_timeout_s, progress=cfg.progress,
                     progress_desc=f"{policy:>14}",
                 ))
@@ -401,6 +419,11 @@ def run_policies(cfg: DemoConfig, plan: TracePlan, log_dir: Path) -> int:
         print(format_costs(costs))
         print(f"logs: {log_dir}")
     return 1 if any(s.num_errors for s in summaries) else 0
+
+
+def _model(cfg: DemoConfig) -> str:
+    """The served model name of the configured backend."""
+    return "tiny-llama" if cfg.backend == "vllm" else MODEL
 
 
 def _log_errors(policy: str, results: Sequence[RequestResult], log_dir: Path) -> None:

@@ -279,24 +279,39 @@ def filter_pairs(
     ]
 
 
-def arrival_offsets_s(num_requests: int, rate_qps: float, rng: random.Random, arrival: str = "poisson") -> list[float]:
+def arrival_offsets_s(
+    num_requests: int, rate_qps: float, rng: random.Random, arrival: str = "poisson", *, cv: float = 1.0
+) -> list[float]:
     """Send times of ``num_requests`` requests at mean rate ``rate_qps``.
 
     Args:
         num_requests: number of arrivals.
         rate_qps: mean arrival rate, requests per second (> 0).
-        rng: seeded source of randomness (used only for ``"poisson"``).
-        arrival: ``"poisson"`` (exponential gaps; the first request waits one gap too) or ``"uniform"``
-            (constant gap ``1 / rate_qps``, first at 0).
+        rng: seeded source of randomness (used for ``"poisson"`` and ``"gamma"``).
+        arrival: ``"poisson"`` (exponential gaps; the first request waits one gap too), ``"gamma"`` (Gamma
+            gaps with mean ``1 / rate_qps`` and coefficient of variation ``cv``: shape 1/cv², scale
+            cv²/rate_qps; cv > 1 is burstier than Poisson, cv = 1 is Poisson) or ``"uniform"`` (constant gap
+            ``1 / rate_qps``, first at 0).
+        cv: coefficient of variation (std / mean) of the gaps for ``"gamma"`` (> 0); ignored otherwise.
 
     Returns:
         Non-decreasing offsets in seconds from the start of the replay.
 
     Raises:
-        WorkloadError: ``rate_qps`` is not positive or ``arrival`` is unknown.
+        WorkloadError: ``rate_qps`` or ``cv`` is not positive, or ``arrival`` is unknown.
     """
     if not rate_qps > 0:
         raise WorkloadError(f"rate_qps must be > 0, got {rate_qps}")
+    if arrival == "gamma":
+        if not cv > 0:
+            raise WorkloadError(f"cv must be > 0, got {cv}")
+        shape = 1.0 / (cv * cv)
+        scale_s = cv * cv / rate_qps
+        offsets, t_s = [], 0.0
+        for _ in range(num_requests):
+            t_s += rng.gammavariate(shape, scale_s)
+            offsets.append(t_s)
+        return offsets
     if arrival == "poisson":
         offsets, t_s = [], 0.0
         for _ in range(num_requests):
@@ -305,7 +320,7 @@ def arrival_offsets_s(num_requests: int, rate_qps: float, rng: random.Random, ar
         return offsets
     if arrival == "uniform":
         return [i / rate_qps for i in range(num_requests)]
-    raise WorkloadError(f"arrival must be 'poisson' or 'uniform', got {arrival!r}")
+    raise WorkloadError(f"arrival must be 'poisson', 'gamma' or 'uniform', got {arrival!r}")
 
 
 def build_trace(
@@ -316,6 +331,7 @@ def build_trace(
     arrival: str = "poisson",
     *,
     max_output_tokens: int | None = None,
+    cv: float = 1.0,
 ) -> list[TraceRequest]:
     """Sample a replay trace from ``pairs``; the same seed gives the same trace.
 
@@ -326,8 +342,9 @@ def build_trace(
         num_requests: trace length (>= 0).
         rate_qps: mean arrival rate, requests per second (> 0).
         rng: seeded source of randomness for both sampling and arrivals.
-        arrival: ``"poisson"`` or ``"uniform"``, see :func:`arrival_offsets_s`.
+        arrival: ``"poisson"``, ``"gamma"`` or ``"uniform"``, see :func:`arrival_offsets_s`.
         max_output_tokens: if set, each request's output is clipped to this many tokens.
+        cv: coefficient of variation of the gaps for ``"gamma"``.
 
     Returns:
         Requests in arrival order.
@@ -345,7 +362,7 @@ def build_trace(
         chosen = rng.sample(list(pairs), num_requests)
     else:
         chosen = rng.choices(list(pairs), k=num_requests)
-    offsets_s = arrival_offsets_s(num_requests, rate_qps, rng, arrival)
+    offsets_s = arrival_offsets_s(num_requests, rate_qps, rng, arrival, cv=cv)
     cap = max_output_tokens if max_output_tokens is not None else float("inf")
     return [
         TraceRequest(

@@ -7,9 +7,9 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
                                     # llumnix | gie
     policy_params: {}               # typed per policy, e.g. {k: 2, metric: e2e} for astrolabe
     output_length:                  # predicted output tokens sent to predictors (extproc/lengths.py)
-      source: fixed                 # fixed | oracle | tagger
+      source: tagger                # tagger | fixed | oracle
       fixed_tokens: 256             # the estimate for 'fixed' (capped by the request's max_tokens)
-      tagger_path: null             # trained tagger directory for 'tagger'
+      tagger_path: null             # a trained tagger directory for 'tagger' (null = the shipped light tagger)
     predictor_client:               # calls to predictor sidecars (extproc/predictor_client.py)
       predict_timeout_s: 0.02       # deadline of one Predict; a late sidecar is dropped for this request
       notify_timeout_s: 0.5         # deadline of Admit / Release (fire and forget)
@@ -17,7 +17,8 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
       max_backoff_s: 10.0
     seed: null                      # seeds the policy RNG; null = from os.urandom
     max_body_bytes: 8388608         # larger request bodies get 413
-    grace_period_s: 10.0            # shutdown drains in-flight streams for at most this long
+    drain_delay_s: 2.0              # at shutdown, keep serving this long after readiness goes NOT_SERVING
+    grace_period_s: 10.0            # then streams still being routed get at most this long
     metrics_listen: null            # host:port for Prometheus /metrics (null = off)
     reload_interval_s: 1.0          # how often the file is checked for changes (endpoints reload live)
     metrics_interval_s: 0.05        # endpoint /metrics scrape interval (only for infaas | llumnix | gie)
@@ -98,6 +99,7 @@ class ExtprocConfig:
     policy_params: Mapping[str, Any] = field(default_factory=dict)
     seed: int | None = None
     max_body_bytes: int = 8 * 1024 * 1024
+    drain_delay_s: float = 2.0
     grace_period_s: float = 10.0
     metrics_listen: str | None = None
     reload_interval_s: float = 1.0
@@ -232,6 +234,7 @@ def parse_config(raw: object) -> ExtprocConfig:
         seed=_typed(raw, "seed", int, "<root>", d.seed),
         max_body_bytes=max_body,
         metrics_listen=metrics_listen,
+        drain_delay_s=float(_typed(raw, "drain_delay_s", (int, float), "<root>", d.drain_delay_s)),
         grace_period_s=float(_typed(raw, "grace_period_s", (int, float), "<root>", d.grace_period_s)),
         reload_interval_s=_positive(float(_typed(raw, "reload_interval_s", (int, float), "<root>",
                                                  d.reload_interval_s)), "reload_interval_s"),

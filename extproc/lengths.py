@@ -1,24 +1,27 @@
 """Token counts the Astrolabe policy sends to predictors: prompt tokens and predicted output tokens.
 
 Prompt tokens: the length of a token-id prompt, else the text counted with ``tagger.tokenizer`` (the project's
-offline tokenizer); texts above ``_INLINE_TOKENIZE_CHARS`` are counted in a worker thread so a long prompt
-never stalls the event loop.
+offline tokenizer). A text longer than ``MAX_TOKENIZED_CHARS`` is counted on its first ``MAX_TOKENIZED_CHARS``
+characters and extrapolated by length: tokenizing megabytes takes seconds and holds the GIL (a worker thread
+does not help), which would stall every other request on the event loop; the extrapolation costs ~3 ms.
 Predicted output tokens, by ``source``:
 - ``fixed``: ``fixed_tokens``, capped by the request's ``max_tokens`` (the default until a tagger exists);
 - ``oracle``: the request's ``max_tokens`` itself (exact only when clients send the true length with
   ``ignore_eos``, as the demo and benchmarks do); off unless configured explicitly;
-- ``tagger``: the length tagger's estimate, capped by ``max_tokens``.
+- ``tagger`` (the default): the length tagger's estimate (``tagger.serve``; the shipped light tagger unless
+  ``tagger_path`` names a trained one), capped by ``max_tokens``. For chat requests the tagger reads the last
+  user message, the turn the reply answers (the tagger is trained on single-turn prompts).
 """
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 from extproc.request import RoutingRequest
 from tagger.tokenizer import count_tokens
 
-_INLINE_TOKENIZE_CHARS = 16_384
+MAX_TOKENIZED_CHARS = 8192
+"""Longest prefix of a prompt text that is tokenized, characters."""
 SOURCES = ("fixed", "oracle", "tagger")
 
 
@@ -26,7 +29,7 @@ SOURCES = ("fixed", "oracle", "tagger")
 class OutputLengthConfig:
     """How predicted output tokens are obtained (see the module docstring)."""
 
-    source: str = "fixed"
+    source: str = "tagger"
     fixed_tokens: int = 256
     tagger_path: str | None = None
 
@@ -35,14 +38,14 @@ class OutputLengthConfig:
             raise ValueError(f"source: must be one of {SOURCES}, got {self.source!r}")
 
 
-async def count_prompt_tokens(request: RoutingRequest) -> int:
-    """Prompt length in tokens (>= 1: an empty prompt still costs one position)."""
+def count_prompt_tokens(request: RoutingRequest) -> int:
+    """Prompt length in tokens (>= 1: an empty prompt still costs one position); extrapolated for long texts."""
     if request.prompt_token_ids is not None:
         return max(len(request.prompt_token_ids), 1)
     text = request.prompt_text or ""
-    if len(text) > _INLINE_TOKENIZE_CHARS:
-        return max(await asyncio.to_thread(count_tokens, text), 1)
-    return max(count_tokens(text), 1)
+    if len(text) <= MAX_TOKENIZED_CHARS:
+        return max(count_tokens(text), 1)
+    return max(round(count_tokens(text[:MAX_TOKENIZED_CHARS]) * len(text) / MAX_TOKENIZED_CHARS), 1)
 
 
 class OutputLengthEstimator:
@@ -63,7 +66,7 @@ class OutputLengthEstimator:
         if config.source == "tagger" and tagger is None:
             raise ValueError("output_length.source is 'tagger' but no tagger is loaded")
         self.config = config
-        self._tagger = tagger
+        self.tagger = tagger
 
     async def estimate(self, request: RoutingRequest) -> int:
         """Predicted output tokens (>= 1)."""
@@ -71,7 +74,8 @@ class OutputLengthEstimator:
         if self.config.source == "oracle" and cap is not None:
             return max(cap, 1)
         if self.config.source == "tagger":
-            guess = await self._tagger.estimate(request.prompt_text, request.prompt_token_ids, cap)
+            text = request.last_user_message if request.last_user_message is not None else request.prompt_text
+            guess = await self.tagger.estimate(text, request.prompt_token_ids, cap)
         else:
             guess = self.config.fixed_tokens
         return max(min(guess, cap) if cap is not None else guess, 1)

@@ -23,10 +23,12 @@ class EndpointPool:
     """Endpoints with health state and in-flight counters.
 
     Args:
-        endpoints: the configured endpoints; all start healthy until a health check says otherwise.
+        endpoints: the configured endpoints.
+        new_endpoints_healthy: the health of an endpoint before its first check (at start and after a reload).
     """
 
-    def __init__(self, endpoints: Sequence[EndpointConfig]) -> None:
+    def __init__(self, endpoints: Sequence[EndpointConfig], new_endpoints_healthy: bool = True) -> None:
+        self._new_endpoints_healthy = new_endpoints_healthy
         self._endpoints: tuple[EndpointConfig, ...] = ()
         self._healthy: dict[str, bool] = {}
         self._in_flight: dict[str, int] = {}
@@ -43,7 +45,7 @@ class EndpointPool:
         """Installs a new endpoint list (a config reload)."""
         new = tuple(sorted(endpoints, key=lambda e: e.address))
         addresses = {e.address for e in new}
-        self._healthy = {a: self._healthy.get(a, True) for a in addresses}
+        self._healthy = {a: self._healthy.get(a, self._new_endpoints_healthy) for a in addresses}
         # Counters of removed endpoints stay until their requests end (release drops them at zero).
         self._in_flight = {a: n for a, n in self._in_flight.items() if a in addresses or n > 0}
         self._dispatch_times_s = {a: t for a, t in self._dispatch_times_s.items() if a in addresses}

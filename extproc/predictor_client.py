@@ -2,7 +2,10 @@
 
 A sidecar that fails or times out never fails a request: ``predict`` returns None. After a failure the sidecar
 is skipped (not even asked) for a backoff that doubles per consecutive failure, from ``min_backoff_s`` up to
-``max_backoff_s``; the first success resets it.
+``max_backoff_s``; the first success resets it. Two answers are None without backoff, since the sidecar works:
+INVALID_ARGUMENT (this request cannot be served there, e.g. a prompt larger than its KV cache) and a state
+older than ``max_state_age_s`` (the sidecar has not reconciled with its backend lately: the backend may be
+down, and an idle-looking stale state would attract traffic to it).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class PredictorClientConfig:
 
     predict_timeout_s: float = 0.02
     notify_timeout_s: float = 0.5
+    max_state_age_s: float = 2.0
     min_backoff_s: float = 0.5
     max_backoff_s: float = 10.0
 
@@ -83,10 +87,26 @@ class PredictorClient:
                                   num_predicted_output_tokens=num_output_tokens, metric=_METRICS[metric]),
                 timeout=self.config.predict_timeout_s)
         except (grpc.RpcError, asyncio.TimeoutError) as exc:
-            self._failed(address, exc)
+            if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                logger.debug("predictor %s cannot serve request %s: %s", address, request_id, _describe(exc))
+            else:
+                self._failed(address, exc)
             return None
         self._succeeded(address)
+        if not reply.state_age_s <= self.config.max_state_age_s:  # also catches inf (never reconciled)
+            return None
         return Prediction(reply.ttft_s, reply.e2e_s, reply.state_age_s)
+
+    def connect(self, addresses) -> None:
+        """Opens channels to ``addresses`` in the background, so that first predictions do not pay the connect."""
+        for address in addresses:
+            channel = self._stubs.get(address, (None,))[0]
+            if channel is None:
+                self._stub(address)
+                channel = self._stubs[address][0]
+            task = asyncio.get_running_loop().create_task(_warm(channel))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def admit(self, address: str, request_id: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
         """Tells the chosen sidecar about the request, without waiting for the answer."""
@@ -116,6 +136,13 @@ class PredictorClient:
         for channel, _ in self._stubs.values():
             await channel.close()
         self._stubs.clear()
+
+
+async def _warm(channel: grpc.aio.Channel) -> None:
+    try:
+        await asyncio.wait_for(channel.channel_ready(), timeout=5.0)
+    except (asyncio.TimeoutError, grpc.RpcError):
+        pass  # the first Predict will tell
 
 
 def _describe(error: BaseException) -> str:

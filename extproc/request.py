@@ -17,6 +17,7 @@ Raises ``RoutingError(BAD_REQUEST)`` for every malformed body; nothing else esca
 from __future__ import annotations
 
 import json
+import urllib.parse
 from dataclasses import dataclass
 
 from extproc.errors import ErrorCode, RoutingError
@@ -39,6 +40,7 @@ class RoutingRequest:
         max_tokens: requested output cap in tokens, None when the client did not set one.
         stream: whether the client asked for SSE streaming.
         num_body_bytes: size of the request body in bytes (0 without a body).
+        last_user_message: chat only: the text of the last ``user`` message (what the reply answers).
     """
 
     request_id: str
@@ -50,6 +52,7 @@ class RoutingRequest:
     max_tokens: int | None = None
     stream: bool = False
     num_body_bytes: int = 0
+    last_user_message: str | None = None
 
 
 def _bad(message: str, param: str | None = None) -> RoutingError:
@@ -128,17 +131,29 @@ def _content_text(content: object, index: int) -> str:
     return "\n".join(texts)
 
 
-def _parse_messages(messages: object) -> str:
+def _parse_messages(messages: object) -> tuple[str, str | None]:
+    """Returns (all message texts joined, the last user message's text or None)."""
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list", "messages")
     texts = []
+    last_user = None
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise _bad(f"'messages[{i}]' must be an object", f"messages[{i}]")
         if not isinstance(message.get("role"), str):
             raise _bad(f"'messages[{i}].role' must be a string", f"messages[{i}].role")
         texts.append(_content_text(message.get("content"), i))
-    return "\n".join(texts)
+        if message["role"] == "user":
+            last_user = texts[-1]
+    return "\n".join(texts), last_user
+
+
+def _is_encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_body(request_id: str, method: str, path: str, body: bytes) -> RoutingRequest:
@@ -156,16 +171,19 @@ def parse_body(request_id: str, method: str, path: str, body: bytes) -> RoutingR
     Raises:
         RoutingError: BAD_REQUEST if the body is not a JSON object or a field has the wrong type or is missing.
     """
-    path = path.split("?", 1)[0]
+    path = urllib.parse.unquote(path.split("?", 1)[0])  # /v1/%63ompletions is /v1/completions to the backend
     try:
         parsed = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _bad(f"request body is not valid JSON: {exc}") from None
+    except ValueError as exc:  # e.g. an integer over Python's 4300-digit conversion limit
+        raise _bad(f"request body has an unreadable value: {exc}") from None
     except RecursionError:
         raise _bad("request body nests too deeply") from None
     if not isinstance(parsed, dict):
         raise _bad(f"request body must be a JSON object, got {type(parsed).__name__}")
     text: str | None = None
+    last_user: str | None = None
     ids: tuple[int, ...] | None = None
     max_tokens: int | None = None
     if path == COMPLETIONS_PATH:
@@ -176,10 +194,13 @@ def parse_body(request_id: str, method: str, path: str, body: bytes) -> RoutingR
     elif path == CHAT_COMPLETIONS_PATH:
         if "messages" not in parsed:
             raise _bad("'messages' is required", "messages")
-        text = _parse_messages(parsed["messages"])
+        text, last_user = _parse_messages(parsed["messages"])
         max_tokens = _optional_count(parsed, "max_completion_tokens")
         legacy = _optional_count(parsed, "max_tokens")
         max_tokens = legacy if max_tokens is None else max_tokens
+    if text is not None and not _is_encodable(text):
+        raise _bad("the prompt contains a lone surrogate (invalid Unicode)", "messages" if path ==
+                   CHAT_COMPLETIONS_PATH else "prompt")
     return RoutingRequest(
         request_id=request_id,
         method=method,
@@ -190,4 +211,5 @@ def parse_body(request_id: str, method: str, path: str, body: bytes) -> RoutingR
         max_tokens=max_tokens,
         stream=_optional_bool(parsed, "stream"),
         num_body_bytes=len(body),
+        last_user_message=last_user,
     )

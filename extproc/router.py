@@ -13,6 +13,7 @@ import asyncio
 import logging
 import random
 import time
+import uuid
 from dataclasses import dataclass, replace
 
 from extproc.endpoint_metrics import MetricsScraper
@@ -35,7 +36,8 @@ class Decision:
     Attributes:
         destination: ``ip:port`` written to the destination header and ``envoy.lb`` metadata.
         policy: name of the policy that chose it (``least-requests`` on a fallback).
-        request_id: the request's id (sent to the predictor on release).
+        request_id: the id the chosen sidecar knows the request by (Admit / Release): the client's
+            ``x-request-id`` made unique, since clients may reuse ids.
         predictor: the chosen endpoint's sidecar that was told about the request (Admit), or None.
     """
 
@@ -76,6 +78,8 @@ class Router:
         self._clock = clock
 
     def _healthy_views(self, request: RoutingRequest) -> list[EndpointView]:
+        if not self.pool.endpoints:
+            raise RoutingError(ErrorCode.NO_HEALTHY_ENDPOINT, "no endpoint is configured")
         serving = self.pool.serving(request.model)
         if not serving:
             raise RoutingError(ErrorCode.MODEL_NOT_FOUND, f"The model `{request.model}` does not exist.", "model")
@@ -115,11 +119,12 @@ class Router:
 
     async def _route_predicted(self, request: RoutingRequest, views: list[EndpointView]) -> Decision:
         candidates = self.policy.candidates(request, views)
-        num_prompt_tokens = await count_prompt_tokens(request)
+        ledger_id = f"{request.request_id}/{uuid.uuid4().hex[:12]}"
+        num_prompt_tokens = count_prompt_tokens(request)
         num_output_tokens = await self.lengths.estimate(request)
         metric = getattr(getattr(self.policy, "params", None), "metric", "e2e")
         predictions = await asyncio.gather(*(
-            self.predictors.predict(v.predictor, request.request_id, num_prompt_tokens, num_output_tokens, metric)
+            self.predictors.predict(v.predictor, ledger_id, num_prompt_tokens, num_output_tokens, metric)
             if v.predictor else _none() for v in candidates))
         scored = [replace(v, prediction=p) for v, p in zip(candidates, predictions)]
         num_ok = sum(p is not None for p in predictions)
@@ -130,8 +135,8 @@ class Router:
         if chosen is None:
             chosen, policy_name = self._fallback.choose(request, views), self._fallback.TYPE
         if chosen.predictor:
-            self.predictors.admit(chosen.predictor, request.request_id, num_prompt_tokens, num_output_tokens)
-        return Decision(chosen.address, policy_name, request.request_id, chosen.predictor)
+            self.predictors.admit(chosen.predictor, ledger_id, num_prompt_tokens, num_output_tokens)
+        return Decision(chosen.address, policy_name, ledger_id, chosen.predictor)
 
     def release(self, decision: Decision) -> None:
         """The request routed by ``decision`` has ended (its ext_proc stream closed)."""

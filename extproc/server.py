@@ -26,6 +26,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
+from astrolabe.envoy import DEFAULT_BUFFER_LIMIT_BYTES as ENVOY_BUFFER_LIMIT_BYTES
 from astrolabe.lifecycle import wait_for_termination
 from extproc import wire
 from extproc.config import ConfigError, ExtprocConfig, load_config
@@ -37,6 +38,8 @@ from extproc.policies.registry import build_policy
 from extproc.pool import EndpointPool, HealthChecker
 from extproc.router import Router
 from extproc.stream import StreamHandler
+from tagger.artifact import TaggerLoadError
+from tagger.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -45,26 +48,54 @@ _GRPC_MESSAGE_OVERHEAD_BYTES = 1 << 20
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    """The ext_proc service: one ``StreamHandler`` per ``Process`` stream."""
+    """The ext_proc service: one ``StreamHandler`` per ``Process`` stream.
+
+    NOTE: after a request is routed its stream stays open until the HTTP request ends (Envoy waits for the
+    response-trailers phase); that end is the request's release. At shutdown such streams are closed with OK
+    status instead of being cancelled at the end of the grace period: Envoy then skips the remaining phases
+    and the HTTP response continues, whereas a cancelled stream is a processor error that fails it.
+    """
 
     def __init__(self, router: Router, max_body_bytes: int) -> None:
         self._router = router
         self._max_body_bytes = max_body_bytes
+        self.draining = asyncio.Event()
 
     async def Process(self, request_iterator, context):  # noqa: N802 (gRPC method name)
         handler = StreamHandler(self._router, self._max_body_bytes)
+        messages = request_iterator.__aiter__()
         try:
-            async for message in request_iterator:
+            while True:
+                message = await (self._next_or_drain(messages) if handler.routed else _next(messages))
+                if message is None:
+                    break
                 for response in await handler.on_message(message):
                     yield response
-            logger.debug("stream of %s closed by Envoy", handler.request_id)
+            logger.debug("stream of %s ended", handler.request_id)
         except asyncio.CancelledError:
             logger.debug("stream of %s cancelled", handler.request_id)
             raise
         finally:
-            # Envoy closes the stream when the HTTP request ends (also on client disconnect): the request's
-            # in-flight slot is released here.
             handler.close()
+
+    async def _next_or_drain(self, messages):
+        """The next message, or None when the stream ends or shutdown asks routed streams to close."""
+        read = asyncio.ensure_future(_next(messages))
+        drain = asyncio.ensure_future(self.draining.wait())
+        await asyncio.wait((read, drain), return_when=asyncio.FIRST_COMPLETED)
+        drain.cancel()
+        if read.done():
+            return read.result()
+        read.cancel()
+        return None
+
+
+async def _next(messages):
+    """The next message of the stream, or None at its end."""
+    try:
+        return await messages.__anext__()
+    except StopAsyncIteration:
+        return None
 
 
 class ConfigWatcher:
@@ -107,12 +138,17 @@ class ConfigWatcher:
 
 
 def _load_tagger(config: ExtprocConfig):
-    """The length tagger for ``output_length.source: tagger``, else None."""
+    """The in-process length tagger for ``output_length.source: tagger`` (the shipped light tagger when
+    ``tagger_path`` is null), else None.
+
+    Raises:
+        TaggerLoadError: ``tagger_path`` is not a tagger directory (or its model cannot be loaded).
+    """
     if config.output_length.source != "tagger":
         return None
-    from tagger.serve import load_tagger  # noqa: PLC0415 (the tagger loads its model only when configured)
+    from tagger.serve import load_service  # noqa: PLC0415 (the tagger loads its model only when configured)
 
-    return load_tagger(config.output_length.tagger_path)
+    return load_service(config.output_length.tagger_path)
 
 
 def _digest(path: Path) -> bytes | None:
@@ -132,7 +168,8 @@ class ExtprocServer:
 
     def __init__(self, config: ExtprocConfig, config_path: Path | None = None) -> None:
         self.config = config
-        self.pool = EndpointPool(config.endpoints)
+        # With health checks on, an endpoint (also one added by a reload) serves only after passing one.
+        self.pool = EndpointPool(config.endpoints, new_endpoints_healthy=not config.health_check.enabled)
         rng = random.Random(config.seed)
         policy = build_policy(config.policy, config.policy_params, rng)
         self.metrics = ExtprocMetrics(self.pool)
@@ -151,13 +188,14 @@ class ExtprocServer:
         self._checker = HealthChecker(self.pool, config.health_check) if config.health_check.enabled else None
         self._watcher = ConfigWatcher(config_path, config, self.pool) if config_path else None
         self._tasks: list[asyncio.Task] = []
-        max_message_bytes = config.max_body_bytes + _GRPC_MESSAGE_OVERHEAD_BYTES
+        # Above Envoy's buffered-mode limit too, so that an oversized body gets our 413, not a gRPC error (503).
+        max_message_bytes = max(config.max_body_bytes, ENVOY_BUFFER_LIMIT_BYTES) + _GRPC_MESSAGE_OVERHEAD_BYTES
         self._server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ])
-        pb_grpc.add_ExternalProcessorServicer_to_server(
-            ExternalProcessor(self.router, config.max_body_bytes), self._server)
+        self._processor = ExternalProcessor(self.router, config.max_body_bytes)
+        pb_grpc.add_ExternalProcessorServicer_to_server(self._processor, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self.port = 0
 
@@ -189,14 +227,24 @@ class ExtprocServer:
             self._tasks.append(asyncio.create_task(self._watcher.run(), name="config-watch"))
         if self.endpoint_metrics is not None:
             self._tasks.append(asyncio.create_task(self.endpoint_metrics.run(), name="endpoint-metrics"))
+        if self.router.policy.needs_predictions:
+            get_tokenizer()  # loaded now rather than by the first request, on the event loop
+            self.predictors.connect([e.predictor for e in self.pool.endpoints if e.predictor])
         await self._set_serving(True)
         logger.info("extproc listening on %s (port %d), policy %s, %d endpoints",
                     self.config.listen, self.port, self.config.policy, len(self.pool.endpoints))
         return self.port
 
     async def stop(self) -> None:
-        """Graceful shutdown: NOT_SERVING, refuse new streams, drain in-flight ones for ``grace_period_s``."""
+        """Graceful shutdown.
+
+        readiness NOT_SERVING; for ``drain_delay_s`` new streams are still served (Envoy's health checker needs
+        that long to move traffic to other replicas); then routed streams are closed with OK status (their HTTP
+        responses go on), new streams are refused, and streams still being routed get ``grace_period_s``.
+        """
         await self._set_serving(False)
+        await asyncio.sleep(self.config.drain_delay_s)
+        self._processor.draining.set()
         await self._server.stop(self.config.grace_period_s)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
@@ -206,6 +254,8 @@ class ExtprocServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.predictors.close()
+        if self.router.lengths.tagger is not None:
+            self.router.lengths.tagger.close()
         logger.info("extproc stopped")
 
 
@@ -235,5 +285,9 @@ def main(argv: list[str]) -> int:
     except (ConfigError, ValueError) as exc:
         logger.error("invalid configuration: %s", exc)
         return 2
-    asyncio.run(serve(config, args.config))
+    try:
+        asyncio.run(serve(config, args.config))
+    except TaggerLoadError as exc:
+        logger.error("invalid configuration: output_length.tagger_path: %s", exc)
+        return 2
     return 0

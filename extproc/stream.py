@@ -74,6 +74,11 @@ class StreamHandler:
     def request_id(self) -> str:
         return self._request_id
 
+    @property
+    def routed(self) -> bool:
+        """The destination was sent; the stream now only waits for the request to end."""
+        return self._phase is Phase.ROUTED
+
     def close(self) -> None:
         """The stream ended (the HTTP request is over): release the in-flight slot, once."""
         if self.decision is not None:

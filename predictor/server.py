@@ -86,7 +86,10 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         if request.num_prompt_tokens < 1 or request.num_predicted_output_tokens < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "num_prompt_tokens and num_predicted_output_tokens must be >= 1")
-        return self._sidecar.predict(request.num_prompt_tokens, request.num_predicted_output_tokens)
+        try:
+            return self._sidecar.predict(request.num_prompt_tokens, request.num_predicted_output_tokens)
+        except ValueError as exc:  # e.g. a prompt larger than the instance's whole KV cache
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot be served by this instance: {exc}")
 
     async def Admit(self, request, context):  # noqa: N802
         if not request.request_id:

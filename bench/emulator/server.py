@@ -306,7 +306,8 @@ async def start_emulator(config: EmulatorConfig) -> RunningEmulator:
 
 def _parse_args(argv: Sequence[str]) -> tuple[EmulatorConfig, str]:
     d, e = EmulatorConfig(), EngineConfig()
-    p = argparse.ArgumentParser(prog="astrolabe emulator", description="Run one emulated vLLM OpenAI server.")
+    p = argparse.ArgumentParser(prog="astrolabe emulator", description="Run one emulated vLLM OpenAI server.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port, help="0 picks a free port (logged at startup)")
     p.add_argument("--served-model-name", default=d.served_model_name)

@@ -5,8 +5,12 @@ one's predictor sidecar for the request's predicted latency, and choose the smal
 (``metric: ttft`` compares time to first token instead). Ties are broken uniformly at random. Random sampling
 breaks herding (many routers never pile onto one "best" endpoint); k probes keep the control-plane cost per
 request constant as the fleet grows.
-Inputs: ``EndpointView.prediction`` (filled by the router for the candidates); endpoints without a sidecar or
-whose sidecar failed or timed out carry None and are dropped.
+Inputs: ``EndpointView.prediction`` (filled by the router for the candidates; None for an endpoint without a
+sidecar, or whose sidecar failed, timed out, or reported a stale state) and ``num_in_flight``.
+When only some candidates have a prediction: the candidate with the fewest in-flight requests is chosen
+(power of k on this router's in-flight counts, ties at random). Dropping the unpredicted candidates instead
+would starve a healthy backend whose sidecar is down (measured: 0 of 151 requests under load), and the
+predictions of the others are not comparable with "unknown".
 When every prediction failed: returns None and the router falls back to ``least-requests`` over all healthy
 endpoints (the reference system falls back to a random choice).
 
@@ -58,6 +62,8 @@ class PowerOfKPolicy(Policy):
         scored = [e for e in endpoints if e.prediction is not None]
         if not scored:
             return None
+        if len(scored) < len(endpoints):
+            return min_random_tie(endpoints, lambda e: e.num_in_flight, self._rng)
         if self.params.metric == "ttft":
             return min_random_tie(scored, lambda e: e.prediction.ttft_s, self._rng)
         return min_random_tie(scored, lambda e: e.prediction.e2e_s, self._rng)

@@ -94,6 +94,10 @@ def test_other_paths_need_only_an_object():
         ("/v1/chat/completions", {"messages": [{"role": "u", "content": "x"}], "max_completion_tokens": True},
          "max_completion_tokens"),
         ("/v1/embeddings", b"[]", None),
+        ("/v1/completions", b'{"prompt": "x", "seed": 1' + b"0" * 5000 + b"}", None),
+        ("/v1/completions", b'{"prompt": "\\udfff"}', "prompt"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', "messages"),
+        ("/v1/%63ompletions", {"model": "m"}, "prompt"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )

@@ -47,10 +47,12 @@ async def sidecars():
         await sidecar.stop(0)
 
 
-def make_router(predictors_by_endpoint, policy="astrolabe", params=None, seed=0):
+def make_router(predictors_by_endpoint, policy="astrolabe", params=None, seed=0, accept_stale=True):
     endpoints = [EndpointConfig(f"10.0.0.{i}:8000", (), p) for i, p in enumerate(predictors_by_endpoint, 1)]
     pool = EndpointPool(endpoints)
-    client = PredictorClient(PredictorClientConfig(predict_timeout_s=DEADLINE_S, min_backoff_s=60))
+    # the test sidecars have no backend to reconcile with: their state age is infinite, accept it here
+    client = PredictorClient(PredictorClientConfig(predict_timeout_s=DEADLINE_S, min_backoff_s=60,
+                                                   max_state_age_s=float("inf") if accept_stale else 2.0))
     lengths = OutputLengthEstimator(OutputLengthConfig(source="fixed", fixed_tokens=128))
     rng = random.Random(seed)
     return Router(pool, build_policy(policy, params or {}, rng), None, client, lengths, rng)
@@ -83,12 +85,15 @@ async def test_admit_and_release_reach_the_chosen_sidecar(sidecars):
     router = make_router([f"127.0.0.1:{only.port}"])
     try:
         decision = await router.route(request(1))
+        again = await router.route(request(1))  # a client reusing its x-request-id
         assert decision.predictor == f"127.0.0.1:{only.port}"
+        assert decision.request_id.startswith("req-1/") and decision.request_id != again.request_id
         await asyncio.sleep(0.2)
-        assert only.ledger.scheduler.get_request("req-1") is not None
+        assert only.ledger.num_unfinished() == 2
         router.release(decision)
         await asyncio.sleep(0.2)
-        assert only.ledger.scheduler.get_request("req-1") is None
+        assert only.ledger.scheduler.get_request(decision.request_id) is None
+        assert only.ledger.scheduler.get_request(again.request_id) is not None
     finally:
         await router.predictors.close()
 
@@ -97,9 +102,9 @@ async def test_output_estimate_is_capped_by_max_tokens(sidecars):
     (only,) = await sidecars(1)
     router = make_router([f"127.0.0.1:{only.port}"])
     try:
-        await router.route(request(7, max_tokens=5))
+        decision = await router.route(request(7, max_tokens=5))
         await asyncio.sleep(0.2)
-        assert only.ledger.predicted_output_tokens("req-7") == 5
+        assert only.ledger.predicted_output_tokens(decision.request_id) == 5
     finally:
         await router.predictors.close()
 
@@ -122,17 +127,29 @@ async def test_failed_sidecars_cost_at_most_the_deadline(sidecars, kind):
         start_s = time.monotonic()
         decision = await router.route(request(1))
         elapsed_s = time.monotonic() - start_s
-        assert decision.destination == "10.0.0.2:8000" and decision.policy == "astrolabe"
+        assert decision.policy == "astrolabe"  # routed, no error, no fallback
         assert elapsed_s < DEADLINE_S + 0.15  # the deadline plus routing and loop scheduling slack
-        # the failing sidecar is now backing off: not even asked, no deadline paid
+        # the failing sidecar is now backing off: not even asked, no deadline paid; its backend is not starved
         start_s = time.monotonic()
-        for i in range(5):
-            await router.route(request(10 + i))
+        decisions = [await router.route(request(10 + i)) for i in range(6)]
         assert time.monotonic() - start_s < DEADLINE_S
         assert router.predictors.is_backing_off(bad)
+        assert {d.destination for d in decisions} == {"10.0.0.1:8000", "10.0.0.2:8000"}
     finally:
         await router.predictors.close()
         await stalled.stop(0)
+
+
+async def test_stale_sidecar_state_counts_as_no_prediction(sidecars):
+    """A sidecar that never reconciled with its backend (backend down) must not attract traffic."""
+    started = await sidecars(2)
+    router = make_router([f"127.0.0.1:{s.port}" for s in started], accept_stale=False)
+    try:
+        decision = await router.route(request(1))
+        assert decision.policy == "least-requests"  # both states are stale: fallback
+        assert not router.predictors.is_backing_off(f"127.0.0.1:{started[0].port}")  # the sidecars work
+    finally:
+        await router.predictors.close()
 
 
 async def test_no_sidecar_answers_falls_back_to_least_requests():

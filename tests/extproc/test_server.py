@@ -154,3 +154,6 @@ def test_main_rejects_bad_config(tmp_path, caplog):
     assert main(["--config", str(path)]) == 2
     assert "endpoints[0].address" in caplog.text
     assert main(["--config", str(tmp_path / "c.yaml"), "--policy", "x"]) == 2
+    path.write_text("output_length: {tagger_path: /nonexistent}\nendpoints: [{address: 127.0.0.1:1}]")
+    assert main(["--config", str(path)]) == 2
+    assert "tagger_path" in caplog.text

@@ -116,3 +116,17 @@ def test_load_batch_time_scales_every_coefficient():
         load_batch_time("llama-2-7b", 0.0)
     with pytest.raises(ValueError):
         load_batch_time("no-such-model")
+
+
+async def test_a_request_that_can_never_fit_is_invalid_argument():
+    sidecar, channel, stub = await start_sidecar("127.0.0.1:1")
+    try:
+        too_big = ENGINE.num_gpu_blocks * ENGINE.block_size + 1
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Predict(pb.PredictRequest(num_prompt_tokens=too_big, num_predicted_output_tokens=1),
+                               timeout=5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "cannot be served" in info.value.details()
+    finally:
+        await channel.close()
+        await sidecar.stop()

@@ -21,14 +21,22 @@ def scored(*pairs):
     [
         ({}, [(1.0, 5.0), (0.5, 3.0)], "10.0.0.2:80"),
         ({"metric": "ttft"}, [(0.2, 9.0), (0.5, 3.0)], "10.0.0.1:80"),
-        ({}, [None, (9.0, 90.0)], "10.0.0.2:80"),
         ({}, [(1.0, 2.0)], "10.0.0.1:80"),
     ],
-    ids=["smaller-e2e", "ttft-metric", "failed-candidate-dropped", "one-endpoint"],
+    ids=["smaller-e2e", "ttft-metric", "one-endpoint"],
 )
 def test_choose_smaller_prediction(params, predictions, expected):
     policy = build(params, random.Random(0))
     assert policy.choose(REQ, scored(*predictions)).address == expected
+
+
+def test_partial_predictions_compare_in_flight_counts():
+    policy = build({}, random.Random(0))
+    views = [EndpointView("10.0.0.1:80", num_in_flight=1),
+             EndpointView("10.0.0.2:80", num_in_flight=5, prediction=Prediction(0.1, 0.2))]
+    assert policy.choose(REQ, views).address == "10.0.0.1:80"  # the unpredicted one is not starved
+    views[0] = EndpointView("10.0.0.1:80", num_in_flight=9)
+    assert policy.choose(REQ, views).address == "10.0.0.2:80"
 
 
 def test_every_prediction_failed_returns_none():

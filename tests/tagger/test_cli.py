@@ -1,0 +1,62 @@
+"""tagger.cli and its registration in `astrolabe`."""
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from astrolabe.cli import SUBCOMMANDS
+from astrolabe.cli import main as astrolabe_main
+from tagger.cli import main
+from tagger.serve import SHIPPED_LIGHT_DIR
+
+
+def test_registered_in_astrolabe():
+    assert SUBCOMMANDS["tagger"][0] == "tagger.cli"
+
+
+def test_eval_prints_the_table_with_both_baselines(capsys):
+    assert astrolabe_main(["tagger", "eval", "--tagger", str(SHIPPED_LIGHT_DIR)]) == 0
+    out = capsys.readouterr().out
+    for needle in ("Kendall τ", "Spearman ρ", "MAE (tokens)", "light tagger", "baseline: global median",
+                   "baseline: linreg on prompt length", "within 50", "within 100", "MAPE"):
+        assert needle in out
+
+
+@pytest.mark.parametrize("argv", [["train", "-o", "x"], ["train", "--kind", "gpt", "-o", "x"], []],
+                         ids=["no-kind", "bad-kind", "no-command"])
+def test_bad_arguments_exit_2(argv):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_serve_process_is_healthy_and_stops_on_sigterm():
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "astrolabe", "tagger", "serve", "--listen", f"127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            await asyncio.wait_for(channel.channel_ready(), timeout=60)
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 0

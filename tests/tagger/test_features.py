@@ -1,0 +1,35 @@
+"""tagger.features: stable hashing, normalisation, truncation."""
+
+import numpy as np
+
+from tagger.features import DENSE_NAMES, MAX_WORDS, featurize, words
+
+
+def test_words_lowercase_and_split_punctuation():
+    assert words("Hello, World!\nOK") == ["hello", ",", "world", "!", "ok"]
+
+
+def test_features_are_deterministic_and_normalised():
+    a = featurize(["Write a poem about the sea.", "hi"], num_buckets=1 << 12)
+    b = featurize(["Write a poem about the sea.", "hi"], num_buckets=1 << 12)
+    assert np.array_equal(a.indices, b.indices) and np.array_equal(a.values, b.values)
+    for i in range(a.num_rows):
+        row = a.values[a.indptr[i] : a.indptr[i + 1]]
+        assert np.isclose(np.linalg.norm(row), 1.0)
+    # "write a poem about the sea ." gives 7 unigrams + 6 bigrams (collisions could only merge buckets)
+    assert 1 <= a.indptr[1] <= 13
+    assert a.dense.shape == (2, len(DENSE_NAMES))
+    assert np.all(a.indices < 1 << 12)
+
+
+def test_empty_prompt_has_no_ngrams():
+    batch = featurize([""])
+    assert batch.indptr.tolist() == [0, 0] and batch.dense[0, 0] == 0.0
+    assert batch.row_ids().tolist() == []
+
+
+def test_long_prompt_is_bounded_but_length_features_see_everything():
+    long_text = " ".join(f"w{i}" for i in range(10 * MAX_WORDS))
+    batch = featurize([long_text])
+    assert batch.indptr[1] <= 2 * MAX_WORDS
+    assert np.isclose(batch.dense[0, 0], np.log1p(10 * MAX_WORDS))
