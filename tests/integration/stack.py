@@ -60,6 +60,7 @@ class Stack:
         self.config_path = self.tmp / "extproc.yaml"
         self.config_path.write_text(json.dumps({
             "listen": f"127.0.0.1:{self.extproc_port}", "metrics_listen": f"127.0.0.1:{metrics_port}",
+            "drain_delay_s": 0.5, "grace_period_s": 1.0,
             "health_check": {"interval_s": 0.5, "timeout_s": 0.5, "unhealthy_threshold": 1},
             "endpoints": endpoints, **extra}))
 

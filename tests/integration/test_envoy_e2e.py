@@ -167,7 +167,14 @@ def test_in_flight_released_on_client_disconnect(stack):
 
 
 def test_extproc_restart_while_envoy_runs_recovers(stack):
-    stack.extproc.stop()
+    """A stream routed before SIGTERM finishes intact; requests fail closed while no extproc runs; then recover."""
+    body = {"model": EMU_MODEL, "prompt": "x", "max_tokens": 30, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{stack.envoy_url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        stack.extproc.stop()  # SIGTERM: drain delay, then routed streams are closed with OK status
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"  # the response was not cut
     reply = post(stack, "/v1/completions", completion())
     assert reply.status_code == 503  # fail closed: status_on_error
     stack.start_extproc()
