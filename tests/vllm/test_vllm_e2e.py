@@ -1,0 +1,135 @@
+"""Real Envoy -> extproc (Po2) -> 2 real vLLM servers whose sidecars predict from the plugin's engine state."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import grpc
+import httpx
+import pytest
+
+from bench.vllm_trace import tiny_trace
+from deploy.vllm.launch import SERVED_MODEL_NAME
+from predictor.api import pb, pb_grpc
+from predictor.backend_metrics import parse_vllm_metrics
+from predictor.profile import histogram_totals
+from predictor.state_source import parse_plugin_state
+
+pytestmark = [pytest.mark.vllm, pytest.mark.envoy, pytest.mark.slow]
+
+
+def vllm_counter(address: str, name: str) -> float:
+    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+async def send(client: httpx.AsyncClient, url: str, request, *, stream: bool, chat: bool):
+    body = {"model": SERVED_MODEL_NAME, "max_tokens": request.num_output_tokens, "ignore_eos": True,
+            "stream": stream}
+    if chat:
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": request.prompt}]
+    else:
+        path, body["prompt"] = "/v1/completions", request.prompt
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+        async with client.stream("POST", url + path, json=body) as response:
+            events = [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
+        usage = json.loads(events[-2])["usage"] if len(events) >= 2 else None
+        return response.status_code, events[-1] if events else None, usage
+    response = await client.post(url + path, json=body)
+    return response.status_code, None, response.json().get("usage")
+
+
+async def predict(sidecar: str, num_prompt_tokens: int, num_output_tokens: int):
+    async with grpc.aio.insecure_channel(sidecar) as channel:
+        return await pb_grpc.PredictorStub(channel).Predict(
+            pb.PredictRequest(request_id="probe", num_prompt_tokens=num_prompt_tokens,
+                              num_predicted_output_tokens=num_output_tokens), timeout=5)
+
+
+def test_plugin_attached_and_publishes_the_engine_settings(vllm_stack):
+    for server in vllm_stack.vllm:
+        state = parse_plugin_state(server.state_path.read_text())
+        assert state.pid > 0 and state.engine.max_num_seqs == 16 and state.engine.max_num_batched_tokens == 256
+        assert state.engine.block_size == 32
+        # 1 MiB of KV at 1 KiB per token of the tiny model: 1,024 tokens = 32 blocks, less vLLM's null block.
+        assert state.engine.num_gpu_blocks == 31
+        assert "astrolabe state plugin attached" in server.process.log_path.read_text()
+
+
+def test_sharegpt_streaming_and_non_streaming_through_envoy(vllm_stack):
+    trace = tiny_trace(16, 1.0, random.Random(1), max_prompt_tokens=96, max_output_tokens=24)
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(
+                send(client, vllm_stack.envoy_url, r, stream=i % 2 == 0, chat=i % 4 < 2)
+                for i, r in enumerate(trace)))
+
+    results = asyncio.run(run())
+    assert [status for status, _, _ in results] == [200] * 16
+    assert all(last == "[DONE]" for i, (_, last, _) in enumerate(results) if i % 2 == 0)
+    for i, ((_, _, usage), request) in enumerate(zip(results, trace, strict=True)):
+        assert usage["completion_tokens"] == request.num_output_tokens
+        if i % 4 >= 2:  # completions: the engine counts the prompt with the same tokenizer as the extproc
+            assert usage["prompt_tokens"] == request.num_prompt_tokens
+
+
+def test_load_queues_preempts_and_po2_spreads_it(vllm_stack):
+    before = {s.address: vllm_counter(s.address, "vllm:request_success_total") for s in vllm_stack.vllm}
+    preemptions_before = sum(parse_vllm_metrics(httpx.get(f"http://{s.address}/metrics", timeout=10).text)
+                             .num_preemptions_total for s in vllm_stack.vllm)
+    # Poisson arrivals at 16 req/s: fast enough to queue (each request holds ~170 of an instance's 1,024 KV
+    # tokens for a second or more), spaced enough that each decision sees the previous ones (a burst sent in
+    # one instant gets identical predictions for all its requests and goes to one instance).
+    trace = tiny_trace(48, 16.0, random.Random(2), max_prompt_tokens=120, max_output_tokens=96)
+    replies = []
+
+    async def run():
+        async with httpx.AsyncClient(timeout=600) as client:
+            start_s = asyncio.get_running_loop().time()
+
+            async def send_at(request):
+                await asyncio.sleep(request.arrival_offset_s - (asyncio.get_running_loop().time() - start_s))
+                return await send(client, vllm_stack.envoy_url, request, stream=True, chat=False)
+
+            tasks = [asyncio.create_task(send_at(r)) for r in trace]
+            while not all(task.done() for task in tasks):  # watch the sidecars' view while the burst runs
+                for sidecar in vllm_stack.sidecars.values():
+                    replies.append(await predict(sidecar, 100, 50))
+                await asyncio.sleep(0.2)
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+    assert all(status == 200 for status, _, _ in results)
+    assert replies and all(r.state_source == "vllm-plugin" for r in replies)
+    assert max(r.num_waiting for r in replies) > 0  # more than 2 x 1,024 KV tokens in flight: queues formed
+    served = {a: vllm_counter(a, "vllm:request_success_total") - before[a] for a in before}
+    assert sum(served.values()) == 48 and min(served.values()) >= 12  # Po2 spread the load
+    preemptions = sum(parse_vllm_metrics(httpx.get(f"http://{s.address}/metrics", timeout=10).text)
+                      .num_preemptions_total for s in vllm_stack.vllm) - preemptions_before
+    assert preemptions > 0  # the small KV cache made vLLM preempt
+    assert vllm_stack.metric('astrolabe_extproc_requests_total{outcome="routed"}') >= 48
+    try:  # a Predict that misses its deadline on this loaded 2-core box makes its request fall back
+        num_fallbacks = vllm_stack.metric('astrolabe_extproc_requests_total{outcome="fallback"}')
+    except KeyError:
+        num_fallbacks = 0
+    assert num_fallbacks <= 48 // 4  # most requests were routed by the plugin-fed predictions
+
+
+def test_sidecars_report_an_idle_engine_after_the_load(vllm_stack):
+    for sidecar in vllm_stack.sidecars.values():
+        reply = asyncio.run(predict(sidecar, 64, 16))
+        assert reply.state_source == "vllm-plugin"
+        assert reply.num_running + reply.num_waiting == 0 and reply.num_free_blocks == reply.num_gpu_blocks
+        assert 0 < reply.ttft_s < reply.e2e_s < 5.0
+
+
+def test_backend_metrics_are_scraped(vllm_stack):
+    for server in vllm_stack.vllm:
+        text = httpx.get(f"http://{server.address}/metrics", timeout=10).text
+        observed = parse_vllm_metrics(text)
+        assert observed.block_size == 32 and observed.num_gpu_blocks is not None
+        assert histogram_totals(text, "vllm:e2e_request_latency_seconds")[1] > 0
