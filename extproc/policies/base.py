@@ -112,6 +112,25 @@ class Policy(abc.ABC):
         """
 
 
+class LowestScorePolicy(Policy):
+    """Picks the lowest ``score`` among endpoints with fresh metrics; ties at random; None (the router falls back
+    to least-requests) when no endpoint has metrics. Subclasses define ``score``."""
+
+    needs_metrics: ClassVar[bool] = True
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    @staticmethod
+    @abc.abstractmethod
+    def score(endpoint: EndpointView) -> float:
+        """Lower is better; called only for endpoints whose ``metrics`` is not None."""
+
+    def choose(self, request: RoutingRequest, endpoints: Sequence[EndpointView]) -> EndpointView | None:
+        known = [e for e in endpoints if e.metrics is not None]
+        return min_random_tie(known, self.score, self._rng) if known else None
+
+
 T = TypeVar("T")
 
 

@@ -14,10 +14,10 @@ artifact"): Llumnix's dispatch load (Sun et al., OSDI 2024) without its live mig
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from extproc.policies.base import EndpointView, Policy, min_random_tie, reject_params
+from extproc.policies.base import EndpointView, LowestScorePolicy, reject_params
 
 TYPE = "llumnix"
 
@@ -29,18 +29,9 @@ def score(endpoint: EndpointView) -> float:
     return -(m.num_free_blocks - num_waiting_blocks) / max(m.num_requests_running, 1)
 
 
-class LlumnixPolicy(Policy):
+class LlumnixPolicy(LowestScorePolicy):
     TYPE = TYPE
-    needs_metrics = True
-
-    def __init__(self, rng: random.Random) -> None:
-        self._rng = rng
-
-    def choose(self, request, endpoints: Sequence[EndpointView]) -> EndpointView | None:
-        known = [e for e in endpoints if e.metrics is not None]
-        if not known:
-            return None
-        return min_random_tie(known, score, self._rng)
+    score = staticmethod(score)
 
 
 def build(params: Mapping[str, Any], rng: random.Random) -> LlumnixPolicy:
