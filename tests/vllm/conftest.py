@@ -43,7 +43,10 @@ def vllm_stack():
                            policy="astrolabe", policy_params={"k": 2}, seed=0,
                            output_length={"source": "oracle"},
                            # Generous deadlines: 2 vLLM servers keep this 2-core box's CPUs busy.
-                           predictor_client={"predict_timeout_s": 2.0, "notify_timeout_s": 2.0})
+                           predictor_client={"predict_timeout_s": 2.0, "notify_timeout_s": 2.0},
+                           # vLLM's /health answers late while its engine saturates both cores: the default
+                           # thresholds, not the integration tests' hair-trigger ones.
+                           health_check={"interval_s": 1.0, "timeout_s": 3.0, "unhealthy_threshold": 3})
         stack.start_extproc()
         stack.start_envoy()
         yield stack
