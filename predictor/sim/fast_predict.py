@@ -46,7 +46,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from predictor.sim.scheduler import EngineConfig
+from predictor.sim.scheduler import EngineConfig, check_request_fits
 from predictor.sim.snapshot import NUM_EXTRA_OUTPUT_TOKENS_WHEN_OVERDUE, InstanceSnapshot, RequestState
 
 logger = logging.getLogger(__name__)
@@ -107,22 +107,6 @@ class _Rec:
         self.is_target = False
 
 
-def _check_fits(config: EngineConfig, request_id: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
-    """The checks of `Scheduler.validate_request` on lengths (prompt + output must fit cache and budget)."""
-    num_max_tokens = num_prompt_tokens + num_output_tokens
-    num_blocks = -(-num_max_tokens // config.block_size)
-    if num_blocks > config.num_gpu_blocks:
-        raise ValueError(
-            f"request {request_id!r} needs {num_blocks} KV blocks for {num_max_tokens} tokens, "
-            f"more than num_gpu_blocks={config.num_gpu_blocks}"
-        )
-    if not config.enable_chunked_prefill and num_max_tokens - 1 > config.max_num_batched_tokens:
-        raise ValueError(
-            f"request {request_id!r} may need a {num_max_tokens - 1}-token prefill, more than "
-            f"max_num_batched_tokens={config.max_num_batched_tokens} with chunked prefill off"
-        )
-
-
 def _waiting_rec(config: EngineConfig, state: RequestState) -> _Rec:
     """A waiting snapshot request as a `_Rec`, validated as `Scheduler.add_request` would.
 
@@ -145,7 +129,7 @@ def _waiting_rec(config: EngineConfig, state: RequestState) -> _Rec:
     if -(-num_max_tokens // config.block_size) > config.num_gpu_blocks or (
         num_max_tokens > config.max_num_batched_tokens + 1 and not config.enable_chunked_prefill
     ):
-        _check_fits(config, state.request_id, num_prompt_tokens, num_output_tokens)  # raises, with details
+        check_request_fits(config, state.request_id, num_prompt_tokens, num_output_tokens)  # raises, with details
     return _Rec(num_prompt_tokens, num_output_tokens, num_generated_tokens)
 
 

@@ -129,6 +129,27 @@ class StepOutput:
     finished: list[SimRequest] = field(default_factory=list)
 
 
+def check_request_fits(config: EngineConfig, request_id: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
+    """Checks that a request of these lengths can ever be served by an instance with ``config``.
+
+    Raises:
+        ValueError: prompt + output tokens need more KV blocks than ``num_gpu_blocks``, or (chunked prefill off) a
+            recompute after a late preemption would need a prefill larger than ``max_num_batched_tokens``.
+    """
+    num_max_tokens = num_prompt_tokens + num_output_tokens
+    num_blocks = blocks_for_tokens(num_max_tokens, config.block_size)
+    if num_blocks > config.num_gpu_blocks:
+        raise ValueError(
+            f"request {request_id!r} needs {num_blocks} KV blocks for {num_max_tokens} tokens, "
+            f"more than num_gpu_blocks={config.num_gpu_blocks}"
+        )
+    if not config.enable_chunked_prefill and num_max_tokens - 1 > config.max_num_batched_tokens:
+        raise ValueError(
+            f"request {request_id!r} may need a {num_max_tokens - 1}-token prefill, more than "
+            f"max_num_batched_tokens={config.max_num_batched_tokens} with chunked prefill off"
+        )
+
+
 class Scheduler:
     """FCFS continuous-batching scheduler of one vLLM V1 instance (see the module docstring).
 
@@ -214,18 +235,7 @@ class Scheduler:
             )
         if request.num_generated_tokens >= request.num_output_tokens:
             raise ValueError(f"request {request.request_id!r} has already generated all its output tokens")
-        num_max_tokens = request.num_prompt_tokens + request.num_output_tokens
-        num_blocks = blocks_for_tokens(num_max_tokens, cfg.block_size)
-        if num_blocks > cfg.num_gpu_blocks:
-            raise ValueError(
-                f"request {request.request_id!r} needs {num_blocks} KV blocks for {num_max_tokens} tokens, "
-                f"more than num_gpu_blocks={cfg.num_gpu_blocks}"
-            )
-        if not cfg.enable_chunked_prefill and num_max_tokens - 1 > cfg.max_num_batched_tokens:
-            raise ValueError(
-                f"request {request.request_id!r} may need a {num_max_tokens - 1}-token prefill, more than "
-                f"max_num_batched_tokens={cfg.max_num_batched_tokens} with chunked prefill off"
-            )
+        check_request_fits(cfg, request.request_id, request.num_prompt_tokens, request.num_output_tokens)
 
     def abort_request(self, request_id: str) -> SimRequest | None:
         """Remove an unfinished request from waiting or running and free its blocks.
