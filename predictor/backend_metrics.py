@@ -4,6 +4,7 @@ Names (vLLM V1; FACTS.md): gauges ``vllm:num_requests_running``, ``vllm:num_requ
 ``vllm:kv_cache_usage_perc`` (older releases: ``vllm:gpu_cache_usage_perc``), info gauge
 ``vllm:cache_config_info`` (labels ``block_size``, ``num_gpu_blocks``), counter ``vllm:num_preemptions``
 (exposed as ``vllm:num_preemptions_total``). Series of several engines or models are summed (usage: averaged).
+``histogram_totals`` reads the sum and count of any histogram (the profiler's iteration times).
 """
 
 from __future__ import annotations
@@ -54,3 +55,19 @@ def parse_vllm_metrics(text: str) -> BackendObservation:
         num_gpu_blocks=_label_int(cache_labels, "num_gpu_blocks"),
         block_size=_label_int(cache_labels, "block_size"),
     )
+
+
+def histogram_totals(text: str, name: str) -> tuple[float, float]:
+    """(sum, count) of one Prometheus histogram, summed over its label sets (engines, models).
+
+    Raises:
+        ValueError: unparsable text.
+    """
+    total_s, count = 0.0, 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{name}_sum":
+                total_s += sample.value
+            elif sample.name == f"{name}_count":
+                count += sample.value
+    return total_s, count

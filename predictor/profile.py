@@ -31,8 +31,8 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
+from predictor.backend_metrics import histogram_totals
 from predictor.sim.batch_time import LinearBatchTimeModel, ProfileRow, _design_matrix, fit_linear
 
 logger = logging.getLogger(__name__)
@@ -82,22 +82,6 @@ def default_shapes() -> list[Shape]:
     """The shapes ``astrolabe predictor profile`` measures by default (sized for a 256-token, 16-sequence server)."""
     return (parse_shapes(DEFAULT_PREFILL_SHAPES, "prefill")
             + parse_shapes(DEFAULT_DECODE_SHAPES, "decode", DEFAULT_DECODE_TOKENS))
-
-
-def histogram_totals(text: str, name: str) -> tuple[float, float]:
-    """(sum, count) of one Prometheus histogram, summed over its label sets (engines, models).
-
-    Raises:
-        ValueError: unparsable text.
-    """
-    total_s, count = 0.0, 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == f"{name}_sum":
-                total_s += sample.value
-            elif sample.name == f"{name}_count":
-                count += sample.value
-    return total_s, count
 
 
 class BackendProfiler:

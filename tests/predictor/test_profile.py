@@ -5,11 +5,11 @@ import random
 import pytest
 
 from bench.emulator.server import EmulatorConfig, start_emulator
+from predictor.backend_metrics import histogram_totals
 from predictor.profile import (
     BackendProfiler,
     default_shapes,
     fit_nonnegative,
-    histogram_totals,
     parse_shapes,
     rows_to_profile,
     write_profile_csv,

@@ -14,7 +14,7 @@ from bench.vllm_trace import tiny_trace
 from deploy.vllm.launch import SERVED_MODEL_NAME
 from predictor.api import pb, pb_grpc
 from predictor.backend_metrics import parse_vllm_metrics
-from predictor.profile import histogram_totals
+from predictor.backend_metrics import histogram_totals
 from predictor.state_source import parse_plugin_state
 
 pytestmark = [pytest.mark.vllm, pytest.mark.envoy, pytest.mark.slow]
