@@ -39,7 +39,7 @@ DEFAULT_BUFFER_LIMIT_BYTES = 16 * 1024 * 1024
 DEFAULT_STREAM_IDLE_TIMEOUT_S = 900.0
 """A stream with no bytes either way for this long is reset (a silent non-streamed completion)."""
 
-DEFAULT_CONNECT_TIMEOUT_S = 2.0
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
 """TCP connect timeout to a backend or to the processor."""
 
 DEFAULT_MAX_UPSTREAM_REQUESTS = 65536

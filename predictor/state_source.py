@@ -162,7 +162,8 @@ class AdmitRecords:
     """Requests the extproc admitted here (prompt and predicted output lengths, time), by request id.
 
     vLLM names a request ``cmpl-<x-request-id>-…`` or ``chatcmpl-<x-request-id>…``; the extproc admits it as
-    ``<x-request-id>``. `expected_output_tokens` therefore matches an engine id to the admitted id it contains.
+    ``<x-request-id>/<unique suffix>`` (clients may reuse ids). `expected_output_tokens` therefore matches an
+    engine id to an admitted id, not yet matched, whose ``x-request-id`` part it contains.
     An admitted request that the engine's state has not shown yet is *pending* (`pending`): it is on its way
     (Envoy, the API server's tokenizer) and must count, or a burst of dispatches would all see the same
     instance as idle and herd onto it.
@@ -205,8 +206,10 @@ class AdmitRecords:
         """Expected output length of an engine request, tokens (>= 1): its admitted figure, else the mean;
         capped by ``max_tokens`` when given."""
         if engine_request_id not in self._engine_to_admit:
+            matched = set(self._engine_to_admit.values())
             self._engine_to_admit[engine_request_id] = next(
-                (rid for rid in self._by_id if rid and rid in engine_request_id), None)
+                (rid for rid in self._by_id
+                 if rid and rid not in matched and rid.split("/", 1)[0] in engine_request_id), None)
             if len(self._engine_to_admit) > 4 * self.max_records:
                 self._engine_to_admit.clear()
         admit_id = self._engine_to_admit.get(engine_request_id)

@@ -77,6 +77,16 @@ def test_admit_records_match_engine_ids_containing_the_admitted_id():
     assert records.expected_output_tokens("cmpl-abc123-0", None) == round(records.mean_output_tokens)
 
 
+def test_extproc_ids_match_by_their_x_request_id_part_once_each():
+    """The extproc admits ``<x-request-id>/<suffix>``; a client reusing its id sends two such requests."""
+    records = AdmitRecords(default_output_tokens=100)
+    records.admit("req-7/aaa", 11)
+    records.admit("req-7/bbb", 22)
+    assert records.expected_output_tokens("cmpl-req-7-0-x1", None) == 11
+    assert records.expected_output_tokens("cmpl-req-7-0-x2", None) == 22
+    assert records.pending(["cmpl-req-7-0-x1", "cmpl-req-7-0-x2"], now_s=0.0, grace_s=5.0) == []
+
+
 def test_snapshot_takes_counts_from_the_engine_and_lengths_from_admissions(tmp_path):
     path = tmp_path / "state.json"
     publish(path, busy_scheduler())
