@@ -37,6 +37,7 @@ from bench.loadgen import RequestResult, replay
 from bench.procs import ManagedProcess, ProcessGroup, ProcessStartError, free_port
 from bench.report import ControlPlaneCost, format_comparison, format_costs, format_table, summarize
 from bench.workloads import TraceRequest, build_trace, filter_pairs, load_sharegpt_pairs
+from predictor.backend_metrics import MetricsFormatError, parse_vllm_metrics
 from tagger.tokenizer import TOKENIZER_NAME
 
 logger = logging.getLogger(__name__)
@@ -307,16 +308,17 @@ def _scrape_counter(url: str, series_prefix: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(series_prefix))
 
 
-def _scrape_queue(address: str) -> float:
-    """Sum of ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` on ``/metrics`` of ``address``."""
+def _scrape_queue(address: str) -> int:
+    """Running plus waiting requests on ``/metrics`` of ``address`` (``predictor.backend_metrics``).
+
+    Raises:
+        OSError: the instance cannot be reached.
+        MetricsFormatError: its /metrics lacks vLLM's queue gauges.
+    """
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(f"http://{address}/metrics", timeout=2.0) as resp:
-        text = resp.read().decode("utf-8", errors="replace")
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+        observed = parse_vllm_metrics(resp.read().decode("utf-8", errors="replace"))
+    return observed.num_running + observed.num_waiting
 
 
 def wait_idle(instances: Sequence[str], timeout_s: float = _IDLE_TIMEOUT_S) -> bool:
@@ -325,8 +327,8 @@ def wait_idle(instances: Sequence[str], timeout_s: float = _IDLE_TIMEOUT_S) -> b
     while True:
         try:
             busy = [a for a in instances if _scrape_queue(a) > 0]
-        except OSError as exc:
-            busy = [f"unreachable ({exc})"]
+        except (OSError, MetricsFormatError) as exc:
+            busy = [f"unreadable ({exc})"]
         if not busy:
             return True
         if time.monotonic() >= deadline_s:

@@ -122,9 +122,7 @@ class ConfigWatcher:
         except ConfigError as exc:
             logger.error("config reload rejected, keeping the previous endpoints: %s", exc)
             return False
-        if (new.listen, new.policy, new.policy_params, new.seed, new.max_body_bytes, new.health_check) != (
-                self._config.listen, self._config.policy, self._config.policy_params, self._config.seed,
-                self._config.max_body_bytes, self._config.health_check):
+        if dataclasses.replace(new, endpoints=self._config.endpoints) != self._config:
             logger.warning("config reload: only 'endpoints' apply live; restart for the other changes")
         self._pool.replace(new.endpoints)
         self._config = new

@@ -77,6 +77,17 @@ def _write(path, endpoints, **extra):
                                 "endpoints": [{"address": a} for a in endpoints], **extra}))
 
 
+async def test_reload_warns_only_when_other_keys_change(tmp_path, caplog):
+    path = tmp_path / "extproc.yaml"
+    _write(path, ["127.0.0.1:18001"])
+    server = ExtprocServer(load_config(path), path)
+    watcher = ConfigWatcher(path, server.config, server.pool)
+    _write(path, ["127.0.0.1:18002"])
+    assert watcher.poll() and "restart" not in caplog.text
+    _write(path, ["127.0.0.1:18002"], drain_delay_s=5)  # a key that only applies at start
+    assert watcher.poll() and "restart for the other changes" in caplog.text
+
+
 async def test_reload_applies_endpoints_and_rejects_bad_files(tmp_path):
     path = tmp_path / "extproc.yaml"
     _write(path, ["127.0.0.1:18001"])
