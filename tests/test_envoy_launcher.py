@@ -33,15 +33,30 @@ _EXPECTED_MODES = {
 
 
 def _render(mode: str, **overrides) -> str:
-    kwargs = dict(listen_address="127.0.0.1", listen_port=8080, admin_port=9901,
-                  extproc_address="127.0.0.1:9002")
+    kwargs = dict(listen_address="127.0.0.1", listen_port=8080, admin_port=9901)
+    if mode == launcher.LEAST_REQUEST_MODE:
+        kwargs["backend_addresses"] = "127.0.0.1:8001,127.0.0.1:8002"
+    else:
+        kwargs["extproc_address"] = "127.0.0.1:9002"
     kwargs.update(overrides)
     return launcher.render_config(mode, **kwargs)
 
 
+def _hcm(config: dict) -> dict:
+    return config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def _route(config: dict) -> dict:
+    return _hcm(config)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+
+
+def _socket_addresses(cluster: dict) -> list[dict]:
+    (locality,) = cluster["load_assignment"]["endpoints"]
+    return [e["endpoint"]["address"]["socket_address"] for e in locality["lb_endpoints"]]
+
+
 def _http_filters(config: dict) -> list[dict]:
-    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    return hcm["http_filters"]
+    return _hcm(config)["http_filters"]
 
 
 def _clusters(config: dict) -> dict[str, dict]:
@@ -74,20 +89,43 @@ def test_config_folder_is_not_a_python_package() -> None:
     assert not (_REPO_ROOT / "envoy" / "__init__.py").exists()
 
 
-@pytest.mark.parametrize("mode", launcher.MODES)
-def test_rendered_config_passes_envoy_validate(mode: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("mode", "overrides"),
+    [
+        ("buffered", {"message_timeout_s": 2.5}),
+        ("full-duplex", {"message_timeout_s": 2.5}),
+        ("buffered", {"extproc_address": "127.0.0.1:9002,127.0.0.2:9003,[::1]:9004"}),
+        ("full-duplex", {"extproc_address": ["extproc-0.astrolabe.svc:9002", "10.0.0.7:9002"]}),
+        ("least-request", {}),
+        ("least-request", {"backend_addresses": ("10.0.0.5:8000", "[::1]:8000"),
+                           "backend_health_check_path": "/v1/models"}),
+    ],
+    ids=["buffered", "full-duplex", "buffered-3-extprocs", "full-duplex-dns-extprocs", "least-request",
+         "least-request-v6-path"],
+)
+def test_rendered_config_passes_envoy_validate(mode: str, overrides: dict, tmp_path: Path) -> None:
     config_path = tmp_path / "envoy.yaml"
-    config_path.write_text(_render(mode, message_timeout_s=2.5))
+    config_path.write_text(_render(mode, **overrides))
     result = launcher.validate_config(config_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("mode", launcher.MODES)
-def test_validate_flag_exits_with_envoys_status(mode: str) -> None:
-    assert launcher.main(["--mode", mode, "--validate", "--extproc", "localhost:9002"]) == 0
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--mode", "buffered", "--extproc", "localhost:9002"],
+        ["--mode", "full-duplex", "--extproc", "localhost:9002"],
+        ["--mode", "full-duplex", "--extproc", "127.0.0.1:9002,127.0.0.1:9003"],
+        ["--mode", "least-request", "--backends", "127.0.0.1:8001,127.0.0.1:8002,127.0.0.1:8003"],
+        ["--mode", "least-request", "--backends", "127.0.0.1:8001", "--backend-health-check-path", "/ping"],
+    ],
+    ids=["buffered", "full-duplex", "full-duplex-2-extprocs", "least-request", "least-request-path"],
+)
+def test_validate_flag_exits_with_envoys_status(argv: list[str]) -> None:
+    assert launcher.main([*argv, "--validate"]) == 0
 
 
-@pytest.mark.parametrize("mode", launcher.MODES)
+@pytest.mark.parametrize("mode", launcher.EXTPROC_MODES)
 def test_print_config_is_yaml_with_the_documented_filters(mode: str, capsys: pytest.CaptureFixture) -> None:
     assert launcher.main(["--mode", mode, "--print-config", "--listen-port", "18080",
                           "--admin-port", "19901", "--extproc", "127.0.0.2:19002",
@@ -123,6 +161,163 @@ def test_print_config_is_yaml_with_the_documented_filters(mode: str, capsys: pyt
 def test_host_name_extproc_gets_a_dns_cluster() -> None:
     config = yaml.safe_load(_render("full-duplex", extproc_address="extproc.astrolabe.svc:9002"))
     assert _clusters(config)["extproc"]["type"] == "STRICT_DNS"
+
+
+@pytest.mark.parametrize(
+    ("extproc_address", "expected", "cluster_type"),
+    [
+        ("127.0.0.1:9002", [("127.0.0.1", 9002)], "STATIC"),
+        ("127.0.0.1:9002,127.0.0.2:9003", [("127.0.0.1", 9002), ("127.0.0.2", 9003)], "STATIC"),
+        (" 127.0.0.1:9002 , [::1]:9003 ", [("127.0.0.1", 9002), ("::1", 9003)], "STATIC"),
+        (["10.0.0.1:9002", "10.0.0.2:9002", "10.0.0.3:9002"],
+         [("10.0.0.1", 9002), ("10.0.0.2", 9002), ("10.0.0.3", 9002)], "STATIC"),
+        (("10.0.0.1:9002", "10.0.0.2:9002,10.0.0.3:9002"),
+         [("10.0.0.1", 9002), ("10.0.0.2", 9002), ("10.0.0.3", 9002)], "STATIC"),
+        ("extproc.astrolabe.svc:9002,10.0.0.2:9002",
+         [("extproc.astrolabe.svc", 9002), ("10.0.0.2", 9002)], "STRICT_DNS"),
+    ],
+    ids=["one", "two-comma-separated", "spaces-and-v6", "list", "tuple-with-commas", "one-host-name"],
+)
+@pytest.mark.parametrize("mode", launcher.EXTPROC_MODES)
+def test_extproc_replicas_get_one_endpoint_each_and_the_same_cluster_settings(
+        mode: str, extproc_address, expected: list[tuple[str, int]], cluster_type: str) -> None:
+    single = _clusters(yaml.safe_load(_render(mode)))["extproc"]
+    cluster = _clusters(yaml.safe_load(_render(mode, extproc_address=extproc_address)))["extproc"]
+
+    assert [(a["address"], a["port_value"]) for a in _socket_addresses(cluster)] == expected
+    assert cluster["type"] == cluster_type
+    assert cluster["lb_policy"] == "ROUND_ROBIN"
+    # HTTP/2, timeouts, health check and circuit breakers are those of the one-processor cluster.
+    assert cluster["typed_extension_protocol_options"] == single["typed_extension_protocol_options"]
+    assert "http2_protocol_options" in (
+        cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+        ["explicit_http_config"])
+    for key in ("connect_timeout", "health_checks", "circuit_breakers"):
+        assert cluster[key] == single[key], key
+    assert cluster["health_checks"][0]["no_traffic_interval"] == "1s"
+    assert cluster["circuit_breakers"]["thresholds"][0]["max_requests"] == launcher.DEFAULT_MAX_UPSTREAM_REQUESTS
+
+
+@pytest.mark.parametrize(
+    ("extproc_address", "match"),
+    [
+        ("", "no address given"),
+        ([], "no address given"),
+        ("127.0.0.1:9002,", "empty address at position 1"),
+        ("127.0.0.1:9002,,127.0.0.2:9002", "empty address at position 1"),
+        ("127.0.0.1:9002,127.0.0.2", "'127.0.0.2' is not host:port"),
+        ("127.0.0.1:9002,127.0.0.2:0", "'127.0.0.2:0': port must be"),
+        (["127.0.0.1:9002", "127.0.0.1:99999"], "'127.0.0.1:99999': port must be"),
+        ("127.0.0.1:9002,127.0.0.1:9002", "'127.0.0.1:9002' is listed twice"),
+        ("[::1]:9002,[0:0::1]:9002", r"'\[0:0::1\]:9002' is listed twice"),
+        ('bad"host:9002', "neither an IP address nor a DNS name"),
+        ("under_score.svc:9002", "neither an IP address nor a DNS name"),
+        ("extproc.svc:9002,-dash.svc:9002", "'-dash.svc:9002'"),
+        ([9002], "must be a string or a list of strings"),
+    ],
+    ids=["empty", "empty-list", "trailing-comma", "empty-middle", "no-port", "port-zero", "list-port-range",
+         "duplicate", "duplicate-v6-spelling", "quote", "underscore", "leading-dash", "not-strings"],
+)
+def test_bad_extproc_address_is_named_in_the_error(extproc_address, match: str) -> None:
+    with pytest.raises(ValueError, match=match) as excinfo:
+        _render("full-duplex", extproc_address=extproc_address)
+    assert str(excinfo.value).startswith("extproc_address")
+
+
+def test_least_request_mode_is_plain_envoy_with_the_same_listener_route_and_limits() -> None:
+    config = yaml.safe_load(_render("least-request", backend_addresses="10.0.0.5:8000,10.0.0.6:8000,[::1]:8000"))
+    reference = yaml.safe_load(_render("full-duplex"))
+
+    # No ext_proc (and so no processor cluster): only the router.
+    assert [f["name"] for f in _http_filters(config)] == ["envoy.filters.http.router"]
+    clusters = _clusters(config)
+    assert set(clusters) == {"backends"}
+    backends = clusters["backends"]
+    assert backends["type"] == "STATIC"
+    assert backends["lb_policy"] == "LEAST_REQUEST"
+    # Envoy's defaults (choice_count 2, N_CHOICES): no least-request config of our own.
+    assert "least_request_lb_config" not in backends and "load_balancing_policy" not in backends
+    assert [(a["address"], a["port_value"]) for a in _socket_addresses(backends)] == [
+        ("10.0.0.5", 8000), ("10.0.0.6", 8000), ("::1", 8000)]
+    (health_check,) = backends["health_checks"]
+    assert health_check["http_health_check"] == {"path": "/health"}
+    assert health_check["interval"] == "1s" and health_check["timeout"] == "1s"
+    assert (health_check["unhealthy_threshold"], health_check["healthy_threshold"]) == (2, 1)
+    # Without it Envoy checks only every 60 s until the cluster's first connection.
+    assert health_check["no_traffic_interval"] == "1s"
+
+    # The same listener, connection manager and upstream settings as the ext_proc templates.
+    for key in ("stat_prefix", "access_log", "codec_type", "stream_idle_timeout"):
+        assert _hcm(config)[key] == _hcm(reference)[key], key
+    assert _route(config)["timeout"] == _route(reference)["timeout"] == "0s"
+    for key in ("retry_on", "num_retries"):
+        assert _route(config)["retry_policy"][key] == _route(reference)["retry_policy"][key], key
+    reference_backends = _clusters(reference)["backends"]
+    for key in ("connect_timeout", "circuit_breakers", "typed_extension_protocol_options"):
+        assert backends[key] == reference_backends[key], key
+    assert config["admin"] == reference["admin"]
+    assert config["static_resources"]["listeners"][0]["address"] == (
+        reference["static_resources"]["listeners"][0]["address"])
+    assert "per_connection_buffer_limit_bytes" not in config["static_resources"]["listeners"][0]
+
+
+@pytest.mark.parametrize(
+    ("mode", "overrides", "match"),
+    [
+        ("least-request", {"backend_addresses": None}, "backend_addresses .* is required"),
+        ("least-request", {"extproc_address": "127.0.0.1:9002"}, "extproc_address has no use"),
+        ("least-request", {"backend_addresses": "backend-0.svc:8000"}, "'backend-0.svc:8000' must be an IP"),
+        ("least-request", {"backend_addresses": "127.0.0.1:8001,127.0.0.1"}, "'127.0.0.1' is not host:port"),
+        ("least-request", {"backend_addresses": "127.0.0.1:8001,127.0.0.1:8001"}, "listed twice"),
+        ("least-request", {"backend_health_check_path": "health"}, "backend_health_check_path"),
+        ("least-request", {"backend_health_check_path": '/h"ealth'}, "backend_health_check_path"),
+        ("full-duplex", {"backend_addresses": "127.0.0.1:8001"}, "backend_addresses is only for"),
+        ("buffered", {"extproc_address": None}, "extproc_address is required"),
+    ],
+    ids=["no-backends", "extproc-given", "host-name-backend", "backend-no-port", "duplicate-backend",
+         "relative-path", "quote-in-path", "backends-in-extproc-mode", "no-extproc"],
+)
+def test_render_config_rejects_addresses_of_the_wrong_mode(mode: str, overrides: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _render(mode, **overrides)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--mode", "least-request"], "--mode least-request needs --backends"),
+        (["--mode", "least-request", "--backends", "127.0.0.1:8001", "--extproc", "127.0.0.1:9002"],
+         "--extproc has no use in --mode least-request"),
+        (["--mode", "least-request", "--backends", "127.0.0.1:8001", "--message-timeout-s", "3"],
+         "--message-timeout-s has no use"),
+        (["--mode", "least-request", "--backends", "127.0.0.1:8001,localhost:8002"],
+         "--backends: address 'localhost:8002' must be an IP literal"),
+        (["--mode", "full-duplex", "--backends", "127.0.0.1:8001"], "--backends is only for --mode least-request"),
+        (["--mode", "buffered", "--backend-health-check-path", "/health"],
+         "--backend-health-check-path is only for --mode least-request"),
+        (["--extproc", "127.0.0.1:9002,127.0.0.1:70000"], "--extproc: address '127.0.0.1:70000'"),
+    ],
+    ids=["least-request-no-backends", "least-request-extproc", "least-request-message-timeout",
+         "least-request-host-name", "backends-in-full-duplex", "health-path-in-buffered", "bad-second-extproc"],
+)
+def test_cli_rejects_flags_of_the_other_mode(argv: list[str], message: str, caplog: pytest.LogCaptureFixture,
+                                             capsys: pytest.CaptureFixture) -> None:
+    assert launcher.main([*argv, "--print-config"]) == 2
+    assert message in caplog.text
+    assert capsys.readouterr().out == ""
+
+
+def test_cli_renders_several_extprocs_and_least_request(capsys: pytest.CaptureFixture) -> None:
+    assert launcher.main(["--print-config", "--extproc", "127.0.0.1:9002,127.0.0.1:9003"]) == 0
+    extproc = _clusters(yaml.safe_load(capsys.readouterr().out))["extproc"]
+    assert [a["port_value"] for a in _socket_addresses(extproc)] == [9002, 9003]
+
+    assert launcher.main(["--mode", "least-request", "--print-config", "--backends", "127.0.0.1:8001,127.0.0.2:8002",
+                          "--backend-health-check-path", "/v1/models"]) == 0
+    backends = _clusters(yaml.safe_load(capsys.readouterr().out))["backends"]
+    assert [(a["address"], a["port_value"]) for a in _socket_addresses(backends)] == [
+        ("127.0.0.1", 8001), ("127.0.0.2", 8002)]
+    assert backends["health_checks"][0]["http_health_check"] == {"path": "/v1/models"}
 
 
 @pytest.mark.parametrize(
@@ -191,7 +386,7 @@ def test_launcher_runs_envoys_side_by_side_fails_closed_and_forwards_sigterm(tmp
         )
         backend.wait_tcp("127.0.0.1", backend_port, timeout_s=30)
         # Both modes at once: hot restart is disabled, so no shared-memory base id clashes.
-        launched = [_start_launcher(procs, mode) for mode in launcher.MODES]
+        launched = [_start_launcher(procs, mode) for mode in launcher.EXTPROC_MODES]
 
         for proc, listen_port in launched:
             # No processor is running: fail closed with 503, even though the client names a live backend.
@@ -271,7 +466,7 @@ class _FixedDestinationProcessor:
                 yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
 
 
-@pytest.mark.parametrize("mode", launcher.MODES)
+@pytest.mark.parametrize("mode", launcher.EXTPROC_MODES)
 def test_envoy_routes_to_the_processors_destination_not_the_clients(mode: str) -> None:
     from concurrent import futures
 
