@@ -1,29 +1,30 @@
 """`astrolabe bench cluster`: dispatch policies compared on a simulated fleet, in virtual time.
 
 N simulated vLLM V1 instances (``predictor.sim.Engine``, Llama-2-7B shape with the shipped H200 step-time model)
-receive a ShareGPT trace (prompt and reply token counts, ``bench.workloads``) with Poisson or Gamma arrivals,
-routed by the extproc's own policy objects (``extproc.policies.registry.build_policy``), at each rate of a sweep.
-Per (policy, rate) it reports TTFT mean/p99, E2E mean/p99, TPOT mean, preemptions and predictor calls per
-request; per policy the capacity, i.e. the highest rate whose P99 TTFT meets the SLO. It writes
-``DIR/cluster.csv`` (every point) and ``DIR/p99_ttft.png`` (P99 TTFT against rate, one line per policy).
-What each policy sees is described in ``bench.cluster_sim``.
+receive ShareGPT traces (prompt and reply token counts, ``bench.workloads``) with Poisson or Gamma arrivals,
+routed by R router replicas running the extproc's own policy objects (``extproc.policies.registry``) or a
+model of Envoy's ``LEAST_REQUEST`` (``bench.cluster_sim.EnvoyLeastRequest``), at each rate of a sweep and for
+each seed. Per (policy, rate), pooled over the seeds, it reports TTFT mean and P99 (with a block-bootstrap
+interval), E2E mean/P99, TPOT mean, preemptions and predictor calls per request; per policy the capacity (the
+highest rate whose pooled P99 TTFT meets the SLO, and the rate where P99 TTFT crosses it, interpolated); and,
+at the rates around the knee, astrolabe's P99 TTFT as a ratio to the best baseline's with a paired interval.
+It writes ``DIR/cluster.csv`` (every pooled point) and ``DIR/p99_ttft.png``. What each policy sees is described
+in ``bench.cluster_sim``.
 
 Defaults and why (all printed with the results):
+- 4 router replicas (production runs several; each sees only its own in-flight counts and scrapes, while the
+  sidecars see every replica's admissions); ``--num-routers 1`` gives the single-router case.
 - KV cache 1,024 blocks x 16 tokens per instance (A30-like, as the paper's 12x A30 testbed; see
   ``bench.cluster_sim.A30_LIKE_NUM_GPU_BLOCKS``); max_num_seqs 48, max_num_batched_tokens 512 (chunked prefill).
 - Predicted output lengths: sampled from the shipped light tagger's measured held-out errors
-  (``tagger/weights/light/errors.npz``, ``tagger.errors.LengthErrorModel``, binned by true length); another
-  tagger's with ``--length-errors DIR``; a log-normal error with ``--length-errors lognormal``
-  (``--length-sigma``); true lengths with ``--oracle-lengths``.
-- SLO: P99 TTFT <= 2 s, not the paper's 10 s: with H200 step times a trace of a few thousand requests (tens of
-  seconds of arrivals) reaches a 10 s P99 TTFT only in deep overload (150-240 req/s here, against a knee near
-  130), where every policy has already failed and one full fan-out point costs ~9 minutes of CPU (measured:
-  263 ms of prediction per request at 240 req/s). ``--slo-ttft-s 10`` with higher ``--rates`` applies the
-  paper's criterion, slowly.
-- Rates 100-150 req/s (the knee of this fleet), 3,000 requests per point: the sweep fits in < 10 minutes on 2
-  cores with today's ``predict`` (full fan-out dominates); raise ``--num-requests`` / ``--rates`` as ``predict``
-  gets faster.
-The trace is the same for every policy, and the same up to a time scale for every rate (unit-rate arrivals
+  (``tagger/weights/light/errors.npz``, binned by true length); the sidecars' residual lengths are conditioned
+  on the same tagger's (predicted, true) pairs, as a production sidecar does (``predictor.residual_rules``).
+- SLO: P99 TTFT <= 2 s, not the paper's 10 s: with H200 step times a trace of a few thousand requests reaches a
+  10 s P99 TTFT only in deep overload, where every policy has already failed.
+- 3 seeds x 3,000 requests per point: a P99 over one 3,000-request trace moves by a factor of 10 between seeds
+  near the knee (one burst decides it); pooling seeds and bootstrapping blocks of requests makes the figures
+  and their intervals mean something.
+The traces are the same for every policy, and the same up to a time scale for every rate (unit-rate arrivals
 divided by the rate), so that differences come from the policies, not from sampling.
 """
 
@@ -43,46 +44,77 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.cluster_report import capacities, format_capacities, format_points, write_csv, write_plot
+from bench.cluster_report import (
+    capacities,
+    crossing_rates,
+    format_capacities,
+    format_points,
+    format_ratios,
+    pool_points,
+    write_csv,
+    write_plot,
+)
 from bench.cluster_sim import (
     A30_LIKE_NUM_GPU_BLOCKS,
+    ENVOY_LEAST_REQUEST,
     LOGNORMAL_SIGMA,
     ClusterConfig,
     ClusterRequest,
     LognormalLengthError,
-    PointResult,
     PolicySpec,
     SamplePredictedTokens,
+    SeedPoint,
     oracle_lengths,
-    simulate_point,
+    simulate_point_latencies,
 )
 from bench.workloads import REPO_ROOT, SharegptPair, arrival_offsets_s, filter_pairs, load_sharegpt_pairs
 from extproc.policies.registry import POLICY_NAMES
 from predictor.sim import EngineConfig
+from predictor.sim.residual import EmpiricalResidual, ExactLengths, FixedExtraTokens, ResidualLengthModel
 from tagger.serve import SHIPPED_LIGHT_DIR
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_POLICIES = ("random", "round-robin", "least-requests", "min-qpm", "infaas", "llumnix", "gie",
-                    "astrolabe-k2", "astrolabe-k4", "astrolabe-full")
-DEFAULT_RATES_QPS = (100.0, 110.0, 120.0, 125.0, 130.0, 135.0, 140.0, 150.0)
+DEFAULT_POLICIES = ("random", "round-robin", "least-requests", ENVOY_LEAST_REQUEST, "min-qpm", "infaas", "llumnix",
+                    "gie", "astrolabe-paper", "astrolabe-k2", "astrolabe-k4", "astrolabe-full")
+DEFAULT_RATES_QPS = (100.0, 110.0, 120.0, 125.0, 130.0, 135.0, 140.0)
+DEFAULT_SEEDS = (0, 1, 2)
 DEFAULT_OUT_DIR = REPO_ROOT / "out" / "cluster"
+_LABEL = re.compile(r"astrolabe-(k(?P<k>\d+)|full|paper)(?P<mods>(-(ttft|e2e|blend|nomem))*)")
 
 
-def policy_spec(label: str, num_instances: int) -> PolicySpec:
-    """Maps a label to a policy: a registry name, ``astrolabe-k<N>`` (power of N) or ``astrolabe-full``.
+def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthModel | None = None) -> PolicySpec:
+    """Maps a label to a policy.
+
+    Labels: a registry name, ``envoy-least-request``, ``astrolabe-k<N>`` (power of N), ``astrolabe-full``
+    (k = fleet size), ``astrolabe-paper`` (the reference system: k = 2, E2E, no memory, the "10 more tokens"
+    residual), each astrolabe label optionally followed by ``-ttft``/``-e2e``/``-blend`` (metric) and
+    ``-nomem`` (no probe of the best recent answer).
 
     Raises:
         ValueError: unknown label.
     """
-    if label == "astrolabe-full":
-        return PolicySpec(label, "astrolabe", {"k": num_instances})
-    match = re.fullmatch(r"astrolabe-k(\d+)", label)
-    if match:
-        return PolicySpec(label, "astrolabe", {"k": int(match.group(1))})
-    if label in POLICY_NAMES:
+    if label == ENVOY_LEAST_REQUEST or label in POLICY_NAMES and label != "astrolabe":
         return PolicySpec(label, label)
-    raise ValueError(f"unknown policy {label!r}; known: {', '.join(POLICY_NAMES)}, astrolabe-k<N>, astrolabe-full")
+    match = _LABEL.fullmatch(label)
+    if match is None:
+        raise ValueError(f"unknown policy {label!r}; known: {', '.join(POLICY_NAMES)}, {ENVOY_LEAST_REQUEST}, "
+                         "astrolabe-k<N>, astrolabe-full, astrolabe-paper (+ -ttft, -e2e, -blend, -nomem)")
+    params: dict = {}
+    residual = None
+    if match.group(1) == "full":
+        params["k"] = num_instances
+    elif match.group(1) == "paper":
+        params.update(k=2, metric="e2e", probe_best=False)
+        residual = paper_residual or FixedExtraTokens()
+    else:
+        params["k"] = int(match.group("k"))
+    for mod in filter(None, match.group("mods").split("-")):
+        if mod == "nomem":
+            params["probe_best"] = False
+        else:
+            params["metric"] = mod
+    return PolicySpec(label, "astrolabe", params, residual)
 
 
 def build_requests(pairs: Sequence[SharegptPair], num_requests: int, rng: random.Random, arrival: str, cv: float,
@@ -108,72 +140,88 @@ def at_rate(requests: Sequence[ClusterRequest], rate_qps: float) -> list[Cluster
     return [dataclasses.replace(r, arrival_time_s=r.arrival_time_s / rate_qps) for r in requests]
 
 
-def _run_point(task: tuple[PolicySpec, float, list[ClusterRequest], ClusterConfig]) -> PointResult:
+def _run_point(task: tuple[PolicySpec, float, list[ClusterRequest], ClusterConfig]) -> SeedPoint:
     spec, rate_qps, requests, config = task
-    return simulate_point(spec, rate_qps, requests, config)
+    result, latencies = simulate_point_latencies(spec, rate_qps, requests, config)
+    return SeedPoint(config.seed, result, latencies)
 
 
-def run_sweep(specs: Sequence[PolicySpec], rates_qps: Sequence[float], requests: Sequence[ClusterRequest],
-              config: ClusterConfig, workers: int = 1, progress: bool = True) -> list[PointResult]:
-    """Simulates every (policy, rate) point, ``workers`` processes at a time.
+def run_sweep(specs: Sequence[PolicySpec], rates_qps: Sequence[float],
+              requests_by_seed: dict[int, Sequence[ClusterRequest]], config: ClusterConfig, workers: int = 1,
+              progress: bool = True) -> list[SeedPoint]:
+    """Simulates every (policy, rate, seed) point, ``workers`` processes at a time.
 
     Args:
         specs: policies, display order.
         rates_qps: rates, requests per second.
-        requests: the unit-rate trace (``build_requests``).
-        config: fleet settings.
+        requests_by_seed: seed -> its unit-rate trace (``build_requests``); the seed also seeds the routers.
+        config: fleet settings (its ``seed`` is replaced by each trace's).
         workers: processes (1 = in this process).
         progress: show a tqdm bar of points on stderr.
 
     Returns:
-        One result per point, ordered by policy (``specs`` order) then rate (ascending).
+        One point per (policy, rate, seed), ordered by policy (``specs`` order), rate (ascending), seed.
     """
-    tasks = [(spec, rate, at_rate(requests, rate), config) for spec in specs for rate in sorted(rates_qps)]
+    tasks = [(spec, rate, at_rate(requests, rate), dataclasses.replace(config, seed=seed))
+             for spec in specs for rate in sorted(rates_qps) for seed, requests in requests_by_seed.items()]
     # Most expensive first (predictions per request x rate) so that a slow point does not finish last alone.
     tasks.sort(key=lambda t: -(t[0].params.get("k", 0) + 0.1) * t[1])
-    results: list[PointResult] = []
+    points: list[SeedPoint] = []
     bar = tqdm(total=len(tasks), desc="cluster points", unit="pt", disable=not progress)
     try:
         if workers <= 1:
             for task in tasks:
-                results.append(_run_point(task))
+                points.append(_run_point(task))
                 bar.update()
         else:
             with multiprocessing.get_context("fork").Pool(workers) as pool:
-                for result in pool.imap_unordered(_run_point, tasks):
-                    results.append(result)
+                for point in pool.imap_unordered(_run_point, tasks):
+                    points.append(point)
                     bar.update()
     finally:
         bar.close()
     order = {spec.label: i for i, spec in enumerate(specs)}
-    return sorted(results, key=lambda r: (order[r.policy], r.rate_qps))
+    return sorted(points, key=lambda p: (order[p.result.policy], p.result.rate_qps, p.seed))
 
 
-def _error_model(args: argparse.Namespace) -> tuple[SamplePredictedTokens, str]:
+def _error_model(args: argparse.Namespace, pairs: Sequence[SharegptPair]
+                 ) -> tuple[SamplePredictedTokens, str, ResidualLengthModel]:
+    """(predicted-length sampler, its description, the sidecars' residual rule calibrated on the same errors)."""
     if args.oracle_lengths:
-        return oracle_lengths, "oracle (predicted = true)"
+        return oracle_lengths, "oracle (predicted = true)", ExactLengths()
     if str(args.length_errors) == "lognormal":
-        return LognormalLengthError(args.length_sigma), f"log-normal, sigma {args.length_sigma:g}"
+        model = LognormalLengthError(args.length_sigma)
+        rng = random.Random(12345)
+        true = [p.num_output_tokens for p in rng.choices(list(pairs), k=5000)]
+        residual = EmpiricalResidual([model(t, rng) for t in true], true)
+        return model, f"log-normal, sigma {args.length_sigma:g}", residual
     from tagger.errors import LengthErrorModel  # noqa: PLC0415 (numpy only; no torch)
 
-    model = LengthErrorModel.load(args.length_errors)
-    return (lambda n, rng: model.sample(n, rng)), f"tagger's measured errors ({args.length_errors})"
+    errors = LengthErrorModel.load(args.length_errors)
+    if errors.predicted_tokens is None:
+        raise ValueError(f"{args.length_errors}: the error sample has no (predicted, true) pairs")
+    residual = EmpiricalResidual(errors.predicted_tokens, errors.true_tokens)
+    return (lambda n, rng: errors.sample(n, rng)), f"tagger's measured errors ({args.length_errors})", residual
 
 
 def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="astrolabe bench cluster", description=__doc__.splitlines()[0])
     p.add_argument("--num-instances", type=int, default=12)
-    p.add_argument("--num-requests", type=int, default=3000, help="requests per (policy, rate) point")
+    p.add_argument("--num-routers", type=int, default=4, help="router replicas (each with its own view)")
+    p.add_argument("--num-requests", type=int, default=3000, help="requests per (policy, rate, seed) point")
     p.add_argument("--rates", default=",".join(f"{r:g}" for r in DEFAULT_RATES_QPS), help="req/s, comma-separated")
+    p.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)), help="trace seeds, comma-separated")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated labels")
     p.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
     p.add_argument("--cv", type=float, default=2.0, help="coefficient of variation of gaps for --arrival gamma")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=48)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-gpu-blocks", type=int, default=A30_LIKE_NUM_GPU_BLOCKS, help="KV blocks per instance")
     p.add_argument("--batch-time-model", default="llama-2-7b")
+    p.add_argument("--slow-fraction", type=float, default=0.0,
+                   help="fraction of instances whose steps take --slow-factor times as long (a mixed fleet)")
+    p.add_argument("--slow-factor", type=float, default=1.6)
     p.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + reply kept, tokens")
     p.add_argument("--metrics-interval-s", type=float, default=0.05)
     p.add_argument("--oracle-lengths", action="store_true", help="predictors get the true output lengths")
@@ -190,9 +238,32 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 <= args.prediction_noise <= 1:
         p.error("--prediction-noise must be in [0, 1]")
-    if args.num_requests < 1 or args.num_instances < 1 or args.workers < 1:
-        p.error("--num-requests, --num-instances and --workers must be >= 1")
+    if min(args.num_requests, args.num_instances, args.workers, args.num_routers) < 1:
+        p.error("--num-requests, --num-instances, --num-routers and --workers must be >= 1")
+    if not 0 <= args.slow_fraction <= 1 or not args.slow_factor > 0:
+        p.error("--slow-fraction must be in [0, 1] and --slow-factor > 0")
     return args
+
+
+def _time_scales(args: argparse.Namespace) -> tuple[float, ...] | None:
+    num_slow = round(args.slow_fraction * args.num_instances)
+    if num_slow == 0:
+        return None
+    return (1.0,) * (args.num_instances - num_slow) + (args.slow_factor,) * num_slow
+
+
+def _settings(args: argparse.Namespace, engine: EngineConfig, error_desc: str, seeds: Sequence[int]) -> str:
+    fleet = f"{args.num_instances} instances"
+    if _time_scales(args):
+        num_slow = round(args.slow_fraction * args.num_instances)
+        fleet += f" ({num_slow} with steps x {args.slow_factor:g}: a mixed fleet)"
+    arrival = args.arrival + (f" (cv {args.cv:g})" if args.arrival == "gamma" else "")
+    return (f"{fleet}, {args.num_routers} router replica(s), Llama-2-7B shape, H200 step-time model "
+            f"'{args.batch_time_model}'; max_num_seqs {engine.max_num_seqs}, max_num_batched_tokens "
+            f"{engine.max_num_batched_tokens}, KV cache {engine.num_gpu_blocks} blocks x {engine.block_size} tokens "
+            f"= {engine.num_gpu_blocks * engine.block_size} tokens per instance; {args.num_requests} ShareGPT "
+            f"requests per point x seeds {','.join(map(str, seeds))}, {arrival} arrivals; predicted lengths: "
+            f"{error_desc}; prediction noise {args.prediction_noise:g}; metrics every {args.metrics_interval_s:g} s")
 
 
 def main(argv: Sequence[str]) -> int:
@@ -201,49 +272,53 @@ def main(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         rates_qps = [float(r) for r in args.rates.split(",") if r.strip()]
-        specs = [policy_spec(label.strip(), args.num_instances) for label in args.policies.split(",") if label]
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
         engine = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                               block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks)
+        max_len = min(args.max_model_len, engine.num_gpu_blocks * engine.block_size)
+        pairs = filter_pairs(load_sharegpt_pairs(), max_model_len=max_len)
+        sample_predicted_tokens, error_desc, residual = _error_model(args, pairs)
+        specs = [policy_spec(label.strip(), args.num_instances) for label in args.policies.split(",") if label]
     except ValueError as exc:
         print(f"astrolabe bench cluster: {exc}", file=sys.stderr)
         return 2
-    if not rates_qps or min(rates_qps) <= 0:
-        print("astrolabe bench cluster: --rates must list positive rates", file=sys.stderr)
+    if not rates_qps or min(rates_qps) <= 0 or not seeds:
+        print("astrolabe bench cluster: --rates must list positive rates and --seeds at least one seed",
+              file=sys.stderr)
         return 2
     config = ClusterConfig(args.num_instances, engine, args.batch_time_model, args.metrics_interval_s,
-                           args.prediction_noise, args.seed)
-    sample_predicted_tokens, error_desc = _error_model(args)
-    max_len = min(args.max_model_len, engine.num_gpu_blocks * engine.block_size)
-    pairs = filter_pairs(load_sharegpt_pairs(), max_model_len=max_len)
-    _, requests = build_requests(pairs, args.num_requests, random.Random(args.seed), args.arrival, args.cv,
-                                 sample_predicted_tokens)
-    settings = (f"{args.num_instances} instances, Llama-2-7B shape, H200 step-time model '{args.batch_time_model}'; "
-                f"max_num_seqs {engine.max_num_seqs}, max_num_batched_tokens {engine.max_num_batched_tokens}, "
-                f"KV cache {engine.num_gpu_blocks} blocks x {engine.block_size} tokens = "
-                f"{engine.num_gpu_blocks * engine.block_size} tokens per instance; {args.num_requests} ShareGPT "
-                f"requests per point, {args.arrival} arrivals" + (f" (cv {args.cv:g})" if args.arrival == "gamma"
-                                                                 else "")
-                + f"; predicted lengths: {error_desc}; prediction noise {args.prediction_noise:g}; "
-                f"metrics every {args.metrics_interval_s:g} s; seed {args.seed}")
-    print(f"SIMULATED (virtual time): {settings}")
+                           args.prediction_noise, 0, args.num_routers, residual, _time_scales(args))
+    requests_by_seed = {seed: build_requests(pairs, args.num_requests, random.Random(seed), args.arrival, args.cv,
+                                             sample_predicted_tokens)[1] for seed in seeds}
+    print(f"SIMULATED (virtual time): {_settings(args, engine, error_desc, seeds)}")
     start_s = time.perf_counter()
-    results = run_sweep(specs, rates_qps, requests, config, args.workers, progress=not args.no_progress)
+    points = run_sweep(specs, rates_qps, requests_by_seed, config, args.workers, progress=not args.no_progress)
     wall_s = time.perf_counter() - start_s
-    caps = capacities(results, args.slo_ttft_s)
-    extra = {"num_instances": args.num_instances, "arrival": args.arrival, "cv": args.cv if args.arrival == "gamma"
-             else "", "num_gpu_blocks": engine.num_gpu_blocks, "block_size": engine.block_size,
+    pooled = pool_points(points)
+    caps = capacities(pooled, args.slo_ttft_s)
+    crossings = crossing_rates(pooled, args.slo_ttft_s)
+    extra = {"num_instances": args.num_instances, "num_routers": args.num_routers, "arrival": args.arrival,
+             "cv": args.cv if args.arrival == "gamma" else "", "seeds": " ".join(map(str, seeds)),
+             "num_gpu_blocks": engine.num_gpu_blocks, "block_size": engine.block_size,
              "max_num_seqs": engine.max_num_seqs, "max_num_batched_tokens": engine.max_num_batched_tokens,
-             "length_errors": error_desc, "prediction_noise": args.prediction_noise, "seed": args.seed,
-             "slo_ttft_s": args.slo_ttft_s}
-    csv_path = write_csv(args.out / "cluster.csv", results, extra)
-    plot_path = write_plot(args.out / "p99_ttft.png", results, args.slo_ttft_s,
-                           f"simulated: {args.num_instances} instances, {args.arrival} arrivals, {error_desc}")
-    num_simulated = sum(r.num_requests for r in results)
-    print(format_points(results))
+             "slow_fraction": args.slow_fraction, "slow_factor": args.slow_factor, "length_errors": error_desc,
+             "prediction_noise": args.prediction_noise, "slo_ttft_s": args.slo_ttft_s}
+    csv_path = write_csv(args.out / "cluster.csv", pooled, extra)
+    plot_path = write_plot(args.out / "p99_ttft.png", pooled, args.slo_ttft_s,
+                           f"simulated: {args.num_instances} instances, {args.num_routers} routers, "
+                           f"{args.arrival} arrivals, {error_desc}")
+    num_simulated = sum(p.result.num_requests for p in points)
+    print(format_points(pooled))
     print()
-    print(format_capacities(caps, args.slo_ttft_s))
-    print(f"\nlatencies in seconds (virtual time); SLO for capacity: P99 TTFT <= {args.slo_ttft_s:g} s")
+    print(format_capacities(caps, crossings, args.slo_ttft_s))
+    ratios = format_ratios(points, pooled, "astrolabe-k2", args.slo_ttft_s)
+    if ratios:
+        print()
+        print(ratios)
+    print(f"\nlatencies in seconds (virtual time), pooled over seeds; [low, high] = 95% block-bootstrap interval; "
+          f"SLO for capacity: P99 TTFT <= {args.slo_ttft_s:g} s")
     print(f"wrote {csv_path} and {plot_path}")
     print(f"{num_simulated} simulated requests in {wall_s:.1f} s wall = {num_simulated / wall_s:.0f} requests per "
           f"wall second ({args.workers} worker process(es))")
     return 0
+

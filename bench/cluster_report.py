@@ -1,6 +1,7 @@
 """Outputs of the cluster benchmark: capacity per policy, the text tables, the CSV and the P99-TTFT plot.
 
-Owns pure reductions of ``bench.cluster_sim.PointResult`` lists and the two file writers (CSV with the stdlib,
+Owns pure reductions of ``bench.cluster_sim.SeedPoint`` lists (pooling seeds, capacities, ratios with
+bootstrap intervals from ``bench.stats``) and the two file writers (CSV with the stdlib,
 PNG with matplotlib's Agg backend, imported only inside ``write_plot``). No printing.
 """
 
@@ -14,9 +15,81 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.cluster_sim import PointResult
+import numpy as np
+
+from bench import stats
+from bench.cluster_sim import SeedPoint
+from bench.stats import paired_ratio_ci, summary_ci, verdict
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PooledPoint:
+    """One (policy, rate) pooled over seeds. Latencies in seconds over completed requests.
+
+    Attributes:
+        ttft_p99_low_s, ttft_p99_high_s: 95% block-bootstrap interval of ``ttft_p99_s`` (blocks within seeds).
+        num_preemptions: summed over instances and seeds.
+        predictor_calls_per_request: predictions made / requests routed.
+        num_fallbacks: requests the policy could not place (summed over seeds).
+        wall_s: wall-clock seconds the seeds took together.
+    """
+
+    policy: str
+    rate_qps: float
+    num_seeds: int
+    num_requests: int
+    num_completed: int
+    ttft_mean_s: float
+    ttft_p99_s: float
+    ttft_p99_low_s: float
+    ttft_p99_high_s: float
+    e2e_mean_s: float
+    e2e_p99_s: float
+    tpot_mean_s: float
+    num_preemptions: int
+    predictor_calls_per_request: float
+    num_fallbacks: int
+    num_routers: int
+    wall_s: float
+
+
+def _by_point(points: Sequence[SeedPoint]) -> dict[tuple[str, float], list[SeedPoint]]:
+    grouped: dict[tuple[str, float], list[SeedPoint]] = {}
+    for point in points:
+        grouped.setdefault((point.result.policy, point.result.rate_qps), []).append(point)
+    return {k: sorted(v, key=lambda p: p.seed) for k, v in grouped.items()}
+
+
+def _pooled(points: Sequence[SeedPoint], attr: str) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenated per-request figures (seed order) and their seed groups."""
+    values = np.concatenate([getattr(p.latencies, attr) for p in points])
+    groups = np.concatenate([np.full(len(getattr(p.latencies, attr)), p.seed) for p in points])
+    return values, groups
+
+
+def pool_points(points: Sequence[SeedPoint]) -> list[PooledPoint]:
+    """Pools every (policy, rate)'s seeds; first-appearance order of (policy, rate)."""
+    out = []
+    for (policy, rate), seeds in _by_point(points).items():
+        ttfts, groups = _pooled(seeds, "ttfts_s")
+        e2es, _ = _pooled(seeds, "e2es_s")
+        p99 = summary_ci(ttfts, stats.p99, groups=groups, num_resamples=500)
+        results = [p.result for p in seeds]
+        num_requests = sum(r.num_requests for r in results)
+        out.append(PooledPoint(
+            policy=policy, rate_qps=rate, num_seeds=len(seeds), num_requests=num_requests,
+            num_completed=sum(r.num_completed for r in results), ttft_mean_s=float(np.mean(ttfts)),
+            ttft_p99_s=p99.value, ttft_p99_low_s=p99.low, ttft_p99_high_s=p99.high,
+            e2e_mean_s=float(np.mean(e2es)), e2e_p99_s=float(np.percentile(e2es, 99)),
+            tpot_mean_s=float(np.nanmean([r.tpot_mean_s for r in results])),
+            num_preemptions=sum(r.num_preemptions for r in results),
+            predictor_calls_per_request=sum(r.predictor_calls_per_request * r.num_requests for r in results)
+            / max(num_requests, 1),
+            num_fallbacks=sum(r.num_fallbacks for r in results), num_routers=results[0].num_routers,
+            wall_s=sum(r.wall_s for r in results)))
+    return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,21 +113,47 @@ class Capacity:
         return f">= {self.capacity_qps:g}" if self.at_max_rate else f"{self.capacity_qps:g}"
 
 
-def capacities(results: Sequence[PointResult], slo_ttft_s: float) -> list[Capacity]:
-    """Capacity of each policy (first-appearance order): the highest rate of the prefix of ascending rates whose
-    P99 TTFT is <= ``slo_ttft_s`` seconds (a NaN P99 counts as a miss)."""
-    by_policy: dict[str, list[PointResult]] = {}
+def _by_policy(results: Sequence[PooledPoint]) -> dict[str, list[PooledPoint]]:
+    by_policy: dict[str, list[PooledPoint]] = {}
     for result in results:
         by_policy.setdefault(result.policy, []).append(result)
+    return {k: sorted(v, key=lambda r: r.rate_qps) for k, v in by_policy.items()}
+
+
+def capacities(results: Sequence[PooledPoint], slo_ttft_s: float) -> list[Capacity]:
+    """Capacity of each policy (first-appearance order): the highest rate of the prefix of ascending rates whose
+    P99 TTFT is <= ``slo_ttft_s`` seconds (a NaN P99 counts as a miss)."""
     out = []
-    for policy, points in by_policy.items():
-        points = sorted(points, key=lambda r: r.rate_qps)
+    for policy, points in _by_policy(results).items():
         best = None
         for point in points:
             if not point.ttft_p99_s <= slo_ttft_s:
                 break
             best = point.rate_qps
         out.append(Capacity(policy, best, best is not None and best == points[-1].rate_qps))
+    return out
+
+
+def crossing_rates(results: Sequence[PooledPoint], slo_ttft_s: float) -> dict[str, float | None]:
+    """Per policy, the rate at which P99 TTFT first crosses ``slo_ttft_s``: linear in rate and log P99 between the
+    last swept rate that meets the SLO and the first that misses it (finer than the sweep's grid). None when
+    the lowest rate misses or every rate meets it."""
+    out: dict[str, float | None] = {}
+    for policy, points in _by_policy(results).items():
+        out[policy] = None
+        for below, above in zip(points, points[1:]):
+            if below.ttft_p99_s <= slo_ttft_s < above.ttft_p99_s or math.isnan(above.ttft_p99_s):
+                if not below.ttft_p99_s <= slo_ttft_s:
+                    break
+                if math.isnan(above.ttft_p99_s) or math.isinf(above.ttft_p99_s):
+                    out[policy] = above.rate_qps
+                else:
+                    lo, hi = math.log(below.ttft_p99_s), math.log(above.ttft_p99_s)
+                    frac = (math.log(slo_ttft_s) - lo) / (hi - lo)
+                    out[policy] = below.rate_qps + frac * (above.rate_qps - below.rate_qps)
+                break
+            if not below.ttft_p99_s <= slo_ttft_s:
+                break
     return out
 
 
@@ -71,29 +170,60 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
-def format_points(results: Sequence[PointResult]) -> str:
-    """One row per (policy, rate): TTFT mean/p99, E2E mean/p99, TPOT mean (s), preemptions, predictor calls."""
-    header = ["policy", "rate qps", "done", "TTFT mean", "TTFT p99", "E2E mean", "E2E p99", "TPOT mean",
-              "preempt", "pred/req", "fallback"]
+def format_points(results: Sequence[PooledPoint]) -> str:
+    """One row per (policy, rate): TTFT mean, P99 [interval], E2E mean/p99, TPOT mean (s), preemptions, calls."""
+    header = ["policy", "rate qps", "done", "TTFT mean", "TTFT p99 [95% interval]", "E2E mean", "E2E p99",
+              "TPOT mean", "preempt", "pred/req", "fallback"]
     rows = [[r.policy, f"{r.rate_qps:g}", f"{r.num_completed}/{r.num_requests}", _f(r.ttft_mean_s),
-             _f(r.ttft_p99_s), _f(r.e2e_mean_s), _f(r.e2e_p99_s), _f(r.tpot_mean_s, 4), str(r.num_preemptions),
-             _f(r.predictor_calls_per_request, 1), str(r.num_fallbacks)] for r in results]
+             f"{_f(r.ttft_p99_s)} [{_f(r.ttft_p99_low_s)}, {_f(r.ttft_p99_high_s)}]", _f(r.e2e_mean_s),
+             _f(r.e2e_p99_s), _f(r.tpot_mean_s, 4), str(r.num_preemptions), _f(r.predictor_calls_per_request, 1),
+             str(r.num_fallbacks)] for r in results]
     return _table(header, rows)
 
 
-def format_capacities(caps: Sequence[Capacity], slo_ttft_s: float) -> str:
-    """The capacity table (one row per policy)."""
-    return _table(["policy", f"capacity qps (P99 TTFT <= {slo_ttft_s:g} s)"], [[c.policy, str(c)] for c in caps])
+def format_capacities(caps: Sequence[Capacity], crossings: Mapping[str, float | None], slo_ttft_s: float) -> str:
+    """The capacity table (one row per policy): swept capacity and the interpolated crossing rate."""
+    return _table(["policy", f"capacity qps (P99 TTFT <= {slo_ttft_s:g} s)", "P99 crosses SLO at (qps)"],
+                  [[c.policy, str(c), _f(crossings.get(c.policy), 1)] for c in caps])
 
 
-def write_csv(path: Path, results: Sequence[PointResult], extra: Mapping[str, Any]) -> Path:
-    """Writes one row per point: the ``PointResult`` fields, then ``extra`` (run settings) as constant columns.
+def is_astrolabe(label: str) -> bool:
+    return label.startswith("astrolabe")
+
+
+def format_ratios(points: Sequence[SeedPoint], pooled: Sequence[PooledPoint], target: str,
+                  slo_ttft_s: float) -> str:
+    """Per rate: ``target``'s P99 and mean TTFT over the best baseline's (lowest pooled P99 TTFT among
+    non-astrolabe policies), with 95% paired block-bootstrap intervals (same requests, blocks within seeds) and a
+    verdict; empty when ``target`` or every baseline is missing."""
+    grouped = _by_point(points)
+    rows = []
+    for rate in sorted({p.rate_qps for p in pooled}):
+        here = [p for p in pooled if p.rate_qps == rate]
+        baselines = [p for p in here if not is_astrolabe(p.policy)]
+        if (target, rate) not in grouped or not baselines:
+            continue
+        best = min(baselines, key=lambda p: (p.ttft_p99_s, p.ttft_mean_s))
+        a, groups = _pooled(grouped[(target, rate)], "ttfts_s")
+        b, _ = _pooled(grouped[(best.policy, rate)], "ttfts_s")
+        p99 = paired_ratio_ci(a, b, stats.p99, groups=groups, num_resamples=500)
+        mean = paired_ratio_ci(a, b, stats.mean, groups=groups, num_resamples=500)
+        rows.append([f"{rate:g}", best.policy, f"{p99.value:.2f} [{p99.low:.2f}, {p99.high:.2f}]", verdict(p99),
+                     f"{mean.value:.2f} [{mean.low:.2f}, {mean.high:.2f}]", verdict(mean)])
+    if not rows:
+        return ""
+    return (f"{target} / best baseline (lowest pooled P99 TTFT at that rate), 95% paired intervals:\n"
+            + _table(["rate qps", "best baseline", "P99 TTFT ratio", "verdict", "mean TTFT ratio", "verdict"], rows))
+
+
+def write_csv(path: Path, results: Sequence[PooledPoint], extra: Mapping[str, Any]) -> Path:
+    """Writes one row per point: the ``PooledPoint`` fields, then ``extra`` (run settings) as constant columns.
 
     Raises:
         OSError: the file cannot be written.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    names = [f.name for f in dataclasses.fields(PointResult)]
+    names = [f.name for f in dataclasses.fields(PooledPoint)]
     with path.open("w", newline="") as fp:
         writer = csv.writer(fp)
         writer.writerow([*names, *extra])
@@ -102,7 +232,7 @@ def write_csv(path: Path, results: Sequence[PointResult], extra: Mapping[str, An
     return path
 
 
-def write_plot(path: Path, results: Sequence[PointResult], slo_ttft_s: float, title: str) -> Path:
+def write_plot(path: Path, results: Sequence[PooledPoint], slo_ttft_s: float, title: str) -> Path:
     """P99 TTFT (log scale) against rate, one line per policy, the SLO as a dashed line; PNG via Agg.
 
     Raises:
@@ -115,11 +245,7 @@ def write_plot(path: Path, results: Sequence[PointResult], slo_ttft_s: float, ti
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(8, 5))
-    by_policy: dict[str, list[PointResult]] = {}
-    for result in results:
-        by_policy.setdefault(result.policy, []).append(result)
-    for policy, points in by_policy.items():
-        points = sorted(points, key=lambda r: r.rate_qps)
+    for policy, points in _by_policy(results).items():
         ax.plot([p.rate_qps for p in points], [p.ttft_p99_s for p in points], marker="o", label=policy)
     ax.axhline(slo_ttft_s, color="grey", linestyle="--", linewidth=1, label=f"SLO {slo_ttft_s:g} s")
     ax.set_yscale("log")

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from extproc.policies.base import EndpointMetrics, EndpointView, Prediction
+from extproc.policies.base import EndpointMetrics, EndpointView, Policy, Prediction
 from extproc.policies.least_requests import LeastRequestsPolicy
 from extproc.policies.registry import build_policy
 from extproc.request import RoutingRequest
@@ -51,6 +51,7 @@ from predictor.sim import (
     blocks_for_tokens,
     predict,
 )
+from predictor.sim.residual import FixedExtraTokens, ResidualLengthModel
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ median |error| ≈ 0.49 in log space, i.e. a typical miss by a factor of ~1.6.""
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
-    """The simulated fleet and what the router sees.
+    """The simulated fleet and what the routers see.
 
     Attributes:
         num_instances: simulated vLLM instances (>= 1).
@@ -77,7 +78,15 @@ class ClusterConfig:
         batch_time_model: shipped ``LinearBatchTimeModel`` name (H200 profile).
         metrics_interval_s: metrics refresh period for ``needs_metrics`` policies, seconds (> 0).
         prediction_noise_frac: stddev of the multiplicative Gaussian noise on predicted TTFT and E2E (>= 0).
-        seed: seeds the policy's and the noise's RNGs.
+        seed: seeds the policies', the router assignment's and the noise's RNGs.
+        num_routers: router replicas (>= 1). Each arrival goes to one chosen uniformly at random (as a Service
+            spreads connections); each replica has its own policy object, in-flight counts, dispatch history
+            and metrics scrapes (at its own phase of the interval); the sidecars see every replica's admissions.
+        residual: expected output length of a live request from its predicted length and progress
+            (``predictor.sim.residual``), as the sidecars apply it; default: the reference system's rule.
+        instance_time_scales: per instance, a factor on every step time (a heterogeneous fleet: older GPUs, a
+            noisy neighbour); None = all 1.0. Each instance's sidecar predicts with its own instance's model
+            (a sidecar is calibrated to the instance beside it).
     """
 
     num_instances: int = 12
@@ -87,25 +96,43 @@ class ClusterConfig:
     metrics_interval_s: float = 0.05
     prediction_noise_frac: float = 0.0
     seed: int = 0
+    num_routers: int = 1
+    residual: ResidualLengthModel = field(default_factory=FixedExtraTokens)
+    instance_time_scales: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_routers < 1 or self.num_instances < 1:
+            raise ValueError("num_routers and num_instances must be >= 1")
+        scales = self.instance_time_scales
+        if scales is not None and (len(scales) != self.num_instances or not all(s > 0 for s in scales)):
+            raise ValueError(f"instance_time_scales needs {self.num_instances} factors > 0, got {scales}")
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterRequest:
-    """One trace request: arrival (virtual seconds), true prompt/output tokens, output tokens the router predicts."""
+    """One trace request: arrival (virtual seconds), true prompt/output tokens, output tokens the router predicts,
+    and the request's ``max_tokens`` cap (None: uncapped; the sidecars cap residual lengths with it)."""
 
     arrival_time_s: float
     num_prompt_tokens: int
     num_output_tokens: int
     num_predicted_output_tokens: int
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class PolicySpec:
-    """A policy under test: ``label`` (table/plot name), registry ``name`` and its ``params``."""
+    """A policy under test: ``label`` (table/plot name), registry ``name`` and its ``params``.
+
+    ``name`` is a registry name of ``extproc.policies`` or `ENVOY_LEAST_REQUEST` (Envoy's own load balancer,
+    `EnvoyLeastRequest`, no ext_proc). ``residual`` replaces the fleet's residual-length rule for this policy's
+    sidecars (e.g. the reference system's rule for the paper's configuration); None = ``ClusterConfig.residual``.
+    """
 
     label: str
     name: str
     params: Mapping[str, Any] = field(default_factory=dict)
+    residual: ResidualLengthModel | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +144,7 @@ class PointResult:
         predictor_calls_per_request: predictions made / requests routed.
         num_fallbacks: requests the policy could not place (returned None) that went to least-requests.
         wall_s: wall-clock seconds the point took.
+        num_routers: router replicas of the point.
     """
 
     policy: str
@@ -132,6 +160,52 @@ class PointResult:
     predictor_calls_per_request: float
     num_fallbacks: int
     wall_s: float
+    num_routers: int = 1
+
+
+ENVOY_LEAST_REQUEST = "envoy-least-request"
+"""Label of Envoy's own ``LEAST_REQUEST`` load balancer in the benchmarks (a baseline, not an extproc policy)."""
+
+
+class EnvoyLeastRequest(Policy):
+    """A model of Envoy's ``LEAST_REQUEST`` load balancer with its defaults (what a user picks without us).
+
+    Rule (equal host weights, ``choice_count`` 2, N_CHOICES): draw ``choice_count`` hosts uniformly WITH
+    replacement, keep the first draw unless a later one has strictly fewer active requests. Active requests are
+    that Envoy's own (``rq_active`` of the host, shared by its workers, not by other Envoy replicas): here the
+    router replica's ``num_in_flight``.
+
+    Source: envoyproxy/envoy ``source/extensions/load_balancing_policies/least_request/least_request_lb.cc``
+    (``LeastRequestLoadBalancer::unweightedHostPickNChoices``), ``least_request.proto`` (choice_count default 2).
+    """
+
+    TYPE = ENVOY_LEAST_REQUEST
+
+    def __init__(self, rng: random.Random, choice_count: int = 2) -> None:
+        self._rng = rng
+        self.choice_count = choice_count
+
+    def choose(self, request, endpoints: Sequence[EndpointView]) -> EndpointView:
+        best = endpoints[self._rng.randrange(len(endpoints))]
+        for _ in range(self.choice_count - 1):
+            sampled = endpoints[self._rng.randrange(len(endpoints))]
+            if sampled.num_in_flight < best.num_in_flight:
+                best = sampled
+        return best
+
+
+def build_sim_policy(spec: PolicySpec, rng: random.Random) -> Policy:
+    """The policy object of ``spec``: `EnvoyLeastRequest` or a production policy from the registry.
+
+    Raises:
+        ValueError: unknown name or bad parameters.
+    """
+    if spec.name == ENVOY_LEAST_REQUEST:
+        unknown = set(spec.params) - {"choice_count"}
+        if unknown:
+            raise ValueError(f"{ENVOY_LEAST_REQUEST}: unknown parameter(s) {sorted(unknown)}")
+        return EnvoyLeastRequest(rng, int(spec.params.get("choice_count", 2)))
+    return build_policy(spec.name, spec.params, rng)
 
 
 class LognormalLengthError:
@@ -172,25 +246,40 @@ def _sampled_metrics(engine: Engine, sample_time_s: float) -> tuple[float, Endpo
     )
 
 
+class _Router:
+    """One router replica's own view: its policy object, in-flight counts, dispatch times and metrics scrapes."""
+
+    def __init__(self, config: ClusterConfig, spec: PolicySpec, index: int) -> None:
+        rng = random.Random(config.seed * 1000 + index)
+        self.policy = build_sim_policy(spec, rng)
+        self.fallback = LeastRequestsPolicy(rng)
+        self.in_flight = [0] * config.num_instances
+        self.dispatch_times_s = [collections.deque() for _ in range(config.num_instances)]
+        self.metrics: list[tuple[float, EndpointMetrics] | None] = [None] * config.num_instances
+        # Replicas scrape at their own phase of the interval (they start at different times).
+        self.phase_s = config.metrics_interval_s * index / config.num_routers
+        self.last_sample_s = -math.inf
+
+
 class _Cluster:
     """Engines plus the router-side state of one point (see the module NOTE)."""
 
     def __init__(self, config: ClusterConfig, spec: PolicySpec) -> None:
         self.config = config
-        rng = random.Random(config.seed)
-        self.policy = build_policy(spec.name, spec.params, rng)
-        self.fallback = LeastRequestsPolicy(rng)
+        self.routers = [_Router(config, spec, r) for r in range(config.num_routers)]
+        self.residual = spec.residual or config.residual
+        self.policy = self.routers[0].policy
+        self._assign_rng = random.Random(config.seed + 2)
         self._noise_rng = random.Random(config.seed + 1)
-        self.batch_time = LinearBatchTimeModel.default(config.batch_time_model)
-        self.engines = [Engine(config.engine, self.batch_time) for _ in range(config.num_instances)]
+        base = LinearBatchTimeModel.default(config.batch_time_model)
+        scales = config.instance_time_scales or (1.0,) * config.num_instances
+        self.batch_times = [base.scaled(scale) for scale in scales]
+        self.engines = [Engine(config.engine, model) for model in self.batch_times]
         # Zero-padded names keep address order equal to index order (policies see endpoints in address order).
         self.addresses = [f"instance-{i:03d}" for i in range(config.num_instances)]
         self.index = {a: i for i, a in enumerate(self.addresses)}
-        self.in_flight = [0] * config.num_instances
-        self.dispatch_times_s = [collections.deque() for _ in range(config.num_instances)]
-        self.predicted_tokens: list[dict[str, int]] = [{} for _ in range(config.num_instances)]
-        self.metrics: list[tuple[float, EndpointMetrics] | None] = [None] * config.num_instances
-        self.last_sample_s = -math.inf
+        self.router_of: dict[str, int] = {}
+        self.predicted: list[dict[str, tuple[int, int | None]]] = [{} for _ in range(config.num_instances)]
         self.finished: list[SimRequest] = []
         self.num_predictions = 0
         self.num_fallbacks = 0
@@ -199,72 +288,93 @@ class _Cluster:
         for step in steps:
             for request in step.output.finished:
                 self.finished.append(request)
-                self.in_flight[i] -= 1
-                del self.predicted_tokens[i][request.request_id]
+                self.routers[self.router_of.pop(request.request_id)].in_flight[i] -= 1
+                del self.predicted[i][request.request_id]
 
     def advance_to(self, time_s: float) -> None:
         if self.policy.needs_metrics:
             interval_s = self.config.metrics_interval_s
-            sample_s = math.floor(time_s / interval_s) * interval_s
-            if sample_s > self.last_sample_s:
+            # Every replica's scrapes up to time_s, in time order, each seeing the engines at its own time.
+            while True:
+                due = [(r.phase_s + math.floor((time_s - r.phase_s) / interval_s) * interval_s, r)
+                       for r in self.routers]
+                due = [(t, r) for t, r in due if t > r.last_sample_s and t <= time_s]
+                if not due:
+                    break
+                sample_s, router = min(due, key=lambda x: x[0])
                 for i, engine in enumerate(self.engines):
                     self._collect(i, engine.advance_to(sample_s))
-                    self.metrics[i] = _sampled_metrics(engine, sample_s)
-                self.last_sample_s = sample_s
+                    router.metrics[i] = _sampled_metrics(engine, sample_s)
+                router.last_sample_s = sample_s
         for i, engine in enumerate(self.engines):
             self._collect(i, engine.advance_to(time_s))
 
-    def views(self, now_s: float) -> list[EndpointView]:
-        since_s = now_s - self.policy.recent_window_s
+    def views(self, router: _Router, now_s: float) -> list[EndpointView]:
+        since_s = now_s - router.policy.recent_window_s
         views = []
         for i, address in enumerate(self.addresses):
-            times_s = self.dispatch_times_s[i]
+            times_s = router.dispatch_times_s[i]
             while times_s and times_s[0] < since_s:
                 times_s.popleft()
-            sampled = self.metrics[i]
+            sampled = router.metrics[i]
             metrics = None if sampled is None else dataclasses.replace(sampled[1], age_s=now_s - sampled[0])
-            views.append(EndpointView(address, self.in_flight[i], address, metrics=metrics,
+            views.append(EndpointView(address, router.in_flight[i], address, metrics=metrics,
                                       num_recent_requests=len(times_s)))
         return views
 
-    def predict(self, i: int, request_id: str, request: ClusterRequest) -> Prediction:
+    def snapshot(self, i: int) -> InstanceSnapshot:
+        """Instance ``i`` as its sidecar sees it: exact queues, each request's expected output length from its
+        predicted length and progress (``config.residual``) instead of its true length."""
         engine = self.engines[i]
-        shadow = self.predicted_tokens[i]
+        predicted = self.predicted[i]
+        residual = self.residual
+
+        def expected(r: RequestState) -> RequestState:
+            num_predicted, max_tokens = predicted[r.request_id]
+            return dataclasses.replace(r, num_output_tokens=residual.expected_output_tokens(
+                num_predicted, r.num_generated_tokens, max_tokens))
+
         snapshot = InstanceSnapshot.from_scheduler(engine.scheduler, engine.now_s)
-        snapshot = dataclasses.replace(
-            snapshot,
-            waiting=tuple(dataclasses.replace(r, num_output_tokens=shadow[r.request_id]) for r in snapshot.waiting),
-            running=tuple(dataclasses.replace(r, num_output_tokens=shadow[r.request_id]) for r in snapshot.running),
-        )
-        new = RequestState(request_id, request.num_prompt_tokens, request.num_predicted_output_tokens)
-        result = predict(snapshot, new, self.batch_time)
+        return dataclasses.replace(snapshot, waiting=tuple(map(expected, snapshot.waiting)),
+                                   running=tuple(map(expected, snapshot.running)))
+
+    def predict(self, i: int, request_id: str, request: ClusterRequest) -> Prediction:
+        new = RequestState(request_id, request.num_prompt_tokens, self.residual.expected_output_tokens(
+            request.num_predicted_output_tokens, 0, request.max_tokens))
+        result = predict(self.snapshot(i), new, self.batch_times[i])
         self.num_predictions += 1
         factor = 1.0
         if self.config.prediction_noise_frac > 0:
             factor = max(0.0, 1.0 + self._noise_rng.gauss(0.0, self.config.prediction_noise_frac))
         return Prediction(result.ttft_s * factor, result.e2e_s * factor)
 
-    def route(self, request_id: str, request: ClusterRequest) -> int:
-        routing_request = RoutingRequest(request_id, "POST", "/v1/completions")
-        views = self.views(request.arrival_time_s)
-        if self.policy.needs_predictions:
-            candidates = self.policy.candidates(routing_request, views)
+    def route(self, request_id: str, request: ClusterRequest) -> tuple[int, int]:
+        """(router replica, instance) for ``request``."""
+        r = self._assign_rng.randrange(len(self.routers))
+        router = self.routers[r]
+        routing_request = RoutingRequest(request_id, "POST", "/v1/completions", max_tokens=request.max_tokens,
+                                         arrival_time_s=request.arrival_time_s)
+        views = self.views(router, request.arrival_time_s)
+        if router.policy.needs_predictions:
+            candidates = router.policy.candidates(routing_request, views)
             scored = [dataclasses.replace(v, prediction=self.predict(self.index[v.address], request_id, request))
                       for v in candidates]
-            chosen = self.policy.choose(routing_request, scored)
+            chosen = router.policy.choose(routing_request, scored)
         else:
-            chosen = self.policy.choose(routing_request, views)
+            chosen = router.policy.choose(routing_request, views)
         if chosen is None:
             self.num_fallbacks += 1
-            chosen = self.fallback.choose(routing_request, views)
-        return self.index[chosen.address]
+            chosen = router.fallback.choose(routing_request, views)
+        return r, self.index[chosen.address]
 
-    def dispatch(self, i: int, request_id: str, request: ClusterRequest) -> None:
+    def dispatch(self, r: int, i: int, request_id: str, request: ClusterRequest) -> None:
         self.engines[i].add_request(SimRequest(request_id, request.num_prompt_tokens, request.num_output_tokens,
                                                arrival_time_s=request.arrival_time_s))
-        self.in_flight[i] += 1
-        self.dispatch_times_s[i].append(request.arrival_time_s)
-        self.predicted_tokens[i][request_id] = request.num_predicted_output_tokens
+        router = self.routers[r]
+        router.in_flight[i] += 1
+        router.dispatch_times_s[i].append(request.arrival_time_s)
+        self.router_of[request_id] = r
+        self.predicted[i][request_id] = (request.num_predicted_output_tokens, request.max_tokens)
 
 
 def _mean_p99(values_s: list[float]) -> tuple[float, float]:
@@ -273,6 +383,23 @@ def _mean_p99(values_s: list[float]) -> tuple[float, float]:
         return math.nan, math.nan
     array = np.asarray(values_s, dtype=float)
     return float(array.mean()), float(np.percentile(array, 99))
+
+
+@dataclass(frozen=True, slots=True)
+class PointLatencies:
+    """Per-request latencies of one point, trace (arrival) order, seconds: what bootstrap intervals resample."""
+
+    ttfts_s: np.ndarray
+    e2es_s: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class SeedPoint:
+    """One simulated (policy, rate, seed) point with its per-request latencies."""
+
+    seed: int
+    result: PointResult
+    latencies: PointLatencies
 
 
 def simulate_point(spec: PolicySpec, rate_qps: float, requests: Sequence[ClusterRequest],
@@ -291,20 +418,28 @@ def simulate_point(spec: PolicySpec, rate_qps: float, requests: Sequence[Cluster
     Raises:
         ValueError: unknown policy or bad parameters; a request that cannot fit one instance's KV cache.
     """
+    return simulate_point_latencies(spec, rate_qps, requests, config)[0]
+
+
+def simulate_point_latencies(spec: PolicySpec, rate_qps: float, requests: Sequence[ClusterRequest],
+                             config: ClusterConfig) -> tuple[PointResult, PointLatencies]:
+    """`simulate_point` plus every request's TTFT and E2E (trace order). Same arguments and errors."""
     start_s = time.perf_counter()
     cluster = _Cluster(config, spec)
     for n, request in enumerate(requests):
         cluster.advance_to(request.arrival_time_s)
         request_id = f"r{n}"
-        cluster.dispatch(cluster.route(request_id, request), request_id, request)
+        cluster.dispatch(*cluster.route(request_id, request), request_id, request)
     for i, engine in enumerate(cluster.engines):
         cluster._collect(i, engine.run_until_idle())
-    done = cluster.finished
-    ttft_mean_s, ttft_p99_s = _mean_p99([r.first_token_time_s - r.arrival_time_s for r in done])
-    e2e_mean_s, e2e_p99_s = _mean_p99([r.finish_time_s - r.arrival_time_s for r in done])
+    done = sorted(cluster.finished, key=lambda r: int(r.request_id[1:]))
+    ttfts_s = np.array([r.first_token_time_s - r.arrival_time_s for r in done])
+    e2es_s = np.array([r.finish_time_s - r.arrival_time_s for r in done])
+    ttft_mean_s, ttft_p99_s = _mean_p99(list(ttfts_s))
+    e2e_mean_s, e2e_p99_s = _mean_p99(list(e2es_s))
     tpots_s = [(r.finish_time_s - r.first_token_time_s) / (r.num_output_tokens - 1)
                for r in done if r.num_output_tokens > 1]
-    return PointResult(
+    result = PointResult(
         policy=spec.label,
         rate_qps=rate_qps,
         num_requests=len(requests),
@@ -318,4 +453,6 @@ def simulate_point(spec: PolicySpec, rate_qps: float, requests: Sequence[Cluster
         predictor_calls_per_request=cluster.num_predictions / max(len(requests), 1),
         num_fallbacks=cluster.num_fallbacks,
         wall_s=time.perf_counter() - start_s,
+        num_routers=config.num_routers,
     )
+    return result, PointLatencies(ttfts_s, e2es_s)

@@ -1,66 +1,129 @@
-"""``astrolabe demo``: replay one ShareGPT trace through the real Envoy + extproc for each dispatch policy.
+"""``astrolabe demo``: replay ShareGPT traces through real Envoy and router replicas, once per dispatch policy.
 
-Owns the orchestration only: load pairs, build ONE seeded trace, start N emulated vLLM instances, then per policy
-start the extproc and Envoy, replay the trace (``bench.loadgen``), stop them and wait until the instances are
-idle; finally print one comparison table (``bench.report``) on stdout. Every process lives in a
-``bench.procs.ProcessGroup``, so errors and Ctrl-C stop them all. Nothing imports this module but the CLI.
+Owns the settings and the orchestration: build one seeded trace per seed, start N emulated vLLM instances and
+their predictor sidecars (``bench.demo_fleet``), then per policy start its router tier, replay every trace
+(``bench.loadgen``), stop it and wait until the instances are idle; finally print the tables
+(``bench.report``) on stdout. Every process lives in a ``bench.procs.ProcessGroup``, so errors and Ctrl-C stop
+them all. Nothing imports this module but the CLI.
 
-NOTE: the defaults are sized for a 2-core machine on which Python and Envoy carry ~1,000 SSE events/s in total:
-an output cap of 512 tokens (53 of the 300 default requests hit it), one SSE event per 4 tokens, max_num_seqs=8
-and a time scale of 1.75 make the fleet's capacity ~10.6 requests/s, so the default trace (300 requests at
-0.85 x capacity, ~9 req/s, ~590 SSE events/s, ~34 s of arrivals) queues visibly and three policies finish in
-~130 s (measured: 127 s, E2E p99 6-7 s). The arrival rate is ``load`` x the fleet capacity that
-``predictor.sim`` measures on the trace itself.
+Settings (``--setting``; every figure can be overridden by its flag):
+- ``production`` (default): 2 router replicas (two Envoys, each with the two extprocs behind it; each extproc
+  counts only the requests it routed), instances with many slots and a KV cache that fills (48 slots, 1,024
+  blocks of 16 tokens: at ShareGPT lengths about 30 requests fit, so memory, not the slot count, binds, as on the
+  paper's A30 testbed) and bursty arrivals (Gamma gaps, coefficient of variation 2). It is the regime of a
+  production fleet that 2 cores can drive: several routers, KV-bound instances, bursts.
+- ``small``: the earlier demo's setting, one router over instances with 8 slots whose KV cache never fills,
+  Poisson arrivals: the one regime where counting requests is already perfect (least-requests there is
+  join-the-shortest-queue with exact information).
+Modes: ``--quick`` (one seed, fewer requests, astrolabe and the two least-request baselines), the default, and
+``--thorough`` (three seeds, more requests, every baseline).
+
+NOTE: sizing for a 2-core machine on which Python and Envoy carry ~1,000 SSE events/s in total: one SSE event
+per 16 tokens, an output cap of 512 tokens and a time scale that puts the fleet's capacity near 20 req/s keep
+traffic at a few hundred events/s while the fleet runs near saturation. The arrival rate is ``load`` x the fleet
+capacity that ``predictor.sim`` measures on the trace itself. Traces come from the length tagger's held-out
+split (the prompts the shipped tagger never saw in training), and requests carry a realistic ``max_tokens`` cap
+with the reply length told to the emulator only (``bench.loadgen``): the router cannot read the answer.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
-import os
 import random
+import shutil
 import signal
 import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-import yaml
-
+from bench import demo_fleet
+from bench.decisions import read_decisions, summarize_decisions
+from bench.demo_fleet import ENVOY_LEAST_REQUEST, EngineSettings, RouterTier, cpu_seconds, scrape_sum, wait_idle
 from bench.loadgen import RequestResult, replay
-from bench.procs import ManagedProcess, ProcessGroup, ProcessStartError, free_port
-from bench.report import ControlPlaneCost, format_comparison, format_costs, format_table, summarize
-from bench.workloads import TraceRequest, build_trace, filter_pairs, load_sharegpt_pairs
-from predictor.backend_metrics import MetricsFormatError, parse_vllm_metrics
+from bench.procs import ProcessGroup, ProcessStartError
+from bench.report import (
+    ControlPlaneCost,
+    PolicyRun,
+    compare,
+    format_comparison,
+    format_costs,
+    format_prediction_quality,
+    format_table,
+    summarize,
+)
+from bench.workloads import TraceRequest, build_trace, filter_pairs
 from tagger.tokenizer import TOKENIZER_NAME
 
 logger = logging.getLogger(__name__)
 
-HOST = "127.0.0.1"
 MODEL = "llama-2-7b"
 """Served model name, and the ``predictor.sim`` batch-time model the emulators follow (H200 profile)."""
 
 _BODY_MODES = ("full-duplex", "buffered")
-_START_TIMEOUT_S = 60.0
-_IDLE_TIMEOUT_S = 60.0
-_POLL_INTERVAL_S = 0.1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Setting:
+    """A named demo setting (module docstring); ``why`` is printed with the results."""
+
+    name: str
+    why: str
+    num_routers: int
+    max_num_seqs: int
+    num_gpu_blocks: int
+    max_num_batched_tokens: int
+    time_scale: float
+    stream_interval: int
+    max_output_tokens: int
+    arrival: str
+    cv: float
+    load: float
+
+
+SETTINGS = {
+    "production": Setting(
+        "production", "several routers, KV-bound instances (the KV cache, not the slot count, limits the batch), "
+        "bursty arrivals: the regime of a production fleet that 2 cores can drive",
+        num_routers=2, max_num_seqs=48, num_gpu_blocks=1024, max_num_batched_tokens=512, time_scale=2.0,
+        stream_interval=16, max_output_tokens=512, arrival="gamma", cv=2.0, load=0.85),
+    "small": Setting(
+        "small", "the earlier demo: one router with exact in-flight counts, 8 slots, a KV cache that never fills, "
+        "Poisson arrivals (counting requests is already perfect here)",
+        num_routers=1, max_num_seqs=8, num_gpu_blocks=1024, max_num_batched_tokens=2048, time_scale=1.75,
+        stream_interval=4, max_output_tokens=512, arrival="poisson", cv=1.0, load=0.85),
+}
+
+MODES = {
+    "quick": (400, (0,), ("astrolabe", ENVOY_LEAST_REQUEST, "least-requests")),
+    "default": (1000, (0,), ("astrolabe", ENVOY_LEAST_REQUEST, "least-requests", "gie")),
+    "thorough": (1500, (0, 1, 2), ("astrolabe", ENVOY_LEAST_REQUEST, "least-requests", "gie", "round-robin")),
+}
+"""mode -> (requests per seed, seeds, policies)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DemoConfig:
-    """Demo settings (CLI flags of the same names). Token counts use ``tagger.tokenizer``."""
+    """Demo settings after presets and flags (CLI flags of the same names). Token counts use ``tagger.tokenizer``."""
 
+    setting: str
+    mode: str
     num_instances: int
+    num_routers: int
     policies: tuple[str, ...]
     num_requests: int
+    seeds: tuple[int, ...]
     load: float
     rate_qps: float | None
+    arrival: str
+    cv: float
     time_scale: float
     stream_interval: int
     max_num_seqs: int
@@ -70,357 +133,308 @@ class DemoConfig:
     max_output_tokens: int
     max_model_len: int
     body_mode: str
-    seed: int
     request_timeout_s: float
     log_dir: Path | None
     progress: bool
+    state_source: str = "plugin"
     astrolabe_k: int = 2
-    astrolabe_metric: str = "e2e"
+    astrolabe_metric: str = "blend"
     output_length_source: str = "tagger"
     predict_timeout_s: float = 0.02
     backend: str = "emulator"
 
+    @property
+    def seed(self) -> int:
+        return self.seeds[0]
+
+    @property
+    def engine(self) -> EngineSettings:
+        return EngineSettings(MODEL, self.max_num_seqs, self.max_num_batched_tokens, self.num_gpu_blocks,
+                              self.block_size, self.time_scale, self.stream_interval, self.max_model_len)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TracePlan:
-    """The trace and how its rate was chosen. ``capacity_qps`` is fleet wall-clock capacity (None if not measured)."""
+    """The traces and how their rate was chosen. ``capacity_qps`` is fleet wall-clock capacity (None if not
+    measured); ``traces`` maps seed -> requests in arrival order."""
 
-    trace: list[TraceRequest]
+    traces: dict[int, list[TraceRequest]]
     rate_qps: float
     capacity_qps: float | None
     instance_capacity_virtual_qps: float | None
+
+    @property
+    def trace(self) -> list[TraceRequest]:
+        """The first seed's trace."""
+        return next(iter(self.traces.values()))
 
 
 def _parse_args(argv: Sequence[str]) -> DemoConfig:
     p = argparse.ArgumentParser(prog="astrolabe demo", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--setting", choices=tuple(SETTINGS), default="production", help="preset (module docstring)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", dest="mode", action="store_const", const="quick", help="one seed, 400 requests")
+    mode.add_argument("--thorough", dest="mode", action="store_const", const="thorough",
+                      help="three seeds, 1,500 requests each, every baseline")
+    p.set_defaults(mode="default")
     p.add_argument("--num-instances", type=int, default=4, help="emulated vLLM instances")
-    p.add_argument("--policies", default="astrolabe,round-robin,least-requests",
-                   help="comma-separated policy names (also: random); the first baselines are compared to astrolabe")
-    p.add_argument("--num-requests", type=int, default=300, help="requests in the trace (same trace per policy)")
+    p.add_argument("--num-routers", type=int, default=None, help="router replicas (setting's default)")
+    p.add_argument("--policies", default=None, help="comma-separated policy names (mode's default); also: "
+                   "random, round-robin, gie, min-qpm, infaas, llumnix, envoy-least-request")
+    p.add_argument("--num-requests", type=int, default=None, help="requests per seed (mode's default)")
+    p.add_argument("--seeds", default=None, help="comma-separated trace seeds (mode's default)")
+    p.add_argument("--seed", type=int, default=None, help="one seed (same as --seeds N)")
     rate = p.add_mutually_exclusive_group()
-    rate.add_argument("--load", type=float, default=0.85, help="arrival rate as a fraction of estimated capacity")
+    rate.add_argument("--load", type=float, default=None, help="arrival rate as a fraction of estimated capacity")
     rate.add_argument("--rate-qps", type=float, default=None, help="explicit arrival rate, requests/s")
-    p.add_argument("--time-scale", type=float, default=1.75, help="emulator step time = H200 step time x this")
-    p.add_argument("--stream-interval", type=int, default=4, help="tokens per SSE event from the emulators")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="vLLM max_num_seqs of each instance")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="vLLM max_num_batched_tokens (tokens)")
-    p.add_argument("--num-gpu-blocks", type=int, default=1024, help="KV blocks per instance")
+    p.add_argument("--arrival", choices=("poisson", "gamma"), default=None, help="arrival process")
+    p.add_argument("--cv", type=float, default=None, help="coefficient of variation of gaps (gamma)")
+    p.add_argument("--time-scale", type=float, default=None, help="emulator step time = H200 step time x this")
+    p.add_argument("--stream-interval", type=int, default=None, help="tokens per SSE event from the emulators")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="vLLM max_num_seqs of each instance")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="vLLM max_num_batched_tokens")
+    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks per instance")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--max-output-tokens", type=int, default=512, help="cap on a request's output tokens")
+    p.add_argument("--max-output-tokens", type=int, default=None, help="max_tokens cap of every request")
     p.add_argument("--max-model-len", type=int, default=4096, help="drop pairs with prompt+output above this")
     p.add_argument("--body-mode", choices=_BODY_MODES, default="full-duplex", help="Envoy ext_proc body mode")
-    p.add_argument("--seed", type=int, default=0, help="seeds the trace, the emulators and the policies")
+    p.add_argument("--state-source", choices=("plugin", "ledger"), default="plugin",
+                   help="sidecars read the emulators' engine state (plugin) or keep a ledger")
     p.add_argument("--request-timeout-s", type=float, default=60.0, help="limit per request, seconds")
     p.add_argument("--log-dir", type=Path, default=None, help="process logs and configs (default: a temp dir)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bars")
     p.add_argument("--astrolabe-k", type=int, default=2, help="astrolabe: instances probed per request")
-    p.add_argument("--astrolabe-metric", choices=("e2e", "ttft"), default="e2e", help="astrolabe: compared figure")
+    p.add_argument("--astrolabe-metric", choices=("blend", "ttft", "e2e"), default="blend",
+                   help="astrolabe: compared figure (extproc/policies/power_of_k.py)")
     p.add_argument("--output-length-source", choices=("fixed", "oracle", "tagger"), default="tagger",
                    help="predicted output tokens sent to sidecars (extproc output_length.source)")
     p.add_argument("--predict-timeout-s", type=float, default=0.02, help="deadline of one Predict call")
     p.add_argument("--backend", choices=("emulator", "vllm"), default="emulator",
                    help="vllm: at most 2 real vLLM servers (tiny model on CPU; make install-vllm), bench/demo_vllm.py")
     ns = p.parse_args(list(argv))
-    policies = tuple(x.strip() for x in ns.policies.split(",") if x.strip())
-    if not policies:
-        p.error("--policies is empty")
-    for name in ("num_instances", "num_requests", "stream_interval", "max_output_tokens"):
-        if getattr(ns, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if ns.time_scale <= 0 or ns.load <= 0 or (ns.rate_qps is not None and ns.rate_qps <= 0):
-        p.error("--time-scale, --load and --rate-qps must be > 0")
-    return DemoConfig(**{**vars(ns), "policies": policies})
+    setting = SETTINGS[ns.setting]
+    num_requests, seeds, policies = MODES[ns.mode]
+    if ns.policies is not None:
+        policies = tuple(x.strip() for x in ns.policies.split(",") if x.strip())
+        if not policies:
+            p.error("--policies is empty")
+    if ns.seeds is not None:
+        try:
+            seeds = tuple(int(s) for s in ns.seeds.split(",") if s.strip())
+        except ValueError:
+            p.error("--seeds must be comma-separated integers")
+    if ns.seed is not None:
+        seeds = (ns.seed,)
+    values = {name: getattr(ns, name) if getattr(ns, name) is not None else getattr(setting, name)
+              for name in ("num_routers", "max_num_seqs", "num_gpu_blocks", "max_num_batched_tokens", "time_scale",
+                           "stream_interval", "max_output_tokens", "arrival", "cv")}
+    load = ns.load if ns.load is not None else setting.load
+    num_requests = ns.num_requests if ns.num_requests is not None else num_requests
+    for name, value in (("num-instances", ns.num_instances), ("num-requests", num_requests),
+                        ("stream-interval", values["stream_interval"]), ("num-routers", values["num_routers"]),
+                        ("max-output-tokens", values["max_output_tokens"])):
+        if value < 1:
+            p.error(f"--{name} must be >= 1")
+    if not seeds:
+        p.error("--seeds is empty")
+    if values["time_scale"] <= 0 or load <= 0 or (ns.rate_qps is not None and ns.rate_qps <= 0) or values["cv"] <= 0:
+        p.error("--time-scale, --load, --rate-qps and --cv must be > 0")
+    return DemoConfig(
+        setting=ns.setting, mode=ns.mode, num_instances=ns.num_instances, policies=policies,
+        num_requests=num_requests, seeds=seeds, load=load, rate_qps=ns.rate_qps, block_size=ns.block_size,
+        max_model_len=ns.max_model_len, body_mode=ns.body_mode, request_timeout_s=ns.request_timeout_s,
+        log_dir=ns.log_dir, progress=ns.progress, state_source=ns.state_source, astrolabe_k=ns.astrolabe_k,
+        astrolabe_metric=ns.astrolabe_metric, output_length_source=ns.output_length_source,
+        predict_timeout_s=ns.predict_timeout_s, backend=ns.backend, **values)
+
+
+def _held_out_pairs(max_model_len: int, max_output_tokens: int):
+    """The length tagger's held-out prompts (``tagger.data.load_split``) whose prompt plus the ``max_tokens`` cap
+    fit the context length (a server rejects the request otherwise, whatever the reply's length)."""
+    from tagger.data import load_split  # noqa: PLC0415 (reads the ShareGPT cache; no torch)
+
+    return [p for p in filter_pairs(load_split().test, max_model_len=max_model_len)
+            if p.num_prompt_tokens + max_output_tokens <= max_model_len]
 
 
 def plan_trace(cfg: DemoConfig) -> TracePlan:
-    """Load and filter the pairs, build the trace and set its rate.
+    """Build one trace per seed and set their common rate.
 
-    The trace is built at 1 req/s and its offsets divided by the chosen rate, so the same seed gives the same
+    Each trace is built at 1 req/s and its offsets divided by the chosen rate, so the same seed gives the same
     requests in the same order whatever the rate. Capacity = ``num_instances`` x ``measure_capacity_qps`` on the
-    trace's own (prompt, capped output) lengths / ``time_scale``.
+    first trace's own (prompt, capped output) lengths / ``time_scale``. Requests carry the ``max_output_tokens``
+    cap as ``max_tokens`` (exactly their length, with ``ignore_eos``, for the oracle length source) and the router
+    replica they go to (uniform, seeded).
 
     Raises:
         ValueError: the engine settings cannot serve some request of the trace.
     """
     if cfg.backend == "vllm":
-        from bench import demo_vllm
+        from bench import demo_vllm  # noqa: PLC0415
 
         trace, rate_qps = demo_vllm.plan_trace(cfg.num_requests, cfg.rate_qps, cfg.max_output_tokens, cfg.seed)
-        return TracePlan(trace, rate_qps, None, None)
-    pairs = filter_pairs(load_sharegpt_pairs(), max_model_len=cfg.max_model_len)
-    unit = build_trace(pairs, cfg.num_requests, 1.0, random.Random(cfg.seed), max_output_tokens=cfg.max_output_tokens)
+        return TracePlan({cfg.seed: trace}, rate_qps, None, None)
+    pairs = _held_out_pairs(cfg.max_model_len, cfg.max_output_tokens)
+    units = {}
+    for seed in cfg.seeds:
+        rng = random.Random(seed)
+        unit = build_trace(pairs, cfg.num_requests, 1.0, rng, cfg.arrival, max_output_tokens=cfg.max_output_tokens,
+                           cv=cfg.cv)
+        cap = None if cfg.output_length_source == "oracle" else cfg.max_output_tokens
+        units[seed] = [dataclasses.replace(r, id=f"s{seed}-{r.id}", max_tokens=cap,
+                                           router=rng.randrange(cfg.num_routers)) for r in unit]
     capacity_qps = instance_qps = None
     rate_qps = cfg.rate_qps
     if rate_qps is None:
-        from predictor.sim.batch_time import LinearBatchTimeModel
-        from predictor.sim.engine import measure_capacity_qps
-        from predictor.sim.scheduler import EngineConfig
+        from predictor.sim.batch_time import LinearBatchTimeModel  # noqa: PLC0415
+        from predictor.sim.engine import measure_capacity_qps  # noqa: PLC0415
+        from predictor.sim.scheduler import EngineConfig  # noqa: PLC0415
 
-        engine = EngineConfig(
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-            block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks,
-        )
-        lengths = [(r.num_prompt_tokens, r.num_output_tokens) for r in unit]
-        instance_qps = measure_capacity_qps(
-            engine, LinearBatchTimeModel.default(MODEL), lengths, num_requests=max(len(lengths), 500)
-        )
+        engine = EngineConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                              block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks)
+        lengths = [(r.num_prompt_tokens, r.num_output_tokens) for r in units[cfg.seed]]
+        instance_qps = measure_capacity_qps(engine, LinearBatchTimeModel.default(MODEL), lengths,
+                                            num_requests=max(len(lengths), 500))
         capacity_qps = cfg.num_instances * instance_qps / cfg.time_scale
         rate_qps = cfg.load * capacity_qps
-    trace = [dataclasses.replace(r, arrival_offset_s=r.arrival_offset_s / rate_qps) for r in unit]
-    return TracePlan(trace, rate_qps, capacity_qps, instance_qps)
+    traces = {seed: [dataclasses.replace(r, arrival_offset_s=r.arrival_offset_s / rate_qps) for r in unit]
+              for seed, unit in units.items()}
+    return TracePlan(traces, rate_qps, capacity_qps, instance_qps)
 
 
-def start_emulators(procs: ProcessGroup, cfg: DemoConfig, log_dir: Path) -> list[str]:
-    """Start ``num_instances`` emulators on free ports and wait for ``/health``; returns their ``ip:port``.
-
-    Raises:
-        ProcessStartError: an emulator exited or was not healthy within the start timeout.
-    """
-    started: list[tuple[ManagedProcess, str]] = []
-    for i in range(cfg.num_instances):
-        port = free_port(HOST)
-        cmd = [
-            sys.executable, "-m", "astrolabe", "emulator", "--host", HOST, "--port", str(port),
-            "--served-model-name", MODEL, "--max-num-seqs", str(cfg.max_num_seqs),
-            "--max-num-batched-tokens", str(cfg.max_num_batched_tokens), "--num-gpu-blocks", str(cfg.num_gpu_blocks),
-            "--block-size", str(cfg.block_size), "--time-scale", str(cfg.time_scale),
-            "--stream-interval", str(cfg.stream_interval), "--seed", str(cfg.seed + i),
-        ]
-        proc = procs.start(cmd, name=f"emulator-{i}", log_path=log_dir / f"emulator-{i}.log")
-        started.append((proc, f"{HOST}:{port}"))
-    # Started all at once above, waited for here: their imports overlap.
-    for proc, address in started:
-        proc.wait_http(f"http://{address}/health", _START_TIMEOUT_S)
-    return [address for _, address in started]
-
-
-def start_sidecars(procs: ProcessGroup, cfg: DemoConfig, instances: Sequence[str], log_dir: Path) -> dict[str, str]:
-    """Start one predictor sidecar per instance (same engine limits and time scale); returns instance -> sidecar.
-
-    Raises:
-        ProcessStartError: a sidecar exited or did not listen within the start timeout.
-    """
-    started: list[tuple[ManagedProcess, str, str]] = []
-    for i, instance in enumerate(instances):
-        port = free_port(HOST)
-        cmd = [
-            sys.executable, "-m", "astrolabe", "predictor", "serve", "--backend", instance,
-            "--listen", f"{HOST}:{port}", "--batch-time-model", MODEL, "--time-scale", str(cfg.time_scale),
-            "--max-num-seqs", str(cfg.max_num_seqs), "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
-            "--num-gpu-blocks", str(cfg.num_gpu_blocks), "--block-size", str(cfg.block_size),
-        ]
-        proc = procs.start(cmd, name=f"sidecar-{i}", log_path=log_dir / f"sidecar-{i}.log")
-        started.append((proc, instance, f"{HOST}:{port}"))
-    for proc, _, address in started:
-        proc.wait_tcp(HOST, int(address.rsplit(":", 1)[1]), _START_TIMEOUT_S)
-    return {instance: address for _, instance, address in started}
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` so far, seconds (Linux /proc); 0.0 if it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _wait_grpc_ready(proc: ManagedProcess, address: str, timeout_s: float) -> None:
-    """Wait until the extproc's gRPC health service reports ``readiness`` SERVING.
-
-    Raises:
-        ProcessStartError: the process exited, or it was not ready within ``timeout_s``.
-    """
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline_s = time.monotonic() + timeout_s
-    request = health_pb2.HealthCheckRequest(service="readiness")
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if not proc.is_running():
-                raise ProcessStartError(f"{proc.name} exited with {proc.returncode}; log:\n{proc.log_tail()}")
-            try:
-                if stub.Check(request, timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass  # not listening yet
-            if time.monotonic() >= deadline_s:
-                raise ProcessStartError(f"{proc.name} not ready within {timeout_s} s; log:\n{proc.log_tail()}")
-            time.sleep(_POLL_INTERVAL_S)
-
-
-def start_router(
-    procs: ProcessGroup, cfg: DemoConfig, policy: str, instances: Sequence[str], log_dir: Path,
-    sidecars: dict[str, str] | None = None,
-) -> tuple[list[ManagedProcess], str, str]:
-    """Start the extproc for ``policy`` and an Envoy in front of it.
-
-    Returns:
-        The two processes (extproc first), Envoy's base URL, and the extproc's Prometheus /metrics URL.
-
-    Raises:
-        ProcessStartError: either process exited or was not ready within the start timeout.
-    """
-    extproc_address = f"{HOST}:{free_port(HOST)}"
-    metrics_address = f"{HOST}:{free_port(HOST)}"
-    sidecars = sidecars or {}
-    config = {
-        "listen": extproc_address,
-        "metrics_listen": metrics_address,
-        "policy": policy,
-        "seed": cfg.seed,
-        **({"policy_params": {"k": cfg.astrolabe_k, "metric": cfg.astrolabe_metric},
-            "output_length": {"source": cfg.output_length_source},
-            "predictor_client": {"predict_timeout_s": cfg.predict_timeout_s}} if policy == "astrolabe" else {}),
-        "endpoints": [{"address": a, "models": [_model(cfg)], **({"predictor": sidecars[a]} if a in sidecars else {})}
-                      for a in instances],
-    }
-    config_path = log_dir / f"extproc-{policy}.yaml"
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-    extproc = procs.start(
-        [sys.executable, "-m", "astrolabe", "extproc", "--config", str(config_path)],
-        name=f"extproc-{policy}", log_path=log_dir / f"extproc-{policy}.log",
-    )
-    started = [extproc]
-    # Envoy answers 500 to requests that reach it before the processor listens: wait first.
-    _wait_grpc_ready(extproc, extproc_address, _START_TIMEOUT_S)
-    listen_port, admin_port = free_port(HOST), free_port(HOST)
-    envoy = procs.start(
-        [
-            sys.executable, "-m", "astrolabe", "envoy", "--mode", cfg.body_mode, "--listen-port", str(listen_port),
-            "--admin-port", str(admin_port), "--extproc", extproc_address,
-        ],
-        name=f"envoy-{policy}", log_path=log_dir / f"envoy-{policy}.log",
-    )
-    started.append(envoy)
-    envoy.wait_http(f"http://{HOST}:{admin_port}/ready", _START_TIMEOUT_S)
-    return started, f"http://{HOST}:{listen_port}", f"http://{metrics_address}/metrics"
-
-
-def _scrape_counter(url: str, series_prefix: str) -> float:
-    """Sum of the samples of ``url`` (Prometheus text) whose line starts with ``series_prefix``; 0 if none."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(url, timeout=2.0) as resp:
-        lines = resp.read().decode("utf-8", errors="replace").splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(series_prefix))
-
-
-def _scrape_queue(address: str) -> int:
-    """Running plus waiting requests on ``/metrics`` of ``address`` (``predictor.backend_metrics``).
-
-    Raises:
-        OSError: the instance cannot be reached.
-        MetricsFormatError: its /metrics lacks vLLM's queue gauges.
-    """
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(f"http://{address}/metrics", timeout=2.0) as resp:
-        observed = parse_vllm_metrics(resp.read().decode("utf-8", errors="replace"))
-    return observed.num_running + observed.num_waiting
-
-
-def wait_idle(instances: Sequence[str], timeout_s: float = _IDLE_TIMEOUT_S) -> bool:
-    """Wait until every instance reports no running and no waiting request; False on timeout."""
-    deadline_s = time.monotonic() + timeout_s
-    while True:
-        try:
-            busy = [a for a in instances if _scrape_queue(a) > 0]
-        except (OSError, MetricsFormatError) as exc:
-            busy = [f"unreadable ({exc})"]
-        if not busy:
-            return True
-        if time.monotonic() >= deadline_s:
-            logger.warning("instances still busy after %s s: %s", timeout_s, busy)
-            return False
-        time.sleep(_POLL_INTERVAL_S)
+def extproc_config(cfg: DemoConfig, policy: str, instances: Sequence[str], sidecars: dict[str, str]) -> dict:
+    """The extproc YAML of ``policy`` (without the per-replica listen addresses and decision log)."""
+    config: dict = {"policy": policy, "seed": cfg.seed,
+                    "endpoints": [{"address": a, "models": [_model(cfg)],
+                                   **({"predictor": sidecars[a]} if a in sidecars else {})} for a in instances]}
+    if policy == "astrolabe":
+        config.update(policy_params={"k": cfg.astrolabe_k, "metric": cfg.astrolabe_metric},
+                      output_length={"source": cfg.output_length_source},
+                      predictor_client={"predict_timeout_s": cfg.predict_timeout_s})
+    return config
 
 
 def format_header(cfg: DemoConfig, plan: TracePlan, instances: Sequence[str]) -> str:
-    """Lines stating the fleet, the time scale, the tokenizer and the trace that the table refers to."""
+    """Lines stating the setting, the fleet, the routers, the time scale, the tokenizer and the traces."""
     if cfg.backend == "vllm":
-        from bench import demo_vllm
+        from bench import demo_vllm  # noqa: PLC0415
 
         return demo_vllm.header(len(instances), len(plan.trace), plan.rate_qps, cfg.seed)
-    trace = plan.trace
+    trace = [r for t in plan.traces.values() for r in t]
     mean_prompt = statistics.fmean(r.num_prompt_tokens for r in trace)
     mean_output = statistics.fmean(r.num_output_tokens for r in trace)
     num_capped = sum(r.num_output_tokens == cfg.max_output_tokens for r in trace)
     events_per_s = plan.rate_qps * mean_output / cfg.stream_interval
     if plan.capacity_qps is not None:
-        rate = (
-            f"{plan.rate_qps:.2f} req/s = {cfg.load:.2f} x estimated fleet capacity {plan.capacity_qps:.2f} req/s "
-            f"({cfg.num_instances} x {plan.instance_capacity_virtual_qps:.2f} req/s at H200 speed"
-            f" / {cfg.time_scale:g}, "
-            f"predictor.sim on this trace)"
-        )
+        rate = (f"{plan.rate_qps:.2f} req/s = {cfg.load:.2f} x estimated fleet capacity {plan.capacity_qps:.2f} req/s "
+                f"({cfg.num_instances} x {plan.instance_capacity_virtual_qps:.2f} req/s at H200 speed / "
+                f"{cfg.time_scale:g}, predictor.sim on this trace)")
     else:
         rate = f"{plan.rate_qps:.2f} req/s (set explicitly)"
+    arrivals = "Poisson arrivals" if cfg.arrival == "poisson" else f"bursty arrivals (Gamma gaps, cv {cfg.cv:g})"
+    setting = SETTINGS[cfg.setting]
+    state = ("the emulators' engine state (plugin mode, as the vLLM plugin publishes it)" if cfg.state_source == "plugin"
+             else "a ledger of admissions reconciled with /metrics")
     return "\n".join([
-        f"Astrolabe demo: {len(instances)} emulated vLLM instances serving {MODEL}; each max_num_seqs="
-        f"{cfg.max_num_seqs}, max_num_batched_tokens={cfg.max_num_batched_tokens}, num_gpu_blocks="
-        f"{cfg.num_gpu_blocks}, block_size={cfg.block_size}, one SSE event per {cfg.stream_interval} tokens",
+        f"Astrolabe demo, setting '{cfg.setting}' ({setting.why}), mode '{cfg.mode}'",
+        f"fleet: {len(instances)} emulated vLLM instances serving {MODEL}; each max_num_seqs={cfg.max_num_seqs}, "
+        f"max_num_batched_tokens={cfg.max_num_batched_tokens}, num_gpu_blocks={cfg.num_gpu_blocks}, "
+        f"block_size={cfg.block_size}, one SSE event per {cfg.stream_interval} tokens",
+        f"routers: {cfg.num_routers} replica(s): {cfg.num_routers} Envoy(s) ({cfg.body_mode} ext_proc), each with the "
+        f"{cfg.num_routers} extproc(s) behind it; each extproc counts only its own requests; the client spreads "
+        "requests over the Envoys; envoy-least-request = the same Envoys with LEAST_REQUEST and no extproc",
+        f"sidecars: {state}; astrolabe k={cfg.astrolabe_k}, metric {cfg.astrolabe_metric}, output lengths from "
+        f"{cfg.output_length_source}",
         f"time: emulated H200 step times x {cfg.time_scale:g}; all times are emulator wall-clock seconds",
         f"tokenizer: {TOKENIZER_NAME}",
-        f"trace: {len(trace)} ShareGPT requests (seed {cfg.seed}), Poisson arrivals at {rate}; mean prompt "
-        f"{mean_prompt:.0f} tokens, mean output {mean_output:.0f} tokens (output capped at {cfg.max_output_tokens} "
-        f"tokens, {num_capped} requests hit the cap; prompt+output <= {cfg.max_model_len})",
-        f"path: client -> Envoy ({cfg.body_mode} ext_proc) -> extproc policy -> instance; same trace for every policy",
-        f"sizing: small batches, time scale {cfg.time_scale:g}, output cap {cfg.max_output_tokens} and "
-        f"{cfg.stream_interval} tokens per SSE event keep traffic near {events_per_s:.0f} SSE events/s (2 CPU cores "
-        f"carry ~1,000/s) while the fleet runs near saturation, so queueing shows",
+        f"traces: {len(plan.traces)} seed(s) ({', '.join(map(str, plan.traces))}) x {cfg.num_requests} requests "
+        f"from the length tagger's held-out ShareGPT prompts, {arrivals} at {rate}; mean prompt {mean_prompt:.0f} "
+        f"tokens, mean reply {mean_output:.0f} tokens (max_tokens {cfg.max_output_tokens}: {num_capped} replies "
+        f"hit it; prompt+reply <= {cfg.max_model_len}); ~{events_per_s:.0f} SSE events/s",
+        "path: client -> Envoy -> extproc policy -> instance; the same traces for every policy",
     ])
 
 
+def _replay_policy(procs: ProcessGroup, cfg: DemoConfig, plan: TracePlan, policy: str, instances: Sequence[str],
+                   sidecars: dict[str, str], log_dir: Path) -> PolicyRun:
+    """Start ``policy``'s router tier, replay every trace, stop it; returns what it produced."""
+    sidecar_pids = [p.pid for p in procs.processes if p.name.startswith("sidecar-")]
+    tier: RouterTier = demo_fleet.start_router_tier(procs, policy, extproc_config(cfg, policy, instances, sidecars),
+                                                    cfg.num_routers, cfg.body_mode, instances, log_dir)
+    sidecar_cpu_s = sum(cpu_seconds(pid) for pid in sidecar_pids)
+    results_by_seed: dict[int, list[RequestResult]] = {}
+    try:
+        for seed, trace in plan.traces.items():
+            duration_s = trace[-1].arrival_offset_s if trace else 0.0
+            results_by_seed[seed] = asyncio.run(replay(
+                tier.base_urls, trace, model=_model(cfg), request_timeout_s=cfg.request_timeout_s,
+                overall_timeout_s=duration_s + 2 * cfg.request_timeout_s, progress=cfg.progress,
+                progress_desc=f"{policy:>19} s{seed}"))
+            wait_idle(instances)
+        num_predictions = sum(scrape_sum(u, "astrolabe_extproc_predictions_total") for u in tier.metrics_urls)
+        num_fallbacks = sum(scrape_sum(u, 'astrolabe_extproc_decisions_total{basis="fallback"}')
+                            for u in tier.metrics_urls)
+        extproc_cpu_s = sum(cpu_seconds(p.pid) for p in tier.extprocs)
+        envoy_cpu_s = sum(cpu_seconds(p.pid) for p in tier.envoys)
+        sidecar_cpu_s = sum(cpu_seconds(pid) for pid in sidecar_pids) - sidecar_cpu_s
+    finally:
+        tier.stop()
+    num_requests = sum(map(len, results_by_seed.values()))
+    cost = ControlPlaneCost(policy, num_requests, num_predictions, num_fallbacks, extproc_cpu_s, sidecar_cpu_s,
+                            envoy_cpu_s)
+    decisions = None
+    if tier.decision_logs:
+        records = read_decisions(tier.decision_logs)
+        decisions = summarize_decisions(records, [r for rs in results_by_seed.values() for r in rs])
+    _log_errors(policy, [r for rs in results_by_seed.values() for r in rs], log_dir)
+    return PolicyRun(policy, results_by_seed, decisions, cost)
+
+
 def run_policies(cfg: DemoConfig, plan: TracePlan, log_dir: Path) -> int:
-    """Start the fleet, replay the trace once per policy, print header and table; returns the exit status.
+    """Start the fleet, replay the traces once per policy, print header and tables; returns the exit status.
 
     Raises:
         ProcessStartError: a process exited or did not become ready.
     """
-    summaries, costs = [], []
-    with ProcessGroup() as procs:
+    runs: list[PolicyRun] = []
+    with ProcessGroup() as procs, contextlib.ExitStack() as cleanup:
         if cfg.backend == "vllm":
-            from bench import demo_vllm
+            from bench import demo_vllm  # noqa: PLC0415
 
             instances, sidecars = demo_vllm.start_fleet(procs, cfg.num_instances, log_dir)
         else:
-            instances = start_emulators(procs, cfg, log_dir)
-            sidecars = start_sidecars(procs, cfg, instances, log_dir) if "astrolabe" in cfg.policies else {}
+            state_dir = Path(tempfile.mkdtemp(prefix="astrolabe-demo-state-", dir=_state_root()))
+            cleanup.callback(shutil.rmtree, state_dir, ignore_errors=True)
+            use_plugin = cfg.state_source == "plugin" and "astrolabe" in cfg.policies
+            instances = demo_fleet.start_emulators(procs, cfg.num_instances, cfg.engine, cfg.seed, log_dir,
+                                                   state_dir if use_plugin else None)
+            sidecars = (demo_fleet.start_sidecars(procs, instances, cfg.engine, log_dir,
+                                                  state_dir if use_plugin else None)
+                        if "astrolabe" in cfg.policies else {})
         logger.info("instances ready: %s", ", ".join(instances))
-        sidecar_pids = [p.pid for p in procs.processes if p.name.startswith("sidecar-")]
         for policy in cfg.policies:
-            routers, base_url, metrics_url = start_router(procs, cfg, policy, instances, log_dir, sidecars)
-            sidecar_cpu_s = sum(cpu_seconds(pid) for pid in sidecar_pids)
-            try:
-                duration_s = plan.trace[-1].arrival_offset_s if plan.trace else 0.0
-                results = asyncio.run(replay(
-                    base_url, plan.trace, model=_model(cfg), request_timeout_s=cfg.request_timeout_s,
-                    overall_timeout_s=duration_s + 2 * cfg.request_timeout_s, progress=cfg.progress,
-                    progress_desc=f"{policy:>14}",
-                ))
-                costs.append(ControlPlaneCost(
-                    policy, len(results),
-                    _scrape_counter(metrics_url, 'astrolabe_extproc_predictions_total'),
-                    _scrape_counter(metrics_url, 'astrolabe_extproc_requests_total{outcome="fallback"}'),
-                    cpu_seconds(routers[0].pid),
-                    sum(cpu_seconds(pid) for pid in sidecar_pids) - sidecar_cpu_s))
-            finally:
-                for proc in reversed(routers):
-                    proc.stop()
-            summaries.append(summarize(policy, results))
-            _log_errors(policy, results, log_dir)
-            wait_idle(instances)
+            runs.append(_replay_policy(procs, cfg, plan, policy, instances, sidecars, log_dir))
         print(format_header(cfg, plan, instances))
         print()
-        print(format_table(summaries, instances))
+        summaries = []
+        for run in runs:
+            values, groups = run.figures("ttft_s")
+            summaries.append(summarize(run.policy, run.results, groups.tolist(), with_interval=True))
+        print(format_table(summaries, instances, [run.decisions for run in runs]))
         print()
-        print(format_comparison(summaries, "astrolabe"))
+        print(format_comparison(compare(runs)))
         print()
-        print(format_costs(costs))
+        print(format_costs(runs))
+        print()
+        print(format_prediction_quality(runs))
         print(f"logs: {log_dir}")
     return 1 if any(s.num_errors for s in summaries) else 0
+
+
+def _state_root() -> str | None:
+    """Where the emulators' state files go: /dev/shm (tmpfs, as the vLLM plugin recommends) when present."""
+    return "/dev/shm" if Path("/dev/shm").is_dir() else None
 
 
 def _model(cfg: DemoConfig) -> str:
@@ -449,8 +463,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``astrolabe demo``.
 
     Returns:
-        0 on success; 1 if some request failed (the table is still printed); 2 if the settings are invalid or a
-        process failed to start; 130 on Ctrl-C or SIGTERM. The table goes to stdout, logs and bars to stderr.
+        0 on success; 1 if some request failed (the tables are still printed); 2 if the settings are invalid or
+        a process failed to start; 130 on Ctrl-C or SIGTERM. Tables go to stdout, logs and bars to stderr.
     """
     cfg = _parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -476,7 +490,7 @@ def _run(cfg: DemoConfig) -> int:
     except ValueError as exc:  # WorkloadError, or EngineConfig rejecting the engine flags
         logger.error("cannot plan the trace: %s", exc)
         return 2
-    logger.info("trace ready: %d requests at %.2f req/s", len(plan.trace), plan.rate_qps)
+    logger.info("traces ready: %d x %d requests at %.2f req/s", len(plan.traces), len(plan.trace), plan.rate_qps)
     try:
         status = run_policies(cfg, plan, log_dir)
     except ProcessStartError as exc:

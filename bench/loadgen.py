@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 INSTANCE_HEADER = "x-emulator-instance"
 """Response header in which the emulator names itself (``host:port``)."""
 
+OUTPUT_TOKENS_HEADER = "x-emulator-output-tokens"
+"""Request header telling the emulator the reply's length (``bench.emulator.server.OUTPUT_TOKENS_HEADER``)."""
+
 CHAT_PATH = "/v1/chat/completions"
 _DONE = b"[DONE]"
 _MAX_ERROR_CHARS = 300
@@ -40,7 +43,7 @@ class RequestResult:
     Attributes:
         id: the trace request's id.
         num_prompt_tokens: prompt tokens (trace value, ``tagger.tokenizer``).
-        max_tokens: output tokens requested (``max_tokens`` with ``ignore_eos``).
+        max_tokens: the reply's expected length, tokens (``expected_completion_tokens``).
         send_offset_s: when it was sent, seconds after the replay started (monotonic clock).
         status: HTTP status, or None if no response arrived.
         instance: value of the ``x-emulator-instance`` response header, or None if absent.
@@ -68,15 +71,32 @@ class RequestResult:
 
 
 def chat_body(model: str, request: TraceRequest) -> dict[str, object]:
-    """The JSON body sent for ``request``: streaming chat completion, exactly ``num_output_tokens`` tokens."""
-    return {
+    """The JSON body sent for ``request``: a streaming chat completion capped at ``request.max_tokens``, or of
+    exactly ``num_output_tokens`` tokens (``ignore_eos``) when the trace sets no cap."""
+    body: dict[str, object] = {
         "model": model,
         "messages": [{"role": "user", "content": request.prompt}],
-        "max_tokens": request.num_output_tokens,
-        "ignore_eos": True,
+        "max_tokens": request.num_output_tokens if request.max_tokens is None else request.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if request.max_tokens is None:
+        body["ignore_eos"] = True
+    return body
+
+
+def expected_completion_tokens(request: TraceRequest) -> int:
+    """Output tokens the reply must have."""
+    if request.max_tokens is None:
+        return request.num_output_tokens
+    return min(request.num_output_tokens, request.max_tokens)
+
+
+def request_headers(request: TraceRequest) -> dict[str, str]:
+    headers = {"x-request-id": request.id}
+    if request.max_tokens is not None:
+        headers[OUTPUT_TOKENS_HEADER] = str(request.num_output_tokens)
+    return headers
 
 
 def _has_content(event: dict) -> bool:
@@ -131,12 +151,13 @@ async def send_request(
         ``usage.completion_tokens`` differs from ``max_tokens``.
     """
     sent_s = time.monotonic()
-    result = RequestResult(request.id, request.num_prompt_tokens, request.num_output_tokens, sent_s - replay_start_s)
+    result = RequestResult(request.id, request.num_prompt_tokens, expected_completion_tokens(request),
+                           sent_s - replay_start_s)
     try:
         async with session.post(
             url,
             json=chat_body(model, request),
-            headers={"x-request-id": request.id},
+            headers=request_headers(request),
             timeout=aiohttp.ClientTimeout(total=request_timeout_s),
         ) as resp:
             result.status = resp.status
@@ -154,13 +175,14 @@ async def send_request(
         return result
     if result.e2e_s is None:
         result.error = "stream ended before [DONE]"
-    elif result.num_completion_tokens != request.num_output_tokens:
-        result.error = f"usage.completion_tokens={result.num_completion_tokens}, expected {request.num_output_tokens}"
+    elif result.num_completion_tokens != expected_completion_tokens(request):
+        result.error = (f"usage.completion_tokens={result.num_completion_tokens}, "
+                        f"expected {expected_completion_tokens(request)}")
     return result
 
 
 async def replay(
-    base_url: str,
+    base_url: str | Sequence[str],
     trace: Sequence[TraceRequest],
     *,
     model: str,
@@ -172,7 +194,8 @@ async def replay(
     """Send every request of ``trace`` at its arrival offset and wait for all of them.
 
     Args:
-        base_url: scheme, host and port, e.g. ``"http://127.0.0.1:10000"``.
+        base_url: scheme, host and port, e.g. ``"http://127.0.0.1:10000"``; or one per router replica, each
+            request going to ``base_url[request.router % len(base_url)]``.
         trace: requests in arrival order.
         model: served model name put in each body.
         request_timeout_s: limit per request, seconds.
@@ -184,7 +207,7 @@ async def replay(
     Returns:
         One result per trace request, trace order.
     """
-    url = base_url.rstrip("/") + CHAT_PATH
+    urls = [u.rstrip("/") + CHAT_PATH for u in ([base_url] if isinstance(base_url, str) else base_url)]
     # limit=0: one connection per in-flight request, as many as the trace needs (open loop).
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     bar = tqdm(total=len(trace), desc=progress_desc, unit="req", disable=not progress, leave=True)
@@ -200,7 +223,8 @@ async def replay(
                 if delay_s > 0:
                     await asyncio.sleep(delay_s)
                 task = asyncio.create_task(
-                    send_request(session, url, model, request, start_s, request_timeout_s)
+                    send_request(session, urls[request.router % len(urls)], model, request, start_s,
+                                 request_timeout_s)
                 )
                 task.add_done_callback(lambda _t: bar.update(1))
                 tasks.append(task)

@@ -70,8 +70,13 @@ class TraceRequest:
         arrival_offset_s: send time in seconds after the replay starts (non-decreasing along a trace).
         prompt: the user message.
         num_prompt_tokens: tokens in ``prompt`` (``tagger.tokenizer``).
-        num_output_tokens: tokens to generate; sent as ``max_tokens`` with ``ignore_eos``.
+        num_output_tokens: tokens the reply has (the trace's true length).
         id: unique within the trace: ``"<index>:<sharegpt id>"``.
+        max_tokens: the ``max_tokens`` cap the client sends; None = send ``num_output_tokens`` itself with
+            ``ignore_eos`` (what an oracle length source needs; real vLLM honours it too). With a cap, the
+            emulator is told the reply length through its test hook (``x-emulator-output-tokens``), which the
+            router never reads: the router sees only what a real client would send.
+        router: which router replica (gateway) the client sends it to, an index into the replay's base URLs.
     """
 
     arrival_offset_s: float
@@ -79,6 +84,8 @@ class TraceRequest:
     num_prompt_tokens: int
     num_output_tokens: int
     id: str
+    max_tokens: int | None = None
+    router: int = 0
 
 
 def iter_json_array_records(fp: TextIO, chunk_chars: int = _CHUNK_CHARS) -> Iterator[object]:

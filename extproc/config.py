@@ -1,4 +1,8 @@
-"""Extproc configuration: one YAML file, loaded into frozen dataclasses; unknown keys are errors.
+"""Extproc configuration: one YAML file plus environment overrides, validated by pydantic; unknown keys are errors.
+
+Owns the config classes (frozen, slotted pydantic dataclasses, so ``dataclasses.replace`` and ``==`` work as on
+plain ones), their JSON Schema, and the mapping of validation errors to dotted key paths. Must not import the
+server, the router or the pool (they import this module).
 
 Example (every key but ``endpoints`` is optional; defaults shown)::
 
@@ -11,15 +15,20 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
       fixed_tokens: 256             # the estimate for 'fixed' (capped by the request's max_tokens)
       tagger_path: null             # a trained tagger directory for 'tagger' (null = the shipped light tagger)
     predictor_client:               # calls to predictor sidecars (extproc/predictor_client.py)
-      predict_timeout_s: 0.02       # deadline of one Predict; a late sidecar is dropped for this request
+      predict_timeout_s: 0.02       # time a sidecar gets to answer one Predict, from when the call is sent
       notify_timeout_s: 0.5         # deadline of Admit / Release (fire and forget)
-      min_backoff_s: 0.5            # a failing sidecar is skipped this long, doubling per failure
-      max_backoff_s: 10.0
+      max_state_age_s: 2.0          # an answer whose state is older counts as no prediction
+      min_backoff_s: 0.5            # a failing sidecar is skipped this long, doubling per failure in a row ...
+      max_backoff_s: 10.0           # ... up to this
+      max_loop_lag_s: 0.1           # extproc event-loop lag tolerated per Predict (gRPC deadline = timeout + this)
+      late_backoff_after: 5         # a late sidecar backs off after this many late answers in a row ...
+      late_backoff_span_s: 1.0      # ... spanning at least this long
     seed: null                      # seeds the policy RNG; null = from os.urandom
     max_body_bytes: 8388608         # larger request bodies get 413
     drain_delay_s: 2.0              # at shutdown, keep serving this long after readiness goes NOT_SERVING
     grace_period_s: 10.0            # then streams still being routed get at most this long
     metrics_listen: null            # host:port for Prometheus /metrics (null = off)
+    decision_log_path: null         # JSON lines, one record per routing decision (null = off)
     reload_interval_s: 1.0          # how often the file is checked for changes (endpoints reload live)
     metrics_interval_s: 0.05        # endpoint /metrics scrape interval (only for infaas | llumnix | gie)
     metrics_staleness_s: 2.0        # an older scrape counts as missing (GIE's default)
@@ -34,231 +43,533 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
         models: [llama-2-7b]        # served model names; empty = serves any model
         predictor: 10.0.0.5:9100    # predictor sidecar beside it (optional)
 
-All errors raise ``ConfigError`` whose message starts with the dotted path of the offending key.
+Environment overrides (``load_config`` only; ``parse_config`` is pure): ``ASTROLABE_EXTPROC_<KEY>`` replaces a
+root key and ``ASTROLABE_EXTPROC_<SECTION>__<KEY>`` one key of a section (``health_check``, ``output_length``,
+``predictor_client``, ``policy_params``); the key is the name's lower-case tail, e.g.
+``ASTROLABE_EXTPROC_PREDICTOR_CLIENT__PREDICT_TIMEOUT_S=0.05``. A value is read as one YAML scalar (``0.05``,
+``true``, ``null``; empty = null); text that YAML reads as a list or mapping, or cannot parse, stays a string
+(so ``[::]:9002`` works). ``endpoints``, ``policy_params`` and whole sections take YAML or JSON text, e.g.
+``ASTROLABE_EXTPROC_ENDPOINTS='[{address: 10.0.0.5:8000}]'``. Precedence, lowest first: defaults, the file, the
+environment (a whole section before its ``__`` keys), then the CLI flags ``--listen`` and ``--policy`` (applied
+by the caller, with ``replace_config``). An override naming an unknown key is an error that names the variable,
+as is any error in a value it set.
+
+All errors raise ``ConfigError`` whose message starts with the dotted path of the offending key (``<root>`` for
+the top level) and, for a value from the environment, names the variable.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
+import os
 import random
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, GetPydanticSchema, TypeAdapter, \
+    ValidationError, field_validator
+from pydantic.dataclasses import dataclass
+from pydantic_core import core_schema
 
-from extproc.lengths import OutputLengthConfig
-from extproc.policies.registry import build_policy
+from extproc.lengths import SOURCES, OutputLengthConfig
+from extproc.policies.registry import POLICY_NAMES, build_policy
 from extproc.predictor_client import PredictorClientConfig
+
+# NOTE: invariants.
+# - Every class here is a frozen pydantic dataclass with extra="forbid"; numeric and boolean fields are strict
+#   (a bool is not a number, "1" is not a number, an int is a float), so YAML typos fail instead of coercing.
+# - ``output_length`` and ``predictor_client`` are validated by the ``*Section`` mirrors below but hold the
+#   plain dataclasses their modules take; tests check each mirror has its dataclass's fields and defaults.
+# - ``*_s`` durations and ``*_tokens`` counts in sections must be > 0 (the policy is checked by ``parse_config``,
+#   by building it once, not by the classes, so ``dataclasses.replace`` stays cheap).
+
+ENV_PREFIX = "ASTROLABE_EXTPROC_"
+"""Prefix of environment overrides: ``ASTROLABE_EXTPROC_POLICY`` sets ``policy`` (see the module docstring)."""
+
+ENV_NESTED_DELIMITER = "__"
+"""Separates section and key in an override: ``ASTROLABE_EXTPROC_PREDICTOR_CLIENT__PREDICT_TIMEOUT_S``."""
+
+ROOT = "<root>"
+"""How error messages name the top level of the file."""
 
 
 class ConfigError(ValueError):
     """Invalid configuration; the message names the key, e.g. ``endpoints[1].address: ...``."""
 
 
-@dataclass(frozen=True, slots=True)
-class HealthCheckConfig:
-    """Active health checks of endpoints (HTTP GET ``path``; 200 = healthy)."""
-
-    enabled: bool = True
-    path: str = "/health"
-    interval_s: float = 2.0
-    timeout_s: float = 1.0
-    unhealthy_threshold: int = 2
-
-    def __post_init__(self) -> None:
-        if not self.path.startswith("/"):
-            raise ValueError("path: must start with '/'")
-        if self.unhealthy_threshold < 1:
-            raise ValueError("unhealthy_threshold: must be >= 1")
+def _config(title: str) -> ConfigDict:
+    return ConfigDict(extra="forbid", title=title)
 
 
-@dataclass(frozen=True, slots=True)
-class EndpointConfig:
-    """One backend instance.
+class _Located(ValueError):
+    """A validator's error about a key below the field it checks (``sub_path`` appended to the field's path)."""
 
-    Attributes:
-        address: ``ip:port`` (IPv6 as ``[::1]:8000``), as Envoy's ORIGINAL_DST cluster needs an IP.
-        models: served model names; empty means the endpoint accepts any model.
-        predictor: ``host:port`` of its predictor sidecar, or None.
-    """
-
-    address: str
-    models: tuple[str, ...] = ()
-    predictor: str | None = None
+    def __init__(self, sub_path: tuple[int | str, ...], message: str) -> None:
+        super().__init__(message)
+        self.sub_path = sub_path
 
 
-@dataclass(frozen=True, slots=True)
-class ExtprocConfig:
-    """The whole extproc configuration (see the module docstring for the YAML form)."""
-
-    endpoints: tuple[EndpointConfig, ...]
-    listen: str = "127.0.0.1:9002"
-    policy: str = "astrolabe"
-    policy_params: Mapping[str, Any] = field(default_factory=dict)
-    seed: int | None = None
-    max_body_bytes: int = 8 * 1024 * 1024
-    drain_delay_s: float = 2.0
-    grace_period_s: float = 10.0
-    metrics_listen: str | None = None
-    reload_interval_s: float = 1.0
-    metrics_interval_s: float = 0.05
-    metrics_staleness_s: float = 2.0
-    health_check: HealthCheckConfig = field(default_factory=HealthCheckConfig)
-    output_length: OutputLengthConfig = field(default_factory=OutputLengthConfig)
-    predictor_client: PredictorClientConfig = field(default_factory=PredictorClientConfig)
+# ---------------------------------------------------------------------------------------------------------------
+# Field types and checks
 
 
-def parse_ip_port(value: object, where: str) -> str:
-    """Validates ``ip:port`` and returns it normalised (IPv6 bracketed).
-
-    Raises:
-        ConfigError: not a string of the form ``ip:port`` with a literal IP and a port in 1..65535.
-    """
+def _ip_port(value: object) -> str:
+    """``ip:port`` normalised (IPv6 bracketed); raises ValueError with the message tail."""
     if not isinstance(value, str) or ":" not in value:
-        raise ConfigError(f"{where}: expected 'ip:port', got {value!r}")
+        raise ValueError(f"expected 'ip:port', got {value!r}")
     host, _, port = value.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
-        raise ConfigError(f"{where}: {host!r} is not an IP address (Envoy's ORIGINAL_DST needs one)") from None
+        raise ValueError(f"{host!r} is not an IP address (Envoy's ORIGINAL_DST needs one)") from None
     if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ConfigError(f"{where}: port {port!r} is not in 1..65535")
+        raise ValueError(f"port {port!r} is not in 1..65535")
     return f"[{ip}]:{int(port)}" if ip.version == 6 else f"{ip}:{int(port)}"
 
 
-def _check_keys(raw: Mapping, cls: type, where: str) -> None:
-    allowed = {f.name for f in fields(cls)}
-    unknown = sorted(set(raw) - allowed)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+def parse_ip_port(value: object, where: str) -> str:
+    """Validates ``ip:port`` and returns it normalised (IPv6 bracketed).
 
-
-def _typed(raw: Mapping, key: str, types: type | tuple[type, ...], where: str, default: Any) -> Any:
-    value = raw.get(key, default)
-    if value is default:
-        return value
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise ConfigError(f"{where}.{key}: expected {types}, got a boolean")
-    if not isinstance(value, types):
-        raise ConfigError(f"{where}.{key}: expected {getattr(types, '__name__', types)}, got {value!r}")
-    return value
-
-
-def _positive(value: float, where: str) -> float:
-    if value <= 0:
-        raise ConfigError(f"{where}: must be > 0, got {value}")
-    return value
-
-
-def _flat_section(raw: object, cls: type, where: str) -> Any:
-    """Builds a dataclass of scalar fields, each typed like its default (None default = optional string).
-
-    Rules shared by every section: ``*_s`` durations and ``*_tokens`` counts must be > 0.
-    """
-    if raw is None:
-        return cls()
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a mapping")
-    _check_keys(raw, cls, where)
-    defaults = cls()
-    values = {}
-    for f in fields(cls):
-        default = getattr(defaults, f.name)
-        types = (str,) if default is None else (int, float) if isinstance(default, float) else (type(default),)
-        value = _typed(raw, f.name, types, where, default)
-        if isinstance(default, float):
-            value = float(value)
-        if value is not None and (f.name.endswith("_s") or f.name.endswith("_tokens")):
-            _positive(value, f"{where}.{f.name}")
-        values[f.name] = value
-    try:
-        return cls(**values)
-    except ValueError as exc:
-        raise ConfigError(f"{where}.{exc}") from None
-
-
-def _endpoint(raw: object, where: str) -> EndpointConfig:
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a mapping with 'address'")
-    _check_keys(raw, EndpointConfig, where)
-    if "address" not in raw:
-        raise ConfigError(f"{where}.address: required")
-    models = raw.get("models") or []
-    if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
-        raise ConfigError(f"{where}.models: expected a list of non-empty strings")
-    predictor = raw.get("predictor")
-    if predictor is not None and (not isinstance(predictor, str) or ":" not in predictor):
-        raise ConfigError(f"{where}.predictor: expected 'host:port', got {predictor!r}")
-    return EndpointConfig(parse_ip_port(raw["address"], f"{where}.address"), tuple(models), predictor)
-
-
-def parse_config(raw: object) -> ExtprocConfig:
-    """Builds an ``ExtprocConfig`` from parsed YAML/JSON.
+    Args:
+        value: the configured value.
+        where: the dotted key path, the prefix of the error message.
 
     Raises:
-        ConfigError: unknown key, wrong type, bad value, duplicate endpoint, no endpoints.
+        ConfigError: not a string of the form ``ip:port`` with a literal IP and a port in 1..65535.
     """
+    try:
+        return _ip_port(value)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _host_port(value: object) -> object:
+    """Checks ``host:port`` (any host, a numeric port); the server binds it."""
+    if not isinstance(value, str) or not value.rpartition(":")[2].isdigit():
+        raise ValueError(f"expected 'host:port', got {value!r}")
+    return value
+
+
+def _optional_host_port(value: object) -> object:
+    return None if value is None else _host_port(value)
+
+
+def _predictor_address(value: object) -> object:
+    if value is not None and (not isinstance(value, str) or ":" not in value):
+        raise ValueError(f"expected 'host:port', got {value!r}")
+    return value
+
+
+def _url_path(value: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError("must start with '/'")
+    return value
+
+
+def _none_as(empty: Callable[[], object]) -> Callable[[object], object]:
+    """A before-validator: YAML's ``key:`` with nothing after it (None) means ``empty()``."""
+    return lambda value: empty() if value is None else value
+
+
+_Bool = Annotated[bool, Field(strict=True)]
+_Str = Annotated[str, Field(strict=True)]
+_NonEmptyStr = Annotated[str, Field(strict=True, min_length=1)]
+_PositiveInt = Annotated[int, Field(strict=True, ge=1)]
+_PositiveSeconds = Annotated[float, Field(strict=True, gt=0)]
+_NonNegativeSeconds = Annotated[float, Field(strict=True, ge=0)]
+_PORT_PATTERN = {"pattern": ":[0-9]+$"}  # JSON Schema only; the validators check more
+_HostPort = Annotated[str, BeforeValidator(_host_port, json_schema_input_type=str)]
+_OptionalHostPort = Annotated[str | None, BeforeValidator(_optional_host_port, json_schema_input_type=str | None)]
+
+
+def _section(mirror: type, target: type) -> Any:
+    """The type of a section that ``mirror`` validates (its rules, descriptions, schema) and ``target`` holds.
+
+    Accepts a mapping, None (all defaults) or a ``target`` instance (``dataclasses.replace`` passes those).
+    """
+    def to_input(value: object) -> object:
+        if isinstance(value, target):
+            return dataclasses.asdict(value)
+        return {} if value is None else value
+
+    def to_target(value: object) -> object:
+        return target(**{f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
+
+    def schema(_source: Any, handler: Any) -> core_schema.CoreSchema:
+        inner = handler.generate_schema(mirror)
+        return core_schema.no_info_before_validator_function(
+            to_input, core_schema.no_info_after_validator_function(to_target, inner),
+            json_schema_input_schema=core_schema.nullable_schema(inner),
+            serialization=core_schema.plain_serializer_function_ser_schema(dataclasses.asdict))
+
+    return Annotated[target, GetPydanticSchema(schema)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sections
+
+_OUTPUT_LENGTH = OutputLengthConfig()
+_PREDICTOR_CLIENT = PredictorClientConfig()
+
+
+@dataclass(frozen=True, slots=True, config=_config("OutputLengthSection"))
+class OutputLengthSection:
+    """Predicted output tokens sent to predictor sidecars (``extproc/lengths.py``)."""
+
+    source: Literal[SOURCES] = Field(  # type: ignore[valid-type]
+        _OUTPUT_LENGTH.source,
+        description="tagger: the length tagger's estimate; fixed: fixed_tokens; oracle: the request's max_tokens "
+                    "(exact only with ignore_eos). Every estimate is capped by the request's max_tokens.")
+    fixed_tokens: Annotated[int, Field(strict=True, gt=0)] = Field(
+        _OUTPUT_LENGTH.fixed_tokens, description="The estimate for source 'fixed', tokens (> 0).")
+    tagger_path: _Str | None = Field(
+        _OUTPUT_LENGTH.tagger_path,
+        description="A trained tagger directory for source 'tagger'; null = the shipped light tagger.")
+
+
+@dataclass(frozen=True, slots=True, config=_config("PredictorClientSection"))
+class PredictorClientSection:
+    """Calls to the predictor sidecars (``extproc/predictor_client.py``); every duration in seconds, > 0."""
+
+    predict_timeout_s: _PositiveSeconds = Field(
+        _PREDICTOR_CLIENT.predict_timeout_s,
+        description="Time a sidecar gets to answer one Predict, counted from when the call is sent, seconds; a "
+                    "late or failed sidecar is dropped for that request.")
+    notify_timeout_s: _PositiveSeconds = Field(
+        _PREDICTOR_CLIENT.notify_timeout_s, description="Deadline of Admit / Release (fire and forget), seconds.")
+    max_state_age_s: _PositiveSeconds = Field(
+        _PREDICTOR_CLIENT.max_state_age_s,
+        description="An answer whose sidecar state is older than this (backend unreachable) counts as no "
+                    "prediction, seconds.")
+    min_backoff_s: _PositiveSeconds = Field(
+        _PREDICTOR_CLIENT.min_backoff_s,
+        description="First backoff of a failing sidecar (skipped, not asked), seconds; doubles per failure in a "
+                    "row.")
+    max_backoff_s: _PositiveSeconds = Field(
+        _PREDICTOR_CLIENT.max_backoff_s, description="Cap of the doubling backoff, seconds.")
+    max_loop_lag_s: _PositiveSeconds = Field(
+        _PREDICTOR_CLIENT.max_loop_lag_s,
+        description="The extproc's own event-loop lag tolerated per Predict, seconds: the gRPC deadline is "
+                    "predict_timeout_s + this; a late answer the loop's lag caused is not held against the "
+                    "sidecar.")
+    late_backoff_after: _PositiveInt = Field(
+        _PREDICTOR_CLIENT.late_backoff_after,
+        description="Late answers in a row (a count, >= 1) before a late sidecar backs off ...")
+    late_backoff_span_s: _PositiveSeconds = Field(
+        _PREDICTOR_CLIENT.late_backoff_span_s,
+        description="... provided they span at least this long (first sent to last failed), seconds.")
+
+
+_OutputLength = _section(OutputLengthSection, OutputLengthConfig)
+_PredictorClient = _section(PredictorClientSection, PredictorClientConfig)
+
+
+@dataclass(frozen=True, slots=True, config=_config("HealthCheckConfig"))
+class HealthCheckConfig:
+    """Active health checks of endpoints (HTTP GET ``path``; 200 = healthy)."""
+
+    enabled: _Bool = Field(True, description="Check endpoints; false = every endpoint counts as healthy.")
+    path: Annotated[_Str, AfterValidator(_url_path)] = Field(
+        "/health", description="HTTP path of the check; starts with '/'.", json_schema_extra={"pattern": "^/"})
+    interval_s: _PositiveSeconds = Field(2.0, description="Time between two checks of one endpoint, seconds.")
+    timeout_s: _PositiveSeconds = Field(1.0, description="Deadline of one check, seconds.")
+    unhealthy_threshold: _PositiveInt = Field(
+        2, description="Consecutive failed checks (a count, >= 1) before an endpoint leaves the pool.")
+
+
+@dataclass(frozen=True, slots=True, config=_config("EndpointConfig"))
+class EndpointConfig:
+    """One backend instance.
+
+    Attributes:
+        address: ``ip:port`` (IPv6 as ``[::1]:8000``), as Envoy's ORIGINAL_DST cluster needs an IP; normalised.
+        models: served model names; empty means the endpoint accepts any model.
+        predictor: ``host:port`` of its predictor sidecar, or None.
+    """
+
+    address: Annotated[str, BeforeValidator(_ip_port, json_schema_input_type=str)] = Field(
+        description="ip:port of a vLLM (or compatible) OpenAI server (IPv6 as [::1]:8000); Envoy's ORIGINAL_DST "
+                    "cluster needs a literal IP.", examples=["10.0.0.5:8000", "[fd00::5]:8000"],
+        json_schema_extra=_PORT_PATTERN)
+    models: Annotated[tuple[_NonEmptyStr, ...],
+                      BeforeValidator(_none_as(tuple), json_schema_input_type=list[_NonEmptyStr] | None)] = Field(
+        (), description="Served model names; empty = the endpoint serves any model.")
+    predictor: Annotated[_Str | None, BeforeValidator(_predictor_address, json_schema_input_type=str | None)] = \
+        Field(None, description="host:port of the predictor sidecar beside it; null = none (astrolabe falls back "
+                                "to least-requests for it).")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The root
+
+
+@dataclass(frozen=True, slots=True, config=_config("ExtprocConfig"))
+class ExtprocConfig:
+    """The whole extproc configuration (see the module docstring for the YAML form)."""
+
+    endpoints: tuple[EndpointConfig, ...] = Field(
+        description="The backends. Reloaded live when the file changes; addresses must be distinct.")
+    listen: _HostPort = Field("127.0.0.1:9002", description="host:port of the gRPC ExternalProcessor service.",
+                              json_schema_extra=_PORT_PATTERN)
+    policy: _Str = Field(
+        "astrolabe", description="Routing policy name.", json_schema_extra={"enum": list(POLICY_NAMES)})
+    policy_params: Annotated[dict[str, Any],
+                             BeforeValidator(_none_as(dict), json_schema_input_type=dict[str, Any] | None)] = \
+        Field(default_factory=dict,
+              description="The policy's parameters, typed per policy (e.g. {k: 2, metric: e2e} for astrolabe).")
+    seed: Annotated[int, Field(strict=True)] | None = Field(
+        None, description="Seeds the policy RNG; null = from os.urandom.")
+    max_body_bytes: _PositiveInt = Field(
+        8 * 1024 * 1024, description="Largest request body routed, bytes (>= 1); larger bodies get 413.")
+    drain_delay_s: _NonNegativeSeconds = Field(
+        2.0, description="At shutdown, keep serving this long after readiness goes NOT_SERVING, seconds.")
+    grace_period_s: _NonNegativeSeconds = Field(
+        10.0, description="Then streams still being routed get at most this long, seconds.")
+    metrics_listen: _OptionalHostPort = Field(
+        None, description="host:port of the Prometheus /metrics endpoint; null = off.",
+        json_schema_extra=_PORT_PATTERN)
+    reload_interval_s: _PositiveSeconds = Field(
+        1.0, description="How often the config file is checked for changes, seconds.")
+    metrics_interval_s: _PositiveSeconds = Field(
+        0.05, description="Interval between scrapes of each endpoint's /metrics, seconds (infaas, llumnix, gie).")
+    metrics_staleness_s: _PositiveSeconds = Field(
+        2.0, description="A scrape older than this counts as missing, seconds (GIE's default).")
+    health_check: Annotated[HealthCheckConfig, BeforeValidator(_none_as(dict),
+                                                               json_schema_input_type=HealthCheckConfig | None)] = \
+        Field(default_factory=HealthCheckConfig, description="Active HTTP health checks of the endpoints.")
+    output_length: _OutputLength = Field(
+        default_factory=OutputLengthConfig, description="Predicted output tokens sent to predictor sidecars.")
+    predictor_client: _PredictorClient = Field(
+        default_factory=PredictorClientConfig, description="Calls to the predictor sidecars.")
+    decision_log_path: _NonEmptyStr | None = Field(
+        None, description="File that receives JSON lines, one record per routing decision; null = off.")
+
+    @field_validator("endpoints")
+    @classmethod
+    def _distinct_addresses(cls, endpoints: tuple[EndpointConfig, ...]) -> tuple[EndpointConfig, ...]:
+        seen: set[str] = set()
+        for i, endpoint in enumerate(endpoints):
+            if endpoint.address in seen:
+                raise _Located((i, "address"), f"duplicate {endpoint.address}")
+            seen.add(endpoint.address)
+        return endpoints
+
+
+_ADAPTER = TypeAdapter(ExtprocConfig)
+
+# Keys allowed at each path (list indices dropped), for unknown-key messages.
+_CLASS_AT: dict[tuple[str, ...], type] = {
+    (): ExtprocConfig, ("endpoints",): EndpointConfig, ("health_check",): HealthCheckConfig,
+    ("output_length",): OutputLengthSection, ("predictor_client",): PredictorClientSection,
+}
+_MAPPING_KEYS = ("health_check", "output_length", "predictor_client", "policy_params")
+"""Root keys whose own keys an ``<SECTION>__<KEY>`` override may set."""
+
+
+def config_json_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of the YAML file, with a description (and unit) for every key.
+
+    For Helm / ConfigMap validation. It cannot express two rules ``parse_config`` also checks: distinct
+    endpoint addresses, and parameters the chosen policy accepts.
+    """
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **_ADAPTER.json_schema()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors
+
+
+_TYPE_MESSAGES = {
+    "float_type": "expected a number", "int_type": "expected an integer", "int_from_float": "expected an integer",
+    "bool_type": "expected a boolean", "string_type": "expected a string", "tuple_type": "expected a list",
+    "list_type": "expected a list", "dict_type": "expected a mapping", "dataclass_type": "expected a mapping",
+    "dataclass_args_type": "expected a mapping", "model_type": "expected a mapping",
+}
+_UNKNOWN_KEY_TYPES = ("unexpected_keyword_argument", "extra_forbidden")
+
+
+def _dotted(loc: tuple[int | str, ...]) -> str:
+    """``('endpoints', 1, 'address')`` -> ``endpoints[1].address``; ``()`` -> ``<root>``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out or ROOT
+
+
+def _short_repr(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _message(error: Mapping[str, Any]) -> tuple[tuple[int | str, ...], str]:
+    """One pydantic error as (location, message tail)."""
+    loc, kind, ctx = tuple(error["loc"]), error["type"], error.get("ctx") or {}
+    if kind == "value_error":
+        cause = ctx.get("error")
+        if isinstance(cause, _Located):
+            return loc + cause.sub_path, str(cause)
+        return loc, str(cause) if cause is not None else error["msg"]
+    if kind == "missing":
+        return loc, "required"
+    got = f", got {_short_repr(error['input'])}"
+    if kind in _TYPE_MESSAGES:
+        return loc, _TYPE_MESSAGES[kind] + got
+    if kind == "greater_than":
+        return loc, f"must be > {ctx['gt']:g}{got}"
+    if kind == "greater_than_equal":
+        return loc, f"must be >= {ctx['ge']:g}{got}"
+    if kind == "string_too_short":
+        return loc, "must not be empty"
+    if kind == "literal_error":
+        return loc, f"must be one of {ctx['expected']}{got}"
+    return loc, error["msg"] + got
+
+
+def _set_by(sources: Mapping[tuple[str, ...], str], *locs: tuple[int | str, ...]) -> str:
+    """`` (set by VAR, ...)`` naming the environment variables that set one of ``locs`` or a key above it."""
+    names = sorted({name for path, name in sources.items() for loc in locs if loc[:len(path)] == path})
+    return f" (set by {', '.join(names)})" if names else ""
+
+
+def _config_error(exc: ValidationError, sources: Mapping[tuple[str, ...], str]) -> ConfigError:
+    """All of ``exc``'s errors, each ``dotted.path: message``, in order; unknown keys grouped per mapping."""
+    entries: list[tuple[tuple[int | str, ...], str | None]] = []  # (location, message); None = unknown keys
+    unknown: dict[tuple[int | str, ...], list[str]] = {}
+    for error in exc.errors():
+        if error["type"] in _UNKNOWN_KEY_TYPES:
+            parent = tuple(error["loc"][:-1])
+            if parent not in unknown:
+                unknown[parent] = []
+                entries.append((parent, None))
+            unknown[parent].append(str(error["loc"][-1]))
+        else:
+            entries.append(_message(error))
+    lines = []
+    for loc, message in entries:
+        if message is None:
+            keys = sorted(unknown[loc])
+            cls = _CLASS_AT.get(tuple(p for p in loc if isinstance(p, str)))
+            allowed = f"; allowed: {sorted(f.name for f in dataclasses.fields(cls))}" if cls else ""
+            set_by = _set_by(sources, *(loc + (key,) for key in keys))
+            lines.append(f"{_dotted(loc)}: unknown key(s) {keys}{set_by}{allowed}")
+        else:
+            lines.append(f"{_dotted(loc)}: {message}{_set_by(sources, loc)}")
+    return ConfigError("; ".join(lines))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _parse(raw: object, sources: Mapping[tuple[str, ...], str]) -> ExtprocConfig:
     if not isinstance(raw, Mapping):
-        raise ConfigError("<root>: expected a mapping")
-    _check_keys(raw, ExtprocConfig, "<root>")
-    endpoints_raw = raw.get("endpoints")
-    if not isinstance(endpoints_raw, list):
-        raise ConfigError("endpoints: required, a list of {address, models, predictor}")
-    endpoints = tuple(_endpoint(e, f"endpoints[{i}]") for i, e in enumerate(endpoints_raw))
-    seen: set[str] = set()
-    for i, e in enumerate(endpoints):
-        if e.address in seen:
-            raise ConfigError(f"endpoints[{i}].address: duplicate {e.address}")
-        seen.add(e.address)
-    d = ExtprocConfig(endpoints=())
-    listen = _typed(raw, "listen", str, "<root>", d.listen)
-    if listen.rpartition(":")[2].isdigit() is False:
-        raise ConfigError(f"listen: expected 'host:port', got {listen!r}")
-    metrics_listen = _typed(raw, "metrics_listen", str, "<root>", d.metrics_listen)
-    if metrics_listen is not None and not metrics_listen.rpartition(":")[2].isdigit():
-        raise ConfigError(f"metrics_listen: expected 'host:port', got {metrics_listen!r}")
-    params = raw.get("policy_params") or {}
-    if not isinstance(params, Mapping):
-        raise ConfigError("policy_params: expected a mapping")
-    max_body = _typed(raw, "max_body_bytes", int, "<root>", d.max_body_bytes)
-    if max_body < 1:
-        raise ConfigError("max_body_bytes: must be >= 1")
-    config = ExtprocConfig(
-        endpoints=endpoints,
-        listen=listen,
-        policy=_typed(raw, "policy", str, "<root>", d.policy),
-        policy_params=dict(params),
-        seed=_typed(raw, "seed", int, "<root>", d.seed),
-        max_body_bytes=max_body,
-        metrics_listen=metrics_listen,
-        drain_delay_s=float(_typed(raw, "drain_delay_s", (int, float), "<root>", d.drain_delay_s)),
-        grace_period_s=float(_typed(raw, "grace_period_s", (int, float), "<root>", d.grace_period_s)),
-        reload_interval_s=_positive(float(_typed(raw, "reload_interval_s", (int, float), "<root>",
-                                                 d.reload_interval_s)), "reload_interval_s"),
-        metrics_interval_s=_positive(float(_typed(raw, "metrics_interval_s", (int, float), "<root>",
-                                                  d.metrics_interval_s)), "metrics_interval_s"),
-        metrics_staleness_s=_positive(float(_typed(raw, "metrics_staleness_s", (int, float), "<root>",
-                                                   d.metrics_staleness_s)), "metrics_staleness_s"),
-        health_check=_flat_section(raw.get("health_check"), HealthCheckConfig, "health_check"),
-        output_length=_flat_section(raw.get("output_length"), OutputLengthConfig, "output_length"),
-        predictor_client=_flat_section(raw.get("predictor_client"), PredictorClientConfig, "predictor_client"),
-    )
+        raise ConfigError(f"{ROOT}: expected a mapping")
+    try:
+        config = _ADAPTER.validate_python(dict(raw))
+    except ValidationError as exc:
+        raise _config_error(exc, sources) from None
     try:  # policy name and params are checked by building the policy once
         build_policy(config.policy, config.policy_params, random.Random(0))
     except ValueError as exc:
-        raise ConfigError(f"policy: {exc}") from None
+        set_by = _set_by(sources, ("policy",), ("policy_params",))
+        raise ConfigError(f"policy: {exc}{set_by}") from None
     return config
 
 
-def load_config(path: str | Path) -> ExtprocConfig:
-    """Reads and validates the YAML file at ``path``.
+def parse_config(raw: object) -> ExtprocConfig:
+    """Builds an ``ExtprocConfig`` from parsed YAML/JSON (no environment overrides).
 
     Raises:
-        ConfigError: unreadable file, invalid YAML, or any error of ``parse_config``.
+        ConfigError: unknown key, wrong type, bad value, duplicate endpoint, no endpoints, a policy name or
+            parameters the policy rejects.
     """
+    return _parse(raw, {})
+
+
+def replace_config(config: ExtprocConfig, **changes: Any) -> ExtprocConfig:
+    """``config`` with ``changes`` (e.g. CLI flags, which win over file and environment), validated as a file is.
+
+    ``dataclasses.replace`` validates too, but raises pydantic's ``ValidationError``; this raises ``ConfigError``.
+
+    Raises:
+        ConfigError: a changed value is invalid (message ``key: ...``), or the policy rejects its parameters.
+    """
+    try:
+        new = dataclasses.replace(config, **changes)
+    except ValidationError as exc:
+        raise _config_error(exc, {}) from None
+    except TypeError as exc:  # a name that is no field
+        raise ConfigError(f"{ROOT}: {exc}") from None
+    if new.policy != config.policy or new.policy_params != config.policy_params:
+        try:
+            build_policy(new.policy, new.policy_params, random.Random(0))
+        except ValueError as exc:
+            raise ConfigError(f"policy: {exc}") from None
+    return new
+
+
+def _env_value(name: str, path: tuple[str, ...], text: str, structured: bool) -> object:
+    """An override's value: YAML for ``structured`` keys, else one YAML scalar or the text itself."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        if structured:
+            raise ConfigError(f"{_dotted(path)}: invalid YAML (set by {name}): {' '.join(str(exc).split())}") \
+                from None
+        return text
+    if not structured and isinstance(value, (list, dict)):
+        return text
+    return value
+
+
+def _with_env_overrides(raw: Mapping[str, Any], environ: Mapping[str, str]
+                        ) -> tuple[dict[str, Any], dict[tuple[str, ...], str]]:
+    """``raw`` with the ``ASTROLABE_EXTPROC_*`` overrides applied, and the variable that set each key path.
+
+    Raises:
+        ConfigError: a variable name that is not ``<KEY>`` or ``<SECTION>__<KEY>``, a ``__`` key under a key
+            that is not a section, or invalid YAML where a list or mapping is expected.
+    """
+    merged = dict(raw)
+    sources: dict[tuple[str, ...], str] = {}
+    names = sorted((n for n in environ if n.startswith(ENV_PREFIX)), key=lambda n: (ENV_NESTED_DELIMITER in n, n))
+    for name in names:
+        parts = tuple(name[len(ENV_PREFIX):].lower().split(ENV_NESTED_DELIMITER))
+        if len(parts) > 2 or not all(parts):
+            raise ConfigError(f"{name}: expected {ENV_PREFIX}<KEY> or {ENV_PREFIX}<SECTION>{ENV_NESTED_DELIMITER}"
+                              "<KEY>")
+        if len(parts) == 1:
+            merged[parts[0]] = _env_value(name, parts, environ[name], parts[0] in _MAPPING_KEYS + ("endpoints",))
+        else:
+            section, key = parts
+            if section not in _MAPPING_KEYS:
+                raise ConfigError(f"{_dotted((section,))}: not a section, cannot set {key!r} (set by {name}); "
+                                  f"sections: {sorted(_MAPPING_KEYS)}")
+            current = merged.get(section)
+            if current is None:
+                current = {}
+            if not isinstance(current, Mapping):
+                raise ConfigError(f"{section}: expected a mapping, cannot set {key!r} (set by {name})")
+            merged[section] = {**current, key: _env_value(name, parts, environ[name], False)}
+        sources[parts] = name
+    return merged, sources
+
+
+def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> ExtprocConfig:
+    """Reads the YAML file at ``path``, applies the environment overrides, and validates the result.
+
+    Args:
+        path: the YAML file.
+        environ: the environment whose ``ASTROLABE_EXTPROC_*`` variables override the file; None = os.environ.
+
+    Raises:
+        ConfigError: unreadable file, invalid YAML, a malformed override, or any error of ``parse_config``.
+    """
+    environ = os.environ if environ is None else environ
     try:
         text = Path(path).read_text()
     except OSError as exc:
@@ -267,4 +578,7 @@ def load_config(path: str | Path) -> ExtprocConfig:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from None
-    return parse_config(raw)
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{ROOT}: expected a mapping")
+    merged, sources = _with_env_overrides(raw, environ)
+    return _parse(merged, sources)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from extproc.request import RoutingRequest
+from predictor.residual_rules import LENGTH_SOURCE_EXACT, LENGTH_SOURCE_FIXED, LENGTH_SOURCE_TAGGER
 from tagger.tokenizer import count_tokens
 
 MAX_TOKENIZED_CHARS = 8192
@@ -70,12 +71,18 @@ class OutputLengthEstimator:
 
     async def estimate(self, request: RoutingRequest) -> int:
         """Predicted output tokens (>= 1)."""
+        return (await self.estimate_with_source(request))[0]
+
+    async def estimate_with_source(self, request: RoutingRequest) -> tuple[int, int]:
+        """Predicted output tokens (>= 1) and where they came from (``predictor.residual_rules.LENGTH_SOURCE_*``:
+        the sidecars condition a live request's remaining length on it). ``oracle`` without ``max_tokens``
+        falls back to ``fixed_tokens``, and says so."""
         cap = request.max_tokens
         if self.config.source == "oracle" and cap is not None:
-            return max(cap, 1)
+            return max(cap, 1), LENGTH_SOURCE_EXACT
         if self.config.source == "tagger":
             text = request.last_user_message if request.last_user_message is not None else request.prompt_text
-            guess = await self.tagger.estimate(text, request.prompt_token_ids, cap)
+            guess, source = await self.tagger.estimate(text, request.prompt_token_ids, cap), LENGTH_SOURCE_TAGGER
         else:
-            guess = self.config.fixed_tokens
-        return max(min(guess, cap) if cap is not None else guess, 1)
+            guess, source = self.config.fixed_tokens, LENGTH_SOURCE_FIXED
+        return max(min(guess, cap) if cap is not None else guess, 1), source

@@ -1,11 +1,46 @@
 """gRPC client of the predictor sidecars: Predict with a deadline, fire-and-forget Admit and Release.
 
-A sidecar that fails or times out never fails a request: ``predict`` returns None. After a failure the sidecar
-is skipped (not even asked) for a backoff that doubles per consecutive failure, from ``min_backoff_s`` up to
-``max_backoff_s``; the first success resets it. Two answers are None without backoff, since the sidecar works:
-INVALID_ARGUMENT (this request cannot be served there, e.g. a prompt larger than its KV cache) and a state
-older than ``max_state_age_s`` (the sidecar has not reconciled with its backend lately: the backend may be
-down, and an idle-looking stale state would attract traffic to it).
+A sidecar that fails or times out never fails a request: ``predict`` returns None. What a failure does to the
+next requests depends on what it says about the sidecar. Must not import a metrics library or the router: the
+caller exports ``outcomes``.
+
+NOTE: the rule, per sidecar.
+
+- **ok** (an answer): resets everything below: the backoff, its escalation and the late streak.
+  INVALID_ARGUMENT (this request cannot be served there, e.g. a prompt larger than its KV cache) and a state
+  older than ``max_state_age_s`` (not reconciled with its backend lately: an idle-looking stale state would
+  attract traffic to a backend that may be down) are answers too: None for this request, the sidecar works.
+- **down** (UNAVAILABLE, i.e. connection refused or reset, or any other error but INVALID_ARGUMENT and
+  DEADLINE_EXCEEDED): the sidecar is skipped (not even asked) for a backoff that doubles per failure in a row,
+  from ``min_backoff_s`` to ``max_backoff_s``.
+- **late** (no answer within ``predict_timeout_s``): the answer is dropped for this request only. A gRPC
+  deadline cannot tell "answered 1 ms too late" from "never answers", so one late call is weak evidence;
+  the sidecar backs off (same schedule) only when it is late persistently: ``late_backoff_after`` late calls
+  in a row, the first started at least ``late_backoff_span_s`` before the last failed, with no answer in
+  between (a frozen sidecar, not a sidecar slow during a burst: any answer in the streak resets it).
+- **the router's own lag is not the sidecar's fault.** grpc.aio stamps the deadline when the call object is
+  created but sends the call only when the event loop next runs the call's task; under a burst that wait can
+  eat the whole 20 ms (it is the router's lag, not the sidecar's). So ``predict_timeout_s`` runs from when the call is actually *sent*, measured by a callback
+  queued right behind gRPC's task (asyncio runs ready callbacks FIFO), and the gRPC deadline (also what the
+  sidecar sees) is ``predict_timeout_s + max_loop_lag_s`` from creation, a backstop. A late call is held
+  against the sidecar only if the loop noticed the expiry within ``max_loop_lag_s``; a call that hit the
+  backstop (the loop could not send it or notice its answer in time) is late but excused (``num_late_excused``).
+- **in a row, not at once.** Each sidecar has an epoch, bumped by every recorded failure and recovery. A
+  failure counts (escalates a backoff, extends a late streak) only if the epoch has not moved since its call
+  was started: four calls that fail together escalate once, and calls in flight when a backoff starts (or
+  that were sent before another late call was counted) say nothing new.
+- **probing a backing-off sidecar.** When the backoff runs out, exactly one call (the probe) goes through
+  while the others are still skipped; its failure (it started after the backoff began) doubles the backoff,
+  its answer ends it. For a down sidecar the channel's connectivity is checked too
+  (``get_state(try_to_connect=True)``, a cheap local call on each skipped request): if the channel was seen
+  disconnected during the backoff and is READY again, the probe goes at once, so a restarted sidecar is
+  used again within gRPC's reconnect delay (configured to follow the backoff) instead of the whole backoff.
+  Why both: READY only proves a TCP/HTTP2 connection, not a working Predict (a sidecar failing with INTERNAL
+  stays READY), so the probe call stays the authority and connectivity only brings it forward, once per
+  reconnection; a frozen sidecar also stays READY, so the timed probe is the only way back for a late one.
+
+Counters: ``outcomes[address][o]`` for o in ``OUTCOMES`` (every call of ``predict``, exactly one each),
+``num_calls`` (Predicts sent) and ``num_late_excused``.
 """
 
 from __future__ import annotations
@@ -23,17 +58,95 @@ from predictor.api import pb, pb_grpc
 logger = logging.getLogger(__name__)
 
 _METRICS = {"e2e": pb.METRIC_E2E, "ttft": pb.METRIC_TTFT}
+OUTCOMES = ("ok", "late", "down", "invalid", "skipped_backoff", "stale_state")
+"""Outcomes of ``predict``, one per call, counted in ``PredictorClient.outcomes``."""
 
 
 @dataclass(frozen=True, slots=True)
 class PredictorClientConfig:
-    """Deadlines and backoff, seconds."""
+    """Deadlines, seconds, and the backoff rule (see the module docstring).
+
+    Attributes:
+        predict_timeout_s: time a sidecar gets to answer one Predict, counted from when the call is sent.
+        notify_timeout_s: deadline of Admit / Release.
+        max_state_age_s: an answer whose state is older counts as no prediction.
+        min_backoff_s: first backoff of a failing sidecar; doubles per failure in a row ...
+        max_backoff_s: ... up to this cap (which wins if it is the smaller).
+        max_loop_lag_s: the extproc's own event-loop lag tolerated per Predict: the gRPC deadline is
+            ``predict_timeout_s + max_loop_lag_s`` from the call's creation, and a late call whose expiry the
+            loop noticed later than this is not held against the sidecar.
+        late_backoff_after: late calls in a row (count) before a sidecar backs off ...
+        late_backoff_span_s: ... provided they span at least this long (first sent to last failed).
+    """
 
     predict_timeout_s: float = 0.02
     notify_timeout_s: float = 0.5
     max_state_age_s: float = 2.0
     min_backoff_s: float = 0.5
     max_backoff_s: float = 10.0
+    max_loop_lag_s: float = 0.1
+    late_backoff_after: int = 5
+    late_backoff_span_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.late_backoff_after < 1:
+            raise ValueError("late_backoff_after: must be >= 1")
+        if self.late_backoff_span_s < 0 or self.max_loop_lag_s < 0:
+            raise ValueError("late_backoff_span_s, max_loop_lag_s: must be >= 0")
+
+
+@dataclass(slots=True)
+class _Health:
+    """One sidecar's failure state. Times on the client's clock, seconds."""
+
+    epoch: int = 0                      # bumped by every recorded failure and recovery
+    num_backoffs: int = 0               # backoffs in a row: the next lasts min_backoff_s * 2**num_backoffs
+    backoff_until_s: float | None = None  # None: not backing off; past: the next call is the probe
+    backoff_cause: str = ""             # "down" or "late"
+    saw_disconnected: bool = False      # the channel was seen not READY during this (down) backoff
+    probe_in_flight: bool = False
+    num_late: int = 0                   # late calls in a row (counted ones)
+    late_since_s: float = 0.0           # when the first of them was sent
+
+
+class _Late(Exception):
+    def __init__(self, excused: bool) -> None:
+        super().__init__("late")
+        self.excused = excused
+
+
+class _SendDeadline:
+    """``predict_timeout_s`` from when the call is sent; times on the event loop's clock, seconds."""
+
+    __slots__ = ("_loop", "_call", "_timeout_s", "_handle", "expired", "due_s", "fired_s")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, call, timeout_s: float) -> None:
+        self._loop, self._call, self._timeout_s = loop, call, timeout_s
+        self.expired = False
+        self.due_s = self.fired_s = None
+        # FIFO: this runs right after the call's invocation task took its first step, i.e. sent the call
+        self._handle = loop.call_soon(self._sent)
+
+    def _sent(self) -> None:
+        self.due_s = self._loop.time() + self._timeout_s
+        self._handle = self._loop.call_later(self._timeout_s, self._fire)
+
+    def _fire(self) -> None:
+        self.fired_s = self._loop.time()
+        # one more pass first: an answer that arrived while the loop was busy resumes before this check
+        self._handle = self._loop.call_soon(self._expire)
+
+    def _expire(self) -> None:
+        if not self._call.done():
+            self.expired = True
+            self._call.cancel()
+
+    def lag_s(self) -> float:
+        """How late the loop noticed the expiry, seconds."""
+        return self.fired_s - self.due_s
+
+    def cancel(self) -> None:
+        self._handle.cancel()
 
 
 class PredictorClient:
@@ -41,77 +154,203 @@ class PredictorClient:
 
     Args:
         config: deadlines and backoff.
-        clock: monotonic clock, seconds (injectable for tests).
+        clock: monotonic clock, seconds, for backoffs and late streaks (injectable for tests). Deadlines and
+            loop lag run on the event loop's clock, since asyncio timers do.
+
+    Attributes:
+        outcomes: sidecar address -> outcome (``OUTCOMES``) -> number of ``predict`` calls.
+        num_calls: Predicts sent (skipped ones not counted).
+        num_late_excused: late Predicts blamed on the extproc's event-loop lag rather than on the sidecar.
     """
 
     def __init__(self, config: PredictorClientConfig, clock=time.monotonic) -> None:
         self.config = config
         self._clock = clock
         self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.PredictorStub]] = {}
-        self._failures: dict[str, int] = {}
-        self._skip_until_s: dict[str, float] = {}
+        self._health: dict[str, _Health] = {}
         self._tasks: set[asyncio.Task] = set()
+        self.outcomes: dict[str, dict[str, int]] = {}
         self.num_calls = 0
+        self.num_late_excused = 0
 
     def _stub(self, address: str) -> pb_grpc.PredictorStub:
         entry = self._stubs.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address)
+            # gRPC reconnects a failed channel on its own schedule; keep it no slower than our backoff,
+            # or a probe would find the channel still waiting to reconnect to a sidecar that is back
+            options = [("grpc.initial_reconnect_backoff_ms", max(int(self.config.min_backoff_s * 1000), 1)),
+                       ("grpc.max_reconnect_backoff_ms", max(int(self.config.max_backoff_s * 1000), 1))]
+            channel = grpc.aio.insecure_channel(address, options=options)
             entry = self._stubs[address] = (channel, pb_grpc.PredictorStub(channel))
         return entry[1]
 
+    def _sidecar(self, address: str) -> _Health:
+        health = self._health.get(address)
+        if health is None:
+            health = self._health[address] = _Health()
+            self.outcomes[address] = dict.fromkeys(OUTCOMES, 0)
+        return health
+
     def is_backing_off(self, address: str) -> bool:
-        return self._clock() < self._skip_until_s.get(address, 0.0)
+        """True while ``predict`` skips this sidecar (a backoff in force, or its probe in flight)."""
+        health = self._health.get(address)
+        return health is not None and self._skips(address, health)
 
-    def _failed(self, address: str, error: BaseException) -> None:
-        failures = self._failures.get(address, 0) + 1
-        self._failures[address] = failures
-        backoff_s = min(self.config.min_backoff_s * 2 ** (failures - 1), self.config.max_backoff_s)
-        self._skip_until_s[address] = self._clock() + backoff_s
-        logger.warning("predictor %s failed (%s); skipped for %.1f s", address, _describe(error), backoff_s)
-
-    def _succeeded(self, address: str) -> None:
-        if self._failures.pop(address, 0):
-            logger.info("predictor %s answers again", address)
-        self._skip_until_s.pop(address, None)
+    def _skips(self, address: str, health: _Health) -> bool:
+        if health.backoff_until_s is None:
+            return False
+        if health.probe_in_flight:
+            return True
+        if self._clock() >= health.backoff_until_s:
+            return False
+        entry = self._stubs.get(address)
+        if health.backoff_cause == "down" and entry is not None:
+            if entry[0].get_state(try_to_connect=True) != grpc.ChannelConnectivity.READY:
+                health.saw_disconnected = True
+            elif health.saw_disconnected:
+                return False  # reconnected since the failure: probe now
+        return True
 
     async def predict(self, address: str, request_id: str, num_prompt_tokens: int,
-                      num_output_tokens: int, metric: str = "e2e") -> Prediction | None:
-        """Asks one sidecar; None if it is backing off, fails, or misses the deadline."""
-        if self.is_backing_off(address):
+                      num_output_tokens: int, metric: str = "e2e", *, max_tokens: int | None = None,
+                      length_source: int = 0) -> Prediction | None:
+        """Asks one sidecar.
+
+        Args:
+            address: the sidecar's ``host:port``.
+            request_id: the request's admit id.
+            num_prompt_tokens: prompt tokens.
+            num_output_tokens: predicted output tokens.
+            metric: the figure the policy compares (``e2e``, ``ttft`` or ``blend``; informational).
+            max_tokens: the request's output cap, tokens (None: not given).
+            length_source: where ``num_output_tokens`` came from (``predictor.residual_rules.LENGTH_SOURCE_*``).
+
+        Returns:
+            The prediction, or None if the sidecar is backing off, fails, misses the deadline, cannot serve
+            the request, or answers from a stale state (the outcome is counted in ``outcomes``).
+        """
+        health = self._sidecar(address)
+        counts = self.outcomes[address]
+        if self._skips(address, health):
+            counts["skipped_backoff"] += 1
             return None
+        is_probe = health.backoff_until_s is not None
+        health.probe_in_flight |= is_probe
+        epoch, sent_s = health.epoch, self._clock()
         self.num_calls += 1
+        message = pb.PredictRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
+                                    num_predicted_output_tokens=num_output_tokens,
+                                    metric=_METRICS.get(metric, pb.METRIC_TTFT), max_tokens=max_tokens or 0,
+                                    length_source=length_source)
         try:
-            reply = await self._stub(address).Predict(
-                pb.PredictRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
-                                  num_predicted_output_tokens=num_output_tokens, metric=_METRICS[metric]),
-                timeout=self.config.predict_timeout_s)
-        except (grpc.RpcError, asyncio.TimeoutError) as exc:
-            if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                logger.debug("predictor %s cannot serve request %s: %s", address, request_id, _describe(exc))
+            reply = await self._send_predict(self._stub(address), message)
+        except _Late as late:
+            counts["late"] += 1
+            if late.excused:
+                self.num_late_excused += 1
             else:
-                self._failed(address, exc)
+                self._late(address, health, epoch, sent_s)
             return None
-        self._succeeded(address)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                counts["invalid"] += 1
+                logger.debug("predictor %s cannot serve request %s: %s", address, request_id, _describe(exc))
+                self._answered(address, health)
+            else:
+                counts["down"] += 1
+                self._down(address, health, epoch, exc)
+            return None
+        finally:
+            if is_probe:
+                health.probe_in_flight = False
+        self._answered(address, health)
         if not reply.state_age_s <= self.config.max_state_age_s:  # also catches inf (never reconciled)
+            counts["stale_state"] += 1
             return None
+        counts["ok"] += 1
         return Prediction(reply.ttft_s, reply.e2e_s, reply.state_age_s)
+
+    async def _send_predict(self, stub: pb_grpc.PredictorStub, message: pb.PredictRequest) -> pb.PredictResponse:
+        """One Predict under the send-time deadline.
+
+        Raises:
+            _Late: no answer in time; ``excused`` when the event loop's lag, not the sidecar, made it late.
+            grpc.RpcError: any other failure.
+        """
+        loop = asyncio.get_running_loop()
+        call = stub.Predict(message, timeout=self.config.predict_timeout_s + self.config.max_loop_lag_s)
+        deadline = _SendDeadline(loop, call, self.config.predict_timeout_s)
+        try:
+            return await call
+        except asyncio.CancelledError:
+            if deadline.expired and not asyncio.current_task().cancelling():
+                raise _Late(excused=deadline.lag_s() > self.config.max_loop_lag_s) from None
+            raise
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # the backstop: only a lagging loop gets here
+                raise _Late(excused=True) from None
+            raise
+        finally:
+            deadline.cancel()
+
+    def _down(self, address: str, health: _Health, epoch: int, error: BaseException) -> None:
+        if epoch != health.epoch:  # sent before the failure or backoff now in force: nothing new
+            return
+        self._back_off(address, health, "down", _describe(error))
+        entry = self._stubs.get(address)
+        health.saw_disconnected = (entry is not None
+                                   and entry[0].get_state() != grpc.ChannelConnectivity.READY)
+
+    def _late(self, address: str, health: _Health, epoch: int, sent_s: float) -> None:
+        if epoch != health.epoch:  # sent before the last counted failure: the same stall, counted once
+            return
+        health.epoch += 1
+        if health.num_late == 0:
+            health.late_since_s = sent_s
+        health.num_late += 1
+        span_s = self._clock() - health.late_since_s
+        if health.num_late >= self.config.late_backoff_after and span_s >= self.config.late_backoff_span_s:
+            self._back_off(address, health, "late", f"{health.num_late} late answers in {span_s:.2f} s")
+
+    def _back_off(self, address: str, health: _Health, cause: str, why: str) -> None:
+        health.epoch += 1
+        health.num_backoffs += 1
+        backoff_s = min(self.config.min_backoff_s * 2 ** (health.num_backoffs - 1), self.config.max_backoff_s)
+        health.backoff_until_s = self._clock() + backoff_s
+        health.backoff_cause = cause
+        health.saw_disconnected = False
+        logger.warning("predictor %s %s (%s); skipped for %.1f s", address, cause, why, backoff_s)
+
+    def _answered(self, address: str, health: _Health) -> None:
+        if health.backoff_until_s is None and health.num_late == 0:
+            return
+        if health.backoff_until_s is not None:
+            logger.info("predictor %s answers again", address)
+        health.epoch += 1  # calls in flight since before the recovery cannot start a new backoff
+        health.num_backoffs = health.num_late = 0
+        health.backoff_until_s = None
+        health.saw_disconnected = False
+
+    async def wait_ready(self, address: str, timeout_s: float) -> bool:
+        """Waits until the channel to ``address`` is connected; True if it was within ``timeout_s`` seconds."""
+        self._stub(address)
+        try:
+            await asyncio.wait_for(self._stubs[address][0].channel_ready(), timeout=timeout_s)
+        except (asyncio.TimeoutError, grpc.RpcError):
+            return False
+        return True
 
     def connect(self, addresses) -> None:
         """Opens channels to ``addresses`` in the background, so that first predictions do not pay the connect."""
         for address in addresses:
-            channel = self._stubs.get(address, (None,))[0]
-            if channel is None:
-                self._stub(address)
-                channel = self._stubs[address][0]
-            task = asyncio.get_running_loop().create_task(_warm(channel))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self.wait_ready(address, timeout_s=5.0))  # a failure shows in the first Predict
 
-    def admit(self, address: str, request_id: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
-        """Tells the chosen sidecar about the request, without waiting for the answer."""
+    def admit(self, address: str, request_id: str, num_prompt_tokens: int, num_output_tokens: int, *,
+              max_tokens: int | None = None, length_source: int = 0) -> None:
+        """Tells the chosen sidecar about the request, without waiting for the answer (arguments as ``predict``)."""
         message = pb.AdmitRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
-                                  num_predicted_output_tokens=num_output_tokens)
+                                  num_predicted_output_tokens=num_output_tokens, max_tokens=max_tokens or 0,
+                                  length_source=length_source)
         self._notify(address, self._stub(address).Admit(message, timeout=self.config.notify_timeout_s))
 
     def release(self, address: str, request_id: str) -> None:
@@ -126,7 +365,10 @@ class PredictorClient:
             except grpc.RpcError as exc:  # the sidecar reconciles with /metrics; a lost notice heals there
                 logger.debug("notice to predictor %s lost: %s", address, _describe(exc))
 
-        task = asyncio.get_running_loop().create_task(run())
+        self._spawn(run())
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -136,13 +378,6 @@ class PredictorClient:
         for channel, _ in self._stubs.values():
             await channel.close()
         self._stubs.clear()
-
-
-async def _warm(channel: grpc.aio.Channel) -> None:
-    try:
-        await asyncio.wait_for(channel.channel_ready(), timeout=5.0)
-    except (asyncio.TimeoutError, grpc.RpcError):
-        pass  # the first Predict will tell
 
 
 def _describe(error: BaseException) -> str:

@@ -5,6 +5,11 @@ Failure policy (the only place it is decided):
 - endpoints serve it but none is healthy -> NO_HEALTHY_ENDPOINT (503);
 - a prediction policy got no usable prediction (no sidecar, sidecars failed or late) -> ``least-requests`` over
   all healthy endpoints, counted as outcome ``fallback``; a sidecar failure never fails a request.
+
+Every decision has a *basis*, counted in ``astrolabe_extproc_decisions_total{basis}``: ``prediction`` (every
+probed sidecar answered), ``partial`` (some did: the policy's rule for a partial answer decided),
+``fallback`` (none did: least-requests decided) or ``policy`` (a policy that does not predict). With
+``decision_log`` set, each decision is also written as one JSON record (``extproc.decision_log``).
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 
+from extproc.decision_log import DecisionLog
 from extproc.endpoint_metrics import MetricsScraper
 from extproc.errors import ErrorCode, RoutingError
 from extproc.lengths import OutputLengthEstimator, count_prompt_tokens
 from extproc.metrics import ExtprocMetrics
-from extproc.policies.base import EndpointView, Policy
+from extproc.policies.base import EndpointView, Policy, Prediction
 from extproc.policies.least_requests import LeastRequestsPolicy
 from extproc.pool import EndpointPool
 from extproc.predictor_client import PredictorClient
@@ -39,12 +45,29 @@ class Decision:
         request_id: the id the chosen sidecar knows the request by (Admit / Release): the client's
             ``x-request-id`` made unique, since clients may reuse ids.
         predictor: the chosen endpoint's sidecar that was told about the request (Admit), or None.
+        basis: ``prediction``, ``partial``, ``fallback`` or ``policy`` (module docstring).
+        candidates: the probed endpoints with their predictions (None: no answer), probe order; empty when
+            the policy does not predict.
+        num_prompt_tokens: prompt tokens counted for the prediction (0 when not predicted).
+        num_predicted_output_tokens: predicted output tokens (0 when not predicted).
+        length_source: where the predicted output tokens came from (``predictor.residual_rules``).
+        routing_s: from the request's arrival (its headers) to the decision, seconds.
+        stage_s: seconds spent per stage of a predicted decision: ``tokens`` (counting prompt tokens),
+            ``length`` (the output-length estimate), ``predict`` (the k Predict calls, concurrent); empty
+            otherwise.
     """
 
     destination: str
     policy: str
     request_id: str = ""
     predictor: str | None = None
+    basis: str = "policy"
+    candidates: tuple[tuple[str, Prediction | None], ...] = ()
+    num_prompt_tokens: int = 0
+    num_predicted_output_tokens: int = 0
+    length_source: int = 0
+    routing_s: float = 0.0
+    stage_s: tuple[tuple[str, float], ...] = ()
 
 
 class Router:
@@ -59,13 +82,14 @@ class Router:
         rng: seeds the fallback's tie-breaking.
         endpoint_metrics: source of ``EndpointView.metrics`` for policies that ``needs_metrics`` (None: every
             endpoint's metrics read None and such a policy falls back).
-        clock: monotonic clock, seconds (dispatch times for ``num_recent_requests``).
+        clock: monotonic clock, seconds (dispatch times for ``num_recent_requests``, routing overhead).
+        decision_log: where each decision is recorded (None = nowhere).
     """
 
     def __init__(self, pool: EndpointPool, policy: Policy, metrics: ExtprocMetrics | None = None,
                  predictors: PredictorClient | None = None, lengths: OutputLengthEstimator | None = None,
                  rng: random.Random | None = None, endpoint_metrics: MetricsScraper | None = None,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, decision_log: DecisionLog | None = None) -> None:
         if policy.needs_predictions and (predictors is None or lengths is None):
             raise ValueError(f"policy {policy.TYPE!r} needs a predictor client and an output-length estimator")
         self.pool = pool
@@ -76,6 +100,7 @@ class Router:
         self._fallback = LeastRequestsPolicy(rng or random.Random())
         self.endpoint_metrics = endpoint_metrics
         self._clock = clock
+        self.decision_log = decision_log
 
     def _healthy_views(self, request: RoutingRequest) -> list[EndpointView]:
         if not self.pool.endpoints:
@@ -101,42 +126,60 @@ class Router:
         Raises:
             RoutingError: MODEL_NOT_FOUND or NO_HEALTHY_ENDPOINT.
         """
-        start_s = time.monotonic()
+        start_s = self._clock()
+        if not request.arrival_time_s:
+            request = replace(request, arrival_time_s=start_s)
         views = self._healthy_views(request)
         if self.policy.needs_predictions:
             decision = await self._route_predicted(request, views)
         else:
             chosen, policy_name = self.policy.choose(request, views), self.policy.TYPE
+            basis = "policy"
             if chosen is None:  # e.g. a metrics policy with no fresh scrape of any endpoint
-                chosen, policy_name = self._fallback.choose(request, views), self._fallback.TYPE
-            decision = Decision(chosen.address, policy_name, request.request_id)
+                chosen, policy_name, basis = self._fallback.choose(request, views), self._fallback.TYPE, "fallback"
+            decision = Decision(chosen.address, policy_name, request.request_id, basis=basis)
+        end_s = self._clock()
+        decision = replace(decision, routing_s=end_s - request.arrival_time_s)
         self.pool.acquire(decision.destination)
-        self.pool.record_dispatch(decision.destination, self._clock())
-        self.metrics.routing_seconds.observe(time.monotonic() - start_s)
+        self.pool.record_dispatch(decision.destination, end_s)
+        self.metrics.routing_seconds.observe(end_s - start_s)
         self.metrics.requests.labels("routed" if decision.policy == self.policy.TYPE else "fallback").inc()
-        logger.debug("request %s -> %s (%s)", request.request_id, decision.destination, decision.policy)
+        self.metrics.decisions.labels(decision.basis).inc()
+        if self.decision_log is not None:
+            self.decision_log.write(request, decision)
+        logger.debug("request %s -> %s (%s, %s)", request.request_id, decision.destination, decision.policy,
+                     decision.basis)
         return decision
 
     async def _route_predicted(self, request: RoutingRequest, views: list[EndpointView]) -> Decision:
         candidates = self.policy.candidates(request, views)
         ledger_id = f"{request.request_id}/{uuid.uuid4().hex[:12]}"
+        t0_s = self._clock()
         num_prompt_tokens = count_prompt_tokens(request)
-        num_output_tokens = await self.lengths.estimate(request)
+        t1_s = self._clock()
+        num_output_tokens, length_source = await self.lengths.estimate_with_source(request)
+        t2_s = self._clock()
         metric = getattr(getattr(self.policy, "params", None), "metric", "e2e")
         predictions = await asyncio.gather(*(
-            self.predictors.predict(v.predictor, ledger_id, num_prompt_tokens, num_output_tokens, metric)
+            self.predictors.predict(v.predictor, ledger_id, num_prompt_tokens, num_output_tokens, metric,
+                                    max_tokens=request.max_tokens, length_source=length_source)
             if v.predictor else _none() for v in candidates))
+        stage_s = (("tokens", t1_s - t0_s), ("length", t2_s - t1_s), ("predict", self._clock() - t2_s))
         scored = [replace(v, prediction=p) for v, p in zip(candidates, predictions)]
         num_ok = sum(p is not None for p in predictions)
         self.metrics.predictions.labels("ok").inc(num_ok)
         self.metrics.predictions.labels("failed").inc(sum(v.predictor is not None for v in candidates) - num_ok)
         chosen = self.policy.choose(request, scored)
         policy_name = self.policy.TYPE
+        basis = "prediction" if num_ok == len(candidates) else "partial"
         if chosen is None:
-            chosen, policy_name = self._fallback.choose(request, views), self._fallback.TYPE
+            chosen, policy_name, basis = self._fallback.choose(request, views), self._fallback.TYPE, "fallback"
         if chosen.predictor:
-            self.predictors.admit(chosen.predictor, ledger_id, num_prompt_tokens, num_output_tokens)
-        return Decision(chosen.address, policy_name, ledger_id, chosen.predictor)
+            self.predictors.admit(chosen.predictor, ledger_id, num_prompt_tokens, num_output_tokens,
+                                  max_tokens=request.max_tokens, length_source=length_source)
+        return Decision(chosen.address, policy_name, ledger_id, chosen.predictor, basis,
+                        tuple((v.address, p) for v, p in zip(candidates, predictions)), num_prompt_tokens,
+                        num_output_tokens, length_source, stage_s=stage_s)
 
     def release(self, decision: Decision) -> None:
         """The request routed by ``decision`` has ended (its ext_proc stream closed)."""

@@ -27,10 +27,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from astrolabe.envoy import DEFAULT_BUFFER_LIMIT_BYTES as ENVOY_BUFFER_LIMIT_BYTES
-from astrolabe.lifecycle import wait_for_termination
+from astrolabe.lifecycle import settle_heap, wait_for_termination
 from extproc import wire
-from extproc.config import ConfigError, ExtprocConfig, load_config
+from extproc.config import ConfigError, ExtprocConfig, load_config, replace_config
 from extproc.endpoint_metrics import MetricsScraper
+from extproc.decision_log import DecisionLog
 from extproc.lengths import OutputLengthEstimator
 from extproc.metrics import ExtprocMetrics
 from extproc.predictor_client import PredictorClient
@@ -175,9 +176,12 @@ class ExtprocServer:
         # Only load-based policies read engine metrics; the others never scrape the backends.
         self.endpoint_metrics = (MetricsScraper(self.pool, config.metrics_interval_s, config.metrics_staleness_s)
                                  if policy.needs_metrics else None)
+        self.metrics.watch_predictors(self.predictors)
+        log_path = getattr(config, "decision_log_path", None)
+        self.decision_log = DecisionLog(log_path) if log_path else None
         self.router = Router(self.pool, policy, self.metrics, self.predictors,
                              OutputLengthEstimator(config.output_length, _load_tagger(config)), rng,
-                             endpoint_metrics=self.endpoint_metrics)
+                             endpoint_metrics=self.endpoint_metrics, decision_log=self.decision_log)
         if policy.needs_predictions and not any(e.predictor for e in config.endpoints):
             logger.warning("policy %r needs predictor sidecars but no endpoint names one: every request "
                            "falls back to least-requests", config.policy)
@@ -228,6 +232,7 @@ class ExtprocServer:
         if self.router.policy.needs_predictions:
             get_tokenizer()  # loaded now rather than by the first request, on the event loop
             self.predictors.connect([e.predictor for e in self.pool.endpoints if e.predictor])
+        settle_heap()
         await self._set_serving(True)
         logger.info("extproc listening on %s (port %d), policy %s, %d endpoints",
                     self.config.listen, self.port, self.config.policy, len(self.pool.endpoints))
@@ -252,6 +257,8 @@ class ExtprocServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.predictors.close()
+        if self.decision_log is not None:
+            self.decision_log.close()
         if self.router.lengths.tagger is not None:
             self.router.lengths.tagger.close()
         logger.info("extproc stopped")
@@ -277,9 +284,7 @@ def main(argv: list[str]) -> int:
     try:
         config = load_config(args.config)
         if args.listen or args.policy:
-            config = dataclasses.replace(config, listen=args.listen or config.listen,
-                                         policy=args.policy or config.policy)
-            build_policy(config.policy, config.policy_params, random.Random(0))
+            config = replace_config(config, listen=args.listen or config.listen, policy=args.policy or config.policy)
     except (ConfigError, ValueError) as exc:
         logger.error("invalid configuration: %s", exc)
         return 2

@@ -15,8 +15,10 @@ Errors become an ``immediate_response`` (OpenAI-style JSON) at the moment they a
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
+import time
 import uuid
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -58,6 +60,7 @@ class StreamHandler:
         self._method = ""
         self._path = ""
         self._request_id = ""
+        self._arrival_time_s = 0.0
         self.decision: Decision | None = None
 
     async def on_message(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -107,6 +110,7 @@ class StreamHandler:
         return [_acknowledge(kind)]
 
     async def _on_headers(self, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        self._arrival_time_s = time.monotonic()
         values = {h.key.lower(): (h.raw_value or h.value.encode()).decode("latin-1") for h in headers.headers.headers}
         self._method = values.get(":method", "")
         self._path = values.get(":path", "")
@@ -151,7 +155,7 @@ class StreamHandler:
         return await self._route(request)
 
     async def _route(self, request: RoutingRequest) -> Decision:
-        self.decision = await self._router.route(request)
+        self.decision = await self._router.route(dataclasses.replace(request, arrival_time_s=self._arrival_time_s))
         self._phase = Phase.ROUTED
         return self.decision
 

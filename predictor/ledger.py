@@ -26,12 +26,13 @@ thread (the sidecar's event loop).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import dataclasses
-
 from predictor.sim import BatchTimeModel, Engine, EngineConfig, SimRequest
+from predictor.sim.residual import FixedExtraTokens, ResidualLengthModel
 from predictor.sim.snapshot import InstanceSnapshot
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,15 @@ class BackendObservation:
     block_size: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _Admitted:
+    """What the extproc said about an admitted request: predicted output tokens, cap (None), length source."""
+
+    num_predicted_output_tokens: int
+    max_tokens: int | None
+    length_source: int
+
+
 @dataclass(slots=True)
 class ReconcileStats:
     """Running totals of reconciliation, for ``State`` and tests."""
@@ -81,15 +91,20 @@ class Ledger:
         visibility_grace_s: how long an admitted request is protected from removal by reconciliation.
         default_prompt_tokens: initial mean prompt length of phantom requests, tokens.
         default_output_tokens: initial mean output length of phantom requests, tokens.
+        residual: length source -> residual rule (``predictor.residual_rules.ResidualRules.for_source``); None
+            = the reference system's rule for every request.
     """
 
     def __init__(self, config: EngineConfig, batch_time: BatchTimeModel, now_s: float, *,
                  visibility_grace_s: float = 2.0, default_prompt_tokens: int = 256,
-                 default_output_tokens: int = 256) -> None:
+                 default_output_tokens: int = 256,
+                 residual: Callable[[int], ResidualLengthModel] | None = None) -> None:
         self.engine = Engine(config, batch_time, now_s)
         self.visibility_grace_s = visibility_grace_s
+        paper = FixedExtraTokens()
+        self._residual = residual or (lambda _source: paper)
         self._admitted_at_s: dict[str, float] = {}
-        self._predicted_output_tokens: dict[str, int] = {}
+        self._admitted: dict[str, _Admitted] = {}
         self._mean_prompt_tokens = float(default_prompt_tokens)
         self._mean_output_tokens = float(default_output_tokens)
         self._num_phantoms = 0
@@ -107,28 +122,51 @@ class Ledger:
 
     def _forget(self, request_id: str) -> None:
         self._admitted_at_s.pop(request_id, None)
-        self._predicted_output_tokens.pop(request_id, None)
+        self._admitted.pop(request_id, None)
 
     def predicted_output_tokens(self, request_id: str) -> int | None:
         """The predicted output length an admitted request came with, or None if it is not in the ledger."""
-        return self._predicted_output_tokens.get(request_id)
+        admitted = self._admitted.get(request_id)
+        return None if admitted is None else admitted.num_predicted_output_tokens
+
+    def expected_output_tokens(self, num_predicted_tokens: int, num_generated_tokens: int,
+                               max_tokens: int | None = None, length_source: int = 0) -> int:
+        """Expected total output tokens of a request with this prediction and progress (the ledger's rules)."""
+        return self._residual(length_source).expected_output_tokens(num_predicted_tokens, num_generated_tokens,
+                                                                    max_tokens)
 
     def snapshot(self) -> InstanceSnapshot:
-        """The state to predict from, at the ledger's clock, with every admitted request's predicted length."""
+        """The state to predict from, at the ledger's clock: every admitted request with its expected output
+        length (residual rule applied to its predicted length and progress); phantoms keep their mean length."""
         snap = InstanceSnapshot.from_scheduler(self.scheduler, self.engine.now_s)
-        predicted = self._predicted_output_tokens
+        admitted = self._admitted
 
         def restore(states):
-            return tuple(dataclasses.replace(r, num_output_tokens=predicted[r.request_id])
-                         if r.request_id in predicted else r for r in states)
+            out = []
+            for r in states:
+                a = admitted.get(r.request_id)
+                if a is not None:
+                    r = dataclasses.replace(r, num_output_tokens=self.expected_output_tokens(
+                        a.num_predicted_output_tokens, r.num_generated_tokens, a.max_tokens, a.length_source))
+                out.append(r)
+            return tuple(out)
 
         return dataclasses.replace(snap, waiting=restore(snap.waiting), running=restore(snap.running))
 
     def num_unfinished(self) -> int:
         return len(self.scheduler.running) + len(self.scheduler.waiting)
 
-    def admit(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int, now_s: float) -> bool:
+    def admit(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int, now_s: float, *,
+              max_tokens: int | None = None, length_source: int = 0) -> bool:
         """Adds a request dispatched here at ``now_s``; returns False if the id is already in the ledger.
+
+        Args:
+            request_id: the extproc's id of the request.
+            num_prompt_tokens: prompt tokens (>= 1).
+            num_output_tokens: PREDICTED output tokens (>= 1).
+            now_s: admission time, seconds.
+            max_tokens: the request's output cap, tokens (None = unknown).
+            length_source: where the prediction came from (``predictor.residual_rules.LENGTH_SOURCE_*``).
 
         Raises:
             ValueError: token counts < 1, or a request that can never fit this instance's KV cache.
@@ -143,7 +181,7 @@ class Ledger:
         self.engine.add_request(SimRequest(request_id, num_prompt_tokens, num_open_ended_tokens,
                                            arrival_time_s=max(now_s, self.engine.now_s)))
         self._admitted_at_s[request_id] = now_s
-        self._predicted_output_tokens[request_id] = num_output_tokens
+        self._admitted[request_id] = _Admitted(num_output_tokens, max_tokens or None, length_source)
         self._mean_prompt_tokens += _EMA_WEIGHT * (num_prompt_tokens - self._mean_prompt_tokens)
         self._mean_output_tokens += _EMA_WEIGHT * (num_output_tokens - self._mean_output_tokens)
         return True
@@ -189,10 +227,12 @@ class Ledger:
         if count <= 0:
             return 0
         candidates = [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.request_id not in protected]
-        predicted = self._predicted_output_tokens
+        def predicted(r) -> int:
+            a = self._admitted.get(r.request_id)
+            return r.num_output_tokens if a is None else a.num_predicted_output_tokens
+
         # phantoms first, then the furthest past (or closest to) their predicted length
-        candidates.sort(key=lambda r: (not r.request_id.startswith("phantom-"),
-                                       predicted.get(r.request_id, r.num_output_tokens) - r.num_generated_tokens))
+        candidates.sort(key=lambda r: (not r.request_id.startswith("phantom-"), predicted(r) - r.num_generated_tokens))
         for request in candidates[:count]:
             self.scheduler.abort_request(request.request_id)
             self._forget(request.request_id)

@@ -22,12 +22,14 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from astrolabe.lifecycle import wait_for_termination
+from astrolabe.lifecycle import settle_heap, wait_for_termination
 from predictor.api import pb, pb_grpc
 from predictor.backend_metrics import MetricsFormatError, parse_vllm_metrics
 from predictor.ledger import Ledger
+from predictor.residual_rules import ResidualRules
 from predictor.sim import EngineConfig, LinearBatchTimeModel
 from predictor.sim.predict import predict
+from predictor.sim.residual import RESIDUAL_RULES
 from predictor.sim.snapshot import InstanceSnapshot, RequestState
 from predictor.state_source import STATE_SOURCE_LEDGER, STATE_SOURCE_PLUGIN, STATE_SOURCES, PluginStateSource
 
@@ -49,6 +51,13 @@ class SidecarConfig:
         state_source: ``auto`` | ``ledger`` | ``vllm-plugin`` (`predictor.state_source`).
         vllm_state_path: the vLLM plugin's state file (None = no plugin).
         plugin_max_age_s: a plugin state this old with requests in flight is ignored, seconds.
+        plugin_reconcile_interval_s: the /metrics scrape interval while the plugin's state is in use, seconds
+            (the ledger is then only a fallback: a slower scrape saves the sidecar's and the backend's CPU).
+        residual_lengths: the residual-length rule of requests whose length source is unspecified
+            (``predictor.sim.residual.RESIDUAL_RULES``); tagger/fixed/exact requests get theirs
+            (``predictor.residual_rules``).
+        length_errors: the tagger directory (or its errors.npz) whose measured errors condition residual
+            lengths; None = the shipped light tagger's.
     """
 
     backend: str
@@ -62,6 +71,9 @@ class SidecarConfig:
     state_source: str = "auto"
     vllm_state_path: str | None = None
     plugin_max_age_s: float = 2.0
+    residual_lengths: str = "empirical"
+    length_errors: str | None = None
+    plugin_reconcile_interval_s: float = 1.0
 
 
 def load_batch_time(name_or_path: str, time_scale: float = 1.0) -> LinearBatchTimeModel:
@@ -75,10 +87,7 @@ def load_batch_time(name_or_path: str, time_scale: float = 1.0) -> LinearBatchTi
         raise ValueError(f"time_scale must be > 0, got {time_scale}")
     model = (LinearBatchTimeModel.from_json(name_or_path) if name_or_path.endswith(".json")
              else LinearBatchTimeModel.default(name_or_path))
-    return dataclasses.replace(model, c0_s=model.c0_s * time_scale, c1_s_per_token=model.c1_s_per_token * time_scale,
-                               c2_s_per_token2=model.c2_s_per_token2 * time_scale,
-                               c3_s_per_token=model.c3_s_per_token * time_scale,
-                               c4_s_per_seq=model.c4_s_per_seq * time_scale)
+    return model.scaled(time_scale)
 
 
 class PredictorServicer(pb_grpc.PredictorServicer):
@@ -92,20 +101,26 @@ class PredictorServicer(pb_grpc.PredictorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "num_prompt_tokens and num_predicted_output_tokens must be >= 1")
         try:
-            return self._sidecar.predict(request.num_prompt_tokens, request.num_predicted_output_tokens)
+            return self._sidecar.predict(request.num_prompt_tokens, request.num_predicted_output_tokens,
+                                         request.max_tokens or None, request.length_source)
         except ValueError as exc:  # e.g. a prompt larger than the instance's whole KV cache
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot be served by this instance: {exc}")
 
     async def Admit(self, request, context):  # noqa: N802
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-        try:
-            added = self._sidecar.ledger.admit(request.request_id, request.num_prompt_tokens,
-                                               request.num_predicted_output_tokens, time.monotonic())
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        added = True
+        if not self._sidecar.plugin.in_use:  # with the plugin's state in use the ledger is not simulated
+            try:
+                added = self._sidecar.ledger.admit(request.request_id, request.num_prompt_tokens,
+                                                   request.num_predicted_output_tokens, time.monotonic(),
+                                                   max_tokens=request.max_tokens or None,
+                                                   length_source=request.length_source)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self._sidecar.plugin.admits.admit(request.request_id, request.num_predicted_output_tokens,
-                                          request.num_prompt_tokens, time.monotonic())
+                                          request.num_prompt_tokens, time.monotonic(),
+                                          max_tokens=request.max_tokens or None, length_source=request.length_source)
         return pb.AdmitResponse(duplicate=not added)
 
     async def Release(self, request, context):  # noqa: N802
@@ -122,9 +137,10 @@ class Sidecar:
     def __init__(self, config: SidecarConfig) -> None:
         self.config = config
         self.batch_time = load_batch_time(config.batch_time_model, config.time_scale)
+        self.residual = ResidualRules(config.residual_lengths, config.length_errors)
         self.ledger = self._new_ledger(config.engine)
         self.plugin = PluginStateSource(config.state_source, config.vllm_state_path, config.plugin_max_age_s,
-                                        pending_grace_s=config.visibility_grace_s)
+                                        pending_grace_s=config.visibility_grace_s, residual=self.residual)
         self.last_reconciled_s: float | None = None
         self.health = health.aio.HealthServicer()
         self._server = grpc.aio.server()
@@ -134,22 +150,37 @@ class Sidecar:
         self.port = 0
 
     def _new_ledger(self, engine: EngineConfig) -> Ledger:
-        return Ledger(engine, self.batch_time, time.monotonic(), visibility_grace_s=self.config.visibility_grace_s)
+        return Ledger(engine, self.batch_time, time.monotonic(), visibility_grace_s=self.config.visibility_grace_s,
+                      residual=self.residual.for_source)
 
     def state_age_s(self, now_s: float) -> float:
         return float("inf") if self.last_reconciled_s is None else now_s - self.last_reconciled_s
 
-    def predict(self, num_prompt_tokens: int, num_output_tokens: int) -> pb.PredictResponse:
-        """Predicted TTFT and E2E, in seconds from now, of a new request on this instance."""
+    def predict(self, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int | None = None,
+                length_source: int = 0) -> pb.PredictResponse:
+        """Predicted TTFT and E2E, in seconds from now, of a new request on this instance.
+
+        Args:
+            num_prompt_tokens: prompt tokens (>= 1).
+            num_output_tokens: PREDICTED output tokens (>= 1); the simulated request gets the expected length
+                of the residual rule of ``length_source`` (for a tagger, its calibrated mean for that guess).
+            max_tokens: the request's cap, tokens, or None.
+            length_source: ``predictor.residual_rules.LENGTH_SOURCE_*``.
+
+        Raises:
+            ValueError: the request can never fit this instance (e.g. a prompt larger than its KV cache).
+        """
         now_s = time.monotonic()
-        self.ledger.advance(now_s)
+        expected_tokens = self.residual.for_source(length_source).expected_output_tokens(
+            num_output_tokens, 0, max_tokens)
         plugin_snapshot = self.plugin.snapshot(now_s)
         if plugin_snapshot is not None:
-            return self._predict_from_plugin(plugin_snapshot, num_prompt_tokens, num_output_tokens)
+            return self._predict_from_plugin(plugin_snapshot, num_prompt_tokens, expected_tokens)
+        self.ledger.advance(now_s)
         scheduler = self.ledger.scheduler
         # The ledger's clock may stand at the end of the step in progress, a little ahead of now.
         snapshot = self.ledger.snapshot()
-        result = predict(snapshot, RequestState("new", num_prompt_tokens, num_output_tokens), self.batch_time)
+        result = predict(snapshot, RequestState("new", num_prompt_tokens, expected_tokens), self.batch_time)
         lag_s = self.ledger.engine.now_s - now_s
         return pb.PredictResponse(
             ttft_s=result.ttft_s + lag_s, e2e_s=result.e2e_s + lag_s, state_age_s=self.state_age_s(now_s),
@@ -220,7 +251,8 @@ class Sidecar:
                     self.last_reconciled_s = time.monotonic()
                 except (aiohttp.ClientError, asyncio.TimeoutError, MetricsFormatError) as exc:
                     logger.debug("reconciliation skipped: %s", exc)
-                await asyncio.sleep(self.config.reconcile_interval_s)
+                await asyncio.sleep(self.config.plugin_reconcile_interval_s if self.plugin.in_use
+                                    else self.config.reconcile_interval_s)
 
     async def start(self) -> int:
         self.port = self._server.add_insecure_port(self.config.listen)
@@ -228,6 +260,7 @@ class Sidecar:
             raise RuntimeError(f"cannot listen on {self.config.listen}")
         await self._server.start()
         self._task = asyncio.create_task(self._reconcile_loop(), name="reconcile")
+        settle_heap()
         for name in ("", "liveness", "readiness", "astrolabe.predictor.v1.Predictor"):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         logger.info("predictor for %s listening on %s (port %d)", self.config.backend, self.config.listen, self.port)
@@ -264,11 +297,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep --block-size/--num-gpu-blocks even if the backend reports others")
     parser.add_argument("--reconcile-interval-s", type=float, default=0.1)
     parser.add_argument("--visibility-grace-s", type=float, default=2.0)
+    parser.add_argument("--plugin-reconcile-interval-s", type=float, default=1.0,
+                        help="/metrics scrape interval while the plugin's state is in use (the ledger is a fallback)")
     parser.add_argument("--state-source", choices=STATE_SOURCES, default="auto",
                         help="instance state: the vLLM plugin's, the ledger's, or the plugin's when present (auto)")
     parser.add_argument("--vllm-state-path", default=None,
                         help="state file written by the vLLM plugin (the server's ASTROLABE_VLLM_STATE_PATH)")
     parser.add_argument("--plugin-max-age-s", type=float, default=2.0)
+    parser.add_argument("--residual-lengths", choices=RESIDUAL_RULES, default="empirical",
+                        help="residual-length rule for requests of unspecified length source: empirical "
+                             "(conditioned on the tagger's measured errors), paper (10 more tokens past the "
+                             "prediction) or exact")
+    parser.add_argument("--length-errors", default=None,
+                        help="tagger directory (or errors.npz) whose measured errors condition residual lengths "
+                             "(default: the shipped light tagger's)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -283,8 +325,11 @@ def run(args: argparse.Namespace) -> int:
                                reconcile_interval_s=args.reconcile_interval_s,
                                visibility_grace_s=args.visibility_grace_s, discover_kv_cache=args.discover,
                                state_source=args.state_source, vllm_state_path=args.vllm_state_path,
-                               plugin_max_age_s=args.plugin_max_age_s)
+                               plugin_max_age_s=args.plugin_max_age_s, residual_lengths=args.residual_lengths,
+                               plugin_reconcile_interval_s=args.plugin_reconcile_interval_s,
+                               length_errors=args.length_errors)
         load_batch_time(config.batch_time_model, config.time_scale)
+        ResidualRules(config.residual_lengths, config.length_errors)
         PluginStateSource(config.state_source, config.vllm_state_path)
     except (ValueError, OSError) as exc:
         logger.error("invalid sidecar configuration: %s", exc)

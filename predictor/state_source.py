@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +38,31 @@ PLUGIN_STATE_FORMAT_VERSION = 1
 
 _EMA_WEIGHT = 0.05
 """Weight of each new admission in the running mean of output lengths (as the ledger's phantom means)."""
+
+_ENGINE_ID_PREFIXES = ("chatcmpl-", "cmpl-")
+"""How vLLM's OpenAI server starts the ids of chat and completion requests."""
+_ENGINE_ID_SUFFIXES = (re.compile(r"-\d+$"), re.compile(r"-[0-9a-f]{8}$"), re.compile(r"-\d+-[0-9a-f]{8}$"))
+"""What may follow the x-request-id in an engine id: the prompt index (completions), vLLM's random suffix
+(``InputProcessor.assign_request_id``), both, or the emulator's counter."""
+
+
+def x_request_id_candidates(engine_request_id: str) -> frozenset[str]:
+    """The x-request-ids an engine request id can have been made from; empty if it has no known shape.
+
+    vLLM's API server names a request ``chatcmpl-X`` or ``cmpl-X-<i>`` (``i``: the prompt index) for an
+    ``x-request-id`` X, and its engine (0.32) appends ``-<8 hex>`` unless ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``;
+    the emulator names it ``chatcmpl-X-<n>`` / ``cmpl-X-<n>``.
+    X may itself contain hyphens, so each suffix shape gives one candidate (X = "r1" is not a candidate of
+    ``chatcmpl-r12-5``).
+
+    Source: vllm/entrypoints/openai/serving_engine.py ``OpenAIServing._base_request_id``,
+    serving_completion.py / serving_chat.py, vllm/v1/engine/input_processor.py ``assign_request_id`` (vLLM 0.32).
+    """
+    body = next((engine_request_id[len(p):] for p in _ENGINE_ID_PREFIXES if engine_request_id.startswith(p)), "")
+    if not body:
+        return frozenset()
+    cut = (m.start() for suffix in _ENGINE_ID_SUFFIXES if (m := suffix.search(body)) is not None)
+    return frozenset((body, *(body[:i] for i in cut if i > 0)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +182,8 @@ class _Admission:
     num_prompt_tokens: int
     num_output_tokens: int
     admitted_s: float
+    max_tokens: int | None = None
+    length_source: int = 0
 
 
 class AdmitRecords:
@@ -163,27 +191,39 @@ class AdmitRecords:
 
     vLLM names a request ``cmpl-<x-request-id>-…`` or ``chatcmpl-<x-request-id>…``; the extproc admits it as
     ``<x-request-id>/<unique suffix>`` (clients may reuse ids). `expected_output_tokens` therefore matches an
-    engine id to an admitted id, not yet matched, whose ``x-request-id`` part it contains.
+    engine id to an admitted id, not yet matched, whose ``x-request-id`` part is one the engine id can have been
+    made from (`x_request_id_candidates`); the longest such part wins (x-request-ids "a" and "a-1" both fit
+    ``chatcmpl-a-1-0123abcd``), then the earliest admission.
     An admitted request that the engine's state has not shown yet is *pending* (`pending`): it is on its way
     (Envoy, the API server's tokenizer) and must count, or a burst of dispatches would all see the same
     instance as idle and herd onto it.
 
+    Expected lengths: with ``residual`` rules (``predictor.residual_rules.ResidualRules``), an admitted request's
+    expected total output is its rule's estimate from its predicted length, progress and cap, and a request
+    nobody admitted here (sent around the router) gets the reply-length distribution conditioned on its
+    progress (``residual.fixed``). Without rules: the admitted figure, else the running mean of admitted
+    lengths, capped by ``max_tokens`` (the snapshot then applies the "10 more tokens" rule past it).
+
     Args:
         max_records: records kept (oldest dropped first), bounding memory when Release notices are lost.
         default_output_tokens: the mean before any admission, tokens.
+        residual: the sidecar's residual-length rules, or None.
     """
 
-    def __init__(self, max_records: int = 4096, default_output_tokens: int = 256) -> None:
+    def __init__(self, max_records: int = 4096, default_output_tokens: int = 256, residual=None) -> None:
         self.max_records = max_records
+        self.residual = residual
         self.mean_output_tokens = float(default_output_tokens)
         self._by_id: dict[str, _Admission] = {}
         self._engine_to_admit: dict[str, str | None] = {}
         self._seen: set[str] = set()
 
     def admit(self, request_id: str, num_output_tokens: int, num_prompt_tokens: int = 1,
-              now_s: float = 0.0) -> None:
-        """Record an admission at ``now_s`` (seconds, monotonic clock)."""
-        self._by_id[request_id] = _Admission(max(num_prompt_tokens, 1), num_output_tokens, now_s)
+              now_s: float = 0.0, *, max_tokens: int | None = None, length_source: int = 0) -> None:
+        """Record an admission at ``now_s`` (seconds, monotonic clock) of a request with ``num_output_tokens``
+        PREDICTED output tokens, its cap ``max_tokens`` (None = unknown) and the prediction's ``length_source``."""
+        self._by_id[request_id] = _Admission(max(num_prompt_tokens, 1), num_output_tokens, now_s,
+                                             max_tokens or None, length_source)
         self.mean_output_tokens += _EMA_WEIGHT * (num_output_tokens - self.mean_output_tokens)
         while len(self._by_id) > self.max_records:
             self._by_id.pop(next(iter(self._by_id)))
@@ -199,38 +239,59 @@ class AdmitRecords:
         as waiting `RequestState`s in admission order (after `expected_output_tokens` saw the engine's ids)."""
         self._seen.update(rid for eid in engine_request_ids if (rid := self._engine_to_admit.get(eid)))
         return [RequestState(request_id=f"pending-{rid}", num_prompt_tokens=a.num_prompt_tokens,
-                             num_output_tokens=max(a.num_output_tokens, 1), arrival_time_s=now_s)
+                             num_output_tokens=self._expected(a, 0, a.max_tokens), arrival_time_s=now_s)
                 for rid, a in self._by_id.items() if rid not in self._seen and now_s - a.admitted_s < grace_s]
 
-    def expected_output_tokens(self, engine_request_id: str, max_tokens: int | None) -> int:
-        """Expected output length of an engine request, tokens (>= 1): its admitted figure, else the mean;
-        capped by ``max_tokens`` when given."""
+    def _expected(self, admission: _Admission, num_generated_tokens: int, max_tokens: int | None) -> int:
+        cap = max_tokens or admission.max_tokens
+        if self.residual is None:
+            expected = admission.num_output_tokens
+            return max(int(min(expected, int(cap)) if cap else expected), 1)
+        return self.residual.for_source(admission.length_source).expected_output_tokens(
+            max(admission.num_output_tokens, 1), num_generated_tokens, int(cap) if cap else None)
+
+    def _match(self, engine_request_id: str) -> str | None:
+        candidates = x_request_id_candidates(engine_request_id)
+        if not candidates:
+            return None
+        matched = set(self._engine_to_admit.values())
+        best, best_len = None, 0
+        for rid in self._by_id:
+            x_request_id = rid.split("/", 1)[0]
+            if len(x_request_id) > best_len and x_request_id in candidates and rid not in matched:
+                best, best_len = rid, len(x_request_id)
+        return best
+
+    def expected_output_tokens(self, engine_request_id: str, max_tokens: int | None,
+                               num_generated_tokens: int = 0) -> int:
+        """Expected total output length of an engine request that has generated ``num_generated_tokens``, tokens
+        (>= 1; see the class docstring); capped by ``max_tokens`` when given."""
         if engine_request_id not in self._engine_to_admit:
-            matched = set(self._engine_to_admit.values())
-            self._engine_to_admit[engine_request_id] = next(
-                (rid for rid in self._by_id
-                 if rid and rid not in matched and rid.split("/", 1)[0] in engine_request_id), None)
+            self._engine_to_admit[engine_request_id] = self._match(engine_request_id)
             if len(self._engine_to_admit) > 4 * self.max_records:
                 self._engine_to_admit.clear()
         admit_id = self._engine_to_admit.get(engine_request_id)
         admission = self._by_id.get(admit_id) if admit_id is not None else None
-        expected = admission.num_output_tokens if admission is not None else None
-        if expected is None:
-            expected = round(self.mean_output_tokens)
+        if admission is not None:
+            return self._expected(admission, num_generated_tokens, max_tokens)
+        if self.residual is not None:
+            return self.residual.fixed.expected_output_tokens(1, num_generated_tokens, max_tokens or None)
+        expected = round(self.mean_output_tokens)
         if max_tokens:
             expected = min(expected, int(max_tokens))
         return max(int(expected), 1)
 
 
 def plugin_snapshot(state: PluginState, now_s: float,
-                    expected_output_tokens: Callable[[str, int | None], int]) -> InstanceSnapshot:
+                    expected_output_tokens: Callable[[str, int | None, int], int]) -> InstanceSnapshot:
     """The `InstanceSnapshot` of a plugin state, as of ``now_s``.
 
     Args:
         state: the parsed state.
         now_s: the snapshot's time, seconds (predictions are measured from it; the state is at most one engine
             step plus the publish interval older).
-        expected_output_tokens: maps (engine request id, max_tokens or None) to an expected output length.
+        expected_output_tokens: maps (engine request id, max_tokens or None, generated tokens) to an expected
+            total output length (> generated).
     """
     def request(row: tuple, running: bool) -> RequestState:
         request_id, num_prompt, num_computed, num_generated, max_tokens, num_blocks, num_preemptions = row
@@ -239,7 +300,7 @@ def plugin_snapshot(state: PluginState, now_s: float,
         # A waiting request restarts from scratch in the simulator (a preempted one has freed its blocks).
         num_computed = min(int(num_computed), num_prompt + num_generated - 1) if running else 0
         return RequestState(request_id=str(request_id), num_prompt_tokens=num_prompt,
-                            num_output_tokens=expected_output_tokens(str(request_id), max_tokens),
+                            num_output_tokens=expected_output_tokens(str(request_id), max_tokens, num_generated),
                             arrival_time_s=now_s, num_computed_tokens=max(num_computed, 0),
                             num_generated_tokens=num_generated,
                             num_blocks_held=None if not running or num_blocks is None else int(num_blocks),
@@ -268,22 +329,29 @@ class PluginStateSource:
         max_age_s: see `PluginStateReader`.
         pending_grace_s: an admitted request the engine has not shown counts as waiting for this long, seconds
             (the ledger's ``visibility_grace_s``).
+        residual: the sidecar's residual-length rules (``predictor.residual_rules.ResidualRules``), or None.
 
     Raises:
         ValueError: unknown mode, or ``vllm-plugin`` without a path.
     """
 
-    def __init__(self, mode: str, path: str | None, max_age_s: float = 2.0, pending_grace_s: float = 2.0) -> None:
+    def __init__(self, mode: str, path: str | None, max_age_s: float = 2.0, pending_grace_s: float = 2.0,
+                 residual=None) -> None:
         if mode not in STATE_SOURCES:
             raise ValueError(f"state source must be one of {', '.join(STATE_SOURCES)}, got {mode!r}")
         if mode == STATE_SOURCE_PLUGIN and not path:
             raise ValueError("state source vllm-plugin needs the plugin's state file (--vllm-state-path)")
         self.mode = mode
         self.pending_grace_s = pending_grace_s
-        self.admits = AdmitRecords()
+        self.admits = AdmitRecords(residual=residual)
         self.reader = PluginStateReader(path, max_age_s) if path and mode != STATE_SOURCE_LEDGER else None
         self.last_state: PluginState | None = None
         self._using_plugin: bool | None = None
+
+    @property
+    def in_use(self) -> bool:
+        """True while the last ``snapshot`` came from the plugin's state (the ledger is then only a fallback)."""
+        return bool(self._using_plugin)
 
     def snapshot(self, now_s: float) -> InstanceSnapshot | None:
         """The plugin's snapshot as of ``now_s``, or None when the ledger must be used (transitions logged)."""

@@ -37,10 +37,15 @@ class LengthErrorModel:
         bin_edges_tokens: upper edges (tokens, ascending) of all bins but the last; a true length ``t`` falls
             in bin ``searchsorted(bin_edges_tokens, t, side="right")``.
         log_errors_by_bin: one float64 array of ``log(pred / true)`` per bin (``len(bin_edges_tokens) + 1``).
+        predicted_tokens: the raw sample's predicted lengths, tokens, one per pair (None in files written before
+            they were recorded); with ``true_tokens`` it gives ``predictor.sim.residual.EmpiricalResidual``.
+        true_tokens: the raw sample's true lengths, tokens, same order (or None).
     """
 
     bin_edges_tokens: np.ndarray
     log_errors_by_bin: tuple[np.ndarray, ...]
+    predicted_tokens: np.ndarray | None = None
+    true_tokens: np.ndarray | None = None
 
     @classmethod
     def from_predictions(
@@ -61,7 +66,7 @@ class LengthErrorModel:
         edges = np.unique(np.quantile(true, np.linspace(0, 1, num_bins + 1)[1:-1]))
         bins = np.searchsorted(edges, true, side="right")
         log_errors = np.log(pred / true)
-        return cls(edges, tuple(log_errors[bins == b] for b in range(len(edges) + 1)))
+        return cls(edges, tuple(log_errors[bins == b] for b in range(len(edges) + 1)), pred, true)
 
     def sample_log_error(self, num_true_tokens: int, rng: random.Random) -> float:
         """One ``log(pred / true)`` drawn from the bin of ``num_true_tokens``; 0.0 if that bin is empty."""
@@ -88,6 +93,8 @@ class LengthErrorModel:
         """Write ``DIR/errors.npz``; returns its path."""
         path = Path(directory) / ERRORS_FILE
         arrays = {f"bin_{i}": e for i, e in enumerate(self.log_errors_by_bin)}
+        if self.predicted_tokens is not None and self.true_tokens is not None:
+            arrays.update(predicted_tokens=self.predicted_tokens, true_tokens=self.true_tokens)
         np.savez(path, bin_edges_tokens=self.bin_edges_tokens, **arrays)
         return path
 
@@ -105,9 +112,11 @@ class LengthErrorModel:
             with np.load(path) as data:
                 edges = data["bin_edges_tokens"]
                 bins = tuple(data[f"bin_{i}"] for i in range(len(edges) + 1))
+                pairs = ((data["predicted_tokens"], data["true_tokens"]) if "predicted_tokens" in data.files
+                         and "true_tokens" in data.files else (None, None))
         except (OSError, KeyError, ValueError) as exc:
             raise ErrorModelError(f"cannot read error sample {path}: {exc}") from exc
-        return cls(edges, bins)
+        return cls(edges, bins, *pairs)
 
     def quantiles(self, qs: tuple[float, ...] = (0.1, 0.5, 0.9)) -> dict[float, float]:
         """Quantiles of ``pred / true`` over all bins together (for reports)."""

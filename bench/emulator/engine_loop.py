@@ -11,6 +11,10 @@ back-to-back. Timestamps given to the scheduler are the actual ``time.monotonic(
 figure the emulator reports is in its own wall-clock seconds. An idle engine waits on an ``asyncio.Event``
 (no polling), and a handle's event is set only when its consumer has something to do (every
 ``stream_interval`` tokens while streaming, otherwise only at the end), which keeps per-token work small.
+
+With a state file configured, the loop publishes the scheduler's state in the vLLM plugin's format
+(:mod:`bench.emulator.state_publisher`) where vLLM's plugin does: at start, after each step's update, after
+``add_request``, and after an abort. The loop's thread only copies the counters; a writer thread writes the file.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 from predictor.sim import Scheduler, SimRequest
 
 from bench.emulator.metrics import EmulatorMetrics
+from bench.emulator.state_publisher import sim_state_publisher
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,7 @@ class RequestHandle:
         planned_finish_reason: "length" if the request stops at its ``max_tokens`` cap, else "stop".
         stream_interval: tokens per progress notification while streaming; 0 = notify only at the end.
         next_notify_tokens: the event is set once ``sim.num_generated_tokens`` reaches this.
+        max_tokens: the client's output cap in tokens (published in the state file), or None if unknown.
         finish_reason: None while unfinished, then "stop", "length" or "abort".
         first_scheduled_time_s: ``time.monotonic()`` start of the first step that scheduled it; None before.
         last_token_time_s: ``time.monotonic()`` of its latest output token; None before the first.
@@ -53,6 +59,7 @@ class RequestHandle:
     planned_finish_reason: str
     stream_interval: int
     next_notify_tokens: int
+    max_tokens: int | None = None
     finish_reason: str | None = None
     first_scheduled_time_s: float | None = None
     last_token_time_s: float | None = None
@@ -90,14 +97,19 @@ class EngineLoop:
         step_noise_frac: standard deviation of a multiplicative Gaussian noise on each step time, as a fraction
             (0 = deterministic); the factor is clipped at 0.
         rng: seeded source of the step noise.
+        state_path: file the scheduler's state is published to (vLLM plugin format); None = not published.
+        state_interval_s: least time between two publications while the engine stays busy, seconds (>= 0).
     """
 
     def __init__(self, scheduler: Scheduler, batch_time_model: Any, metrics: EmulatorMetrics, *,
-                 time_scale: float, step_noise_frac: float, rng: random.Random) -> None:
+                 time_scale: float, step_noise_frac: float, rng: random.Random, state_path: str | None = None,
+                 state_interval_s: float = 0.0) -> None:
         if time_scale <= 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
         if step_noise_frac < 0:
             raise ValueError(f"step_noise_frac must be >= 0, got {step_noise_frac}")
+        if state_interval_s < 0:
+            raise ValueError(f"state_interval_s must be >= 0, got {state_interval_s}")
         self.scheduler = scheduler
         self._batch_time_model = batch_time_model
         self._metrics = metrics
@@ -107,6 +119,8 @@ class EngineLoop:
         self._handles: dict[str, RequestHandle] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._state_publisher = (None if state_path is None
+                                 else sim_state_publisher(state_path, state_interval_s, self._max_tokens_of))
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -117,6 +131,7 @@ class EngineLoop:
         """Starts the loop task on the running event loop (idempotent)."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="emulator-engine-loop")
+            self._publish_state()  # the first state: engine settings and empty queues, as vLLM's plugin
 
     async def stop(self) -> None:
         """Aborts every unfinished request (handlers see finish_reason "abort") and ends the loop task."""
@@ -129,9 +144,12 @@ class EngineLoop:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        if self._state_publisher is not None:
+            # Writes the last (empty) state and ends the writer thread, off the event loop.
+            await asyncio.to_thread(self._state_publisher.close)
 
     def add_request(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int,
-                    planned_finish_reason: str, stream_interval: int) -> RequestHandle:
+                    planned_finish_reason: str, stream_interval: int, max_tokens: int | None = None) -> RequestHandle:
         """Queues a request in the scheduler and returns its handle.
 
         Args:
@@ -140,6 +158,7 @@ class EngineLoop:
             num_output_tokens: tokens it will generate (>= 1).
             planned_finish_reason: finish_reason reported when it completes ("length" or "stop").
             stream_interval: tokens per progress wake-up while streaming; 0 for a non-streaming request.
+            max_tokens: the client's output cap in tokens (>= num_output_tokens), or None if unknown.
 
         Raises:
             ValueError: the scheduler refuses it (duplicate id, or it could never fit in the KV cache).
@@ -148,9 +167,10 @@ class EngineLoop:
                          num_output_tokens=num_output_tokens, arrival_time_s=time.monotonic())
         self.scheduler.add_request(sim)
         handle = RequestHandle(sim=sim, planned_finish_reason=planned_finish_reason, stream_interval=stream_interval,
-                               next_notify_tokens=1 if stream_interval else _NEVER)
+                               next_notify_tokens=1 if stream_interval else _NEVER, max_tokens=max_tokens)
         self._handles[request_id] = handle
         self._wakeup.set()
+        self._publish_state()
         return handle
 
     def abort(self, request_id: str) -> None:
@@ -159,10 +179,19 @@ class EngineLoop:
         if handle is None:
             return
         self.scheduler.abort_request(request_id)
+        self._publish_state()
         handle.finish_reason = "abort"
         handle.event.set()
         self._metrics.observe_finished("abort", time.monotonic() - handle.sim.arrival_time_s, None, None, None)
         logger.debug("aborted %s after %d tokens", request_id, handle.num_generated_tokens)
+
+    def _max_tokens_of(self, request_id: str) -> int | None:
+        handle = self._handles.get(request_id)
+        return None if handle is None else handle.max_tokens
+
+    def _publish_state(self) -> None:
+        if self._state_publisher is not None:
+            self._state_publisher.maybe_publish(self.scheduler)
 
     def _step_duration_s(self, batch: Any) -> float:
         step_s = self._batch_time_model.step_time_s(batch) * self._time_scale
@@ -206,6 +235,7 @@ class EngineLoop:
             end_s = time.monotonic()
             output = self.scheduler.update_after_step(batch, end_s)
             self._deliver(batch, output, step_start_s, end_s)
+            self._publish_state()
 
     def _deliver(self, batch: Any, output: Any, step_start_s: float, end_s: float) -> None:
         """Records the step and wakes the handlers that have something to do."""

@@ -7,6 +7,14 @@ and the ``astrolabe emulator`` entry point :func:`main`. Scheduling and step tim
 Output length: ``max_tokens`` with ``ignore_eos``; otherwise ``min(max_tokens, round(X))`` with X log-normal of
 the configured median and sigma (ShareGPT-like replies), drawn from the instance's seeded ``random.Random`` in
 arrival order. Chat requests without a cap may run to ``max_model_len`` (vLLM's default).
+
+Request ids are vLLM's: with an ``x-request-id`` header X, the engine knows a chat request as
+``chatcmpl-X-<n>`` and a completion as ``cmpl-X-<n>`` (``n`` counts this instance's requests and keeps ids unique
+when clients reuse theirs, as vLLM's random suffix does) and the response's ``id`` is ``chatcmpl-X`` / ``cmpl-X``;
+without the header both are ``chatcmpl-<n>`` / ``cmpl-<n>``. The sidecar matches engine ids to its admissions
+by X (``predictor.state_source.AdmitRecords``).
+Source: vllm/entrypoints/openai/serving_engine.py ``OpenAIServing._base_request_id`` and
+vllm/v1/engine/input_processor.py ``InputProcessor.assign_request_id`` (engine id = external id + ``-<8 hex>``).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from pathlib import Path
 import prometheus_client
 from aiohttp import web
 from predictor.sim import EngineConfig, LinearBatchTimeModel, Scheduler
+from predictor.vllm_plugin import DEFAULT_MIN_INTERVAL_S
 from prometheus_client import CONTENT_TYPE_LATEST
 from tagger.tokenizer import TOKENIZER_NAME, count_tokens
 
@@ -39,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 INSTANCE_HEADER = "x-emulator-instance"
 """Response header naming the instance that served a request, ``host:port``."""
+REQUEST_ID_HEADER = "x-request-id"
+"""Request header whose value the request ids embed (vLLM reads ``X-Request-Id``; HTTP headers ignore case)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +68,10 @@ class EmulatorConfig:
         step_noise_frac: stddev of multiplicative step-time noise, fraction, >= 0.
         output_len_median_tokens: median of the log-normal output length, tokens, >= 1.
         output_len_sigma: sigma (of the underlying normal) of the output length, >= 0.
+        state_path: file the engine's state is published to in the vLLM plugin's format (a sidecar reads it
+            with ``--state-source vllm-plugin --vllm-state-path``); None = not published. Put it on /dev/shm.
+        state_interval_s: least time between two publications while the engine stays busy, seconds, >= 0
+            (the plugin's ``ASTROLABE_VLLM_STATE_MIN_INTERVAL_S`` and its default; 0 = after every step).
     """
 
     engine: EngineConfig = EngineConfig()
@@ -71,12 +86,15 @@ class EmulatorConfig:
     step_noise_frac: float = 0.0
     output_len_median_tokens: float = 200.0
     output_len_sigma: float = 1.0
+    state_path: str | None = None
+    state_interval_s: float = DEFAULT_MIN_INTERVAL_S
 
     def __post_init__(self) -> None:
         checks = {"max_model_len": self.max_model_len >= 2, "stream_interval": self.stream_interval >= 1,
                   "time_scale": self.time_scale > 0, "step_noise_frac": self.step_noise_frac >= 0,
                   "output_len_median_tokens": self.output_len_median_tokens >= 1,
-                  "output_len_sigma": self.output_len_sigma >= 0, "port": 0 <= self.port <= 65535}
+                  "output_len_sigma": self.output_len_sigma >= 0, "port": 0 <= self.port <= 65535,
+                  "state_interval_s": self.state_interval_s >= 0}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"{name} is out of range: {getattr(self, name)!r}")
@@ -105,25 +123,40 @@ class _Instance:
         self.metrics = EmulatorMetrics(self.scheduler, config.served_model_name, cache_info)
         self.engine = EngineLoop(self.scheduler, load_batch_time_model(config.batch_time_model), self.metrics,
                                  time_scale=config.time_scale, step_noise_frac=config.step_noise_frac,
-                                 rng=random.Random(config.seed + 1))
+                                 rng=random.Random(config.seed + 1), state_path=config.state_path,
+                                 state_interval_s=config.state_interval_s)
         self._output_rng = random.Random(config.seed)
         self._ids = itertools.count()
         self.instance_name = f"{config.host}:{config.port}"
 
-    def next_request_id(self, is_chat: bool) -> str:
-        return f"{'chatcmpl' if is_chat else 'cmpl'}-{next(self._ids)}"
+    def next_request_ids(self, is_chat: bool, x_request_id: str | None) -> tuple[str, str]:
+        """(engine request id, response ``id``) of a new request (shapes in the module docstring)."""
+        prefix = "chatcmpl" if is_chat else "cmpl"
+        number = next(self._ids)
+        if not x_request_id:
+            return f"{prefix}-{number}", f"{prefix}-{number}"
+        return f"{prefix}-{x_request_id}-{number}", f"{prefix}-{x_request_id}"
 
-    def num_output_tokens(self, max_tokens: int, ignore_eos: bool) -> tuple[int, str]:
-        """Output length (tokens) and its finish_reason, for a cap of ``max_tokens``."""
+    def num_output_tokens(self, max_tokens: int, ignore_eos: bool,
+                          num_reply_tokens: int | None = None) -> tuple[int, str]:
+        """Output length (tokens) and its finish_reason, for a cap of ``max_tokens``.
+
+        ``num_reply_tokens`` (the `OUTPUT_TOKENS_HEADER` test hook): the reply "ends" (EOS) after that many
+        tokens, capped by ``max_tokens``; otherwise ``ignore_eos`` gives ``max_tokens`` and a log-normal draw the
+        rest.
+        """
         if ignore_eos:
             return max_tokens, "length"
+        if num_reply_tokens is not None:
+            return (max_tokens, "length") if num_reply_tokens >= max_tokens else (num_reply_tokens, "stop")
         cfg = self.config
         draw = self._output_rng.lognormvariate(math.log(cfg.output_len_median_tokens), cfg.output_len_sigma)
         num_tokens = max(1, round(draw))
         return (max_tokens, "length") if num_tokens >= max_tokens else (num_tokens, "stop")
 
-    def admit(self, parsed: ParsedRequest, request_id: str) -> RequestHandle:
-        """Validates a parsed request against this instance and queues it.
+    def admit(self, parsed: ParsedRequest, request_id: str, num_reply_tokens: int | None = None) -> RequestHandle:
+        """Validates a parsed request against this instance and queues it (``num_reply_tokens``: see
+        `num_output_tokens`).
 
         Raises:
             ApiError: 404 for another model name; 400 when the context limit is exceeded or the KV cache can
@@ -144,15 +177,34 @@ class _Instance:
             max_tokens = cfg.max_model_len - num_prompt_tokens
         elif num_prompt_tokens + max_tokens > cfg.max_model_len:
             raise context_length_error(cfg.max_model_len, num_prompt_tokens, max_tokens)
-        num_output_tokens, finish_reason = self.num_output_tokens(max_tokens, parsed.ignore_eos)
+        num_output_tokens, finish_reason = self.num_output_tokens(max_tokens, parsed.ignore_eos, num_reply_tokens)
         try:
             return self.engine.add_request(request_id, num_prompt_tokens, num_output_tokens, finish_reason,
-                                           stream_interval=cfg.stream_interval if parsed.stream else 0)
+                                           stream_interval=cfg.stream_interval if parsed.stream else 0,
+                                           max_tokens=max_tokens)
         except ValueError as exc:
             raise ApiError(400, f"request cannot be served by this instance: {exc}") from None
 
 
 _INSTANCE = web.AppKey("instance", _Instance)
+
+OUTPUT_TOKENS_HEADER = "x-emulator-output-tokens"
+"""Test hook: the emulated reply ends after this many tokens (as if the model sampled EOS there), capped by
+``max_tokens``. Benchmarks replay a trace's true reply lengths with it while sending a realistic ``max_tokens``
+cap; the router never reads it (a real client cannot know its reply's length in advance)."""
+
+
+def _reply_tokens_hint(value: str | None) -> int | None:
+    """The `OUTPUT_TOKENS_HEADER` value as a positive count, or None when absent.
+
+    Raises:
+        ApiError: 400 for a value that is not a positive integer.
+    """
+    if value is None:
+        return None
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ApiError(400, f"{OUTPUT_TOKENS_HEADER} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def _error_response(exc: ApiError) -> web.Response:
@@ -161,13 +213,13 @@ def _error_response(exc: ApiError) -> web.Response:
 
 async def _generate(request: web.Request, is_chat: bool) -> web.StreamResponse:
     instance = request.app[_INSTANCE]
-    request_id = instance.next_request_id(is_chat)
+    request_id, response_id = instance.next_request_ids(is_chat, request.headers.get(REQUEST_ID_HEADER))
     try:
         parsed = parse_request(await request.read(), is_chat)
-        handle = instance.admit(parsed, request_id)
+        handle = instance.admit(parsed, request_id, _reply_tokens_hint(request.headers.get(OUTPUT_TOKENS_HEADER)))
     except ApiError as exc:
         return _error_response(exc)
-    shaper = ResponseShaper(is_chat, request_id, instance.config.served_model_name, int(time.time()))
+    shaper = ResponseShaper(is_chat, response_id, instance.config.served_model_name, int(time.time()))
     try:
         if parsed.stream:
             return await _stream(request, handle, shaper, parsed.include_usage)
@@ -326,6 +378,11 @@ def _parse_args(argv: Sequence[str]) -> tuple[EmulatorConfig, str]:
     p.add_argument("--step-noise", type=float, default=d.step_noise_frac, help="stddev fraction of step time")
     p.add_argument("--output-len-median", type=float, default=d.output_len_median_tokens, help="tokens")
     p.add_argument("--output-len-sigma", type=float, default=d.output_len_sigma)
+    p.add_argument("--state-path", default=d.state_path,
+                   help="publish the engine's state to this file in the vLLM plugin's format, for a sidecar's "
+                        "--state-source vllm-plugin --vllm-state-path (put it on /dev/shm); default: off")
+    p.add_argument("--state-interval-s", type=float, default=d.state_interval_s,
+                   help="least seconds between two state publications while busy (0 = every step)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(list(argv))
     try:
@@ -336,7 +393,7 @@ def _parse_args(argv: Sequence[str]) -> tuple[EmulatorConfig, str]:
             engine=engine, batch_time_model=a.batch_time_model, served_model_name=a.served_model_name, host=a.host,
             port=a.port, seed=a.seed, max_model_len=a.max_model_len, stream_interval=a.stream_interval,
             time_scale=a.time_scale, step_noise_frac=a.step_noise, output_len_median_tokens=a.output_len_median,
-            output_len_sigma=a.output_len_sigma)
+            output_len_sigma=a.output_len_sigma, state_path=a.state_path, state_interval_s=a.state_interval_s)
     except ValueError as exc:
         p.error(str(exc))
     return config, a.log_level

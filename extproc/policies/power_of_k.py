@@ -1,12 +1,28 @@
 """``astrolabe``: prediction-guided power of k choices (the Astrolabe policy; the default).
 
-Rule: sample ``k`` distinct endpoints uniformly at random (k >= number of endpoints = full fan-out), ask each
-one's predictor sidecar for the request's predicted latency, and choose the smallest predicted E2E latency
-(``metric: ttft`` compares time to first token instead). Ties are broken uniformly at random. Random sampling
-breaks herding (many routers never pile onto one "best" endpoint); k probes keep the control-plane cost per
-request constant as the fleet grows.
+Rule: probe ``k`` distinct endpoints (k >= number of endpoints = full fan-out), ask each one's predictor sidecar
+for the request's predicted latency, and choose the lowest score:
+- ``metric: blend`` (default): predicted TTFT + ``e2e_weight`` x predicted E2E latency. TTFT leads (the
+  users' SLO and the tail that queueing makes); the E2E term breaks near-ties between endpoints that would
+  both start the request at once in favour of the lighter batch (faster decode, and headroom left for the
+  next arrival).
+- ``metric: ttft``: predicted TTFT alone.
+- ``metric: e2e``: predicted E2E latency alone (the paper's objective). Measured here it sends requests to
+  full instances while others have free slots: on small batches E2E barely moves with queueing (a full
+  instance scored 2.935 s against 2.940 s for one with a free slot, /work/shared/FACTS.md).
+Ties are broken uniformly at random.
+
+Which endpoints are probed: with ``probe_best`` (default) and k >= 2, one probe goes to the endpoint with the best score
+among this replica's answers of the last ``memory_s`` seconds and the other k - 1 are drawn uniformly at random
+from the rest; without it (or with no recent answer), all k are drawn at random. This is the power of d choices
+with memory (Shah & Prabhakar 2002, "The use of memory in randomized load balancing"): the remembered endpoint
+is probed afresh, never trusted blindly, so an endpoint that filled up since loses on its fresh prediction, and
+several replicas cannot herd onto it (each sidecar counts every replica's admissions). Random probes keep
+looking at the rest of the fleet. Probes per request stay k, whatever the fleet size.
+
 Inputs: ``EndpointView.prediction`` (filled by the router for the candidates; None for an endpoint without a
-sidecar, or whose sidecar failed, timed out, or reported a stale state) and ``num_in_flight``.
+sidecar, or whose sidecar failed, timed out, or reported a stale state), ``num_in_flight`` and
+``RoutingRequest.arrival_time_s`` (the memory's clock).
 When only some candidates have a prediction: the candidate with the fewest in-flight requests is chosen
 (power of k on this router's in-flight counts, ties at random). Dropping the unpredicted candidates instead
 would starve a healthy backend whose sidecar is down (measured: 0 of 151 requests under load), and the
@@ -15,34 +31,51 @@ When every prediction failed: returns None and the router falls back to ``least-
 endpoints (the reference system falls back to a random choice).
 
 Source: Astrolabe global scheduler (AKafakA/Astrolabe, dispatch by sampled predictors), Mitzenmacher's power
-of two choices.
+of two choices; measurements behind the defaults: bench/README.md "Choosing the objective".
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from extproc.policies.base import EndpointView, Policy, min_random_tie
 
 TYPE = "astrolabe"
-METRICS = ("e2e", "ttft")
+METRICS = ("blend", "ttft", "e2e")
 
 
 @dataclass(frozen=True, slots=True)
 class Params:
-    """``k``: endpoints probed per request (>= 1); ``metric``: ``e2e`` or ``ttft``."""
+    """Parameters (policy_params of the extproc config).
+
+    Attributes:
+        k: endpoints probed per request (>= 1).
+        metric: ``blend``, ``ttft`` or ``e2e`` (module docstring).
+        e2e_weight: weight of predicted E2E in ``blend`` (>= 0; 0 = ``ttft``).
+        probe_best: one probe goes to the best endpoint of this replica's recent answers.
+        memory_s: how long an answer counts as recent, seconds (> 0).
+    """
 
     k: int = 2
-    metric: str = "e2e"
+    metric: str = "blend"
+    e2e_weight: float = 0.1
+    probe_best: bool = True
+    memory_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
             raise ValueError(f"policy {TYPE!r}: k must be an integer >= 1, got {self.k!r}")
         if self.metric not in METRICS:
             raise ValueError(f"policy {TYPE!r}: metric must be one of {METRICS}, got {self.metric!r}")
+        if isinstance(self.e2e_weight, bool) or not isinstance(self.e2e_weight, int | float) or self.e2e_weight < 0:
+            raise ValueError(f"policy {TYPE!r}: e2e_weight must be a number >= 0, got {self.e2e_weight!r}")
+        if not isinstance(self.probe_best, bool):
+            raise ValueError(f"policy {TYPE!r}: probe_best must be true or false, got {self.probe_best!r}")
+        if isinstance(self.memory_s, bool) or not isinstance(self.memory_s, int | float) or not self.memory_s > 0:
+            raise ValueError(f"policy {TYPE!r}: memory_s must be a number > 0, got {self.memory_s!r}")
 
 
 class PowerOfKPolicy(Policy):
@@ -52,25 +85,50 @@ class PowerOfKPolicy(Policy):
     def __init__(self, params: Params, rng: random.Random) -> None:
         self.params = params
         self._rng = rng
+        self._recent: dict[str, tuple[float, float]] = {}  # address -> (score, arrival_time_s of the answer)
+
+    def score(self, endpoint: EndpointView) -> float:
+        """The figure compared (lower is better), seconds; ``endpoint.prediction`` must be set."""
+        prediction = endpoint.prediction
+        if self.params.metric == "e2e":
+            return prediction.e2e_s
+        if self.params.metric == "ttft":
+            return prediction.ttft_s
+        return prediction.ttft_s + self.params.e2e_weight * prediction.e2e_s
 
     def candidates(self, request, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
-        if self.params.k >= len(endpoints):
+        k = self.params.k
+        if k >= len(endpoints):
             return endpoints
-        return self._rng.sample(list(endpoints), self.params.k)
+        # k = 1 leaves no probe to explore with: memory would stick to one endpoint forever
+        best = self._best_recent(request.arrival_time_s, endpoints) if self.params.probe_best and k > 1 else None
+        if best is None:
+            return self._rng.sample(list(endpoints), k)
+        return [best, *self._rng.sample([e for e in endpoints if e is not best], k - 1)]
+
+    def _best_recent(self, now_s: float, endpoints: Sequence[EndpointView]) -> EndpointView | None:
+        since_s = now_s - self.params.memory_s
+        recent = self._recent
+        known = [e for e in endpoints if e.address in recent and recent[e.address][1] >= since_s]
+        if len(recent) > 4 * len(endpoints):  # endpoints that left the pool: forget them
+            addresses = {e.address for e in endpoints}
+            self._recent = {a: v for a, v in recent.items() if a in addresses}
+        return min(known, key=lambda e: recent[e.address][0]) if known else None
 
     def choose(self, request, endpoints: Sequence[EndpointView]) -> EndpointView | None:
         scored = [e for e in endpoints if e.prediction is not None]
+        for endpoint in scored:
+            self._recent[endpoint.address] = (self.score(endpoint), request.arrival_time_s)
         if not scored:
             return None
         if len(scored) < len(endpoints):
             return min_random_tie(endpoints, lambda e: e.num_in_flight, self._rng)
-        if self.params.metric == "ttft":
-            return min_random_tie(scored, lambda e: e.prediction.ttft_s, self._rng)
-        return min_random_tie(scored, lambda e: e.prediction.e2e_s, self._rng)
+        return min_random_tie(scored, self.score, self._rng)
 
 
 def build(params: Mapping[str, Any], rng: random.Random) -> PowerOfKPolicy:
-    unknown = set(params) - {"k", "metric"}
+    known = [f.name for f in fields(Params)]
+    unknown = set(params) - set(known)
     if unknown:
-        raise ValueError(f"policy {TYPE!r}: unknown parameter(s) {sorted(unknown)}; known: ['k', 'metric']")
+        raise ValueError(f"policy {TYPE!r}: unknown parameter(s) {sorted(unknown)}; known: {known}")
     return PowerOfKPolicy(Params(**params), rng)

@@ -167,6 +167,19 @@ class LinearBatchTimeModel:
         growth_s = self.c3_s_per_token * num_decode_seqs * (num_steps * (num_steps - 1) // 2)
         return num_steps * first_s + growth_s
 
+    def scaled(self, factor: float) -> LinearBatchTimeModel:
+        """The same model with every step ``factor`` times as long (an emulator's time scale, a slower GPU).
+
+        Raises:
+            ValueError: ``factor`` is not > 0.
+        """
+        if not factor > 0:
+            raise ValueError(f"time scale must be > 0, got {factor}")
+        return dataclasses.replace(self, c0_s=self.c0_s * factor, c1_s_per_token=self.c1_s_per_token * factor,
+                                   c2_s_per_token2=self.c2_s_per_token2 * factor,
+                                   c3_s_per_token=self.c3_s_per_token * factor,
+                                   c4_s_per_seq=self.c4_s_per_seq * factor)
+
     def to_json(self, path: str | Path) -> None:
         """Write the coefficients to a JSON file (one object, the attribute names as keys).
 

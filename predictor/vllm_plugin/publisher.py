@@ -1,4 +1,4 @@
-"""Writes vLLM V1 scheduler state to a file for the sidecar; runs inside vLLM's engine core process.
+"""Writes an engine scheduler's state to a file for the sidecar: vLLM's (inside its engine core), or the emulator's.
 
 File format (one JSON object, replaced atomically by write + ``os.replace``; `STATE_FORMAT_VERSION`)::
 
@@ -12,24 +12,34 @@ File format (one JSON object, replaced atomically by write + ``os.replace``; `ST
 
 ``published_monotonic_s`` is on ``time.monotonic()``, which every process of one Linux host shares, so the
 sidecar beside the engine can compute the state's age. ``num_gpu_blocks`` excludes vLLM's reserved null block;
-``num_blocks_held`` is null (reserved; see `StatePublisher.collect`). ``num_output_tokens`` is the
-number of tokens generated so far; ``max_tokens`` the request's limit (null if unknown).
+``num_blocks_held`` is null when the writer does not read it (vLLM: see `collect_vllm`). ``num_output_tokens``
+is the number of tokens generated so far; ``max_tokens`` the request's limit (null if unknown).
 
-NOTE: `StatePublisher.maybe_publish` is called on the engine core's thread after ``update_from_output`` (end of
-a step: computed and generated counts consistent, finished requests gone) and after ``add_request``. It must be
-cheap (it runs on the engine's critical path) and must never raise into vLLM: any error is logged once and
-publishing stops. So the engine thread only copies the counters (~10 us for 16 requests, measured by
+`StatePublisher` owns everything but reading the scheduler: when to publish (rate limit, idle/busy edges), the
+envelope (version, pid, seq, time, preemption total), the writer thread and the atomic write. What is read from
+a scheduler comes from a collector, a function ``scheduler -> SchedulerState``: `collect_vllm` for vLLM V1's
+scheduler (the default), ``bench.emulator.state_publisher.collect_sim`` for ``predictor.sim.Scheduler``.
+
+NOTE: `StatePublisher.maybe_publish` is called on the engine's thread: in vLLM after ``update_from_output`` (end
+of a step: computed and generated counts consistent, finished requests gone) and after ``add_request``. It must
+be cheap (it runs on the engine's critical path) and must never raise into the engine: any error is logged once
+and publishing stops. So the engine thread only copies the counters (~10 us for 16 requests, measured by
 ``astrolabe bench plugin-overhead``); a daemon thread encodes and writes the newest copy (a write on tmpfs takes
-~40 us, on this machine's ext4 ~4 ms: put the file on /dev/shm). Imports only the standard library.
+~40 us, on this machine's ext4 ~4 ms: put the file on /dev/shm). Imports only the standard library (it is loaded
+inside vLLM's processes).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 # Under vLLM's "vllm" logger so that vLLM's own logging setup shows these lines in the server log.
 logger = logging.getLogger(f"vllm.astrolabe.{__name__}")
@@ -37,8 +47,29 @@ logger = logging.getLogger(f"vllm.astrolabe.{__name__}")
 STATE_FORMAT_VERSION = 1
 """Version of the state file format above; the reader rejects others."""
 
+_PREEMPTIONS_COLUMN = 6
+"""Index of ``num_preemptions`` in a request row."""
 
-def _request_row(request) -> list:
+
+@dataclass(frozen=True, slots=True)
+class SchedulerState:
+    """What a collector reads from a scheduler: the parts of the file that depend on the engine.
+
+    Attributes:
+        engine: ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``num_gpu_blocks`` (blocks the
+            engine can hand out), ``enable_chunked_prefill``, in this order (vLLM names).
+        num_free_blocks: KV blocks free now.
+        running: request rows (format in the module docstring), schedule order.
+        waiting: request rows, FCFS order, front first.
+    """
+
+    engine: dict[str, Any]
+    num_free_blocks: int
+    running: list[list]
+    waiting: list[list]
+
+
+def _vllm_request_row(request) -> list:
     sampling = getattr(request, "sampling_params", None)
     return [
         request.request_id,
@@ -51,34 +82,67 @@ def _request_row(request) -> list:
     ]
 
 
+def collect_vllm(scheduler) -> SchedulerState:
+    """The state of vLLM V1's ``Scheduler``.
+
+    Source: vllm/v1/core/sched/scheduler.py Scheduler, vllm/v1/request.py Request (vLLM 0.32).
+    """
+    block_pool = scheduler.kv_cache_manager.block_pool
+    config = scheduler.scheduler_config
+    # Per-request block lists are not read: building them costs O(blocks) per request on the engine's thread,
+    # and after a step a running request holds the blocks of its computed tokens, which the simulator derives
+    # itself (num_blocks_held = null).
+    return SchedulerState(
+        engine={
+            "max_num_seqs": scheduler.max_num_running_reqs,
+            "max_num_batched_tokens": scheduler.max_num_scheduled_tokens,
+            "block_size": scheduler.cache_config.block_size,
+            # Block 0 is vLLM's null block, never handed out.
+            "num_gpu_blocks": block_pool.num_gpu_blocks - 1,
+            "enable_chunked_prefill": bool(getattr(config, "enable_chunked_prefill",
+                                                   getattr(config, "chunked_prefill_enabled", True))),
+        },
+        num_free_blocks=block_pool.get_num_free_blocks(),
+        running=[_vllm_request_row(r) for r in scheduler.running],
+        waiting=[_vllm_request_row(r) for r in scheduler.waiting])
+
+
 class StatePublisher:
-    """Writes the scheduler's state to ``path`` at most every ``min_interval_s`` seconds, and whenever the engine
+    """Writes a scheduler's state to ``path`` at most every ``min_interval_s`` seconds, and whenever the engine
     turns idle or busy.
 
     Args:
-        path: state file; its folder must exist; a temporary ``path + ".tmp"`` is written beside it.
+        path: state file; its folder must exist; a temporary ``path + ".tmp.<pid>"`` is written beside it.
         min_interval_s: least time between writes while the queue lengths stay the same, seconds (>= 0).
         synchronous: write on the caller's thread (tests, the cost benchmark) instead of the writer thread.
+        collector: reads a scheduler (anything with ``running`` and ``waiting`` sequences); `collect_vllm` by
+            default. Called on the caller's thread; it may raise (publishing then stops).
     """
 
-    def __init__(self, path: str, min_interval_s: float, *, synchronous: bool = False) -> None:
+    def __init__(self, path: str, min_interval_s: float, *, synchronous: bool = False,
+                 collector: Callable[[Any], SchedulerState] = collect_vllm) -> None:
         self.path = path
         self.min_interval_s = max(min_interval_s, 0.0)
         self.num_published = 0
+        self.synchronous = synchronous
+        self._collector = collector
         self._tmp_path = f"{path}.tmp.{os.getpid()}"
         self._last_publish_s = float("-inf")
         self._last_counts: tuple[int, int] = (-1, -1)
         self._failed = False
+        self._closing = False
         self._preemptions_seen: dict[str, int] = {}
         self._num_preemptions_total = 0
-        self._pending: dict | None = None
+        # Only the newest state matters: appending replaces an older one not yet written. append and pop are
+        # atomic under the GIL, so a state handed over while the writer takes the previous one is never lost
+        # (a lost last state before idling would stay on file: an idle engine publishes nothing more).
+        self._pending: collections.deque[dict] = collections.deque(maxlen=1)
         self._wake = threading.Event()
         self._writer: threading.Thread | None = None
-        self.synchronous = synchronous
 
     def maybe_publish(self, scheduler) -> None:
         """Publish if due; never raises (a failure is logged once and disables publishing)."""
-        if self._failed:
+        if self._failed or self._closing:
             return
         now_s = time.monotonic()
         counts = (len(scheduler.running), len(scheduler.waiting))
@@ -93,17 +157,44 @@ class StatePublisher:
                 self._write(state)
             else:
                 self._hand_over(state)
-        except Exception:  # noqa: BLE001 (vLLM must keep serving whatever happens here)
+        except Exception:  # noqa: BLE001 (the engine must keep serving whatever happens here)
             logger.exception("astrolabe state plugin: publishing failed; stopping (the sidecar falls back)")
             self._failed = True
             return
         self._last_publish_s = now_s
         self._last_counts = counts
 
+    def collect(self, scheduler, now_s: float) -> dict:
+        """The state as a JSON-ready dict (format in the module docstring); counts it as published."""
+        part = self._collector(scheduler)
+        self._count_preemptions(part.running, part.waiting)
+        self.num_published += 1
+        return {
+            "version": STATE_FORMAT_VERSION,
+            "pid": os.getpid(),
+            "seq": self.num_published,
+            "published_monotonic_s": now_s,
+            "engine": part.engine,
+            "num_free_blocks": part.num_free_blocks,
+            "num_preemptions_total": self._num_preemptions_total,
+            "running": part.running,
+            "waiting": part.waiting,
+        }
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Write the state handed over last, if any, end the writer thread and publish no more.
+
+        Blocks up to ``timeout_s`` seconds for the last write. The vLLM plugin never calls it (its writer dies
+        with the engine process); the emulator does when it stops.
+        """
+        self._closing = True
+        writer = self._writer
+        if writer is not None:
+            self._wake.set()
+            writer.join(timeout_s)
+
     def _hand_over(self, state: dict) -> None:
-        # Only the newest state matters: an older one not yet written is replaced (a plain attribute store is
-        # atomic under the GIL).
-        self._pending = state
+        self._pending.append(state)
         if self._writer is None:
             self._writer = threading.Thread(target=self._write_loop, name="astrolabe-state-writer", daemon=True)
             self._writer.start()
@@ -113,52 +204,21 @@ class StatePublisher:
         while not self._failed:
             self._wake.wait()
             self._wake.clear()
-            state, self._pending = self._pending, None
-            if state is None:
-                continue
-            try:
-                self._write(state)
-            except Exception:  # noqa: BLE001
-                logger.exception("astrolabe state plugin: writing %s failed; stopping", self.path)
-                self._failed = True
-
-    def collect(self, scheduler, now_s: float) -> dict:
-        """The state as a JSON-ready dict (format in the module docstring)."""
-        block_pool = scheduler.kv_cache_manager.block_pool
-        # Per-request block lists are not read: building them costs O(blocks) per request on the engine's
-        # thread, and after a step a running request holds the blocks of its computed tokens, which the
-        # simulator derives itself (num_blocks_held = null).
-        running = [_request_row(r) for r in scheduler.running]
-        waiting = [_request_row(r) for r in scheduler.waiting]
-        self._count_preemptions(running, waiting)
-        config = scheduler.scheduler_config
-        self.num_published += 1
-        return {
-            "version": STATE_FORMAT_VERSION,
-            "pid": os.getpid(),
-            "seq": self.num_published,
-            "published_monotonic_s": now_s,
-            "engine": {
-                "max_num_seqs": scheduler.max_num_running_reqs,
-                "max_num_batched_tokens": scheduler.max_num_scheduled_tokens,
-                "block_size": scheduler.cache_config.block_size,
-                # Block 0 is vLLM's null block, never handed out.
-                "num_gpu_blocks": block_pool.num_gpu_blocks - 1,
-                "enable_chunked_prefill": bool(getattr(config, "enable_chunked_prefill",
-                                                       getattr(config, "chunked_prefill_enabled", True))),
-            },
-            "num_free_blocks": block_pool.get_num_free_blocks(),
-            "num_preemptions_total": self._num_preemptions_total,
-            "running": running,
-            "waiting": waiting,
-        }
+            if self._pending:
+                try:
+                    self._write(self._pending.pop())
+                except Exception:  # noqa: BLE001
+                    logger.exception("astrolabe state plugin: writing %s failed; stopping", self.path)
+                    self._failed = True
+            if self._closing and not self._pending:
+                return
 
     def _count_preemptions(self, running: list, waiting: list) -> None:
         # vLLM keeps a per-request count only; the total is the sum of increases seen (a request preempted and
         # finished between two publishes is missed, so this is a lower bound).
         seen: dict[str, int] = {}
         for row in (*running, *waiting):
-            request_id, count = row[0], row[6] or 0
+            request_id, count = row[0], row[_PREEMPTIONS_COLUMN] or 0
             self._num_preemptions_total += max(count - self._preemptions_seen.get(request_id, 0), 0)
             seen[request_id] = count
         self._preemptions_seen = seen

@@ -18,16 +18,23 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def test_defaults_meet_the_documented_sizing() -> None:
     cfg = demo._parse_args([])
-    assert cfg.num_instances == 4
-    assert cfg.policies == ("astrolabe", "round-robin", "least-requests")
-    assert cfg.num_requests >= 300
-    assert (cfg.load, cfg.rate_qps, cfg.body_mode) == (0.85, None, "full-duplex")
+    assert (cfg.setting, cfg.mode, cfg.num_instances, cfg.num_routers) == ("production", "default", 4, 2)
+    assert cfg.policies == ("astrolabe", "envoy-least-request", "least-requests", "gie")
+    assert cfg.num_requests >= 1000 and cfg.seeds == (0,)
+    assert (cfg.arrival, cfg.cv, cfg.max_num_seqs, cfg.num_gpu_blocks) == ("gamma", 2.0, 48, 1024)
+    assert (cfg.rate_qps, cfg.body_mode, cfg.state_source) == (None, "full-duplex", "plugin")
+    thorough = demo._parse_args(["--thorough"])
+    assert len(thorough.seeds) == 3 and thorough.num_requests * 3 >= 3000 and "round-robin" in thorough.policies
+    small = demo._parse_args(["--setting", "small", "--max-num-seqs", "16"])
+    assert (small.num_routers, small.arrival, small.max_num_seqs) == (1, "poisson", 16)  # a flag beats the preset
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["--policies", " , "], ["--num-instances", "0"], ["--time-scale", "0"], ["--load", "0.5", "--rate-qps", "3"]],
-    ids=["no-policies", "no-instances", "zero-time-scale", "load-and-rate"],
+    [["--policies", " , "], ["--num-instances", "0"], ["--time-scale", "0"], ["--load", "0.5", "--rate-qps", "3"],
+     ["--quick", "--thorough"], ["--seeds", "a"], ["--num-routers", "0"], ["--setting", "huge"]],
+    ids=["no-policies", "no-instances", "zero-time-scale", "load-and-rate", "two-modes", "bad-seeds", "no-routers",
+         "unknown-setting"],
 )
 def test_bad_arguments_exit_with_usage_error(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -36,16 +43,31 @@ def test_bad_arguments_exit_with_usage_error(argv: list[str]) -> None:
 
 
 def test_plan_trace_sets_the_rate_from_simulated_capacity() -> None:
-    cfg = demo._parse_args(["--num-requests", "40", "--num-instances", "2", "--time-scale", "2", "--load", "0.5"])
+    cfg = demo._parse_args(["--num-requests", "40", "--num-instances", "2", "--time-scale", "2", "--load", "0.5",
+                            "--seeds", "0,1"])
     plan = demo.plan_trace(cfg)
-    assert len(plan.trace) == 40
+    assert set(plan.traces) == {0, 1} and all(len(t) == 40 for t in plan.traces.values())
     assert plan.capacity_qps == pytest.approx(2 * plan.instance_capacity_virtual_qps / 2)
     assert plan.rate_qps == pytest.approx(0.5 * plan.capacity_qps)
-    assert max(r.num_output_tokens for r in plan.trace) <= cfg.max_output_tokens
+    for trace in plan.traces.values():
+        assert max(r.num_output_tokens for r in trace) <= cfg.max_output_tokens
+        # a realistic cap, never the reply's own length; prompt + cap fit the context
+        assert all(r.max_tokens == cfg.max_output_tokens for r in trace)
+        assert all(r.num_prompt_tokens + r.max_tokens <= cfg.max_model_len for r in trace)
+        assert {r.router for r in trace} == {0, 1}  # spread over the two router replicas
+    assert {r.id for r in plan.traces[0]}.isdisjoint({r.id for r in plan.traces[1]})
+    # the prompts come from the tagger's held-out split only (the shipped tagger never trained on them)
+    from tagger.data import load_split
+
+    held_out = {e.prompt for e in load_split().test}
+    assert all(r.prompt in held_out for t in plan.traces.values() for r in t)
     # The same seed gives the same requests whatever the rate.
-    explicit = demo.plan_trace(demo._parse_args(["--num-requests", "40", "--rate-qps", "1.0"]))
-    assert [r.id for r in explicit.trace] == [r.id for r in plan.trace]
-    assert explicit.trace[-1].arrival_offset_s == pytest.approx(plan.trace[-1].arrival_offset_s * plan.rate_qps)
+    explicit = demo.plan_trace(demo._parse_args(["--num-requests", "40", "--rate-qps", "1.0", "--seeds", "0,1"]))
+    assert [r.id for r in explicit.traces[0]] == [r.id for r in plan.traces[0]]
+    assert explicit.traces[0][-1].arrival_offset_s == pytest.approx(plan.traces[0][-1].arrival_offset_s * plan.rate_qps)
+    oracle = demo.plan_trace(demo._parse_args(["--num-requests", "5", "--rate-qps", "1", "--output-length-source",
+                                               "oracle"]))
+    assert all(r.max_tokens is None for r in oracle.trace)  # exact lengths with ignore_eos
 
 
 def _run_demo(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
@@ -80,35 +102,45 @@ def _started_pids(stderr: str) -> list[int]:
 @pytest.mark.slow
 def test_quick_demo_end_to_end(tmp_path: Path) -> None:
     argv = [
-        "--num-instances", "2", "--num-requests", "20", "--policies", "astrolabe,round-robin,least-requests",
-        "--no-progress", "--log-dir", str(tmp_path),
+        "--num-instances", "2", "--num-requests", "24", "--seeds", "0,1",
+        "--policies", "astrolabe,envoy-least-request,round-robin,least-requests", "--no-progress",
+        "--log-dir", str(tmp_path),
     ]
-    done = _run_demo(argv, timeout_s=200)
+    done = _run_demo(argv, timeout_s=300)
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-5000:]}"
     lines = done.stdout.splitlines()
-    assert any(line.startswith("time: emulated H200 step times x") for line in lines)
-    policies = (["astrolabe"], ["round-robin"], ["least-requests"])
+    assert lines[0].startswith("Astrolabe demo, setting 'production'")
+    assert any(line.startswith("sidecars: the emulators' engine state (plugin mode") for line in lines)
+    assert any(line.startswith("routers: 2 replica(s)") for line in lines)
+    names = ("astrolabe", "envoy-least-request", "round-robin", "least-requests")
     rows = {}
     for cells in map(str.split, lines):  # the first row of each policy is the latency table's
-        if cells[:1] in policies and cells[0] not in rows:
+        if cells[:1] and cells[0] in names and cells[0] not in rows:
             rows[cells[0]] = cells
-    assert set(rows) == {"astrolabe", "round-robin", "least-requests"}
-    for cells in rows.values():
-        # policy, requests, errors, 5 latencies, then one count per instance.
-        assert cells[1:3] == ["20", "0"]
-        assert sum(int(n) for n in cells[8:10]) == 20
-    # Round robin alternates between the two instances.
-    assert rows["round-robin"][8:10] == ["10", "10"]
-    # the comparison with the best baseline and the control-plane cost follow the table
-    assert any(line.startswith("TTFT p99 ") and line.endswith("x") for line in lines)
-    costs = [cells for cells in map(str.split, lines) if cells[:1] == ["astrolabe"]][-1]
+    assert set(rows) == set(names)
+    for policy, cells in rows.items():
+        # policy, requests, errors, 3 TTFT figures, the P99 interval (2 cells), 2 E2E figures, 2 routing times,
+        # then one count per instance
+        assert cells[1:3] == ["48", "0"], cells
+        assert sum(int(n) for n in cells[-2:]) == 48
+        assert (cells[10:12] == ["-", "-"]) == (policy == "envoy-least-request")  # no extproc, no routing time
+    # the comparison with every baseline, with intervals and a verdict, then costs and prediction quality
+    comparisons = [line for line in lines if line.startswith("TTFT p99 ")]
+    assert {line.split()[2] for line in comparisons} == {"envoy-least-request", "round-robin", "least-requests"}
+    assert any(line.startswith("verdict: astrolabe's P99 TTFT is") for line in lines)
+    costs = [cells for cells in map(str.split, lines) if cells[:1] == ["astrolabe"]][-2]
     assert costs[1] == "2.00"  # two predictions per request (k = 2, both instances)
+    assert float(costs[2].rstrip("%")) > 50  # most decisions made on predictions
+    quality = [cells for cells in map(str.split, lines) if cells[:1] == ["astrolabe"]][-1]
+    assert quality[1] == "48" or int(quality[1]) > 40  # the chosen instance's predictions were scored
     pids = _started_pids(done.stderr)
-    assert len(pids) == 2 + 2 + 3 * 2  # emulators, sidecars, then extproc + Envoy per policy
+    # emulators, sidecars, then per policy 2 extprocs + 2 Envoys (only 2 Envoys for envoy-least-request)
+    assert len(pids) == 2 + 2 + 3 * 4 + 2
     assert not [pid for pid in pids if pid_alive(pid)]
-    assert {p.name for p in tmp_path.glob("results-*.jsonl")} == {
-        "results-astrolabe.jsonl", "results-round-robin.jsonl", "results-least-requests.jsonl"
-    }
+    assert {p.name for p in tmp_path.glob("results-*.jsonl")} == {f"results-{n}.jsonl" for n in names}
+    assert len(list(tmp_path.glob("decisions-astrolabe-*.jsonl"))) == 2
+    assert not list(Path("/dev/shm").glob("astrolabe-demo-state-*")) or all(
+        not p.exists() for p in Path("/dev/shm").glob("astrolabe-demo-state-*/emulator-*.json"))
 
 
 @pytest.mark.envoy

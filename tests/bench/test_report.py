@@ -6,8 +6,20 @@ import math
 
 import pytest
 
+import numpy as np
+
+from bench.decisions import summarize_decisions
 from bench.loadgen import RequestResult
-from bench.report import PolicySummary, format_table, summarize
+from bench.report import (
+    ControlPlaneCost,
+    PolicyRun,
+    PolicySummary,
+    compare,
+    format_comparison,
+    format_costs,
+    format_table,
+    summarize,
+)
 
 A, B, C = "127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"
 
@@ -81,33 +93,58 @@ def test_format_table_counts_unknown_instances_as_other() -> None:
     assert lines[2].split()[-3:] == ["4", "0", "6"]
 
 
-def _row(policy: str, ttft_p99_s: float, e2e_p99_s: float) -> PolicySummary:
-    return PolicySummary(policy, 10, 0, 1.0, 0.5, ttft_p99_s, 2.0, e2e_p99_s, {})
+def _run(policy: str, ttfts: list[float], seeds=(0,), decisions=None, predictions=0.0) -> PolicyRun:
+    by_seed = {seed: [RequestResult(f"s{seed}-{i}", 10, 5, 0.1 * i, 200, A, t, 2 * t + 1, 5, None)
+                      for i, t in enumerate(ttfts)] for seed in seeds}
+    n = len(ttfts) * len(seeds)
+    return PolicyRun(policy, by_seed, decisions, ControlPlaneCost(policy, n, predictions, 0, 0.5, 0.25, 0.1))
 
 
-def test_comparison_ratios_against_the_best_baseline() -> None:
-    from bench.report import format_comparison
+def test_comparison_against_every_baseline_with_paired_intervals() -> None:
+    rng = np.random.default_rng(0)
+    base = rng.exponential(0.1, size=600).tolist()
+    runs = [_run("astrolabe", [0.5 * t for t in base]), _run("least-requests", base),
+            _run("round-robin", [t + 0.0 for t in base])]
+    comparisons = compare(runs)
+    assert {(c.figure, c.baseline) for c in comparisons} == {
+        (f, b) for f in ("TTFT p99", "TTFT mean", "TTFT p50", "E2E mean", "E2E p99")
+        for b in ("least-requests", "round-robin")}
+    p99 = next(c for c in comparisons if c.figure == "TTFT p99" and c.baseline == "least-requests")
+    assert p99.ratio.value == pytest.approx(0.5) and p99.verdict == "better" and p99.ratio.high < 1
+    text = format_comparison(comparisons)
+    assert "verdict: astrolabe's P99 TTFT is lower than every baseline's, and its mean TTFT is no worse" in text
 
-    text = format_comparison([_row("astrolabe", 1.0, 6.0), _row("round-robin", 4.0, 5.0),
-                              _row("least-requests", 2.0, 8.0)], "astrolabe")
-    rows = {line.split()[0] + " " + line.split()[1]: line.split() for line in text.splitlines()[2:7]}
-    assert rows["TTFT p99"][-2:] == ["least-requests", "0.50x"]  # 1.0 / 2.0
-    assert rows["E2E p99"][-2:] == ["round-robin", "1.20x"]  # 6.0 / 5.0
-    assert rows["TTFT mean"][-1] == "1.00x"
+
+def test_comparison_says_where_it_loses_and_rejects_different_traces() -> None:
+    base = [0.1 + 0.001 * i for i in range(300)]
+    text = format_comparison(compare([_run("astrolabe", [t * 2 for t in base]), _run("least-requests", base)]))
+    assert "NOT lower than least-requests's (worse)" in text
+    with pytest.raises(ValueError, match="same traces"):
+        compare([_run("astrolabe", base), _run("least-requests", base[:-1])])
 
 
 def test_comparison_needs_both_sides() -> None:
-    from bench.report import format_comparison
-
-    assert "no comparison" in format_comparison([_row("round-robin", 1, 1)], "astrolabe")
-    assert "no comparison" in format_comparison([_row("astrolabe", 1, 1)], "astrolabe")
+    assert "no comparison" in format_comparison(compare([_run("round-robin", [1.0])]))
+    assert "no comparison" in format_comparison(compare([_run("astrolabe", [1.0])]))
 
 
-def test_costs_per_request() -> None:
-    from bench.report import ControlPlaneCost, format_costs
+def test_failed_requests_count_as_infinitely_slow_in_comparisons() -> None:
+    base = [0.1] * 200
+    ours = _run("astrolabe", base)
+    for i in range(0, 200, 20):  # 5% failed, spread over the trace: every resample's P99 is a failure
+        ours.results_by_seed[0][i] = RequestResult(f"s0-{i}", 10, 5, 0.0, 503, None, None, None, None, "HTTP 503")
+    p99 = next(c for c in compare([ours, _run("least-requests", base)]) if c.figure == "TTFT p99")
+    assert p99.ratio.value == math.inf and p99.verdict == "worse"
 
-    text = format_costs([ControlPlaneCost("astrolabe", 200, 400, 3, 1.5, 0.8),
-                         ControlPlaneCost("round-robin", 200, 0, 0, 0.5, 0.1)])
+
+def test_costs_and_decision_bases_per_request() -> None:
+    decisions = summarize_decisions([
+        {"request_id": "s0-0", "basis": "prediction", "routing_s": 0.002, "destination": A,
+         "candidates": [{"endpoint": A, "ttft_s": 0.1, "e2e_s": 1.2}]},
+        {"request_id": "s0-1", "basis": "fallback", "routing_s": 0.004, "destination": A, "candidates": []},
+    ], _run("x", [0.1, 0.2]).results)
+    text = format_costs([_run("astrolabe", [0.1, 0.2], decisions=decisions, predictions=4),
+                         _run("round-robin", [0.1, 0.2])])
     astro = text.splitlines()[2].split()
-    assert astro == ["astrolabe", "2.00", "3", "7.50", "4.00"]
-    assert text.splitlines()[3].split()[1:3] == ["0.00", "0"]
+    assert astro == ["astrolabe", "2.00", "50.0%", "0.0%", "50.0%", "250.00", "50.00", "125.00"]
+    assert text.splitlines()[3].split()[1:5] == ["0.00", "-", "-", "-"]

@@ -1,6 +1,17 @@
-import pytest
+import dataclasses
+import json
+from pathlib import Path
 
-from extproc.config import ConfigError, load_config, parse_config, parse_ip_port
+import pytest
+import yaml
+
+from extproc import config as config_module
+from extproc.config import (ENV_PREFIX, ConfigError, EndpointConfig, ExtprocConfig, HealthCheckConfig,
+                            OutputLengthSection, PredictorClientSection, config_json_schema, load_config,
+                            parse_config, parse_ip_port, replace_config)
+from extproc.lengths import OutputLengthConfig
+from extproc.policies.registry import POLICY_NAMES
+from extproc.predictor_client import PredictorClientConfig
 
 GOOD = {"endpoints": [{"address": "127.0.0.1:8001", "models": ["m"], "predictor": "127.0.0.1:9001"},
                       {"address": "[::1]:8002"}]}
@@ -45,7 +56,7 @@ def test_load_yaml(tmp_path):
         ({"endpoints": [], "output_length": {"fixed_tokens": 0}}, "output_length.fixed_tokens: must be > 0"),
         ({"endpoints": [], "predictor_client": {"predict_timeout_s": "1"}}, "predictor_client.predict_timeout_s"),
         ({"endpoints": [], "max_body_bytes": 0}, "max_body_bytes: must be >= 1"),
-        ({"endpoints": [], "max_body_bytes": True}, "<root>.max_body_bytes: expected"),
+        ({"endpoints": [], "max_body_bytes": True}, "max_body_bytes: expected an integer, got True"),
         ({"endpoints": [], "health_check": {"interval_s": 0}}, "health_check.interval_s: must be > 0"),
         ({"endpoints": [], "health_check": {"path": "health"}}, "health_check.path: must start with '/'"),
         ({"endpoints": [], "health_check": {"every": 1}}, "health_check: unknown key(s) ['every']"),
@@ -93,3 +104,276 @@ def test_metrics_scrape_keys(extra, interval_s, staleness_s):
 def test_metrics_scrape_key_errors(extra, message):
     with pytest.raises(ConfigError, match=message):
         parse_config({**GOOD, **extra})
+
+
+# --- pydantic models: types, sections, defaults ------------------------------------------------------------
+
+def _error(raw) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(raw)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"drain_delay_s": True}, "drain_delay_s: expected a number, got True"),
+        ({"grace_period_s": "5"}, "grace_period_s: expected a number, got '5'"),
+        ({"drain_delay_s": -1}, "drain_delay_s: must be >= 0"),
+        ({"seed": 1.0}, "seed: expected an integer, got 1.0"),
+        ({"seed": False}, "seed: expected an integer"),
+        ({"health_check": {"enabled": "yes"}}, "health_check.enabled: expected a boolean"),
+        ({"health_check": {"unhealthy_threshold": 0}}, "health_check.unhealthy_threshold: must be >= 1"),
+        ({"health_check": 3}, "health_check: expected a mapping"),
+        ({"predictor_client": {"max_loop_lag_s": 0}}, "predictor_client.max_loop_lag_s: must be > 0"),
+        ({"predictor_client": {"late_backoff_after": True}}, "predictor_client.late_backoff_after: expected an"),
+        ({"output_length": {"tagger_path": 3}}, "output_length.tagger_path: expected a string"),
+        ({"output_length": {"x": 1}}, "output_length: unknown key(s) ['x']; allowed: ['fixed_tokens', 'source',"),
+        ({"policy": 3}, "policy: expected a string"),
+        ({"policy_params": [1]}, "policy_params: expected a mapping"),
+        ({"metrics_listen": "somewhere"}, "metrics_listen: expected 'host:port'"),
+        ({"endpoints": None}, "endpoints: expected a list"),
+        ({"endpoints": [5]}, "endpoints[0]: expected a mapping"),
+        ({"endpoints": [{"address": 8000}]}, "endpoints[0].address: expected 'ip:port', got 8000"),
+        ({"endpoints": [{"address": "1.2.3.4:1", "models": [""]}]}, "endpoints[0].models[0]: must not be empty"),
+        ({"endpoints": [{"address": "1.2.3.4:1", "models": [3]}]}, "endpoints[0].models[0]: expected a string"),
+        ({"endpoints": [{"address": "1.2.3.4:1", "predictor": "x"}]}, "endpoints[0].predictor: expected 'host:"),
+        ({"decision_log_path": ""}, "decision_log_path: must not be empty"),
+        ({"decision_log_path": 1}, "decision_log_path: expected a string"),
+    ],
+    ids=lambda v: next(iter(v)) if isinstance(v, dict) else None,
+)
+def test_type_and_value_errors_name_the_key(extra, message):
+    assert _error({**GOOD, **extra}).startswith(message), _error({**GOOD, **extra})
+
+
+def test_every_error_is_reported_in_order():
+    message = _error({"endpoints": [{"address": "1.2.3.4"}, {"address": "::1:80", "x": 1}], "seed": "s"})
+    assert message.split("; ")[:3] == ["endpoints[0].address: expected 'ip:port', got '1.2.3.4'",
+                                       "endpoints[1]: unknown key(s) ['x']",
+                                       "allowed: ['address', 'models', 'predictor']"]
+    assert message.endswith("seed: expected an integer, got 's'")
+
+
+def test_ints_are_floats_and_nulls_are_defaults():
+    config = parse_config({"endpoints": [{"address": "[0::1]:80", "models": None}], "grace_period_s": 5,
+                           "health_check": None, "output_length": None, "predictor_client": None,
+                           "policy_params": None})
+    assert config.grace_period_s == 5.0 and isinstance(config.grace_period_s, float)
+    assert config.endpoints[0].models == ()
+    assert config == dataclasses.replace(parse_config({"endpoints": [{"address": "[::1]:80"}]}), grace_period_s=5.0)
+
+
+def test_sections_are_the_dataclasses_other_modules_take():
+    config = parse_config({**GOOD, "output_length": {"source": "fixed", "fixed_tokens": 100},
+                           "predictor_client": {"predict_timeout_s": 0.05, "late_backoff_after": 3},
+                           "policy_params": {"k": 3}})
+    assert config.output_length == OutputLengthConfig(source="fixed", fixed_tokens=100)
+    assert config.predictor_client == PredictorClientConfig(predict_timeout_s=0.05, late_backoff_after=3)
+    assert type(config.policy_params) is dict and config.policy_params == {"k": 3}
+
+
+@pytest.mark.parametrize(("mirror", "target"), [(OutputLengthSection, OutputLengthConfig),
+                                                (PredictorClientSection, PredictorClientConfig)],
+                         ids=["output_length", "predictor_client"])
+def test_section_mirrors_have_the_dataclass_fields_and_defaults(mirror, target):
+    assert [f.name for f in dataclasses.fields(mirror)] == [f.name for f in dataclasses.fields(target)]
+    assert dataclasses.asdict(mirror()) == dataclasses.asdict(target())
+
+
+def test_configs_are_frozen_and_compare_by_value():
+    config = parse_config(GOOD)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.policy = "random"  # type: ignore[misc]
+    assert parse_config(GOOD) == config
+    # What the reload watcher and the CLI flags do: replace re-validates and keeps value equality.
+    assert dataclasses.replace(config, endpoints=()) == parse_config({"endpoints": []})
+    assert dataclasses.replace(config, policy="random") != config
+    assert dataclasses.replace(config, listen="0.0.0.0:1").listen == "0.0.0.0:1"
+
+
+def test_endpoint_config_positional_and_normalised():
+    assert EndpointConfig("[0:0::1]:0080", ("m",), "p:1") == EndpointConfig("[::1]:80", ("m",), "p:1")
+    assert EndpointConfig("10.0.0.1:80").models == () and EndpointConfig("10.0.0.1:80").predictor is None
+    with pytest.raises(ValueError, match="not an IP address"):
+        EndpointConfig("localhost:80")
+
+
+def test_decision_log_path():
+    assert parse_config(GOOD).decision_log_path is None
+    assert parse_config({**GOOD, "decision_log_path": "/var/log/decisions.jsonl"}).decision_log_path == \
+        "/var/log/decisions.jsonl"
+
+
+def _yaml_block(text: str, after: str) -> dict:
+    """The first YAML example after the line containing ``after``: a fenced block, or an indented ``::`` one."""
+    lines = text[text.index(after):].splitlines()
+    if any(line.startswith("```yaml") for line in lines):
+        start = next(i for i, line in enumerate(lines) if line.startswith("```yaml")) + 1
+        block = lines[start:lines.index("```", start)]
+    else:
+        start = next(i for i, line in enumerate(lines[1:], 1) if line.strip())
+        end = next((i for i, line in enumerate(lines[start:], start) if line and not line.startswith("    ")),
+                   len(lines))
+        block = lines[start:end]
+    return yaml.safe_load("\n".join(block))
+
+
+@pytest.mark.parametrize(
+    "source, after",
+    [(config_module.__doc__, "Example (every key"),
+     ((Path(__file__).parents[2] / "README.md").read_text(), "### extproc (")],
+    ids=["module-docstring", "readme"],
+)
+def test_documented_example_shows_every_key_with_its_default(source, after):
+    example = _yaml_block(source, after)
+    config = parse_config(example)
+    assert dataclasses.replace(config, endpoints=()) == parse_config({"endpoints": []})
+    assert set(example) == {f.name for f in dataclasses.fields(ExtprocConfig)}
+    for key, cls in [("health_check", HealthCheckConfig), ("output_length", OutputLengthConfig),
+                     ("predictor_client", PredictorClientConfig)]:
+        assert set(example[key]) == {f.name for f in dataclasses.fields(cls)}, key
+
+
+# --- JSON Schema -------------------------------------------------------------------------------------------
+
+def _properties(schema: dict):
+    yield from schema["properties"].items()
+    for definition in schema.get("$defs", {}).values():
+        yield from definition.get("properties", {}).items()
+
+
+def test_json_schema_shape_and_descriptions():
+    schema = config_json_schema()
+    assert schema["$schema"].startswith("https://json-schema.org/")
+    assert schema["required"] == ["endpoints"] and schema["additionalProperties"] is False
+    assert set(schema["properties"]) == {f.name for f in dataclasses.fields(ExtprocConfig)}
+    assert schema["properties"]["policy"]["enum"] == list(POLICY_NAMES)
+    assert schema["properties"]["decision_log_path"]["default"] is None
+    units = {"_s": "seconds", "_bytes": "bytes", "_tokens": "tokens"}
+    for name, prop in _properties(schema):
+        assert prop.get("description"), name
+        for suffix, unit in units.items():
+            if name.endswith(suffix):
+                assert unit in prop["description"], name
+    json.dumps(schema)  # plain JSON, for Helm's values.schema.json
+
+
+def test_json_schema_accepts_the_example_and_rejects_unknown_keys():
+    import jsonschema  # the test extra installs it
+    example = _yaml_block(config_module.__doc__, "Example (every key")
+    jsonschema.validate(example, config_json_schema())
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**example, "polcy": "x"}, config_json_schema())
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**example, "health_check": {"interval_s": True}}, config_json_schema())
+
+
+# --- environment overrides ---------------------------------------------------------------------------------
+
+FILE = ("policy: round-robin\npredictor_client: {predict_timeout_s: 0.03, notify_timeout_s: 0.4}\n"
+        "endpoints:\n  - address: 10.0.0.1:8000\n")
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(FILE)
+    return path
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({}, {"policy": "round-robin", "predictor_client.predict_timeout_s": 0.03}),
+        ({"ASTROLABE_EXTPROC_POLICY": "least-requests"}, {"policy": "least-requests"}),
+        ({"ASTROLABE_EXTPROC_PREDICTOR_CLIENT__PREDICT_TIMEOUT_S": "0.05"},
+         {"predictor_client.predict_timeout_s": 0.05, "predictor_client.notify_timeout_s": 0.4}),
+        ({"ASTROLABE_EXTPROC_PREDICTOR_CLIENT": "{max_backoff_s: 5}"},  # a whole section replaces the file's
+         {"predictor_client.predict_timeout_s": 0.02, "predictor_client.max_backoff_s": 5.0}),
+        ({"ASTROLABE_EXTPROC_PREDICTOR_CLIENT": "{predict_timeout_s: 1}",
+          "ASTROLABE_EXTPROC_PREDICTOR_CLIENT__PREDICT_TIMEOUT_S": "2"},
+         {"predictor_client.predict_timeout_s": 2.0}),
+        ({"ASTROLABE_EXTPROC_HEALTH_CHECK__ENABLED": "false", "ASTROLABE_EXTPROC_SEED": "7"},
+         {"health_check.enabled": False, "seed": 7}),
+        ({"ASTROLABE_EXTPROC_LISTEN": "[::]:9002", "ASTROLABE_EXTPROC_METRICS_LISTEN": "0.0.0.0:9090"},
+         {"listen": "[::]:9002", "metrics_listen": "0.0.0.0:9090"}),
+        ({"ASTROLABE_EXTPROC_OUTPUT_LENGTH__TAGGER_PATH": "",
+          "ASTROLABE_EXTPROC_DECISION_LOG_PATH": "/tmp/d.jsonl"},
+         {"output_length.tagger_path": None, "decision_log_path": "/tmp/d.jsonl"}),
+        ({"ASTROLABE_EXTPROC_ENDPOINTS": '[{"address": "10.0.0.9:80", "models": ["m"]}]'},
+         {"endpoints": (EndpointConfig("10.0.0.9:80", ("m",)),)}),
+        ({"ASTROLABE_EXTPROC_POLICY": "astrolabe", "ASTROLABE_EXTPROC_POLICY_PARAMS": "{k: 3}",
+          "ASTROLABE_EXTPROC_POLICY_PARAMS__METRIC": "e2e"}, {"policy_params": {"k": 3, "metric": "e2e"}}),
+        ({"OTHER_POLICY": "random", "ASTROLABE_EXTPROCX": "1"}, {"policy": "round-robin"}),
+    ],
+    ids=["file-only", "root", "nested", "whole-section", "nested-over-section", "bool-int", "ipv6-verbatim",
+         "empty-is-null", "endpoints-json", "policy-params", "other-variables"],
+)
+def test_env_overrides_win_over_the_file(config_file, environ, expected):
+    config = load_config(config_file, environ)
+    for dotted, value in expected.items():
+        actual = config
+        for part in dotted.split("."):
+            actual = getattr(actual, part)
+        assert actual == value and type(actual) is type(value), dotted
+
+
+@pytest.mark.parametrize(
+    "environ, message",
+    [
+        ({"ASTROLABE_EXTPROC_POLCY": "x"}, "<root>: unknown key(s) ['polcy'] (set by ASTROLABE_EXTPROC_POLCY)"),
+        ({"ASTROLABE_EXTPROC_HEALTH_CHECK__EVERY": "1"},
+         "health_check: unknown key(s) ['every'] (set by ASTROLABE_EXTPROC_HEALTH_CHECK__EVERY)"),
+        ({"ASTROLABE_EXTPROC_PREDICTOR_CLIENT__PREDICT_TIMEOUT_S": "fast"},
+         "predictor_client.predict_timeout_s: expected a number, got 'fast' "
+         "(set by ASTROLABE_EXTPROC_PREDICTOR_CLIENT__PREDICT_TIMEOUT_S)"),
+        ({"ASTROLABE_EXTPROC_MAX_BODY_BYTES": "true"},
+         "max_body_bytes: expected an integer, got True (set by ASTROLABE_EXTPROC_MAX_BODY_BYTES)"),
+        ({"ASTROLABE_EXTPROC_ENDPOINTS": "[{address: 10.0.0.1:1}, {address: 10.0.0.1:1}]"},
+         "endpoints[1].address: duplicate 10.0.0.1:1 (set by ASTROLABE_EXTPROC_ENDPOINTS)"),
+        ({"ASTROLABE_EXTPROC_ENDPOINTS": "[{address: 10.0.0.1:1"},
+         "endpoints: invalid YAML (set by ASTROLABE_EXTPROC_ENDPOINTS)"),
+        ({"ASTROLABE_EXTPROC_POLICY": "best"}, "policy: unknown policy 'best'"),
+        ({"ASTROLABE_EXTPROC_POLICY": "astrolabe", "ASTROLABE_EXTPROC_POLICY_PARAMS__K": "0"},
+         "policy: policy 'astrolabe': k must be an integer >= 1"),
+        ({"ASTROLABE_EXTPROC_LISTEN__PORT": "1"},
+         "listen: not a section, cannot set 'port' (set by ASTROLABE_EXTPROC_LISTEN__PORT)"),
+        ({"ASTROLABE_EXTPROC_A__B__C": "1"}, "ASTROLABE_EXTPROC_A__B__C: expected ASTROLABE_EXTPROC_<KEY> or"),
+        ({"ASTROLABE_EXTPROC_PREDICTOR_CLIENT": "7"},
+         "predictor_client: expected a mapping, got 7 (set by ASTROLABE_EXTPROC_PREDICTOR_CLIENT)"),
+    ],
+    ids=["unknown-root", "unknown-nested", "nested-type", "root-type", "endpoints-duplicate", "endpoints-yaml",
+         "policy", "policy-params", "not-a-section", "too-deep", "section-not-mapping"],
+)
+def test_env_override_errors_name_the_key_and_variable(config_file, environ, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(config_file, environ)
+    assert str(info.value).startswith(message), str(info.value)
+    assert next(iter(environ)) in str(info.value)
+
+
+def test_env_overrides_default_to_os_environ(config_file, monkeypatch):
+    monkeypatch.setenv(f"{ENV_PREFIX}POLICY", "least-requests")
+    assert load_config(config_file).policy == "least-requests"
+    assert load_config(config_file, {}).policy == "round-robin"
+    assert parse_config(yaml.safe_load(FILE)).policy == "round-robin"  # parse_config never reads the environment
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [({"listen": "nowhere"}, "listen: expected 'host:port', got 'nowhere'"),
+     ({"policy": "best"}, "policy: unknown policy 'best'"),
+     ({"polcy": "x"}, "<root>: ")],
+    ids=["bad-listen", "bad-policy", "unknown-key"],
+)
+def test_replace_config_errors(changes, message):
+    with pytest.raises(ConfigError) as info:
+        replace_config(parse_config(GOOD), **changes)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_replace_config_is_the_top_layer(config_file):
+    config = load_config(config_file, {"ASTROLABE_EXTPROC_POLICY": "least-requests"})
+    assert replace_config(config, policy="random", listen="0.0.0.0:1") == \
+        dataclasses.replace(config, policy="random", listen="0.0.0.0:1")

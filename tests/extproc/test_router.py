@@ -47,12 +47,12 @@ async def sidecars():
         await sidecar.stop(0)
 
 
-def make_router(predictors_by_endpoint, policy="astrolabe", params=None, seed=0, accept_stale=True):
+def make_router(predictors_by_endpoint, policy="astrolabe", params=None, seed=0, accept_stale=True, **client_fields):
     endpoints = [EndpointConfig(f"10.0.0.{i}:8000", (), p) for i, p in enumerate(predictors_by_endpoint, 1)]
     pool = EndpointPool(endpoints)
     # the test sidecars have no backend to reconcile with: their state age is infinite, accept it here
     client = PredictorClient(PredictorClientConfig(predict_timeout_s=DEADLINE_S, min_backoff_s=60,
-                                                   max_state_age_s=float("inf") if accept_stale else 2.0))
+                                                   max_state_age_s=float("inf") if accept_stale else 2.0, **client_fields))
     lengths = OutputLengthEstimator(OutputLengthConfig(source="fixed", fixed_tokens=128))
     rng = random.Random(seed)
     return Router(pool, build_policy(policy, params or {}, rng), None, client, lengths, rng)
@@ -122,7 +122,8 @@ async def test_failed_sidecars_cost_at_most_the_deadline(sidecars, kind):
     (good,) = await sidecars(1)
     stalled, port = await _stalled_server()
     bad = "127.0.0.1:1" if kind == "dead" else f"127.0.0.1:{port}"
-    router = make_router([bad, f"127.0.0.1:{good.port}"])
+    # one stall backs off at once here; how many late answers make a backoff: tests/extproc/test_predictor_client.py
+    router = make_router([bad, f"127.0.0.1:{good.port}"], late_backoff_after=1, late_backoff_span_s=0.0)
     try:
         start_s = time.monotonic()
         decision = await router.route(request(1))
@@ -198,3 +199,37 @@ async def test_concurrent_burst_does_not_herd(sidecars):
         assert max(counts.values()) <= 20, counts  # herding would put all 50 on one instance
     finally:
         await router.predictors.close()
+
+
+async def test_decisions_are_logged_with_basis_candidates_and_stage_times(sidecars, tmp_path):
+    import json
+
+    from extproc.decision_log import DecisionLog
+
+    (good,) = await sidecars(1)
+    router = make_router([f"127.0.0.1:{good.port}", "127.0.0.1:1"], late_backoff_after=1, late_backoff_span_s=0.0)
+    router.decision_log = DecisionLog(tmp_path / "d.jsonl")
+    try:
+        decisions = [await router.route(request(i, max_tokens=64)) for i in range(4)]
+    finally:
+        router.decision_log.close()
+        await router.predictors.close()
+    records = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert [r["request_id"] for r in records] == [f"req-{i}" for i in range(4)]
+    for record, decision in zip(records, decisions):
+        assert record["basis"] == decision.basis == "partial"  # one sidecar down: only one prediction
+        assert record["destination"] == decision.destination and record["admit_id"] == decision.request_id
+        assert {c["endpoint"] for c in record["candidates"]} == {"10.0.0.1:8000", "10.0.0.2:8000"}
+        answered = [c for c in record["candidates"] if c["ttft_s"] is not None]
+        assert [c["endpoint"] for c in answered] == ["10.0.0.1:8000"] and answered[0]["e2e_s"] > answered[0]["ttft_s"]
+        assert set(record["stage_s"]) == {"tokens", "length", "predict"} and record["routing_s"] >= 0
+        assert record["num_predicted_output_tokens"] == 64 and record["length_source"] == 2  # fixed, capped
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for m in router.metrics.registry.collect() for s in m.samples}
+    assert samples[("astrolabe_extproc_decisions_total", (("basis", "partial"),))] == 4
+
+
+async def test_non_predicting_policy_decisions_have_basis_policy(sidecars):
+    router = make_router([None, None], policy="least-requests")
+    decision = await router.route(request(0))
+    assert decision.basis == "policy" and decision.candidates == () and decision.routing_s >= 0

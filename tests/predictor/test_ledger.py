@@ -3,6 +3,7 @@
 import pytest
 
 from predictor.ledger import BackendObservation, Ledger
+from predictor.residual_rules import LENGTH_SOURCE_EXACT, LENGTH_SOURCE_TAGGER, ResidualRules
 from predictor.sim import EngineConfig, LinearBatchTimeModel
 
 CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, block_size=16, num_gpu_blocks=64)
@@ -30,9 +31,26 @@ def test_admitted_requests_run_until_released_and_predict_with_their_predicted_l
     (running,) = led.scheduler.running
     assert running.num_generated_tokens > 3
     (state,) = led.snapshot().running
-    assert state.num_output_tokens == 3  # the prediction's length; overdue -> 10 more tokens assumed
+    # without residual rules: the reference system's "10 more tokens" once past the prediction
+    assert state.num_output_tokens == running.num_generated_tokens + 10
     assert state.num_remaining_output_tokens == 10
     assert led.release("a", now_s=0.5) and led.num_unfinished() == 0
+
+
+def test_snapshot_applies_each_requests_residual_rule_and_cap():
+    rules = ResidualRules()
+    led = ledger(residual=rules.for_source)
+    led.admit("tagged", 10, 3, now_s=0.0, length_source=LENGTH_SOURCE_TAGGER)
+    led.admit("exact", 10, 3, now_s=0.0, length_source=LENGTH_SOURCE_EXACT)
+    led.admit("capped", 10, 3, now_s=0.0, max_tokens=60, length_source=LENGTH_SOURCE_TAGGER)
+    led.advance(0.3)
+    states = {s.request_id: s for s in led.snapshot().running}
+    generated = {r.request_id: r.num_generated_tokens for r in led.scheduler.running}
+    assert all(g > 3 for g in generated.values())
+    # a tagged request past its guess is expected to run on as replies that long do (far more than 10 tokens)
+    assert states["tagged"].num_output_tokens - generated["tagged"] > 10
+    assert states["exact"].num_output_tokens == generated["exact"] + 1
+    assert generated["capped"] < states["capped"].num_output_tokens <= 60
 
 
 def test_phantoms_finish_on_their_own():

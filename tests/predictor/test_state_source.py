@@ -18,6 +18,7 @@ from predictor.state_source import (
     PluginStateSource,
     parse_plugin_state,
     plugin_snapshot,
+    x_request_id_candidates,
 )
 from predictor.vllm_plugin.publisher import StatePublisher
 from tests.predictor.vllm_plugin.fake_vllm import FakeRequest, FakeSamplingParams, FakeScheduler
@@ -82,9 +83,47 @@ def test_extproc_ids_match_by_their_x_request_id_part_once_each():
     records = AdmitRecords(default_output_tokens=100)
     records.admit("req-7/aaa", 11)
     records.admit("req-7/bbb", 22)
-    assert records.expected_output_tokens("cmpl-req-7-0-x1", None) == 11
-    assert records.expected_output_tokens("cmpl-req-7-0-x2", None) == 22
-    assert records.pending(["cmpl-req-7-0-x1", "cmpl-req-7-0-x2"], now_s=0.0, grace_s=5.0) == []
+    # vLLM 0.32's engine ids: cmpl-<x-request-id>-<prompt index>-<8 random hex>.
+    assert records.expected_output_tokens("cmpl-req-7-0-1a2b3c4d", None) == 11
+    assert records.expected_output_tokens("cmpl-req-7-0-5e6f7a8b", None) == 22
+    assert records.pending(["cmpl-req-7-0-1a2b3c4d", "cmpl-req-7-0-5e6f7a8b"], now_s=0.0, grace_s=5.0) == []
+
+
+@pytest.mark.parametrize("engine_id, expected", [
+    ("chatcmpl-r1", {"r1"}),
+    ("chatcmpl-r1-0a1b2c3d", {"r1", "r1-0a1b2c3d"}),  # vLLM chat with its random suffix
+    ("cmpl-r1-0", {"r1", "r1-0"}),  # vLLM completion, prompt 0, randomization off
+    ("cmpl-r1-0-0a1b2c3d", {"r1", "r1-0", "r1-0-0a1b2c3d"}),  # vLLM completion
+    ("chatcmpl-r1-17", {"r1", "r1-17"}),  # the emulator's counter
+    ("chatcmpl-r12-5", {"r12", "r12-5"}),  # not "r1"
+    ("embd-r1", set()),
+    ("cmpl-", set()),
+], ids=["chat-plain", "chat-vllm", "completion-no-suffix", "completion-vllm", "emulator", "longer-id",
+        "other-endpoint", "empty"])
+def test_engine_ids_name_their_x_request_id_by_shape(engine_id, expected):
+    assert x_request_id_candidates(engine_id) == expected
+
+
+@pytest.mark.parametrize("admitted, engine_id", [
+    ("r1", "chatcmpl-r12-5"),  # a prefix of a longer x-request-id
+    ("r1", "cmpl-xr1-0"),  # a suffix of one
+    ("r1", "chatcmpl-r1x"),
+    ("0", "cmpl-r1-0"),  # the prompt index is no x-request-id
+    ("r1", "embd-r1"),  # not a chat or completion request
+], ids=["prefix", "suffix", "extended", "prompt-index", "other-endpoint"])
+def test_admit_records_do_not_match_an_id_that_merely_contains_the_x_request_id(admitted, engine_id):
+    records = AdmitRecords(default_output_tokens=100)
+    records.admit(f"{admitted}/aaa", 40)
+    assert records.expected_output_tokens(engine_id, None) == round(records.mean_output_tokens) != 40  # the mean
+    assert [r.request_id for r in records.pending([engine_id], now_s=0.0, grace_s=5.0)] == [f"pending-{admitted}/aaa"]
+
+
+def test_the_longest_fitting_x_request_id_wins():
+    records = AdmitRecords(default_output_tokens=100)
+    records.admit("a/1", 10)
+    records.admit("a-1/2", 20)
+    assert records.expected_output_tokens("chatcmpl-a-1-0123abcd", None) == 20  # "a-1", not "a" + "-1"
+    assert records.expected_output_tokens("chatcmpl-a-0123abcd", None) == 10
 
 
 def test_snapshot_takes_counts_from_the_engine_and_lengths_from_admissions(tmp_path):
@@ -163,3 +202,19 @@ def test_admitted_requests_count_until_the_engine_shows_them(tmp_path):
     os.utime(path, ns=(time.time_ns(), time.time_ns() + 2_000_000))
     assert [r.request_id for r in source.snapshot(now_s).waiting] == ["pending-burst2"]
     assert source.snapshot(now_s + 61).waiting == ()
+
+
+def test_admit_records_with_residual_rules_condition_on_progress_and_source():
+    from predictor.residual_rules import LENGTH_SOURCE_EXACT, LENGTH_SOURCE_TAGGER, ResidualRules
+
+    rules = ResidualRules()
+    records = AdmitRecords(residual=rules)
+    records.admit("tag/1", 40, length_source=LENGTH_SOURCE_TAGGER)
+    records.admit("ex/1", 40, length_source=LENGTH_SOURCE_EXACT, max_tokens=40)
+    # a tagged request 100 tokens past its guess of 40 runs on as replies that long do, not 10 more tokens
+    assert records.expected_output_tokens("cmpl-tag-0", None, 140) > 150
+    assert records.expected_output_tokens("cmpl-tag-0", 160, 140) <= 160  # the engine's cap wins
+    assert records.expected_output_tokens("chatcmpl-ex", None, 10) == 40  # exact: the prediction itself
+    # a request nobody admitted here: the reply-length distribution given its progress
+    assert records.expected_output_tokens("cmpl-stranger-0", None, 0) == rules.fixed.expected_output_tokens(1, 0)
+    assert records.expected_output_tokens("cmpl-stranger-0", None, 500) > 500

@@ -118,3 +118,27 @@ async def test_shipped_light_service_end_to_end():
         assert await service.estimate("Write a detailed essay on Rome.", None, 16) <= 16
     finally:
         service.close()
+
+
+async def test_cheap_models_tag_short_prompts_inline_and_long_ones_in_the_worker(make_service):
+    tagger = RecordingTagger()
+    service = make_service(tagger, inline_max_chars=20)
+    assert await service.estimate("short prompt") == round(math.expm1(math.log1p(120)))
+    assert tagger.threads == {threading.current_thread()} and service.num_inline == 1 and service.num_batches == 0
+    await service.estimate("x" * 21)  # too long to tag inline: the worker thread
+    assert service.num_batches == 1 and len(tagger.threads) == 2
+    assert await service.estimate("short prompt") and service.num_cache_hits == 1  # inline results are cached
+
+
+async def test_inline_model_failure_falls_back(make_service):
+    service = make_service(RecordingTagger(fail=True), inline_max_chars=100,
+                           length_fallback=LengthFallback(slope=0.0, intercept=math.log1p(7)))
+    assert await service.estimate("anything") == 7
+
+
+def test_light_tagger_service_tags_inline_by_default():
+    service = load_service(None)
+    try:
+        assert service.inline_max_chars > 0
+    finally:
+        service.close()

@@ -282,3 +282,41 @@ async def test_metrics_names_and_labels() -> None:
         assert metric(resp.text, "vllm:prompt_tokens_total", model_name=MODEL, engine="0") == count_tokens("a b c")
         assert metric(resp.text, "vllm:generation_tokens_total") == 4
         assert metric(resp.text, "vllm:e2e_request_latency_seconds_count") == 1
+
+
+@pytest.mark.parametrize("hint, expected, reason", [("7", 7, "stop"), ("80", 50, "length")], ids=["ends", "capped"])
+async def test_reply_length_hook_ends_the_reply_under_the_cap(hint: str, expected: int, reason: str) -> None:
+    async with emulator() as client:
+        resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 50},
+                                 headers={"x-emulator-output-tokens": hint})
+        choice = resp.json()["choices"][0]
+        assert (resp.json()["usage"]["completion_tokens"], choice["finish_reason"]) == (expected, reason)
+
+
+@pytest.mark.parametrize("hint", ["0", "x", "-3"])
+async def test_bad_reply_length_hook_is_400(hint: str) -> None:
+    async with emulator() as client:
+        resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 5},
+                                 headers={"x-emulator-output-tokens": hint})
+        assert resp.status_code == 400 and "x-emulator-output-tokens" in resp.json()["error"]["message"]
+
+
+async def test_loadgen_sends_a_realistic_cap_and_spreads_over_router_replicas() -> None:
+    from bench.loadgen import chat_body, replay
+    from bench.workloads import TraceRequest
+
+    capped = TraceRequest(0.0, "hi", 1, 9, "r0", max_tokens=64, router=1)
+    assert chat_body(MODEL, capped)["max_tokens"] == 64 and "ignore_eos" not in chat_body(MODEL, capped)
+    exact = TraceRequest(0.0, "hi", 1, 9, "r1")
+    assert chat_body(MODEL, exact)["max_tokens"] == 9 and chat_body(MODEL, exact)["ignore_eos"] is True
+    config = dataclasses.replace(EmulatorConfig(port=0), engine=EngineConfig())
+    servers = [await start_emulator(config) for _ in range(2)]
+    try:
+        trace = [TraceRequest(0.01 * i, "hi", 1, 5 + i, f"r{i}", max_tokens=8, router=i % 2) for i in range(6)]
+        results = await replay([s.base_url for s in servers], trace, model=MODEL, progress=False)
+    finally:
+        for server in servers:
+            await server.stop()
+    assert [r.error for r in results] == [None] * 6
+    assert [r.max_tokens for r in results] == [5, 6, 7, 8, 8, 8]  # the reply's length, capped
+    assert len({r.instance for r in results}) == 2 and results[0].instance != results[1].instance

@@ -1,0 +1,98 @@
+"""The decision log: one JSON line per routing decision, so that any decision can be explained after the fact.
+
+Record (keys always present; times in seconds)::
+
+    {"time_unix_s": 1764581400.123,      # wall clock when the decision was made (to join with other logs)
+     "request_id": "abc",                # the client's x-request-id (or the generated one)
+     "admit_id": "abc/9f3c2a1b7e4d",     # the id the chosen sidecar knows it by ("" when not predicted)
+     "policy": "astrolabe",              # the policy that decided ("least-requests" on a fallback)
+     "basis": "prediction",              # prediction | partial | fallback | policy (extproc.router)
+     "destination": "10.0.0.5:8000",
+     "routing_s": 0.0021,                # from the request's headers to the decision
+     "stage_s": {"tokens": 0.0002, "length": 0.0003, "predict": 0.0012},  # predicted decisions only
+     "num_prompt_tokens": 291, "num_predicted_output_tokens": 180, "length_source": 1,
+     "candidates": [{"endpoint": "10.0.0.5:8000", "ttft_s": 0.031, "e2e_s": 2.9, "state_age_s": 0.004},
+                    {"endpoint": "10.0.0.6:8000", "ttft_s": null, "e2e_s": null, "state_age_s": null}]}
+
+A candidate with nulls did not answer (no sidecar, failed, late, backing off or stale). Lines are buffered and
+flushed at least every ``flush_interval_s`` and on ``close``; a write error is logged once and the log turns
+itself off (routing never fails because of it). Records are written on the event loop: ~10 us each.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from extproc.request import RoutingRequest
+    from extproc.router import Decision
+
+logger = logging.getLogger(__name__)
+
+
+class DecisionLog:
+    """Appends decision records to ``path`` (created with its folder if needed).
+
+    Args:
+        path: the JSON-lines file.
+        flush_interval_s: most time a record stays in the buffer, seconds.
+        clock: monotonic clock, seconds (for flushing).
+
+    Raises:
+        OSError: the file cannot be opened.
+    """
+
+    def __init__(self, path: str | Path, flush_interval_s: float = 1.0, clock=time.monotonic) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] | None = self.path.open("a", encoding="utf-8", buffering=1 << 16)
+        self._flush_interval_s = flush_interval_s
+        self._clock = clock
+        self._last_flush_s = clock()
+        self.num_records = 0
+
+    def write(self, request: RoutingRequest, decision: Decision) -> None:
+        """Appends one record (format in the module docstring); never raises."""
+        if self._file is None:
+            return
+        admit_id = decision.request_id if decision.request_id != request.request_id else ""
+        record = {
+            "time_unix_s": round(time.time(), 6), "request_id": request.request_id, "admit_id": admit_id,
+            "policy": decision.policy, "basis": decision.basis, "destination": decision.destination,
+            "routing_s": round(decision.routing_s, 6),
+            "stage_s": {name: round(value, 6) for name, value in decision.stage_s},
+            "num_prompt_tokens": decision.num_prompt_tokens,
+            "num_predicted_output_tokens": decision.num_predicted_output_tokens,
+            "length_source": decision.length_source,
+            "candidates": [{"endpoint": address,
+                            "ttft_s": None if p is None else round(p.ttft_s, 6),
+                            "e2e_s": None if p is None else round(p.e2e_s, 6),
+                            "state_age_s": None if p is None else round(p.state_age_s, 6)}
+                           for address, p in decision.candidates],
+        }
+        try:
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+            self.num_records += 1
+            now_s = self._clock()
+            if now_s - self._last_flush_s >= self._flush_interval_s:
+                self._file.flush()
+                self._last_flush_s = now_s
+        except (OSError, ValueError) as exc:
+            logger.error("decision log %s failed (%s); no more decisions are logged", self.path, exc)
+            self._close_quietly()
+
+    def close(self) -> None:
+        """Flushes and closes the file (idempotent)."""
+        self._close_quietly()
+
+    def _close_quietly(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError as exc:
+                logger.error("decision log %s: %s", self.path, exc)
+            self._file = None

@@ -1,0 +1,172 @@
+"""Expected output length of a live request, given its predicted length and what it has generated so far.
+
+A sidecar predicts from requests whose true lengths it does not know: it has each one's *predicted* output length
+(a tagger's guess, a fixed figure, or an exact length) and the tokens generated so far. How many tokens are left
+decides when a busy instance frees a slot, so it decides predicted TTFT on a full instance. This module owns the
+rules that turn (predicted, generated, max_tokens) into an expected total output length:
+
+- `FixedExtraTokens`: the predicted length until it is reached, then ``generated + 10``. Source: the reference
+  system's predictor (AKafakA/Astrolabe: "a request that has already generated more than predicted is assumed
+  to need 10 more tokens"). With a tagger that under-predicts long replies, busy instances look about to drain.
+- `ExactLengths`: the predicted length is the true one (oracle lengths, ``ignore_eos`` with a known
+  ``max_tokens``); past it (a late Release), one more token.
+- `EmpiricalResidual`: ``E[min(L, max_tokens) | L > generated, predicted in the same bin]`` over a measured
+  sample of (predicted, true) pairs of the tagger in use (its held-out errors, ``tagger/weights/*/errors.npz``):
+  the expected remaining length conditioned on what the request has already generated. With ``generated = 0``
+  it is the tagger's calibrated mean for that bin, not the raw guess.
+
+NOTE: every rule returns an expected TOTAL output length in tokens, strictly greater than ``generated`` (a live
+request has not finished) and at most ``max_tokens`` when given and larger than ``generated``. Pure numpy +
+standard library, as the rest of ``predictor.sim``; loading a sample from disk is the caller's job
+(``tagger.errors.LengthErrorModel``).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+NUM_EXTRA_TOKENS_PAPER = 10
+"""Tokens the reference system assumes are left once a request reaches its predicted length (AKafakA/Astrolabe)."""
+
+DEFAULT_NUM_BINS = 8
+"""Bins of equal count by predicted length in `EmpiricalResidual` (2,054 held-out pairs: ~257 per bin)."""
+
+MIN_SAMPLES_PER_ESTIMATE = 20
+"""Fewer samples than this past ``generated`` in a request's bin: the estimate pools every bin."""
+
+
+class ResidualLengthModel(abc.ABC):
+    """(predicted output tokens, generated tokens, max_tokens) -> expected total output tokens."""
+
+    name: str
+
+    @abc.abstractmethod
+    def expected_output_tokens(self, num_predicted_tokens: int, num_generated_tokens: int,
+                               max_tokens: int | None = None) -> int:
+        """Expected total output length of a live request, tokens.
+
+        Args:
+            num_predicted_tokens: the length predicted at admission, tokens (>= 1).
+            num_generated_tokens: output tokens generated so far (>= 0).
+            max_tokens: the request's cap, tokens, or None when unknown.
+
+        Returns:
+            An integer > ``num_generated_tokens``; <= ``max_tokens`` when ``max_tokens > num_generated_tokens``.
+        """
+
+
+def _cap(total: float, num_generated_tokens: int, max_tokens: int | None) -> int:
+    value = max(int(math.ceil(total)), num_generated_tokens + 1)
+    if max_tokens is not None and max_tokens > num_generated_tokens:
+        value = min(value, int(max_tokens))
+    return value
+
+
+class FixedExtraTokens(ResidualLengthModel):
+    """The reference system's rule: the prediction, then ``num_extra_tokens`` more once it is reached.
+
+    Args:
+        num_extra_tokens: tokens assumed left past the prediction (>= 1; default `NUM_EXTRA_TOKENS_PAPER`).
+    """
+
+    name = "paper"
+
+    def __init__(self, num_extra_tokens: int = NUM_EXTRA_TOKENS_PAPER) -> None:
+        if num_extra_tokens < 1:
+            raise ValueError(f"num_extra_tokens must be >= 1, got {num_extra_tokens}")
+        self.num_extra_tokens = num_extra_tokens
+
+    def expected_output_tokens(self, num_predicted_tokens: int, num_generated_tokens: int,
+                               max_tokens: int | None = None) -> int:
+        if num_generated_tokens < num_predicted_tokens:
+            return _cap(num_predicted_tokens, num_generated_tokens, max_tokens)
+        return _cap(num_generated_tokens + self.num_extra_tokens, num_generated_tokens, max_tokens)
+
+
+class ExactLengths(ResidualLengthModel):
+    """The predicted length is the true length (one more token once it is reached: the Release is late)."""
+
+    name = "exact"
+
+    def expected_output_tokens(self, num_predicted_tokens: int, num_generated_tokens: int,
+                               max_tokens: int | None = None) -> int:
+        return _cap(num_predicted_tokens, num_generated_tokens, max_tokens)
+
+
+class EmpiricalResidual(ResidualLengthModel):
+    """``E[min(L, cap) | L > generated, bin(predicted)]`` over a measured sample of (predicted, true) lengths.
+
+    Bins hold equal numbers of pairs by predicted length. An estimate with fewer than
+    `MIN_SAMPLES_PER_ESTIMATE` pairs past ``generated`` in its bin uses every bin's pairs; with fewer than that in
+    the whole sample (a request longer than nearly every reply seen), the mean excess of the longest
+    `MIN_SAMPLES_PER_ESTIMATE` replies over their own start is assumed left (a heavy tail keeps a long request
+    long). Each estimate is O(log n): sorted true lengths and prefix sums per bin.
+
+    Args:
+        predicted_tokens: predicted lengths of the sample, tokens (>= 1), one per pair.
+        true_tokens: the true lengths of the same pairs, tokens (>= 1), same order.
+        num_bins: bins by predicted length (>= 1).
+
+    Raises:
+        ValueError: empty or mismatched arrays, a length < 1, or ``num_bins < 1``.
+    """
+
+    name = "empirical"
+
+    def __init__(self, predicted_tokens: Sequence[float], true_tokens: Sequence[float],
+                 num_bins: int = DEFAULT_NUM_BINS) -> None:
+        pred = np.asarray(predicted_tokens, dtype=np.float64)
+        true = np.asarray(true_tokens, dtype=np.float64)
+        if pred.ndim != 1 or pred.shape != true.shape or len(pred) == 0:
+            raise ValueError(f"need equal-length non-empty 1-D arrays, got {pred.shape} and {true.shape}")
+        if np.any(pred < 1) or np.any(true < 1) or num_bins < 1:
+            raise ValueError("lengths must be >= 1 token and num_bins >= 1")
+        num_bins = min(num_bins, len(pred))
+        self.bin_edges_tokens = np.unique(np.quantile(pred, np.linspace(0, 1, num_bins + 1)[1:-1]))
+        bins = np.searchsorted(self.bin_edges_tokens, pred, side="right")
+        self._bins = [self._table(true[bins == b]) for b in range(len(self.bin_edges_tokens) + 1)]
+        self._pooled = self._table(true)
+        tail = np.sort(true)[-MIN_SAMPLES_PER_ESTIMATE:]
+        self._tail_excess_tokens = max(float(np.mean(tail - tail[0])), float(NUM_EXTRA_TOKENS_PAPER))
+        self.num_samples = len(true)
+
+    @staticmethod
+    def _table(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ordered = np.sort(values)
+        return ordered, np.concatenate(([0.0], np.cumsum(ordered)))
+
+    @staticmethod
+    def _conditional_mean(table: tuple[np.ndarray, np.ndarray], num_generated_tokens: int,
+                          max_tokens: int | None) -> tuple[float, int]:
+        ordered, prefix = table
+        n = len(ordered)
+        lo = int(np.searchsorted(ordered, num_generated_tokens, side="right"))  # first L > generated
+        count = n - lo
+        if count == 0:
+            return math.nan, 0
+        if max_tokens is None:
+            return (prefix[n] - prefix[lo]) / count, count
+        hi = max(int(np.searchsorted(ordered, max_tokens, side="left")), lo)  # first L >= cap
+        return (prefix[hi] - prefix[lo] + (n - hi) * max_tokens) / count, count
+
+    def expected_output_tokens(self, num_predicted_tokens: int, num_generated_tokens: int,
+                               max_tokens: int | None = None) -> int:
+        cap = max_tokens if max_tokens is not None and max_tokens > num_generated_tokens else None
+        table = self._bins[int(np.searchsorted(self.bin_edges_tokens, num_predicted_tokens, side="right"))]
+        mean, count = self._conditional_mean(table, num_generated_tokens, cap)
+        if count < MIN_SAMPLES_PER_ESTIMATE:
+            mean, count = self._conditional_mean(self._pooled, num_generated_tokens, cap)
+        if count < MIN_SAMPLES_PER_ESTIMATE:
+            mean = num_generated_tokens + self._tail_excess_tokens
+        return _cap(mean, num_generated_tokens, cap)
+
+
+RESIDUAL_RULES = ("empirical", "paper", "exact")
+"""Names of the rules (``--residual-lengths`` of the sidecar and the cluster benchmark)."""
