@@ -93,7 +93,7 @@ SETTINGS = {
         "production", "several routers, KV-bound instances (the KV cache, not the slot count, limits the batch), "
         "bursty arrivals: the regime of a production fleet that 2 cores can drive",
         num_routers=2, max_num_seqs=48, num_gpu_blocks=1024, max_num_batched_tokens=512, time_scale=2.0,
-        stream_interval=16, max_output_tokens=512, arrival="gamma", cv=2.0, load=0.85),
+        stream_interval=16, max_output_tokens=512, arrival="gamma", cv=2.0, load=0.95),
     "small": Setting(
         "small", "the earlier demo: one router with exact in-flight counts, 8 slots, a KV cache that never fills, "
         "Poisson arrivals (counting requests is already perfect here)",

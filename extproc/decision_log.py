@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from extproc.decision import Decision
     from extproc.request import RoutingRequest
-    from extproc.router import Decision
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc import messages, wire
 from extproc.errors import ErrorCode, RoutingError
 from extproc.request import RoutingRequest, parse_body
-from extproc.router import Decision, Router
+from extproc.decision import Decision
+from extproc.router import Router
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,45 @@
+"""``Decision``: where a request goes and why, as the router made it (read by the stream, the decision log, metrics).
+
+Imports only the standard library and ``extproc.policies.base``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from extproc.policies.base import Prediction
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a request goes.
+
+    Attributes:
+        destination: ``ip:port`` written to the destination header and ``envoy.lb`` metadata.
+        policy: name of the policy that chose it (``least-requests`` on a fallback).
+        request_id: the id the chosen sidecar knows the request by (Admit / Release): the client's
+            ``x-request-id`` made unique, since clients may reuse ids.
+        predictor: the chosen endpoint's sidecar that was told about the request (Admit), or None.
+        basis: ``prediction``, ``partial``, ``fallback`` or ``policy`` (module docstring).
+        candidates: the probed endpoints with their predictions (None: no answer), probe order; empty when
+            the policy does not predict.
+        num_prompt_tokens: prompt tokens counted for the prediction (0 when not predicted).
+        num_predicted_output_tokens: predicted output tokens (0 when not predicted).
+        length_source: where the predicted output tokens came from (``predictor.residual_rules``).
+        routing_s: from the request's arrival (its headers) to the decision, seconds.
+        stage_s: seconds spent per stage of a predicted decision: ``tokens`` (counting prompt tokens),
+            ``length`` (the output-length estimate), ``predict`` (the k Predict calls, concurrent); empty
+            otherwise.
+    """
+
+    destination: str
+    policy: str
+    request_id: str = ""
+    predictor: str | None = None
+    basis: str = "policy"
+    candidates: tuple[tuple[str, Prediction | None], ...] = ()
+    num_prompt_tokens: int = 0
+    num_predicted_output_tokens: int = 0
+    length_source: int = 0
+    routing_s: float = 0.0
+    stage_s: tuple[tuple[str, float], ...] = ()
