@@ -62,6 +62,10 @@ DEFAULT_STREAM_IDLE_TIMEOUT_S = 900.0
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 """TCP connect timeout to a backend or to the processor."""
 
+MAX_MESSAGE_TIMEOUT_S = 3600.0
+"""Longest processor reply wait accepted, seconds (Envoy rejects durations it cannot hold; an hour is already
+far past any sane value)."""
+
 DEFAULT_MAX_UPSTREAM_REQUESTS = 65536
 """Circuit-breaker limit per cluster (Envoy's default is 1024, which bursts of LLM requests hit)."""
 
@@ -190,8 +194,8 @@ def _extproc_values(extproc_address: str | Sequence[str] | None, backend_address
         raise ValueError("backend_addresses is only for the least-request mode: in the ext_proc modes the "
                          "processor names each request's backend")
     extprocs = parse_address_list(extproc_address, what="extproc_address", ip_only=False)
-    if not message_timeout_s > 0:
-        raise ValueError(f"message_timeout_s must be > 0, got {message_timeout_s}")
+    if not 0 < message_timeout_s <= MAX_MESSAGE_TIMEOUT_S:
+        raise ValueError(f"message_timeout_s must be > 0 and <= {MAX_MESSAGE_TIMEOUT_S:g} s, got {message_timeout_s}")
     if buffer_limit_bytes <= 0:
         raise ValueError(f"buffer_limit_bytes must be > 0, got {buffer_limit_bytes}")
     return {

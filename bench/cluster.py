@@ -76,20 +76,21 @@ from tagger.serve import SHIPPED_LIGHT_DIR
 logger = logging.getLogger(__name__)
 
 DEFAULT_POLICIES = ("random", "round-robin", "least-requests", ENVOY_LEAST_REQUEST, "min-qpm", "infaas", "llumnix",
-                    "gie", "astrolabe-paper", "astrolabe-k2", "astrolabe-k4", "astrolabe-full")
+                    "gie", "astrolabe-paper", "astrolabe-k2-noextra", "astrolabe-k2", "astrolabe-k4-noextra",
+                    "astrolabe-full")
 DEFAULT_RATES_QPS = (100.0, 110.0, 120.0, 125.0, 130.0, 135.0, 140.0)
 DEFAULT_SEEDS = (0, 1, 2)
 DEFAULT_OUT_DIR = REPO_ROOT / "out" / "cluster"
-_LABEL = re.compile(r"astrolabe-(k(?P<k>\d+)|full|paper)(?P<mods>(-(ttft|e2e|blend|nomem))*)")
+_LABEL = re.compile(r"astrolabe-(k(?P<k>\d+)|full|paper)(?P<mods>(-(ttft|e2e|blend|nomem|noextra))*)")
 
 
 def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthModel | None = None) -> PolicySpec:
     """Maps a label to a policy.
 
     Labels: a registry name, ``envoy-least-request``, ``astrolabe-k<N>`` (power of N), ``astrolabe-full``
-    (k = fleet size), ``astrolabe-paper`` (the reference system: k = 2, E2E, no memory, the "10 more tokens"
-    residual), each astrolabe label optionally followed by ``-ttft``/``-e2e``/``-blend`` (metric) and
-    ``-nomem`` (no probe of the best recent answer).
+    (k = fleet size), ``astrolabe-paper`` (the reference system: k = 2, E2E, no memory, no second round, the
+    "10 more tokens" residual), each astrolabe label optionally followed by ``-ttft``/``-e2e``/``-blend``
+    (metric), ``-nomem`` (no probe of the best recent answer) and ``-noextra`` (no second round of probes).
 
     Raises:
         ValueError: unknown label.
@@ -105,13 +106,15 @@ def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthMo
     if match.group(1) == "full":
         params["k"] = num_instances
     elif match.group(1) == "paper":
-        params.update(k=2, metric="e2e", probe_best=False)
+        params.update(k=2, metric="e2e", probe_best=False, extra_probes=0)
         residual = paper_residual or FixedExtraTokens()
     else:
         params["k"] = int(match.group("k"))
     for mod in filter(None, match.group("mods").split("-")):
         if mod == "nomem":
             params["probe_best"] = False
+        elif mod == "noextra":
+            params["extra_probes"] = 0
         else:
             params["metric"] = mod
     return PolicySpec(label, "astrolabe", params, residual)

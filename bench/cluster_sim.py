@@ -51,6 +51,7 @@ from predictor.sim import (
     blocks_for_tokens,
     predict,
 )
+from predictor.sim.predict import queue_delay_s
 from predictor.sim.residual import FixedExtraTokens, ResidualLengthModel
 
 logger = logging.getLogger(__name__)
@@ -341,12 +342,15 @@ class _Cluster:
     def predict(self, i: int, request_id: str, request: ClusterRequest) -> Prediction:
         new = RequestState(request_id, request.num_prompt_tokens, self.residual.expected_output_tokens(
             request.num_predicted_output_tokens, 0, request.max_tokens))
-        result = predict(self.snapshot(i), new, self.batch_times[i])
+        snapshot = self.snapshot(i).fit_to_kv_cache()
+        new = snapshot.fit_request(new)
+        result = predict(snapshot, new, self.batch_times[i])
         self.num_predictions += 1
         factor = 1.0
         if self.config.prediction_noise_frac > 0:
             factor = max(0.0, 1.0 + self._noise_rng.gauss(0.0, self.config.prediction_noise_frac))
-        return Prediction(result.ttft_s * factor, result.e2e_s * factor)
+        return Prediction(result.ttft_s * factor, result.e2e_s * factor, 0.0,
+                          queue_delay_s(snapshot, new, self.batch_times[i], result.ttft_s) * factor)
 
     def route(self, request_id: str, request: ClusterRequest) -> tuple[int, int]:
         """(router replica, instance) for ``request``."""
@@ -359,6 +363,9 @@ class _Cluster:
             candidates = router.policy.candidates(routing_request, views)
             scored = [dataclasses.replace(v, prediction=self.predict(self.index[v.address], request_id, request))
                       for v in candidates]
+            more = router.policy.more_candidates(routing_request, scored, views)
+            scored += [dataclasses.replace(v, prediction=self.predict(self.index[v.address], request_id, request))
+                       for v in more]
             chosen = router.policy.choose(routing_request, scored)
         else:
             chosen = router.policy.choose(routing_request, views)

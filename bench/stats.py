@@ -35,14 +35,16 @@ DEFAULT_BLOCK_LEN = 50
 Statistic = Callable[[np.ndarray], float]
 
 
-_INF_STANDIN = 1e18
-
-
 def _percentile(values: np.ndarray, q: float) -> float:
     """numpy's linear-interpolation percentile, with inf (failed requests) ranked last and reported as inf when
     it takes part (numpy alone would give nan for inf - inf)."""
-    value = float(np.percentile(np.where(np.isinf(values), _INF_STANDIN, values), q))
-    return math.inf if value >= _INF_STANDIN / 2 else value
+    ordered = np.sort(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    lo, hi = int(math.floor(rank)), int(math.ceil(rank))
+    a, b = float(ordered[lo]), float(ordered[hi])
+    if math.isinf(b) or math.isinf(a):
+        return b if hi == lo or rank > lo else a
+    return a + (b - a) * (rank - lo)
 
 
 def p99(values: np.ndarray) -> float:
@@ -96,6 +98,21 @@ def _quantiles(samples: list[float], confidence: float) -> tuple[float, float]:
     return _percentile(values, 100 * alpha), _percentile(values, 100 * (1 - alpha))
 
 
+def _check(n: int, groups: Sequence[int] | None, block_len: int, num_resamples: int, confidence: float) -> np.ndarray:
+    if n == 0:
+        raise ValueError("need at least one value")
+    if isinstance(block_len, bool) or not isinstance(block_len, int) or block_len < 1:
+        raise ValueError(f"block_len must be an integer >= 1, got {block_len!r}")
+    if isinstance(num_resamples, bool) or not isinstance(num_resamples, int) or num_resamples < 1:
+        raise ValueError(f"num_resamples must be an integer >= 1, got {num_resamples!r}")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    group_array = np.zeros(n, dtype=int) if groups is None else np.asarray(groups)
+    if group_array.shape != (n,):
+        raise ValueError(f"groups must give one group per value: {group_array.shape} for {n} values")
+    return group_array
+
+
 def summary_ci(values: Sequence[float], statistic: Statistic, *, groups: Sequence[int] | None = None,
                block_len: int = DEFAULT_BLOCK_LEN, num_resamples: int = DEFAULT_NUM_RESAMPLES,
                confidence: float = DEFAULT_CONFIDENCE, seed: int = 0) -> Interval:
@@ -114,9 +131,7 @@ def summary_ci(values: Sequence[float], statistic: Statistic, *, groups: Sequenc
         ValueError: no values, or bad parameters.
     """
     array = _as_array(values)
-    if len(array) == 0 or block_len < 1 or num_resamples < 1 or not 0 < confidence < 1:
-        raise ValueError("need values, block_len >= 1, num_resamples >= 1 and 0 < confidence < 1")
-    group_array = np.zeros(len(array), dtype=int) if groups is None else np.asarray(groups)
+    group_array = _check(len(array), groups, block_len, num_resamples, confidence)
     rng = np.random.default_rng(seed)
     samples = [statistic(array[idx]) for idx in _resample_indices(_blocks(group_array, block_len), num_resamples, rng)]
     low, high = _quantiles(samples, confidence)
@@ -143,9 +158,7 @@ def paired_ratio_ci(values_a: Sequence[float], values_b: Sequence[float], statis
     a, b = _as_array(values_a), _as_array(values_b)
     if a.shape != b.shape:
         raise ValueError(f"paired figures need the same requests: {a.shape} vs {b.shape}")
-    if len(a) == 0 or block_len < 1 or num_resamples < 1 or not 0 < confidence < 1:
-        raise ValueError("need values, block_len >= 1, num_resamples >= 1 and 0 < confidence < 1")
-    group_array = np.zeros(len(a), dtype=int) if groups is None else np.asarray(groups)
+    group_array = _check(len(a), groups, block_len, num_resamples, confidence)
     rng = np.random.default_rng(seed)
     samples = []
     for idx in _resample_indices(_blocks(group_array, block_len), num_resamples, rng):

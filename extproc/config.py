@@ -101,7 +101,7 @@ class ConfigError(ValueError):
 
 
 def _config(title: str) -> ConfigDict:
-    return ConfigDict(extra="forbid", title=title)
+    return ConfigDict(extra="forbid", title=title, allow_inf_nan=False)
 
 
 class _Located(ValueError):
@@ -431,7 +431,8 @@ def _message(error: Mapping[str, Any]) -> tuple[tuple[int | str, ...], str]:
 
 def _set_by(sources: Mapping[tuple[str, ...], str], *locs: tuple[int | str, ...]) -> str:
     """`` (set by VAR, ...)`` naming the environment variables that set one of ``locs`` or a key above it."""
-    names = sorted({name for path, name in sources.items() for loc in locs if loc[:len(path)] == path})
+    names = sorted({name for path, name in sources.items() for loc in locs
+                    if loc[:len(path)] == path or path[:len(loc)] == loc})
     return f" (set by {', '.join(names)})" if names else ""
 
 
@@ -475,9 +476,14 @@ def _parse(raw: object, sources: Mapping[tuple[str, ...], str]) -> ExtprocConfig
     try:  # policy name and params are checked by building the policy once
         build_policy(config.policy, config.policy_params, random.Random(0))
     except ValueError as exc:
-        set_by = _set_by(sources, ("policy",), ("policy_params",))
-        raise ConfigError(f"policy: {exc}{set_by}") from None
+        key = _policy_error_key(exc)
+        raise ConfigError(f"{key}: {exc}{_set_by(sources, (key,))}") from None
     return config
+
+
+def _policy_error_key(exc: ValueError) -> str:
+    """The key a ``build_policy`` error is about: ``policy`` for an unknown name, else ``policy_params``."""
+    return "policy" if str(exc).startswith("unknown policy") else "policy_params"
 
 
 def parse_config(raw: object) -> ExtprocConfig:
@@ -508,7 +514,7 @@ def replace_config(config: ExtprocConfig, **changes: Any) -> ExtprocConfig:
         try:
             build_policy(new.policy, new.policy_params, random.Random(0))
         except ValueError as exc:
-            raise ConfigError(f"policy: {exc}") from None
+            raise ConfigError(f"{_policy_error_key(exc)}: {exc}") from None
     return new
 
 

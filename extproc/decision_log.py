@@ -11,10 +11,12 @@ Record (keys always present; times in seconds)::
      "routing_s": 0.0021,                # from the request's headers to the decision
      "stage_s": {"tokens": 0.0002, "length": 0.0003, "predict": 0.0012},  # predicted decisions only
      "num_prompt_tokens": 291, "num_predicted_output_tokens": 180, "length_source": 1,
-     "candidates": [{"endpoint": "10.0.0.5:8000", "ttft_s": 0.031, "e2e_s": 2.9, "state_age_s": 0.004},
-                    {"endpoint": "10.0.0.6:8000", "ttft_s": null, "e2e_s": null, "state_age_s": null}]}
+     "candidates": [{"endpoint": "10.0.0.5:8000", "ttft_s": 0.031, "e2e_s": 2.9, "state_age_s": 0.004,
+                     "queue_s": 0.0},
+                    {"endpoint": "10.0.0.6:8000", "ttft_s": null, "e2e_s": null, "state_age_s": null,
+                     "queue_s": null}]}
 
-A candidate with nulls did not answer (no sidecar, failed, late, backing off or stale). Lines are buffered and
+Candidates are in probe order (a second round's after the first's). A candidate with nulls did not answer (no sidecar, failed, late, backing off or stale). Lines are buffered and
 flushed at least every ``flush_interval_s`` and on ``close``; a write error is logged once and the log turns
 itself off (routing never fails because of it). Records are written on the event loop: ~10 us each.
 """
@@ -71,7 +73,8 @@ class DecisionLog:
             "candidates": [{"endpoint": address,
                             "ttft_s": None if p is None else round(p.ttft_s, 6),
                             "e2e_s": None if p is None else round(p.e2e_s, 6),
-                            "state_age_s": None if p is None else round(p.state_age_s, 6)}
+                            "state_age_s": None if p is None else round(p.state_age_s, 6),
+                            "queue_s": None if p is None else round(p.queue_s, 6)}
                            for address, p in decision.candidates],
         }
         try:

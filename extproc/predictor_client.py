@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -59,6 +60,17 @@ logger = logging.getLogger(__name__)
 
 _METRICS = {"e2e": pb.METRIC_E2E, "ttft": pb.METRIC_TTFT}
 OUTCOMES = ("ok", "late", "down", "invalid", "skipped_backoff", "stale_state")
+_MAX_UINT32 = 2**32 - 1
+
+
+def _uint32(value: int) -> int:
+    """A count for a uint32 field: values beyond it are cut to it (a prompt or cap that large is unservable)."""
+    return min(max(int(value), 0), _MAX_UINT32)
+
+
+def _cap(max_tokens: int | None) -> int:
+    """``max_tokens`` for the wire: 0 (no cap) when absent or beyond uint32 (a cap that large caps nothing)."""
+    return max_tokens if max_tokens is not None and 0 < max_tokens <= _MAX_UINT32 else 0
 """Outcomes of ``predict``, one per call, counted in ``PredictorClient.outcomes``."""
 
 
@@ -238,9 +250,9 @@ class PredictorClient:
         health.probe_in_flight |= is_probe
         epoch, sent_s = health.epoch, self._clock()
         self.num_calls += 1
-        message = pb.PredictRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
-                                    num_predicted_output_tokens=num_output_tokens,
-                                    metric=_METRICS.get(metric, pb.METRIC_TTFT), max_tokens=max_tokens or 0,
+        message = pb.PredictRequest(request_id=request_id, num_prompt_tokens=_uint32(num_prompt_tokens),
+                                    num_predicted_output_tokens=_uint32(num_output_tokens),
+                                    metric=_METRICS.get(metric, pb.METRIC_TTFT), max_tokens=_cap(max_tokens),
                                     length_source=length_source)
         try:
             reply = await self._send_predict(self._stub(address), message)
@@ -267,8 +279,13 @@ class PredictorClient:
         if not reply.state_age_s <= self.config.max_state_age_s:  # also catches inf (never reconciled)
             counts["stale_state"] += 1
             return None
+        figures = (reply.ttft_s, reply.e2e_s, reply.queue_s)
+        if not all(math.isfinite(f) and f >= 0 for f in figures) or reply.e2e_s < reply.ttft_s:
+            counts["invalid"] += 1  # a broken sidecar's answer must not reach a comparison (NaN loses every min)
+            logger.debug("predictor %s answered nonsense for %s: %s", address, request_id, figures)
+            return None
         counts["ok"] += 1
-        return Prediction(reply.ttft_s, reply.e2e_s, reply.state_age_s)
+        return Prediction(reply.ttft_s, reply.e2e_s, reply.state_age_s, reply.queue_s)
 
     async def _send_predict(self, stub: pb_grpc.PredictorStub, message: pb.PredictRequest) -> pb.PredictResponse:
         """One Predict under the send-time deadline.
@@ -348,8 +365,8 @@ class PredictorClient:
     def admit(self, address: str, request_id: str, num_prompt_tokens: int, num_output_tokens: int, *,
               max_tokens: int | None = None, length_source: int = 0) -> None:
         """Tells the chosen sidecar about the request, without waiting for the answer (arguments as ``predict``)."""
-        message = pb.AdmitRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
-                                  num_predicted_output_tokens=num_output_tokens, max_tokens=max_tokens or 0,
+        message = pb.AdmitRequest(request_id=request_id, num_prompt_tokens=_uint32(num_prompt_tokens),
+                                  num_predicted_output_tokens=_uint32(num_output_tokens), max_tokens=_cap(max_tokens),
                                   length_source=length_source)
         self._notify(address, self._stub(address).Admit(message, timeout=self.config.notify_timeout_s))
 

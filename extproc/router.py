@@ -19,6 +19,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import replace
 
 from extproc.decision import Decision
@@ -126,12 +127,21 @@ class Router:
         num_output_tokens, length_source = await self.lengths.estimate_with_source(request)
         t2_s = self._clock()
         metric = getattr(getattr(self.policy, "params", None), "metric", "e2e")
-        predictions = await asyncio.gather(*(
-            self.predictors.predict(v.predictor, ledger_id, num_prompt_tokens, num_output_tokens, metric,
-                                    max_tokens=request.max_tokens, length_source=length_source)
-            if v.predictor else _none() for v in candidates))
+
+        async def ask(views_: Sequence[EndpointView]) -> list[EndpointView]:
+            predictions_ = await asyncio.gather(*(
+                self.predictors.predict(v.predictor, ledger_id, num_prompt_tokens, num_output_tokens, metric,
+                                        max_tokens=request.max_tokens, length_source=length_source)
+                if v.predictor else _none() for v in views_))
+            return [replace(v, prediction=p) for v, p in zip(views_, predictions_)]
+
+        scored = await ask(candidates)
+        more = self.policy.more_candidates(request, scored, views)
+        if more:  # every first-round candidate would queue: a second round
+            scored += await ask(more)
+            candidates = [*candidates, *more]
+        predictions = [v.prediction for v in scored]
         stage_s = (("tokens", t1_s - t0_s), ("length", t2_s - t1_s), ("predict", self._clock() - t2_s))
-        scored = [replace(v, prediction=p) for v, p in zip(candidates, predictions)]
         num_ok = sum(p is not None for p in predictions)
         self.metrics.predictions.labels("ok").inc(num_ok)
         self.metrics.predictions.labels("failed").inc(sum(v.predictor is not None for v in candidates) - num_ok)

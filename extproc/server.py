@@ -177,8 +177,12 @@ class ExtprocServer:
         self.endpoint_metrics = (MetricsScraper(self.pool, config.metrics_interval_s, config.metrics_staleness_s)
                                  if policy.needs_metrics else None)
         self.metrics.watch_predictors(self.predictors)
-        log_path = getattr(config, "decision_log_path", None)
-        self.decision_log = DecisionLog(log_path) if log_path else None
+        self.decision_log = None
+        if config.decision_log_path:
+            try:
+                self.decision_log = DecisionLog(config.decision_log_path)
+            except OSError as exc:
+                raise ConfigError(f"decision_log_path: cannot open {config.decision_log_path}: {exc}") from None
         self.router = Router(self.pool, policy, self.metrics, self.predictors,
                              OutputLengthEstimator(config.output_length, _load_tagger(config)), rng,
                              endpoint_metrics=self.endpoint_metrics, decision_log=self.decision_log)
@@ -211,17 +215,20 @@ class ExtprocServer:
         """Binds and starts serving; returns the bound port (the config may ask for port 0).
 
         Raises:
-            RuntimeError: the listen address cannot be bound.
+            ConfigError: the listen or metrics address cannot be bound.
         """
         self.port = self._server.add_insecure_port(self.config.listen)
         if self.port == 0:
-            raise RuntimeError(f"cannot listen on {self.config.listen}")
+            raise ConfigError(f"listen: cannot listen on {self.config.listen}")
+        if self.config.metrics_listen:  # before the gRPC server starts, so that a busy port leaves nothing running
+            host, _, port = self.config.metrics_listen.rpartition(":")
+            try:
+                self._metrics_server, _ = start_http_server(int(port), addr=host, registry=self.metrics.registry)
+            except OSError as exc:
+                raise ConfigError(f"metrics_listen: cannot listen on {self.config.metrics_listen}: {exc}") from None
         await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
         await self._set_serving(False)
         await self._server.start()
-        if self.config.metrics_listen:
-            host, _, port = self.config.metrics_listen.rpartition(":")
-            self._metrics_server, _ = start_http_server(int(port), addr=host, registry=self.metrics.registry)
         if self._checker:
             self._tasks.append(asyncio.create_task(self._checker.run(), name="endpoint-health"))
             await self._checker.first_round_done.wait()
@@ -292,5 +299,8 @@ def main(argv: list[str]) -> int:
         asyncio.run(serve(config, args.config))
     except TaggerLoadError as exc:
         logger.error("invalid configuration: output_length.tagger_path: %s", exc)
+        return 2
+    except ConfigError as exc:  # a file or port the configuration names cannot be used
+        logger.error("invalid configuration: %s", exc)
         return 2
     return 0

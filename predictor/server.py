@@ -28,7 +28,8 @@ from predictor.backend_metrics import MetricsFormatError, parse_vllm_metrics
 from predictor.ledger import Ledger
 from predictor.residual_rules import ResidualRules
 from predictor.sim import EngineConfig, LinearBatchTimeModel
-from predictor.sim.predict import predict
+from predictor.sim.scheduler import check_request_fits
+from predictor.sim.predict import predict, queue_delay_s
 from predictor.sim.residual import RESIDUAL_RULES
 from predictor.sim.snapshot import InstanceSnapshot, RequestState
 from predictor.state_source import STATE_SOURCE_LEDGER, STATE_SOURCE_PLUGIN, STATE_SOURCES, PluginStateSource
@@ -109,18 +110,28 @@ class PredictorServicer(pb_grpc.PredictorServicer):
     async def Admit(self, request, context):  # noqa: N802
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-        added = True
-        if not self._sidecar.plugin.in_use:  # with the plugin's state in use the ledger is not simulated
+        sidecar = self._sidecar
+        now_s = time.monotonic()
+        if sidecar.plugin.in_use:  # the ledger is not simulated: check here what it would have checked
+            config = sidecar.plugin.last_state.engine if sidecar.plugin.last_state else sidecar.ledger.scheduler.config
             try:
-                added = self._sidecar.ledger.admit(request.request_id, request.num_prompt_tokens,
-                                                   request.num_predicted_output_tokens, time.monotonic(),
-                                                   max_tokens=request.max_tokens or None,
-                                                   length_source=request.length_source)
+                # the prompt must fit; the predicted output is a guess (snapshots cut it to the KV cache)
+                check_request_fits(config, request.request_id, max(request.num_prompt_tokens, 1), 1)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self._sidecar.plugin.admits.admit(request.request_id, request.num_predicted_output_tokens,
-                                          request.num_prompt_tokens, time.monotonic(),
-                                          max_tokens=request.max_tokens or None, length_source=request.length_source)
+            added = not sidecar.plugin.admits.is_admitted(request.request_id)
+        else:
+            try:
+                added = sidecar.ledger.admit(request.request_id, request.num_prompt_tokens,
+                                             request.num_predicted_output_tokens, now_s,
+                                             max_tokens=request.max_tokens or None,
+                                             length_source=request.length_source)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if added:
+            sidecar.plugin.admits.admit(request.request_id, request.num_predicted_output_tokens,
+                                        request.num_prompt_tokens, now_s, max_tokens=request.max_tokens or None,
+                                        length_source=request.length_source)
         return pb.AdmitResponse(duplicate=not added)
 
     async def Release(self, request, context):  # noqa: N802
@@ -179,21 +190,26 @@ class Sidecar:
         self.ledger.advance(now_s)
         scheduler = self.ledger.scheduler
         # The ledger's clock may stand at the end of the step in progress, a little ahead of now.
-        snapshot = self.ledger.snapshot()
-        result = predict(snapshot, RequestState("new", num_prompt_tokens, expected_tokens), self.batch_time)
+        snapshot = self.ledger.snapshot().fit_to_kv_cache()
+        new = snapshot.fit_request(RequestState("new", num_prompt_tokens, expected_tokens))
+        result = predict(snapshot, new, self.batch_time)
         lag_s = self.ledger.engine.now_s - now_s
         return pb.PredictResponse(
             ttft_s=result.ttft_s + lag_s, e2e_s=result.e2e_s + lag_s, state_age_s=self.state_age_s(now_s),
+            queue_s=queue_delay_s(snapshot, new, self.batch_time, result.ttft_s + lag_s),
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
             num_free_blocks=scheduler.num_free_blocks, num_gpu_blocks=scheduler.config.num_gpu_blocks,
             state_source=STATE_SOURCE_LEDGER, num_steps_simulated=result.num_steps_simulated)
 
     def _predict_from_plugin(self, snapshot: InstanceSnapshot, num_prompt_tokens: int,
                              num_output_tokens: int) -> pb.PredictResponse:
-        result = predict(snapshot, RequestState("new", num_prompt_tokens, num_output_tokens), self.batch_time)
+        snapshot = snapshot.fit_to_kv_cache()
+        new = snapshot.fit_request(RequestState("new", num_prompt_tokens, num_output_tokens))
+        result = predict(snapshot, new, self.batch_time)
         state = self.plugin.last_state
         return pb.PredictResponse(
-            ttft_s=result.ttft_s, e2e_s=result.e2e_s, state_age_s=max(snapshot.now_s - state.published_monotonic_s, 0),
+            ttft_s=result.ttft_s, e2e_s=result.e2e_s, state_age_s=state.age_s(snapshot.now_s),
+            queue_s=queue_delay_s(snapshot, new, self.batch_time, result.ttft_s),
             num_running=len(snapshot.running), num_waiting=len(snapshot.waiting),
             num_free_blocks=state.num_free_blocks, num_gpu_blocks=snapshot.config.num_gpu_blocks,
             state_source=STATE_SOURCE_PLUGIN, num_steps_simulated=result.num_steps_simulated)
@@ -210,7 +226,7 @@ class Sidecar:
         snapshot = self.plugin.snapshot(now_s)
         if snapshot is not None:
             state = self.plugin.last_state
-            return {"state_source": STATE_SOURCE_PLUGIN, "state_age_s": now_s - state.published_monotonic_s,
+            return {"state_source": STATE_SOURCE_PLUGIN, "state_age_s": state.age_s(now_s),
                     "engine": dataclasses.asdict(snapshot.config), "num_free_blocks": state.num_free_blocks,
                     "num_preemptions_total": state.num_preemptions_total, "seq": state.seq,
                     "running": [dataclasses.asdict(r) for r in snapshot.running],

@@ -18,7 +18,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
+import stat as _stat
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,35 +95,88 @@ class PluginState:
     def num_unfinished(self) -> int:
         return len(self.running) + len(self.waiting)
 
+    def age_s(self, now_s: float) -> float:
+        """How old the state is at ``now_s``, seconds: 0 for an idle engine (it publishes on turning idle and does
+        not publish again until work arrives, so an empty state from a live writer is current however old the
+        file), else the time since it was written."""
+        if not self.num_unfinished:
+            return 0.0
+        return max(now_s - self.published_monotonic_s, 0.0)
+
 
 class PluginStateError(ValueError):
     """The state file is not in the expected format."""
 
 
+_MAX_COUNT = 2**31 - 1
+MAX_STATE_FILE_BYTES = 16 * 1024 * 1024
+"""A larger state file is refused (a vLLM engine with thousands of requests writes well under 1 MB)."""
+
+
+def _count(value, what: str, *, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_COUNT:
+        raise PluginStateError(f"{what} must be an integer in [0, {_MAX_COUNT}], got {value!r}")
+    return value
+
+
+def _row(row, where: str) -> tuple:
+    """One request row, checked: ``[id, prompt, computed, generated, max_tokens|null, blocks|null, preemptions]``."""
+    if not isinstance(row, list) or len(row) != 7:
+        raise PluginStateError(f"{where}: a request row must be a list of 7 fields, got {str(row)[:80]}")
+    request_id, prompt, computed, generated, max_tokens, blocks, preemptions = row
+    if not isinstance(request_id, str) or not request_id:
+        raise PluginStateError(f"{where}: request id must be a non-empty string, got {request_id!r}")
+    return (request_id, _count(prompt, f"{where} prompt tokens"), _count(computed, f"{where} computed tokens"),
+            _count(generated, f"{where} generated tokens"), _count(max_tokens, f"{where} max_tokens", optional=True),
+            _count(blocks, f"{where} blocks held", optional=True),
+            _count(preemptions or 0, f"{where} preemptions"))
+
+
 def parse_plugin_state(text: str) -> PluginState:
-    """Parse the state file's text.
+    """Parse the state file's text, checking every field (types, ranges, row shapes).
 
     Raises:
         PluginStateError: not JSON, another format version, or missing/malformed fields.
     """
     try:
         data = json.loads(text)
-        if data.get("version") != PLUGIN_STATE_FORMAT_VERSION:
-            raise PluginStateError(f"state format version {data.get('version')!r}, expected "
-                                   f"{PLUGIN_STATE_FORMAT_VERSION}")
+    except (ValueError, RecursionError) as exc:
+        raise PluginStateError(f"malformed state file: {exc!r}"[:300]) from None
+    if not isinstance(data, dict):
+        raise PluginStateError("malformed state file: not a JSON object")
+    if data.get("version") != PLUGIN_STATE_FORMAT_VERSION:
+        raise PluginStateError(f"state format version {data.get('version')!r}, expected {PLUGIN_STATE_FORMAT_VERSION}")
+    try:
         engine = data["engine"]
+        if not isinstance(engine, dict):
+            raise PluginStateError("engine must be an object")
+        published = data["published_monotonic_s"]
+        if isinstance(published, bool) or not isinstance(published, int | float) or not math.isfinite(published):
+            raise PluginStateError(f"published_monotonic_s must be a finite number, got {published!r}")
+        pid = _count(data["pid"], "pid")
+        if pid < 1:
+            raise PluginStateError(f"pid must be >= 1, got {pid}")
+        running, waiting = data["running"], data["waiting"]
+        if not isinstance(running, list) or not isinstance(waiting, list):
+            raise PluginStateError("running and waiting must be lists")
+        config = EngineConfig(max_num_seqs=_count(engine["max_num_seqs"], "engine.max_num_seqs"),
+                              max_num_batched_tokens=_count(engine["max_num_batched_tokens"],
+                                                            "engine.max_num_batched_tokens"),
+                              block_size=_count(engine["block_size"], "engine.block_size"),
+                              num_gpu_blocks=_count(engine["num_gpu_blocks"], "engine.num_gpu_blocks"),
+                              enable_chunked_prefill=bool(engine["enable_chunked_prefill"]))
         return PluginState(
-            pid=int(data["pid"]), seq=int(data["seq"]), published_monotonic_s=float(data["published_monotonic_s"]),
-            engine=EngineConfig(max_num_seqs=int(engine["max_num_seqs"]),
-                                max_num_batched_tokens=int(engine["max_num_batched_tokens"]),
-                                block_size=int(engine["block_size"]), num_gpu_blocks=int(engine["num_gpu_blocks"]),
-                                enable_chunked_prefill=bool(engine["enable_chunked_prefill"])),
-            num_free_blocks=int(data["num_free_blocks"]), num_preemptions_total=int(data["num_preemptions_total"]),
-            running=tuple(tuple(row) for row in data["running"]), waiting=tuple(tuple(row) for row in data["waiting"]))
+            pid=pid, seq=_count(data["seq"], "seq"), published_monotonic_s=float(published), engine=config,
+            num_free_blocks=_count(data["num_free_blocks"], "num_free_blocks"),
+            num_preemptions_total=_count(data["num_preemptions_total"], "num_preemptions_total"),
+            running=tuple(_row(r, f"running[{i}]") for i, r in enumerate(running)),
+            waiting=tuple(_row(r, f"waiting[{i}]") for i, r in enumerate(waiting)))
     except PluginStateError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise PluginStateError(f"malformed state file: {exc!r}") from None
+        raise PluginStateError(f"malformed state file: {exc!r}"[:300]) from None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -148,7 +203,8 @@ class PluginStateReader:
         self.path = path
         self.max_age_s = max_age_s
         self._cached: PluginState | None = None
-        self._cached_key: tuple[int, int] | None = None
+        self._cached_key: tuple[int, int, int] | None = None
+        self._error_key: tuple[int, int, int] | None = None
         self.last_error = "not read yet"
 
     def read(self, now_s: float) -> PluginState | None:
@@ -157,19 +213,34 @@ class PluginStateReader:
         Args:
             now_s: current time, seconds on ``time.monotonic()``.
         """
+        key = None
         try:
             stat = os.stat(self.path)
-            key = (stat.st_mtime_ns, stat.st_ino)
+            key = (stat.st_mtime_ns, stat.st_ino, stat.st_size)
+            if key == self._error_key:  # the same bad file as last time: do not read it again
+                return None
             if key != self._cached_key:
-                with open(self.path, encoding="utf-8") as f:
-                    self._cached = parse_plugin_state(f.read())
+                self._cached, self._cached_key = None, None
+                if not _stat.S_ISREG(stat.st_mode):
+                    raise PluginStateError(f"{self.path} is not a regular file")
+                if stat.st_size > MAX_STATE_FILE_BYTES:
+                    raise PluginStateError(f"{self.path} is {stat.st_size} bytes, more than {MAX_STATE_FILE_BYTES}")
+                with open(self.path, "rb") as f:
+                    text = f.read(MAX_STATE_FILE_BYTES + 1).decode("utf-8")
+                self._cached = parse_plugin_state(text)
                 self._cached_key = key
-        except (OSError, PluginStateError) as exc:
-            self._cached, self._cached_key, self.last_error = None, None, str(exc)
+        except (OSError, PluginStateError, UnicodeDecodeError) as exc:
+            self._cached, self._cached_key = None, None
+            self._error_key = key if isinstance(exc, PluginStateError | UnicodeDecodeError) else None
+            self.last_error = str(exc)[:300]
             return None
+        self._error_key = None
         state = self._cached
         if not _pid_alive(state.pid):
             self.last_error = f"engine process {state.pid} is gone"
+            return None
+        if state.published_monotonic_s > now_s + 1.0:
+            self.last_error = f"state is stamped {state.published_monotonic_s - now_s:.1f} s in the future"
             return None
         if state.num_unfinished and now_s - state.published_monotonic_s > self.max_age_s:
             self.last_error = f"state is {now_s - state.published_monotonic_s:.1f} s old with requests in flight"
@@ -230,6 +301,10 @@ class AdmitRecords:
         # An engine id seen before this admission may belong to it: let it be matched again.
         self._engine_to_admit = {k: v for k, v in self._engine_to_admit.items() if v is not None}
 
+    def is_admitted(self, request_id: str) -> bool:
+        """Whether ``request_id`` has an admission record (admitted and not released)."""
+        return request_id in self._by_id
+
     def release(self, request_id: str) -> None:
         self._by_id.pop(request_id, None)
         self._seen.discard(request_id)
@@ -257,7 +332,7 @@ class AdmitRecords:
         matched = set(self._engine_to_admit.values())
         best, best_len = None, 0
         for rid in self._by_id:
-            x_request_id = rid.split("/", 1)[0]
+            x_request_id = rid.rsplit("/", 1)[0]  # the extproc appends "/<suffix>"; the client's id may hold '/'
             if len(x_request_id) > best_len and x_request_id in candidates and rid not in matched:
                 best, best_len = rid, len(x_request_id)
         return best

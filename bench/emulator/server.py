@@ -194,6 +194,13 @@ OUTPUT_TOKENS_HEADER = "x-emulator-output-tokens"
 cap; the router never reads it (a real client cannot know its reply's length in advance)."""
 
 
+def _latin1_header(request: web.Request, name: str) -> str | None:
+    """A header's raw bytes decoded as Latin-1, as vLLM's server (Starlette) and the extproc decode them (aiohttp
+    decodes UTF-8), so that a non-ASCII x-request-id names the same request everywhere."""
+    key = name.lower().encode("ascii")
+    return next((v.decode("latin-1") for k, v in request.raw_headers if k.lower() == key), None)
+
+
 def _reply_tokens_hint(value: str | None) -> int | None:
     """The `OUTPUT_TOKENS_HEADER` value as a positive count, or None when absent.
 
@@ -202,7 +209,7 @@ def _reply_tokens_hint(value: str | None) -> int | None:
     """
     if value is None:
         return None
-    if not value.strip().isdigit() or int(value) < 1:
+    if len(value) > 12 or not value.strip().isdigit() or int(value) < 1:
         raise ApiError(400, f"{OUTPUT_TOKENS_HEADER} must be a positive integer, got {value!r}")
     return int(value)
 
@@ -213,7 +220,7 @@ def _error_response(exc: ApiError) -> web.Response:
 
 async def _generate(request: web.Request, is_chat: bool) -> web.StreamResponse:
     instance = request.app[_INSTANCE]
-    request_id, response_id = instance.next_request_ids(is_chat, request.headers.get(REQUEST_ID_HEADER))
+    request_id, response_id = instance.next_request_ids(is_chat, _latin1_header(request, REQUEST_ID_HEADER))
     try:
         parsed = parse_request(await request.read(), is_chat)
         handle = instance.admit(parsed, request_id, _reply_tokens_hint(request.headers.get(OUTPUT_TOKENS_HEADER)))

@@ -24,11 +24,14 @@ class Prediction:
         ttft_s: predicted time to first token, seconds from now.
         e2e_s: predicted end-to-end latency, seconds from now.
         state_age_s: age of the sidecar's state (since its last reconciliation), seconds.
+        queue_s: the part of ``ttft_s`` that the requests already on the instance cause (waiting for a slot, KV
+            blocks or token budget), seconds; 0 = it would start at once.
     """
 
     ttft_s: float
     e2e_s: float
     state_age_s: float = 0.0
+    queue_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,21 @@ class Policy(abc.ABC):
     def candidates(self, request: RoutingRequest, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
         """The endpoints ``choose`` will consider (default: all of them). Same contract for ``endpoints``."""
         return endpoints
+
+    def more_candidates(self, request: RoutingRequest, scored: Sequence[EndpointView],
+                        endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
+        """A second round of probes, decided from the first round's predictions (default: none).
+
+        Args:
+            request: the request being routed.
+            scored: the output of ``candidates`` with their predictions filled in.
+            endpoints: every endpoint ``candidates`` chose from.
+
+        Returns:
+            Further endpoints (not in ``scored``) whose sidecars are asked before ``choose``, which then gets
+            ``scored`` followed by them; empty for no second round.
+        """
+        return ()
 
     @abc.abstractmethod
     def choose(self, request: RoutingRequest, endpoints: Sequence[EndpointView]) -> EndpointView | None:

@@ -12,7 +12,7 @@ of `config.num_gpu_blocks`, so block accounting is consistent by construction.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from predictor.sim.kv_blocks import blocks_for_tokens
 from predictor.sim.request import RequestStatus, SimRequest
@@ -125,6 +125,31 @@ class InstanceSnapshot:
         if state.num_blocks_held is not None:
             return state.num_blocks_held
         return blocks_for_tokens(state.num_computed_tokens, self.config.block_size)
+
+    def fit_to_kv_cache(self) -> InstanceSnapshot:
+        """A copy whose expected output lengths fit the KV cache (others unchanged, same objects when nothing moves).
+
+        An expected length is an estimate (a tagger's guess, a residual rule): on a small instance prompt +
+        estimate can exceed ``num_gpu_blocks * block_size``, which no real request can reach (the engine would
+        stop it at ``max_model_len`` long before), and which would make the whole snapshot unservable. Each request
+        keeps at least one token more than it has generated.
+        """
+        states = (*self.waiting, *self.running)
+        capacity = self.config.num_gpu_blocks * self.config.block_size
+        if all(r.num_prompt_tokens + r.num_output_tokens <= capacity for r in states):
+            return self
+
+        def fit(r: RequestState) -> RequestState:
+            limit = max(capacity - r.num_prompt_tokens, r.num_generated_tokens + 1, 1)
+            return r if r.num_output_tokens <= limit else replace(r, num_output_tokens=limit)
+
+        return replace(self, waiting=tuple(map(fit, self.waiting)), running=tuple(map(fit, self.running)))
+
+    def fit_request(self, request: RequestState) -> RequestState:
+        """``request`` with its expected output length cut to what this instance's KV cache can hold beside its
+        prompt (at least 1 token; a prompt that cannot fit stays unservable)."""
+        limit = max(self.config.num_gpu_blocks * self.config.block_size - request.num_prompt_tokens, 1)
+        return request if request.num_output_tokens <= limit else replace(request, num_output_tokens=limit)
 
     @classmethod
     def from_scheduler(cls, scheduler: Scheduler, now_s: float) -> InstanceSnapshot:

@@ -124,7 +124,8 @@ def test_crossing_rate_interpolates_in_log_p99():
     [("astrolabe-full", "astrolabe", {"k": 12}), ("astrolabe-k4", "astrolabe", {"k": 4}), ("gie", "gie", {}),
      ("min-qpm", "min-qpm", {}), (ENVOY_LEAST_REQUEST, ENVOY_LEAST_REQUEST, {}),
      ("astrolabe-k2-e2e-nomem", "astrolabe", {"k": 2, "metric": "e2e", "probe_best": False}),
-     ("astrolabe-paper", "astrolabe", {"k": 2, "metric": "e2e", "probe_best": False})],
+     ("astrolabe-paper", "astrolabe", {"k": 2, "metric": "e2e", "probe_best": False, "extra_probes": 0}),
+     ("astrolabe-k2-noextra", "astrolabe", {"k": 2, "extra_probes": 0})],
 )
 def test_policy_labels(label, name, params):
     spec = policy_spec(label, 12)

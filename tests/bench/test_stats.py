@@ -51,3 +51,19 @@ def test_mismatched_pairs_and_bad_parameters_are_errors():
         stats.summary_ci([], stats.mean)
     with pytest.raises(ValueError):
         stats.summary_ci([1.0], stats.mean, confidence=1.0)
+
+
+def test_percentile_matches_numpy_and_keeps_huge_finite_values():
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        values = rng.exponential(1.0, size=int(rng.integers(1, 40)))
+        q = float(rng.uniform(0, 100))
+        assert stats._percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert stats.p50(np.array([1e300] * 3)) == 1e300
+
+
+def test_groups_of_the_wrong_length_and_fractional_blocks_are_errors():
+    with pytest.raises(ValueError, match="one group per value"):
+        stats.summary_ci(list(range(1, 101)), stats.mean, groups=[0, 1])
+    with pytest.raises(ValueError, match="block_len"):
+        stats.summary_ci([1.0, 2.0], stats.mean, block_len=2.5)

@@ -49,9 +49,9 @@ def test_load_yaml(tmp_path):
         ({"endpoints": [{"models": ["m"]}]}, "endpoints[0].address: required"),
         ({"endpoints": [], "policy": "best"}, "policy: unknown policy 'best'"),
         ({"endpoints": [], "policy": "round-robin", "policy_params": {"k": 2}},
-         "policy: policy 'round-robin' takes no parameters"),
-        ({"endpoints": [], "policy_params": {"k": 0}}, "policy: policy 'astrolabe': k must be an integer >= 1"),
-        ({"endpoints": [], "policy_params": {"j": 0}}, "policy: policy 'astrolabe': unknown parameter(s) ['j']"),
+         "policy_params: policy 'round-robin' takes no parameters"),
+        ({"endpoints": [], "policy_params": {"k": 0}}, "policy_params: policy 'astrolabe': k must be an integer >= 1"),
+        ({"endpoints": [], "policy_params": {"j": 0}}, "policy_params: policy 'astrolabe': unknown parameter(s) ['j']"),
         ({"endpoints": [], "output_length": {"source": "guess"}}, "output_length.source: must be one of"),
         ({"endpoints": [], "output_length": {"fixed_tokens": 0}}, "output_length.fixed_tokens: must be > 0"),
         ({"endpoints": [], "predictor_client": {"predict_timeout_s": "1"}}, "predictor_client.predict_timeout_s"),
@@ -98,7 +98,7 @@ def test_metrics_scrape_keys(extra, interval_s, staleness_s):
     [({"metrics_interval_s": 0}, "metrics_interval_s: must be > 0"),
      ({"metrics_staleness_s": -1}, "metrics_staleness_s: must be > 0"),
      ({"metrics_interval_s": "fast"}, "metrics_interval_s: expected"),
-     ({"policy": "gie", "policy_params": {"prefix_weight": 3}}, "policy: policy 'gie': unknown parameter")],
+     ({"policy": "gie", "policy_params": {"prefix_weight": 3}}, "policy_params: policy 'gie': unknown parameter")],
     ids=["zero-interval", "negative-staleness", "string-interval", "gie-bad-param"],
 )
 def test_metrics_scrape_key_errors(extra, message):
@@ -336,7 +336,7 @@ def test_env_overrides_win_over_the_file(config_file, environ, expected):
          "endpoints: invalid YAML (set by ASTROLABE_EXTPROC_ENDPOINTS)"),
         ({"ASTROLABE_EXTPROC_POLICY": "best"}, "policy: unknown policy 'best'"),
         ({"ASTROLABE_EXTPROC_POLICY": "astrolabe", "ASTROLABE_EXTPROC_POLICY_PARAMS__K": "0"},
-         "policy: policy 'astrolabe': k must be an integer >= 1"),
+         "policy_params: policy 'astrolabe': k must be an integer >= 1"),
         ({"ASTROLABE_EXTPROC_LISTEN__PORT": "1"},
          "listen: not a section, cannot set 'port' (set by ASTROLABE_EXTPROC_LISTEN__PORT)"),
         ({"ASTROLABE_EXTPROC_A__B__C": "1"}, "ASTROLABE_EXTPROC_A__B__C: expected ASTROLABE_EXTPROC_<KEY> or"),
@@ -377,3 +377,21 @@ def test_replace_config_is_the_top_layer(config_file):
     config = load_config(config_file, {"ASTROLABE_EXTPROC_POLICY": "least-requests"})
     assert replace_config(config, policy="random", listen="0.0.0.0:1") == \
         dataclasses.replace(config, policy="random", listen="0.0.0.0:1")
+
+
+@pytest.mark.parametrize("raw, where", [
+    ({"predictor_client": {"predict_timeout_s": float("inf")}}, "predictor_client.predict_timeout_s"),
+    ({"health_check": {"interval_s": float("nan")}}, "health_check.interval_s"),
+    ({"policy_params": {"e2e_weight": float("nan")}}, "policy_params"),
+    ({"policy_params": {"memory_s": float("inf")}}, "policy_params"),
+], ids=["inf-timeout", "nan-interval", "nan-weight", "inf-memory"])
+def test_non_finite_numbers_are_errors(raw, where):
+    with pytest.raises(ConfigError, match=f"^{where}"):
+        parse_config({"endpoints": [{"address": "10.0.0.1:80"}], **raw})
+
+
+def test_a_bad_policy_parameter_from_the_environment_names_its_variable(tmp_path):
+    path = tmp_path / "extproc.yaml"
+    path.write_text("endpoints: [{address: 10.0.0.1:80}]\n")
+    with pytest.raises(ConfigError, match=r"^policy_params: .*k must be .*\(set by ASTROLABE_EXTPROC_POLICY_PARAMS__K\)"):
+        load_config(path, environ={"ASTROLABE_EXTPROC_POLICY_PARAMS__K": "0"})

@@ -4,6 +4,7 @@ Backoffs and late streaks run on a ManualClock; deadlines are real (gRPC and asy
 """
 
 import asyncio
+import math
 import concurrent.futures
 import hashlib
 import time
@@ -316,3 +317,36 @@ async def test_answers_without_prediction_do_not_back_off(sidecars, make_client,
 def test_config_errors_name_the_key(raw, where):
     with pytest.raises(ConfigError, match=f"^{where}"):
         parse_config({"endpoints": [], "predictor_client": raw})
+
+
+class NonsensePredictor(pb_grpc.PredictorServicer):
+    """A broken sidecar: answers with the figures it is given."""
+
+    def __init__(self, ttft_s: float, e2e_s: float) -> None:
+        self.ttft_s, self.e2e_s = ttft_s, e2e_s
+        self.requests = []
+
+    async def Predict(self, request, context):  # noqa: N802
+        self.requests.append(request)
+        return pb.PredictResponse(ttft_s=self.ttft_s, e2e_s=self.e2e_s, state_age_s=0.0)
+
+
+@pytest.mark.parametrize("ttft_s, e2e_s", [(math.nan, 1.0), (0.1, math.inf), (-1.0, 1.0), (2.0, 1.0)],
+                         ids=["nan", "inf", "negative", "e2e-before-ttft"])
+async def test_nonsense_answers_are_no_prediction_and_no_backoff(sidecars, make_client, ttft_s, e2e_s):
+    _, port = await sidecars(NonsensePredictor(ttft_s, e2e_s))
+    client = make_client()
+    address = f"127.0.0.1:{port}"
+    assert await ask(client, address) is None and await ask(client, address, 1) is None
+    assert client.outcomes[address]["invalid"] == 2 and not client.is_backing_off(address)
+
+
+async def test_counts_beyond_uint32_are_cut_not_fatal(sidecars, make_client):
+    servicer = NonsensePredictor(0.1, 1.0)
+    _, port = await sidecars(servicer)
+    client = make_client()
+    address = f"127.0.0.1:{port}"
+    assert await client.predict(address, "r", 2**40, 2**40, max_tokens=2**40) is not None
+    (sent,) = servicer.requests
+    assert (sent.num_prompt_tokens, sent.num_predicted_output_tokens, sent.max_tokens) == (2**32 - 1, 2**32 - 1, 0)
+    client.admit(address, "r", 2**40, 5, max_tokens=2**33)  # must not raise either

@@ -168,11 +168,18 @@ async def test_no_sidecar_answers_falls_back_to_least_requests():
         await router.predictors.close()
 
 
+async def _admitted(started, count, timeout_s=2.0):
+    deadline = time.monotonic() + timeout_s
+    while sum(s.ledger.num_unfinished() for s in started) < count and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)
+
+
 async def test_burst_over_idle_instances_spreads_evenly(sidecars):
     """50 requests dispatched back to back over 4 idle instances.
 
-    Each Admit is sent before the next request's Predict (same channel, fire-and-forget), so every prediction
-    sees the requests admitted before it. Bound: with full visibility Po2 on equal instances keeps the counts
+    Each Admit is sent before the next request's Predict, and the test waits until it has landed (fire and forget
+    gives no order between the sidecar's handling of an Admit and of the next Predict), so every prediction sees
+    the requests admitted before it; overlapping decisions are test_concurrent_burst_does_not_herd's. Bound: with full visibility Po2 on equal instances keeps the counts
     within a small spread; we allow max - min <= 4 (random sampling of 2 of 4 means a request never sees the
     two other instances, so perfect balance is not guaranteed). Random routing would give a spread of about
     10 for 50 requests (4 bins, sd ~3 each).
@@ -183,6 +190,7 @@ async def test_burst_over_idle_instances_spreads_evenly(sidecars):
         counts = collections.Counter()
         for i in range(50):
             counts[(await router.route(request(i))).destination] += 1
+            await _admitted(started, i + 1)
         assert sum(counts.values()) == 50 and len(counts) == 4
         assert max(counts.values()) - min(counts.values()) <= 4, counts
     finally:
@@ -233,3 +241,21 @@ async def test_non_predicting_policy_decisions_have_basis_policy(sidecars):
     router = make_router([None, None], policy="least-requests")
     decision = await router.route(request(0))
     assert decision.basis == "policy" and decision.candidates == () and decision.routing_s >= 0
+
+
+async def test_a_second_round_finds_the_free_instance_when_both_probes_would_queue(sidecars):
+    started = await sidecars(4)
+    for busy in started[:3]:  # 16 slots each, 40 long requests: a new one would queue
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{busy.port}") as channel:
+            stub = pb_grpc.PredictorStub(channel)
+            for i in range(40):
+                await stub.Admit(pb.AdmitRequest(request_id=f"b{i}", num_prompt_tokens=500,
+                                                 num_predicted_output_tokens=2000, length_source=3))
+    router = make_router([f"127.0.0.1:{s.port}" for s in started], params={"probe_best": False})
+    try:
+        decisions = [await router.route(request(i)) for i in range(12)]
+    finally:
+        await router.predictors.close()
+    assert {d.destination for d in decisions} == {"10.0.0.4:8000"}
+    assert any(len(d.candidates) == 4 for d in decisions)  # some first rounds drew two busy instances
+    assert all(len(d.candidates) == 2 for d in decisions if "10.0.0.4:8000" in {a for a, _ in d.candidates[:2]})

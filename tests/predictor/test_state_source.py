@@ -218,3 +218,90 @@ def test_admit_records_with_residual_rules_condition_on_progress_and_source():
     # a request nobody admitted here: the reply-length distribution given its progress
     assert records.expected_output_tokens("cmpl-stranger-0", None, 0) == rules.fixed.expected_output_tokens(1, 0)
     assert records.expected_output_tokens("cmpl-stranger-0", None, 500) > 500
+
+
+def _good_state(path) -> dict:
+    publish(path, busy_scheduler())
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda d: d["running"].append(["short", 1, 2]),
+    lambda d: d["running"].append([None] * 7),
+    lambda d: d["running"].append(["x", "abc", 0, 0, None, None, 0]),
+    lambda d: d["running"].append(["x", -5, 0, 0, None, None, 0]),
+    lambda d: d.update(running={"a": 1}),
+    lambda d: d.update(num_free_blocks=10**12),
+    lambda d: d.update(pid=2**70),
+    lambda d: d.update(pid=0),
+    lambda d: d.update(published_monotonic_s="soon"),
+    lambda d: d["engine"].update(block_size=-16),
+], ids=["short-row", "null-row", "text-count", "negative-count", "running-dict", "huge-free-blocks", "huge-pid",
+        "pid-0", "text-time", "negative-block-size"])
+def test_every_malformed_field_is_a_state_error_and_the_ledger_takes_over(tmp_path, mutate):
+    path = tmp_path / "state.json"
+    data = _good_state(path)
+    mutate(data)
+    path.write_text(json.dumps(data))
+    source = PluginStateSource("vllm-plugin", str(path))
+    assert source.snapshot(time.monotonic()) is None and source.reader.last_error
+
+
+def test_unreadable_files_are_refused_without_rereading_them(tmp_path):
+    path = tmp_path / "state.json"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    reader = PluginStateReader(str(path))
+    assert reader.read(time.monotonic()) is None and "utf-8" in reader.last_error
+    os.unlink(path)
+    os.mkfifo(path)  # a reader would block on a FIFO forever
+    assert reader.read(time.monotonic()) is None and "not a regular file" in reader.last_error
+    os.unlink(path)
+    data = _good_state(path)
+    data["published_monotonic_s"] = time.monotonic() + 3600
+    path.write_text(json.dumps(data))
+    assert reader.read(time.monotonic()) is None and "future" in reader.last_error
+
+
+def test_an_idle_engines_state_is_current_however_old(tmp_path):
+    path = tmp_path / "state.json"
+    data = _good_state(path)
+    data.update(running=[], waiting=[], published_monotonic_s=time.monotonic() - 600)
+    path.write_text(json.dumps(data))
+    state = PluginStateReader(str(path)).read(time.monotonic())
+    assert state is not None and state.age_s(time.monotonic()) == 0.0
+
+
+def test_an_x_request_id_with_a_slash_matches_its_engine_request():
+    records = AdmitRecords()
+    records.admit("a/b/9f3c", 40)
+    assert records.expected_output_tokens("cmpl-a/b-0", None) == 40
+    assert records.pending(["cmpl-a/b-0"], 0.0, 2.0) == []  # seen by the engine: not counted twice
+
+
+async def test_plugin_mode_admit_checks_the_prompt_and_reports_duplicates(tmp_path):
+    path = tmp_path / "state.json"
+    publish(path, busy_scheduler())
+    sidecar = Sidecar(SidecarConfig(backend="127.0.0.1:1", listen="127.0.0.1:0", state_source="vllm-plugin",
+                                    vllm_state_path=str(path), discover_kv_cache=False))
+    await sidecar.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.port}") as channel:
+            stub = pb_grpc.PredictorStub(channel)
+            reply = await stub.Predict(pb.PredictRequest(request_id="p", num_prompt_tokens=10,
+                                                         num_predicted_output_tokens=10))
+            assert reply.state_source == "vllm-plugin"
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Admit(pb.AdmitRequest(request_id="huge", num_prompt_tokens=2**32 - 1,
+                                                 num_predicted_output_tokens=1))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV blocks" in info.value.details()
+            # a long guess is admitted (the snapshot cuts it to the KV cache) and predictions keep working
+            first = await stub.Admit(pb.AdmitRequest(request_id="long/1", num_prompt_tokens=100,
+                                                     num_predicted_output_tokens=2**31))
+            again = await stub.Admit(pb.AdmitRequest(request_id="long/1", num_prompt_tokens=100,
+                                                     num_predicted_output_tokens=2**31))
+            assert (first.duplicate, again.duplicate) == (False, True)
+            reply = await stub.Predict(pb.PredictRequest(request_id="p", num_prompt_tokens=10,
+                                                         num_predicted_output_tokens=10))
+            assert reply.ttft_s > 0 and reply.e2e_s >= reply.ttft_s and reply.queue_s >= 0
+    finally:
+        await sidecar.stop(0)

@@ -293,7 +293,7 @@ async def test_reply_length_hook_ends_the_reply_under_the_cap(hint: str, expecte
         assert (resp.json()["usage"]["completion_tokens"], choice["finish_reason"]) == (expected, reason)
 
 
-@pytest.mark.parametrize("hint", ["0", "x", "-3"])
+@pytest.mark.parametrize("hint", ["0", "x", "-3", "9" * 5000])
 async def test_bad_reply_length_hook_is_400(hint: str) -> None:
     async with emulator() as client:
         resp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 5},

@@ -103,11 +103,38 @@ def test_probe_best_ignores_endpoints_that_left_the_pool():
 
 @pytest.mark.parametrize("params", [{"k": 0}, {"k": 1.5}, {"k": True}, {"metric": "tpot"}, {"x": 1},
                                     {"e2e_weight": -1}, {"e2e_weight": "a"}, {"probe_best": 1},
-                                    {"memory_s": 0}, {"memory_s": True}])
+                                    {"memory_s": 0}, {"memory_s": True}, {"extra_probes": -1},
+                                    {"extra_probes": 1.5}, {"queue_threshold_s": -0.1}, {"queue_threshold_s": "x"}])
 def test_bad_params(params):
     with pytest.raises(ValueError):
         build(params, random.Random(0))
 
 
 def test_params_defaults():
-    assert Params() == Params(k=2, metric="blend", e2e_weight=0.1, probe_best=True, memory_s=1.0)
+    assert Params() == Params(k=2, metric="blend", e2e_weight=0.1, probe_best=True, memory_s=1.0, extra_probes=4,
+                              queue_threshold_s=0.05)
+
+
+def queued(address, queue_s, ttft_s=None):
+    return EndpointView(address, prediction=Prediction(ttft_s or queue_s + 0.03, 3.0, 0.0, queue_s))
+
+
+@pytest.mark.parametrize("queues, expected", [
+    ((0.5, 0.9), 3),      # both would queue: up to 4 more of the 3 left
+    ((0.5, 0.01), 0),     # one would start the request at once
+    ((0.05, 0.05), 0),    # at the threshold: not "would wait"
+], ids=["both-queue", "one-free", "at-threshold"])
+def test_second_round_only_when_every_candidate_would_queue(queues, expected):
+    policy = build({}, random.Random(0))
+    first = [queued(EPS[0].address, queues[0]), queued(EPS[1].address, queues[1])]
+    more = policy.more_candidates(REQ, first, EPS)
+    assert len(more) == expected and not {e.address for e in more} & {EPS[0].address, EPS[1].address}
+    assert len({e.address for e in more}) == len(more)
+
+
+def test_no_second_round_when_disabled_or_a_sidecar_did_not_answer():
+    first = [queued(EPS[0].address, 1.0), queued(EPS[1].address, 1.0)]
+    assert build({"extra_probes": 0}, random.Random(0)).more_candidates(REQ, first, EPS) == ()
+    partial = [first[0], EndpointView(EPS[1].address)]
+    assert build({}, random.Random(0)).more_candidates(REQ, partial, EPS) == ()
+    assert len(build({"extra_probes": 2}, random.Random(0)).more_candidates(REQ, first, EPS)) == 2
