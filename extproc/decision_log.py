@@ -17,7 +17,8 @@ Record (keys always present; times in seconds)::
                      "queue_s": null}]}
 
 Candidates are in probe order (a second round's after the first's). A candidate with nulls did not answer (no sidecar, failed, late, backing off or stale). Lines are buffered and
-flushed at least every ``flush_interval_s`` and on ``close``; a write error is logged once and the log turns
+flushed when a record finds the last flush older than ``flush_interval_s``, by the server's ``flush`` timer
+(every second, so records reach the file when traffic stops) and on ``close``; a write error is logged once and the log turns
 itself off (routing never fails because of it). Records are written on the event loop: ~10 us each.
 """
 
@@ -84,6 +85,18 @@ class DecisionLog:
             if now_s - self._last_flush_s >= self._flush_interval_s:
                 self._file.flush()
                 self._last_flush_s = now_s
+        except (OSError, ValueError) as exc:
+            logger.error("decision log %s failed (%s); no more decisions are logged", self.path, exc)
+            self._close_quietly()
+
+    def flush(self) -> None:
+        """Writes buffered records to the file now (the server calls it every ``flush_interval_s``, so records
+        reach the file while traffic is quiet too); never raises."""
+        if self._file is None:
+            return
+        try:
+            self._file.flush()
+            self._last_flush_s = self._clock()
         except (OSError, ValueError) as exc:
             logger.error("decision log %s failed (%s); no more decisions are logged", self.path, exc)
             self._close_quietly()

@@ -53,7 +53,10 @@ class EndpointPool:
 
     def set_healthy(self, address: str, healthy: bool) -> None:
         if address in self._healthy and self._healthy[address] != healthy:
-            logger.warning("endpoint %s is now %s", address, "healthy" if healthy else "UNHEALTHY")
+            if healthy:
+                logger.info("endpoint %s is now healthy", address)
+            else:
+                logger.warning("endpoint %s is now UNHEALTHY", address)
             self._healthy[address] = healthy
 
     def is_healthy(self, address: str) -> bool:

@@ -236,13 +236,17 @@ class ExtprocServer:
             self._tasks.append(asyncio.create_task(self._watcher.run(), name="config-watch"))
         if self.endpoint_metrics is not None:
             self._tasks.append(asyncio.create_task(self.endpoint_metrics.run(), name="endpoint-metrics"))
+        if self.decision_log is not None:
+            self._tasks.append(asyncio.create_task(_flush_every(self.decision_log, 1.0), name="decision-log"))
         if self.router.policy.needs_predictions:
             get_tokenizer()  # loaded now rather than by the first request, on the event loop
             self.predictors.connect([e.predictor for e in self.pool.endpoints if e.predictor])
         settle_heap()
         await self._set_serving(True)
-        logger.info("extproc listening on %s (port %d), policy %s, %d endpoints",
-                    self.config.listen, self.port, self.config.policy, len(self.pool.endpoints))
+        params = getattr(self.router.policy, "params", None)
+        logger.info("extproc listening on %s (port %d), policy %s %s, %d endpoints", self.config.listen, self.port,
+                    self.config.policy, params if params is not None else dict(self.config.policy_params),
+                    len(self.pool.endpoints))
         return self.port
 
     async def stop(self) -> None:
@@ -269,6 +273,12 @@ class ExtprocServer:
         if self.router.lengths.tagger is not None:
             self.router.lengths.tagger.close()
         logger.info("extproc stopped")
+
+
+async def _flush_every(log: DecisionLog, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        log.flush()
 
 
 async def serve(config: ExtprocConfig, config_path: Path | None) -> None:

@@ -32,9 +32,9 @@ def test_defaults_meet_the_documented_sizing() -> None:
 @pytest.mark.parametrize(
     "argv",
     [["--policies", " , "], ["--num-instances", "0"], ["--time-scale", "0"], ["--load", "0.5", "--rate-qps", "3"],
-     ["--quick", "--thorough"], ["--seeds", "a"], ["--num-routers", "0"], ["--setting", "huge"]],
+     ["--quick", "--thorough"], ["--seeds", "a"], ["--num-routers", "0"], ["--setting", "huge"], ["--policies", "foo"]],
     ids=["no-policies", "no-instances", "zero-time-scale", "load-and-rate", "two-modes", "bad-seeds", "no-routers",
-         "unknown-setting"],
+         "unknown-setting", "unknown-policy"],
 )
 def test_bad_arguments_exit_with_usage_error(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -111,7 +111,7 @@ def test_quick_demo_end_to_end(tmp_path: Path) -> None:
     lines = done.stdout.splitlines()
     assert lines[0].startswith("Astrolabe demo, setting 'production'")
     assert any(line.startswith("sidecars: the emulators' engine state (plugin mode") for line in lines)
-    assert any(line.startswith("routers: 2 replica(s)") for line in lines)
+    assert any(line.startswith("routers: 2 replicas") for line in lines)
     names = ("astrolabe", "envoy-least-request", "round-robin", "least-requests")
     rows = {}
     for cells in map(str.split, lines):  # the first row of each policy is the latency table's

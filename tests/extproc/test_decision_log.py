@@ -43,3 +43,13 @@ def test_a_write_error_turns_the_log_off_without_raising(tmp_path):
     log.write(REQUEST, DECISION)
     log.write(REQUEST, DECISION)
     assert log.num_records == 0 and log._file is None
+
+
+def test_flush_writes_buffered_records_while_traffic_is_quiet(tmp_path):
+    log = DecisionLog(tmp_path / "d.jsonl", flush_interval_s=3600.0)
+    log.write(REQUEST, DECISION)
+    assert (tmp_path / "d.jsonl").read_text() == ""  # buffered
+    log.flush()  # the server's timer
+    assert len((tmp_path / "d.jsonl").read_text().splitlines()) == 1
+    log.close()
+    log.flush()  # after close: nothing, no error
