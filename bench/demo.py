@@ -49,6 +49,7 @@ from bench.decisions import read_decisions, summarize_decisions
 from bench.demo_fleet import ENVOY_LEAST_REQUEST, EngineSettings, RouterTier, cpu_seconds, scrape_sum, wait_idle
 from bench.loadgen import RequestResult, replay
 from bench.procs import ProcessGroup, ProcessStartError
+from bench.sidecar_checks import checks_between, read_sidecar_states
 from bench.report import (
     ControlPlaneCost,
     PolicyRun,
@@ -380,6 +381,7 @@ def _replay_policy(procs: ProcessGroup, cfg: DemoConfig, plan: TracePlan, policy
                    sidecars: dict[str, str], log_dir: Path) -> PolicyRun:
     """Start ``policy``'s router tier, replay every trace, stop it; returns what it produced."""
     sidecar_pids = [p.pid for p in procs.processes if p.name.startswith("sidecar-")]
+    checks_before = read_sidecar_states(list(sidecars.values())) if policy == "astrolabe" else None
     tier: RouterTier = demo_fleet.start_router_tier(procs, policy, extproc_config(cfg, policy, instances, sidecars),
                                                     cfg.num_routers, cfg.body_mode, instances, log_dir)
     sidecar_cpu_s = sum(cpu_seconds(pid) for pid in sidecar_pids)
@@ -400,6 +402,8 @@ def _replay_policy(procs: ProcessGroup, cfg: DemoConfig, plan: TracePlan, policy
         sidecar_cpu_s = sum(cpu_seconds(pid) for pid in sidecar_pids) - sidecar_cpu_s
     finally:
         tier.stop()
+    checks = (checks_between(checks_before, read_sidecar_states(list(sidecars.values())))
+              if checks_before is not None else None)
     num_requests = sum(map(len, results_by_seed.values()))
     cost = ControlPlaneCost(policy, num_requests, num_predictions, num_fallbacks, extproc_cpu_s, sidecar_cpu_s,
                             envoy_cpu_s)
@@ -408,7 +412,7 @@ def _replay_policy(procs: ProcessGroup, cfg: DemoConfig, plan: TracePlan, policy
         records = read_decisions(tier.decision_logs)
         decisions = summarize_decisions(records, [r for rs in results_by_seed.values() for r in rs])
     _log_errors(policy, [r for rs in results_by_seed.values() for r in rs], log_dir)
-    return PolicyRun(policy, results_by_seed, decisions, cost)
+    return PolicyRun(policy, results_by_seed, decisions, cost, checks)
 
 
 def run_policies(cfg: DemoConfig, plan: TracePlan, log_dir: Path) -> int:

@@ -22,6 +22,7 @@ import numpy as np
 from bench import stats
 from bench.decisions import DecisionSummary
 from bench.loadgen import RequestResult
+from bench.sidecar_checks import SidecarChecks
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +90,14 @@ class PolicyRun:
             traces, so results of two policies pair up by position).
         decisions: the decision-log summary (None for a policy without extproc).
         cost: control-plane cost.
+        sidecar_checks: what the sidecars checked themselves during this policy's replays (None: no sidecars).
     """
 
     policy: str
     results_by_seed: dict[int, list[RequestResult]]
     decisions: DecisionSummary | None
     cost: ControlPlaneCost
+    sidecar_checks: SidecarChecks | None = None
 
     @property
     def results(self) -> list[RequestResult]:
@@ -310,6 +313,14 @@ def format_prediction_quality(runs: Sequence[PolicyRun]) -> str:
         return "(no predictions to score)"
     lines = _render(["policy", "scored", "TTFT MAPE", "TTFT median |err| ms", "E2E MAPE", "E2E median |err| s",
                      "hindsight agreement (pairs)"], rows)
+    for run in runs:
+        c = run.sidecar_checks
+        if c is not None and (c.e2e_count or c.ttft_count):
+            lines.append(f"{run.policy}, checked by the sidecars themselves (admission to first token / to "
+                         f"release): TTFT MAPE {_fmt_pct(c.ttft_mape)} over {c.ttft_count}, E2E MAPE "
+                         f"{_fmt_pct(c.e2e_mape)} over {c.e2e_count}; step-time model calibrated online on "
+                         f"{c.num_calibrated} of {c.num_sidecars} sidecars (error on measured steps "
+                         f"{_fmt_pct(c.residual)})")
     lines.append("scored: decisions with a prediction of the chosen instance joined with a successful result "
                  "(fallback decisions have none); the chosen instance's predicted TTFT/E2E at decision time against "
                  "the client's measurement (which adds Envoy's and the router's few ms: TTFTs of a few tens of ms "

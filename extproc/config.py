@@ -29,6 +29,8 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
     grace_period_s: 10.0            # then streams still being routed get at most this long
     metrics_listen: null            # host:port for Prometheus /metrics (null = off)
     decision_log_path: null         # JSON lines, one record per routing decision (null = off)
+    tokenizers: {}                  # served model -> tokenizer.json or model dir (prompt tokens as the engine
+                                    # counts them; other models: the shipped WordPiece, extproc/prompt_tokens.py)
     reload_interval_s: 1.0          # how often the file is checked for changes (endpoints reload live)
     metrics_interval_s: 0.05        # endpoint /metrics scrape interval (only for infaas | llumnix | gie)
     metrics_staleness_s: 2.0        # an older scrape counts as missing (GIE's default)
@@ -347,6 +349,12 @@ class ExtprocConfig:
         default_factory=PredictorClientConfig, description="Calls to the predictor sidecars.")
     decision_log_path: _NonEmptyStr | None = Field(
         None, description="File that receives JSON lines, one record per routing decision; null = off.")
+    tokenizers: Annotated[dict[_NonEmptyStr, _NonEmptyStr],
+                          BeforeValidator(_none_as(dict), json_schema_input_type=dict[str, str] | None)] = \
+        Field(default_factory=dict,
+              description="Served model name -> its tokenizer.json or model directory: prompt tokens are counted "
+                          "as that model's engine counts them (chat: with its chat template); other models with "
+                          "the shipped WordPiece.")
 
     @field_validator("endpoints")
     @classmethod

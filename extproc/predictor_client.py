@@ -363,11 +363,15 @@ class PredictorClient:
             self._spawn(self.wait_ready(address, timeout_s=5.0))  # a failure shows in the first Predict
 
     def admit(self, address: str, request_id: str, num_prompt_tokens: int, num_output_tokens: int, *,
-              max_tokens: int | None = None, length_source: int = 0) -> None:
-        """Tells the chosen sidecar about the request, without waiting for the answer (arguments as ``predict``)."""
+              max_tokens: int | None = None, length_source: int = 0, predicted_ttft_s: float = 0.0,
+              predicted_e2e_s: float = 0.0) -> None:
+        """Tells the chosen sidecar about the request, without waiting for the answer (arguments as ``predict``;
+        ``predicted_*_s``: what that sidecar predicted for it, seconds, 0 = none, which it checks against the
+        outcome)."""
         message = pb.AdmitRequest(request_id=request_id, num_prompt_tokens=_uint32(num_prompt_tokens),
                                   num_predicted_output_tokens=_uint32(num_output_tokens), max_tokens=_cap(max_tokens),
-                                  length_source=length_source)
+                                  length_source=length_source, predicted_ttft_s=predicted_ttft_s,
+                                  predicted_e2e_s=predicted_e2e_s)
         self._notify(address, self._stub(address).Admit(message, timeout=self.config.notify_timeout_s))
 
     def release(self, address: str, request_id: str) -> None:

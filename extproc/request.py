@@ -41,6 +41,7 @@ class RoutingRequest:
         stream: whether the client asked for SSE streaming.
         num_body_bytes: size of the request body in bytes (0 without a body).
         last_user_message: chat only: the text of the last ``user`` message (what the reply answers).
+        chat_messages: chat only: ``(role, text)`` of every message, in order (what a chat template renders).
         arrival_time_s: when the extproc received the request's headers, seconds on ``time.monotonic()`` (the
             cluster simulation's virtual clock there); 0.0 when unknown. Routing overhead is measured from it.
     """
@@ -56,6 +57,7 @@ class RoutingRequest:
     num_body_bytes: int = 0
     last_user_message: str | None = None
     arrival_time_s: float = 0.0
+    chat_messages: tuple[tuple[str, str], ...] | None = None
 
 
 def _bad(message: str, param: str | None = None) -> RoutingError:
@@ -134,11 +136,12 @@ def _content_text(content: object, index: int) -> str:
     return "\n".join(texts)
 
 
-def _parse_messages(messages: object) -> tuple[str, str | None]:
-    """Returns (all message texts joined, the last user message's text or None)."""
+def _parse_messages(messages: object) -> tuple[str, str | None, tuple[tuple[str, str], ...]]:
+    """Returns (all message texts joined, the last user message's text or None, (role, text) of each)."""
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list", "messages")
     texts = []
+    roles = []
     last_user = None
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -146,9 +149,10 @@ def _parse_messages(messages: object) -> tuple[str, str | None]:
         if not isinstance(message.get("role"), str):
             raise _bad(f"'messages[{i}].role' must be a string", f"messages[{i}].role")
         texts.append(_content_text(message.get("content"), i))
+        roles.append(message["role"])
         if message["role"] == "user":
             last_user = texts[-1]
-    return "\n".join(texts), last_user
+    return "\n".join(texts), last_user, tuple(zip(roles, texts))
 
 
 def _is_encodable(text: str) -> bool:
@@ -189,6 +193,7 @@ def parse_body(request_id: str, method: str, path: str, body: bytes) -> RoutingR
     last_user: str | None = None
     ids: tuple[int, ...] | None = None
     max_tokens: int | None = None
+    chat: tuple[tuple[str, str], ...] | None = None
     if path == COMPLETIONS_PATH:
         if "prompt" not in parsed:
             raise _bad("'prompt' is required", "prompt")
@@ -197,7 +202,7 @@ def parse_body(request_id: str, method: str, path: str, body: bytes) -> RoutingR
     elif path == CHAT_COMPLETIONS_PATH:
         if "messages" not in parsed:
             raise _bad("'messages' is required", "messages")
-        text, last_user = _parse_messages(parsed["messages"])
+        text, last_user, chat = _parse_messages(parsed["messages"])
         max_tokens = _optional_count(parsed, "max_completion_tokens")
         legacy = _optional_count(parsed, "max_tokens")
         max_tokens = legacy if max_tokens is None else max_tokens
@@ -215,4 +220,5 @@ def parse_body(request_id: str, method: str, path: str, body: bytes) -> RoutingR
         stream=_optional_bool(parsed, "stream"),
         num_body_bytes=len(body),
         last_user_message=last_user,
+        chat_messages=chat,
     )

@@ -27,6 +27,7 @@ from extproc.decision_log import DecisionLog
 from extproc.endpoint_metrics import MetricsScraper
 from extproc.errors import ErrorCode, RoutingError
 from extproc.lengths import OutputLengthEstimator, count_prompt_tokens
+from extproc.prompt_tokens import PromptTokenCounter
 from extproc.metrics import ExtprocMetrics
 from extproc.policies.base import EndpointView, Policy
 from extproc.policies.least_requests import LeastRequestsPolicy
@@ -51,12 +52,15 @@ class Router:
             endpoint's metrics read None and such a policy falls back).
         clock: monotonic clock, seconds (dispatch times for ``num_recent_requests``, routing overhead).
         decision_log: where each decision is recorded (None = nowhere).
+        prompt_tokens: counts prompt tokens per served model (``extproc.prompt_tokens``); None = the shipped
+            WordPiece for every model.
     """
 
     def __init__(self, pool: EndpointPool, policy: Policy, metrics: ExtprocMetrics | None = None,
                  predictors: PredictorClient | None = None, lengths: OutputLengthEstimator | None = None,
                  rng: random.Random | None = None, endpoint_metrics: MetricsScraper | None = None,
-                 clock=time.monotonic, decision_log: DecisionLog | None = None) -> None:
+                 clock=time.monotonic, decision_log: DecisionLog | None = None,
+                 prompt_tokens: PromptTokenCounter | None = None) -> None:
         if policy.needs_predictions and (predictors is None or lengths is None):
             raise ValueError(f"policy {policy.TYPE!r} needs a predictor client and an output-length estimator")
         self.pool = pool
@@ -68,6 +72,7 @@ class Router:
         self.endpoint_metrics = endpoint_metrics
         self._clock = clock
         self.decision_log = decision_log
+        self._count_prompt_tokens = prompt_tokens.count if prompt_tokens is not None else count_prompt_tokens
 
     def _healthy_views(self, request: RoutingRequest) -> list[EndpointView]:
         if not self.pool.endpoints:
@@ -122,7 +127,7 @@ class Router:
         candidates = self.policy.candidates(request, views)
         ledger_id = f"{request.request_id}/{uuid.uuid4().hex[:12]}"
         t0_s = self._clock()
-        num_prompt_tokens = count_prompt_tokens(request)
+        num_prompt_tokens = self._count_prompt_tokens(request)
         t1_s = self._clock()
         num_output_tokens, length_source = await self.lengths.estimate_with_source(request)
         t2_s = self._clock()
@@ -151,8 +156,11 @@ class Router:
         if chosen is None:
             chosen, policy_name, basis = self._fallback.choose(request, views), self._fallback.TYPE, "fallback"
         if chosen.predictor:
+            used = chosen.prediction  # what the chosen sidecar answered: it checks it against the outcome
             self.predictors.admit(chosen.predictor, ledger_id, num_prompt_tokens, num_output_tokens,
-                                  max_tokens=request.max_tokens, length_source=length_source)
+                                  max_tokens=request.max_tokens, length_source=length_source,
+                                  predicted_ttft_s=used.ttft_s if used else 0.0,
+                                  predicted_e2e_s=used.e2e_s if used else 0.0)
         return Decision(chosen.address, policy_name, ledger_id, chosen.predictor, basis,
                         tuple((v.address, p) for v, p in zip(candidates, predictions)), num_prompt_tokens,
                         num_output_tokens, length_source, stage_s=stage_s)

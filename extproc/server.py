@@ -37,6 +37,7 @@ from extproc.metrics import ExtprocMetrics
 from extproc.predictor_client import PredictorClient
 from extproc.policies.registry import build_policy
 from extproc.pool import EndpointPool, HealthChecker
+from extproc.prompt_tokens import PromptTokenCounter, TokenizerLoadError
 from extproc.router import Router
 from extproc.stream import StreamHandler
 from tagger.artifact import TaggerLoadError
@@ -183,9 +184,17 @@ class ExtprocServer:
                 self.decision_log = DecisionLog(config.decision_log_path)
             except OSError as exc:
                 raise ConfigError(f"decision_log_path: cannot open {config.decision_log_path}: {exc}") from None
+        try:
+            prompt_tokens = PromptTokenCounter(config.tokenizers)
+        except TokenizerLoadError as exc:
+            raise ConfigError(str(exc)) from None
+        if policy.needs_predictions and not config.tokenizers:
+            logger.warning("no tokenizers configured: prompt tokens are counted with the shipped WordPiece, not "
+                           "the served models' tokenizers (set 'tokenizers' in the config)")
         self.router = Router(self.pool, policy, self.metrics, self.predictors,
                              OutputLengthEstimator(config.output_length, _load_tagger(config)), rng,
-                             endpoint_metrics=self.endpoint_metrics, decision_log=self.decision_log)
+                             endpoint_metrics=self.endpoint_metrics, decision_log=self.decision_log,
+                             prompt_tokens=prompt_tokens)
         if policy.needs_predictions and not any(e.predictor for e in config.endpoints):
             logger.warning("policy %r needs predictor sidecars but no endpoint names one: every request "
                            "falls back to least-requests", config.policy)

@@ -10,6 +10,8 @@ The generated modules (``predictor/predictor_pb2.py``, ``predictor/predictor_pb2
 from __future__ import annotations
 
 import importlib
+import os
+import tempfile
 from pathlib import Path
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -29,10 +31,15 @@ def generate(force: bool = False) -> bool:
     from grpc_tools import protoc  # noqa: PLC0415 (only needed when generating)
 
     root = _PACKAGE_DIR.parent
-    status = protoc.main(["grpc_tools.protoc", f"-I{root}", f"--python_out={root}", f"--grpc_python_out={root}",
-                          str(PROTO_PATH.relative_to(root))])
-    if status != 0:
-        raise RuntimeError(f"protoc failed on {PROTO_PATH} (exit status {status})")
+    # Into a private folder, then renamed into place: several processes starting at once (a fleet of sidecars on
+    # a fresh checkout) must never import a half-written module.
+    with tempfile.TemporaryDirectory(dir=_PACKAGE_DIR, prefix=".protoc-") as out:
+        status = protoc.main(["grpc_tools.protoc", f"-I{root}", f"--python_out={out}", f"--grpc_python_out={out}",
+                              str(PROTO_PATH.relative_to(root))])
+        if status != 0:
+            raise RuntimeError(f"protoc failed on {PROTO_PATH} (exit status {status})")
+        for path in _GENERATED:
+            os.replace(Path(out) / path.relative_to(root), path)
     importlib.invalidate_caches()
     return True
 

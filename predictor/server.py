@@ -6,6 +6,12 @@ forward from the ledger's state with the new request added (``predictor.sim.pred
 the time since the last successful reconciliation (a dead or slow backend makes it grow).
 At start it reads ``block_size`` and ``num_gpu_blocks`` from the backend's ``vllm:cache_config_info`` when the
 flags leave them unset.
+
+With the plugin's (or the emulator's) state file it also refits its step-time model from the engine's measured
+steps (``predictor.calibration``, ``--calibration online``, the default) and observes each request's first token;
+every request admitted with a prediction is checked against what happened at Release
+(``predictor.outcomes``). Both are reported in every Predict answer (calibration), in ``State`` and, with
+``--metrics-port``, as Prometheus metrics (`SidecarCollector`).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import time
 
 import aiohttp
@@ -25,7 +32,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from astrolabe.lifecycle import settle_heap, wait_for_termination
 from predictor.api import pb, pb_grpc
 from predictor.backend_metrics import MetricsFormatError, parse_vllm_metrics
+from predictor.calibration import CalibrationStatus, StepTimeCalibrator
 from predictor.ledger import Ledger
+from predictor.outcomes import OutcomeTracker
 from predictor.residual_rules import ResidualRules
 from predictor.sim import EngineConfig, LinearBatchTimeModel
 from predictor.sim.scheduler import check_request_fits
@@ -45,7 +54,9 @@ class SidecarConfig:
         backend: ``host:port`` of the vLLM server whose /metrics is scraped.
         listen: ``host:port`` of the gRPC server.
         engine: the instance's engine limits (vLLM names); KV fields may be replaced from the backend.
-        batch_time_model: shipped model name or JSON path (``predictor.sim.LinearBatchTimeModel``).
+        batch_time_model: shipped model name or JSON path (``predictor.sim.LinearBatchTimeModel``); None = the
+            shipped shape nearest ``model_config`` (``predictor.model_shape``), else ``llama-2-7b``.
+        model_config: the served model's ``config.json`` (or its directory), for the cold start; None = none.
         time_scale: multiplies modelled step times (1.0 for a real GPU; the emulator's time scale otherwise).
         reconcile_interval_s: how often /metrics is scraped, seconds.
         visibility_grace_s: an admitted request is not reconciled away for this long, seconds.
@@ -59,12 +70,17 @@ class SidecarConfig:
             (``predictor.residual_rules``).
         length_errors: the tagger directory (or its errors.npz) whose measured errors condition residual
             lengths; None = the shipped light tagger's.
+        calibration: ``online`` (refit the step-time model from the engine's measured steps, when the state file
+            carries them) or ``off`` (the shipped model as given).
+        calibration_min_samples: measured steps before the first refit.
+        bias_correction: scale predictions by the inverse of their recent measured bias (``predictor.outcomes``).
+        metrics_listen: ``host:port`` of a Prometheus /metrics endpoint; None = none.
     """
 
     backend: str
     listen: str = "127.0.0.1:9100"
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
-    batch_time_model: str = "llama-2-7b"
+    batch_time_model: str | None = "llama-2-7b"
     time_scale: float = 1.0
     reconcile_interval_s: float = 0.1
     visibility_grace_s: float = 2.0
@@ -75,6 +91,30 @@ class SidecarConfig:
     residual_lengths: str = "empirical"
     length_errors: str | None = None
     plugin_reconcile_interval_s: float = 1.0
+    calibration: str = "online"
+    calibration_min_samples: int = 64
+    bias_correction: bool = False
+    metrics_listen: str | None = None
+    model_config: str | None = None
+
+
+def resolve_batch_time_model(batch_time_model: str | None, model_config: str | None) -> str:
+    """The batch-time model to start from: ``batch_time_model`` when given, else the shipped shape nearest the
+    served model's config (logged), else ``llama-2-7b``.
+
+    Raises:
+        OSError, ValueError: ``model_config`` cannot be read or is not a transformer config.
+    """
+    if batch_time_model:
+        return batch_time_model
+    if not model_config:
+        return "llama-2-7b"
+    from predictor.model_shape import nearest_shipped_model, read_model_shape  # noqa: PLC0415
+
+    name, distance = nearest_shipped_model(read_model_shape(model_config))
+    logger.info("cold start: shipped step-time model %s is the nearest shape to %s (log distance %.2f); "
+                "calibration refits it from the engine's steps", name, model_config, distance)
+    return name
 
 
 def load_batch_time(name_or_path: str, time_scale: float = 1.0) -> LinearBatchTimeModel:
@@ -89,6 +129,20 @@ def load_batch_time(name_or_path: str, time_scale: float = 1.0) -> LinearBatchTi
     model = (LinearBatchTimeModel.from_json(name_or_path) if name_or_path.endswith(".json")
              else LinearBatchTimeModel.default(name_or_path))
     return model.scaled(time_scale)
+
+
+CALIBRATION_MODES = ("online", "off")
+
+
+def _json_safe(value):
+    """``value`` with every non-finite float replaced by None (strict JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 class PredictorServicer(pb_grpc.PredictorServicer):
@@ -132,11 +186,17 @@ class PredictorServicer(pb_grpc.PredictorServicer):
             sidecar.plugin.admits.admit(request.request_id, request.num_predicted_output_tokens,
                                         request.num_prompt_tokens, now_s, max_tokens=request.max_tokens or None,
                                         length_source=request.length_source)
+            sidecar.outcomes.admit(request.request_id, now_s, request.predicted_ttft_s, request.predicted_e2e_s)
         return pb.AdmitResponse(duplicate=not added)
 
     async def Release(self, request, context):  # noqa: N802
-        self._sidecar.plugin.admits.release(request.request_id)
-        return pb.ReleaseResponse(known=self._sidecar.ledger.release(request.request_id, time.monotonic()))
+        sidecar = self._sidecar
+        now_s = time.monotonic()
+        if sidecar.outcomes.is_tracked(request.request_id) and sidecar.plugin.reader is not None:
+            sidecar.absorb(sidecar.plugin.reader.read(now_s), now_s)  # its first token may be in the newest file
+        sidecar.outcomes.release(request.request_id, now_s)
+        sidecar.plugin.admits.release(request.request_id)
+        return pb.ReleaseResponse(known=sidecar.ledger.release(request.request_id, now_s))
 
     async def State(self, request, context):  # noqa: N802
         return pb.StateResponse(state_json=json.dumps(self._sidecar.state()))
@@ -147,7 +207,15 @@ class Sidecar:
 
     def __init__(self, config: SidecarConfig) -> None:
         self.config = config
-        self.batch_time = load_batch_time(config.batch_time_model, config.time_scale)
+        if config.calibration not in CALIBRATION_MODES:
+            raise ValueError(f"calibration must be one of {', '.join(CALIBRATION_MODES)}, got {config.calibration!r}")
+        self.prior_batch_time = load_batch_time(resolve_batch_time_model(config.batch_time_model,
+                                                                         config.model_config), config.time_scale)
+        self.calibrator = (StepTimeCalibrator(self.prior_batch_time, min_samples=config.calibration_min_samples)
+                           if config.calibration == "online" else None)
+        self.calibration_status: CalibrationStatus | None = self.calibrator.status() if self.calibrator else None
+        self.outcomes = OutcomeTracker(bias_correction=config.bias_correction)
+        self._absorbed: tuple[int, int] = (0, -1)  # (pid, seq) of the last plugin state absorbed
         self.residual = ResidualRules(config.residual_lengths, config.length_errors)
         self.ledger = self._new_ledger(config.engine)
         self.plugin = PluginStateSource(config.state_source, config.vllm_state_path, config.plugin_max_age_s,
@@ -159,6 +227,41 @@ class Sidecar:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self._task: asyncio.Task | None = None
         self.port = 0
+
+    @property
+    def batch_time(self) -> LinearBatchTimeModel:
+        """The step-time model predictions use now: the calibrated one, else the shipped prior."""
+        return self.calibrator.model if self.calibrator is not None else self.prior_batch_time
+
+    def absorb(self, state, now_s: float) -> None:
+        """Take what a new plugin state adds beyond queues: measured steps (refit when due) and first tokens of
+        admitted requests. Cheap for a state already absorbed (one comparison)."""
+        if state is None or (state.pid, state.seq) == self._absorbed:
+            return
+        self._absorbed = (state.pid, state.seq)
+        if self.calibrator is not None:
+            self.calibrator.observe(self.plugin.new_steps(state))
+            if self.calibrator.maybe_refit(now_s):
+                self.ledger.engine.batch_time = self.calibrator.model
+                if self.calibrator.num_refits == 1:
+                    logger.info("step-time model calibrated from %d measured steps",
+                                self.calibrator.status().num_samples)
+            if now_s - self._status_s >= 0.5:
+                self.calibration_status, self._status_s = self.calibrator.status(), now_s
+        admits, outcomes = self.plugin.admits, self.outcomes
+        for engine_request_id, at_s in state.first_tokens:
+            admit_id = admits.admit_id_of(engine_request_id)
+            if admit_id is not None:
+                outcomes.first_token(admit_id, at_s)
+
+    _status_s = float("-inf")
+
+    def _calibration_fields(self) -> dict:
+        status = self.calibration_status
+        if status is None:
+            return {"calibration_source": "off"}
+        return {"calibration_source": status.source, "calibration_num_samples": status.num_samples,
+                "calibration_residual": status.residual}
 
     def _new_ledger(self, engine: EngineConfig) -> Ledger:
         return Ledger(engine, self.batch_time, time.monotonic(), visibility_grace_s=self.config.visibility_grace_s,
@@ -186,7 +289,8 @@ class Sidecar:
             num_output_tokens, 0, max_tokens)
         plugin_snapshot = self.plugin.snapshot(now_s)
         if plugin_snapshot is not None:
-            return self._predict_from_plugin(plugin_snapshot, num_prompt_tokens, expected_tokens)
+            self.absorb(self.plugin.last_state, now_s)
+            return self._corrected(self._predict_from_plugin(plugin_snapshot, num_prompt_tokens, expected_tokens))
         self.ledger.advance(now_s)
         scheduler = self.ledger.scheduler
         # The ledger's clock may stand at the end of the step in progress, a little ahead of now.
@@ -194,12 +298,22 @@ class Sidecar:
         new = snapshot.fit_request(RequestState("new", num_prompt_tokens, expected_tokens))
         result = predict(snapshot, new, self.batch_time)
         lag_s = self.ledger.engine.now_s - now_s
-        return pb.PredictResponse(
+        return self._corrected(pb.PredictResponse(
             ttft_s=result.ttft_s + lag_s, e2e_s=result.e2e_s + lag_s, state_age_s=self.state_age_s(now_s),
             queue_s=queue_delay_s(snapshot, new, self.batch_time, result.ttft_s + lag_s),
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
             num_free_blocks=scheduler.num_free_blocks, num_gpu_blocks=scheduler.config.num_gpu_blocks,
-            state_source=STATE_SOURCE_LEDGER, num_steps_simulated=result.num_steps_simulated)
+            state_source=STATE_SOURCE_LEDGER, num_steps_simulated=result.num_steps_simulated,
+            **self._calibration_fields()))
+
+    def _corrected(self, response: pb.PredictResponse) -> pb.PredictResponse:
+        """``response`` with the outcome tracker's bias correction applied (a no-op while it is off or young)."""
+        ttft_factor, e2e_factor = self.outcomes.correction("ttft"), self.outcomes.correction("e2e")
+        if ttft_factor != 1.0 or e2e_factor != 1.0:
+            response.ttft_s *= ttft_factor
+            response.queue_s *= ttft_factor
+            response.e2e_s = max(response.e2e_s * e2e_factor, response.ttft_s)
+        return response
 
     def _predict_from_plugin(self, snapshot: InstanceSnapshot, num_prompt_tokens: int,
                              num_output_tokens: int) -> pb.PredictResponse:
@@ -212,9 +326,23 @@ class Sidecar:
             queue_s=queue_delay_s(snapshot, new, self.batch_time, result.ttft_s),
             num_running=len(snapshot.running), num_waiting=len(snapshot.waiting),
             num_free_blocks=state.num_free_blocks, num_gpu_blocks=snapshot.config.num_gpu_blocks,
-            state_source=STATE_SOURCE_PLUGIN, num_steps_simulated=result.num_steps_simulated)
+            state_source=STATE_SOURCE_PLUGIN, num_steps_simulated=result.num_steps_simulated,
+            **self._calibration_fields())
+
+    def quality(self) -> dict:
+        """Calibration (status, current and prior coefficients) and prediction-vs-outcome statistics, JSON-ready
+        (NaN as null)."""
+        calibration = {"mode": self.config.calibration,
+                       "model": dataclasses.asdict(self.batch_time), "prior": dataclasses.asdict(self.prior_batch_time)}
+        if self.calibrator is not None:
+            calibration.update(self.calibrator.status().as_dict())
+        return _json_safe({"calibration": calibration, "outcomes": self.outcomes.as_dict()})
 
     def state(self) -> dict:
+        """The sidecar's view (queues, blocks, reconciliation or plugin figures) plus `quality`, JSON-ready."""
+        return {**self._state(), **self.quality()}
+
+    def _state(self) -> dict:
         now_s = time.monotonic()
         self.ledger.advance(now_s)
         scheduler = self.ledger.scheduler
@@ -270,12 +398,25 @@ class Sidecar:
                 await asyncio.sleep(self.config.plugin_reconcile_interval_s if self.plugin.in_use
                                     else self.config.reconcile_interval_s)
 
+    async def _absorb_loop(self, interval_s: float = 0.2) -> None:
+        """Reads the plugin's state file between Predict calls, so calibration and first tokens keep up while no
+        request is routed here."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if self.plugin.reader is not None:
+                now_s = time.monotonic()
+                self.absorb(self.plugin.reader.read(now_s), now_s)
+
     async def start(self) -> int:
         self.port = self._server.add_insecure_port(self.config.listen)
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {self.config.listen}")
         await self._server.start()
         self._task = asyncio.create_task(self._reconcile_loop(), name="reconcile")
+        self._absorb_task = asyncio.create_task(self._absorb_loop(), name="absorb")
+        if self.config.metrics_listen:
+            from predictor.sidecar_metrics import start_metrics_server  # noqa: PLC0415
+            self._metrics_server, self.metrics_port = start_metrics_server(self, self.config.metrics_listen)
         settle_heap()
         for name in ("", "liveness", "readiness", "astrolabe.predictor.v1.Predictor"):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -284,10 +425,13 @@ class Sidecar:
 
     async def stop(self, grace_s: float = 2.0) -> None:
         await self._server.stop(grace_s)
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, getattr(self, "_absorb_task", None)):
+            if task:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if getattr(self, "_metrics_server", None) is not None:
+            self._metrics_server.shutdown()
 
 
 async def serve(config: SidecarConfig) -> None:
@@ -302,7 +446,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
     parser.add_argument("--backend", required=True, help="host:port of the vLLM server")
     parser.add_argument("--listen", default="127.0.0.1:9100", help="host:port of the gRPC server")
-    parser.add_argument("--batch-time-model", default="llama-2-7b", help="shipped model name or JSON path")
+    parser.add_argument("--batch-time-model", default=None,
+                        help="shipped model name or JSON path (default: the shipped shape nearest --model-config, "
+                             "else llama-2-7b)")
+    parser.add_argument("--model-config", default=None,
+                        help="the served model's config.json or directory: the cold start picks the shipped "
+                             "step-time model of the nearest architecture")
     parser.add_argument("--time-scale", type=float, default=1.0, help="step time multiplier (emulated backends)")
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
@@ -327,6 +476,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--length-errors", default=None,
                         help="tagger directory (or errors.npz) whose measured errors condition residual lengths "
                              "(default: the shipped light tagger's)")
+    parser.add_argument("--calibration", choices=CALIBRATION_MODES, default="online",
+                        help="refit the step-time model from the engine's measured steps (online; needs the "
+                             "plugin's state file) or keep the shipped one (off)")
+    parser.add_argument("--calibration-min-samples", type=int, default=64,
+                        help="measured steps before the first refit")
+    parser.add_argument("--bias-correction", action="store_true",
+                        help="scale predictions by the inverse of their measured recent bias (prediction vs outcome)")
+    parser.add_argument("--metrics-listen", default=None,
+                        help="host:port of a Prometheus /metrics endpoint (calibration, prediction error)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -343,10 +501,15 @@ def run(args: argparse.Namespace) -> int:
                                state_source=args.state_source, vllm_state_path=args.vllm_state_path,
                                plugin_max_age_s=args.plugin_max_age_s, residual_lengths=args.residual_lengths,
                                plugin_reconcile_interval_s=args.plugin_reconcile_interval_s,
-                               length_errors=args.length_errors)
-        load_batch_time(config.batch_time_model, config.time_scale)
+                               length_errors=args.length_errors, calibration=args.calibration,
+                               calibration_min_samples=args.calibration_min_samples,
+                               bias_correction=args.bias_correction, metrics_listen=args.metrics_listen,
+                               model_config=args.model_config)
+        load_batch_time(resolve_batch_time_model(config.batch_time_model, config.model_config), config.time_scale)
         ResidualRules(config.residual_lengths, config.length_errors)
         PluginStateSource(config.state_source, config.vllm_state_path)
+        if not 1 <= config.calibration_min_samples <= 512:
+            raise ValueError(f"--calibration-min-samples must be in [1, 512], got {config.calibration_min_samples}")
     except (ValueError, OSError) as exc:
         logger.error("invalid sidecar configuration: %s", exc)
         return 2

@@ -10,7 +10,7 @@ where the request is known, else from the mean of admitted lengths; either is ca
 
 Choice of source (``--state-source``): ``ledger`` always uses the ledger; ``vllm-plugin`` uses the plugin's state
 and falls back to the ledger only while none is readable (logged); ``auto`` = the plugin when its state is
-readable, else the ledger. Imports only the standard library and `predictor.sim`.
+readable, else the ledger. Imports only the standard library, `predictor.sim` and `predictor.calibration`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from predictor.calibration import StepSample
 from predictor.sim import EngineConfig
 from predictor.sim.snapshot import InstanceSnapshot, RequestState
 
@@ -80,6 +81,9 @@ class PluginState:
         num_preemptions_total: preemptions seen so far (a lower bound).
         running: rows ``[id, prompt, computed, generated, max_tokens, blocks_held, preemptions]``, schedule order.
         waiting: rows of the same shape, FCFS order.
+        steps: the engine's last steps, oldest first: ``(step_index, StepSample)`` (empty from a plugin that
+            does not record them).
+        first_tokens: the last first-token events, ``(engine request id, time.monotonic() seconds)``.
     """
 
     pid: int
@@ -90,6 +94,8 @@ class PluginState:
     num_preemptions_total: int
     running: tuple[tuple, ...]
     waiting: tuple[tuple, ...]
+    steps: tuple[tuple[int, StepSample], ...] = ()
+    first_tokens: tuple[tuple[str, float], ...] = ()
 
     @property
     def num_unfinished(self) -> int:
@@ -113,11 +119,12 @@ MAX_STATE_FILE_BYTES = 16 * 1024 * 1024
 """A larger state file is refused (a vLLM engine with thousands of requests writes well under 1 MB)."""
 
 
-def _count(value, what: str, *, optional: bool = False) -> int | None:
+def _count(value, what: str, *, optional: bool = False, big: bool = False) -> int | None:
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_COUNT:
-        raise PluginStateError(f"{what} must be an integer in [0, {_MAX_COUNT}], got {value!r}")
+    limit = 2**62 if big else _MAX_COUNT
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+        raise PluginStateError(f"{what} must be an integer in [0, {limit}], got {value!r}")
     return value
 
 
@@ -132,6 +139,28 @@ def _row(row, where: str) -> tuple:
             _count(generated, f"{where} generated tokens"), _count(max_tokens, f"{where} max_tokens", optional=True),
             _count(blocks, f"{where} blocks held", optional=True),
             _count(preemptions or 0, f"{where} preemptions"))
+
+
+def _step(row, where: str) -> tuple[int, StepSample]:
+    """One step row, checked: ``[index, num_tokens, prefill_attention_work, decode_context_tokens, num_seqs,
+    duration_s]``."""
+    if not isinstance(row, list) or len(row) != 6:
+        raise PluginStateError(f"{where}: a step row must be a list of 6 fields, got {str(row)[:80]}")
+    duration = row[5]
+    if isinstance(duration, bool) or not isinstance(duration, int | float) or not math.isfinite(duration) \
+            or duration < 0:
+        raise PluginStateError(f"{where}: duration_s must be a finite number >= 0, got {duration!r}")
+    return _count(row[0], f"{where} index"), StepSample(
+        _count(row[1], f"{where} num_tokens"), _count(row[2], f"{where} prefill_attention_work", big=True),
+        _count(row[3], f"{where} decode_context_tokens", big=True), _count(row[4], f"{where} num_seqs"),
+        float(duration))
+
+
+def _first_token(row, where: str) -> tuple[str, float]:
+    if (not isinstance(row, list) or len(row) != 2 or not isinstance(row[0], str) or not row[0]
+            or isinstance(row[1], bool) or not isinstance(row[1], int | float) or not math.isfinite(row[1])):
+        raise PluginStateError(f"{where}: a first-token row must be [request id, time], got {str(row)[:80]}")
+    return row[0], float(row[1])
 
 
 def parse_plugin_state(text: str) -> PluginState:
@@ -172,11 +201,20 @@ def parse_plugin_state(text: str) -> PluginState:
             num_free_blocks=_count(data["num_free_blocks"], "num_free_blocks"),
             num_preemptions_total=_count(data["num_preemptions_total"], "num_preemptions_total"),
             running=tuple(_row(r, f"running[{i}]") for i, r in enumerate(running)),
-            waiting=tuple(_row(r, f"waiting[{i}]") for i, r in enumerate(waiting)))
+            waiting=tuple(_row(r, f"waiting[{i}]") for i, r in enumerate(waiting)),
+            steps=tuple(_step(r, f"steps[{i}]") for i, r in enumerate(_list(data.get("steps", []), "steps"))),
+            first_tokens=tuple(_first_token(r, f"first_tokens[{i}]")
+                               for i, r in enumerate(_list(data.get("first_tokens", []), "first_tokens"))))
     except PluginStateError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise PluginStateError(f"malformed state file: {exc!r}"[:300]) from None
+
+
+def _list(value, what: str) -> list:
+    if not isinstance(value, list):
+        raise PluginStateError(f"{what} must be a list")
+    return value
 
 
 def _pid_alive(pid: int) -> bool:
@@ -337,15 +375,19 @@ class AdmitRecords:
                 best, best_len = rid, len(x_request_id)
         return best
 
-    def expected_output_tokens(self, engine_request_id: str, max_tokens: int | None,
-                               num_generated_tokens: int = 0) -> int:
-        """Expected total output length of an engine request that has generated ``num_generated_tokens``, tokens
-        (>= 1; see the class docstring); capped by ``max_tokens`` when given."""
+    def admit_id_of(self, engine_request_id: str) -> str | None:
+        """The admitted request id an engine request id belongs to (matched once, then remembered), or None."""
         if engine_request_id not in self._engine_to_admit:
             self._engine_to_admit[engine_request_id] = self._match(engine_request_id)
             if len(self._engine_to_admit) > 4 * self.max_records:
                 self._engine_to_admit.clear()
-        admit_id = self._engine_to_admit.get(engine_request_id)
+        return self._engine_to_admit.get(engine_request_id)
+
+    def expected_output_tokens(self, engine_request_id: str, max_tokens: int | None,
+                               num_generated_tokens: int = 0) -> int:
+        """Expected total output length of an engine request that has generated ``num_generated_tokens``, tokens
+        (>= 1; see the class docstring); capped by ``max_tokens`` when given."""
+        admit_id = self.admit_id_of(engine_request_id)
         admission = self._by_id.get(admit_id) if admit_id is not None else None
         if admission is not None:
             return self._expected(admission, num_generated_tokens, max_tokens)
@@ -422,6 +464,17 @@ class PluginStateSource:
         self.reader = PluginStateReader(path, max_age_s) if path and mode != STATE_SOURCE_LEDGER else None
         self.last_state: PluginState | None = None
         self._using_plugin: bool | None = None
+        self._steps_seen: tuple[int, int] = (0, 0)  # (writer pid, last step index taken)
+
+    def new_steps(self, state: PluginState | None) -> list[StepSample]:
+        """The steps of ``state`` not returned before (each step once; a new writer process starts over)."""
+        if state is None or not state.steps:
+            return []
+        pid, last = self._steps_seen
+        if pid != state.pid or state.steps[-1][0] < last:
+            last = 0
+        self._steps_seen = (state.pid, state.steps[-1][0])
+        return [sample for index, sample in state.steps if index > last]
 
     @property
     def in_use(self) -> bool:

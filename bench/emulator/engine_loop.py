@@ -15,6 +15,9 @@ figure the emulator reports is in its own wall-clock seconds. An idle engine wai
 With a state file configured, the loop publishes the scheduler's state in the vLLM plugin's format
 (:mod:`bench.emulator.state_publisher`) where vLLM's plugin does: at start, after each step's update, after
 ``add_request``, and after an abort. The loop's thread only copies the counters; a writer thread writes the file.
+Each step also goes into the file's ``steps`` with its measured wall time (from the previous step's end while the
+engine stays busy, else from just before ``schedule``, to just after the update), which is what a sidecar calibrates from: on a loaded CPU a step runs late and the next ones
+catch up to the deadline, so single steps scatter around the modelled time while their mean stays on it.
 """
 
 from __future__ import annotations
@@ -211,16 +214,19 @@ class EngineLoop:
 
     async def _step_forever(self) -> None:
         deadline_s: float | None = None
+        busy_since_s: float | None = None  # end of the previous step while the engine stays busy
         while True:
             if not self.scheduler.has_unfinished_requests():
                 self._wakeup.clear()
                 await self._wakeup.wait()
-                deadline_s = None
+                deadline_s = busy_since_s = None
                 continue
             now_s = time.monotonic()
             if deadline_s is None or now_s - deadline_s > _MAX_LAG_S:
                 deadline_s = now_s
             step_start_s = deadline_s
+            # A busy engine's iteration runs from the previous step's end (its delivery and publishing included).
+            wall_start_s = now_s if busy_since_s is None else busy_since_s
             batch = self.scheduler.schedule()
             if batch.total_num_scheduled_tokens == 0:
                 # Should not happen (every admitted request fits); wait for news instead of spinning.
@@ -235,7 +241,12 @@ class EngineLoop:
             end_s = time.monotonic()
             output = self.scheduler.update_after_step(batch, end_s)
             self._deliver(batch, output, step_start_s, end_s)
+            if self._state_publisher is not None:  # the step as it ran (wall time), for online calibration
+                self._state_publisher.record_step(batch.total_num_scheduled_tokens, batch.prefill_attention_work,
+                                                  batch.decode_context_tokens, batch.num_seqs, end_s - wall_start_s,
+                                                  output.first_token_request_ids, end_s)
             self._publish_state()
+            busy_since_s = end_s
 
     def _deliver(self, batch: Any, output: Any, step_start_s: float, end_s: float) -> None:
         """Records the step and wakes the handlers that have something to do."""

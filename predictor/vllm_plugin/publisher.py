@@ -8,12 +8,22 @@ File format (one JSON object, replaced atomically by write + ``os.replace``; `ST
      "num_free_blocks": 40, "num_preemptions_total": 3,
      "running": [[request_id, num_prompt_tokens, num_computed_tokens, num_output_tokens, max_tokens,
                   num_blocks_held, num_preemptions], ...],   # schedule order
-     "waiting": [[...same fields...], ...]}                    # FCFS order, front first
+     "waiting": [[...same fields...], ...],                    # FCFS order, front first
+     "num_steps_total": 5210,                                  # steps recorded since start (optional)
+     "steps": [[step_index, num_tokens, prefill_attention_work, decode_context_tokens, num_seqs, duration_s],
+               ...],                                           # the last STEP_HISTORY steps, oldest first
+     "first_tokens": [[request_id, monotonic_s], ...]}        # when the last requests got their first token
 
 ``published_monotonic_s`` is on ``time.monotonic()``, which every process of one Linux host shares, so the
 sidecar beside the engine can compute the state's age. ``num_gpu_blocks`` excludes vLLM's reserved null block;
 ``num_blocks_held`` is null when the writer does not read it (vLLM: see `collect_vllm`). ``num_output_tokens``
 is the number of tokens generated so far; ``max_tokens`` the request's limit (null if unknown).
+``steps`` are the engine's last steps as it ran them (batch shape in the terms of
+``predictor.sim.scheduler.ScheduledBatch`` and measured duration, seconds): what the sidecar's online calibration
+refits the step-time model from (`predictor.calibration`); ``step_index`` numbers them from 1 so that a reader
+takes each step once. ``first_tokens`` are the last `FIRST_TOKEN_HISTORY` first-token events (request id, end of
+the step that produced it on ``time.monotonic()``): the sidecar's observed TTFT (`predictor.outcomes`). A file
+without ``steps`` or ``first_tokens`` (an older plugin) is valid.
 
 `StatePublisher` owns everything but reading the scheduler: when to publish (rate limit, idle/busy edges), the
 envelope (version, pid, seq, time, preemption total), the writer thread and the atomic write. What is read from
@@ -49,6 +59,12 @@ STATE_FORMAT_VERSION = 1
 
 _PREEMPTIONS_COLUMN = 6
 """Index of ``num_preemptions`` in a request row."""
+
+FIRST_TOKEN_HISTORY = 256
+"""First-token events kept for the file (the newest)."""
+STEP_HISTORY = 64
+"""Steps kept for the file (the newest): at a 10 ms publish interval and 3-20 ms steps, every step reaches at
+least one file; a reader that misses some only samples fewer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +123,38 @@ def collect_vllm(scheduler) -> SchedulerState:
         waiting=[_vllm_request_row(r) for r in scheduler.waiting])
 
 
+def vllm_step_shape(scheduler, scheduler_output) -> tuple[tuple[int, int, int, int], list[str]]:
+    """((num_tokens, prefill_attention_work, decode_context_tokens, num_seqs), first-token request ids) of the
+    step vLLM V1 just scheduled; the ids are the requests whose prompt this step completes before they have any
+    output (their first token comes out of this step).
+
+    Called right after ``Scheduler.schedule`` returned ``scheduler_output``: vLLM has then already advanced each
+    scheduled request's ``num_computed_tokens`` by its scheduled tokens (``Scheduler._update_after_schedule``), so
+    the context before the step is ``num_computed_tokens - n``. A request computing one token at the end of all
+    its tokens is a decode; anything else is a prefill chunk (a resumed preempted request's recomputation too).
+    Speculative tokens are counted as scheduled tokens, not modelled apart.
+
+    Source: vllm/v1/core/sched/scheduler.py ``Scheduler.schedule``, ``_update_after_schedule``;
+    vllm/v1/core/sched/output.py ``SchedulerOutput.num_scheduled_tokens`` (vLLM 0.32).
+    """
+    requests = scheduler.requests
+    num_tokens = attention = context = 0
+    first: list[str] = []
+    for request_id, n in scheduler_output.num_scheduled_tokens.items():
+        request = requests.get(request_id)
+        if request is None or n <= 0:
+            continue
+        num_tokens += n
+        before = max(request.num_computed_tokens - n, 0)
+        if n == 1 and before + 1 >= request.num_tokens:
+            context += before + 1
+        else:
+            attention += n * (before + n)
+        if request.num_output_tokens == 0 and request.num_computed_tokens >= request.num_prompt_tokens:
+            first.append(request_id)
+    return (num_tokens, attention, context, len(scheduler_output.num_scheduled_tokens)), first
+
+
 class StatePublisher:
     """Writes a scheduler's state to ``path`` at most every ``min_interval_s`` seconds, and whenever the engine
     turns idle or busy.
@@ -139,6 +187,21 @@ class StatePublisher:
         self._pending: collections.deque[dict] = collections.deque(maxlen=1)
         self._wake = threading.Event()
         self._writer: threading.Thread | None = None
+        self._steps: collections.deque[tuple] = collections.deque(maxlen=STEP_HISTORY)
+        self._first_tokens: collections.deque[tuple] = collections.deque(maxlen=FIRST_TOKEN_HISTORY)
+        self.num_steps_total = 0
+
+    def record_step(self, num_tokens: int, prefill_attention_work: int, decode_context_tokens: int, num_seqs: int,
+                    duration_s: float, first_token_ids=(), end_s: float | None = None) -> None:
+        """Record one step the engine ran (shape as ``ScheduledBatch``'s totals, measured duration in seconds)
+        and the requests that got their first token from it (at ``end_s``, ``time.monotonic()``); they go into
+        the next files' ``steps`` and ``first_tokens``. Called on the engine's thread; a few tuple appends."""
+        self.num_steps_total += 1
+        self._steps.append((self.num_steps_total, num_tokens, prefill_attention_work, decode_context_tokens,
+                            num_seqs, duration_s))
+        if first_token_ids:
+            at_s = time.monotonic() if end_s is None else end_s
+            self._first_tokens.extend((request_id, at_s) for request_id in first_token_ids)
 
     def maybe_publish(self, scheduler) -> None:
         """Publish if due; never raises (a failure is logged once and disables publishing)."""
@@ -179,6 +242,9 @@ class StatePublisher:
             "num_preemptions_total": self._num_preemptions_total,
             "running": part.running,
             "waiting": part.waiting,
+            "num_steps_total": self.num_steps_total,
+            "steps": [list(step) for step in self._steps],
+            "first_tokens": [list(event) for event in self._first_tokens],
         }
 
     def close(self, timeout_s: float = 2.0) -> None:

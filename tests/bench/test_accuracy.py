@@ -15,3 +15,30 @@ def test_mape_and_hindsight_agreement():
     assert summary["mape"] == pytest.approx((0.5 + 0.5 + 0.0) / 3)
     assert summary["probes"] == 2 and summary["agreement"] == pytest.approx(0.5) and summary["errors"] == 1
     assert summary["mean_actual_e2e_s"] == pytest.approx(5 / 3)
+
+
+def test_warm_up_requests_are_not_scored():
+    outcomes = [Outcome(10.0, 1.0, 1.0)] * 3 + [Outcome(1.0, 1.0, 2.0)] * 2
+    assert summarize(outcomes, warmup=3)["mape"] == 0.0 and summarize(outcomes, warmup=3)["requests"] == 2
+
+
+def test_calibration_cost_is_measured():
+    from bench.accuracy import calibration_cost_us
+
+    observe_us, refit_ms = calibration_cost_us(window=64, repeats=2)
+    assert observe_us > 0 and refit_ms > 0
+
+
+def test_sidecar_checks_pool_the_difference_between_two_readings():
+    from bench.sidecar_checks import checks_between
+
+    def state(count, mape, source="online", residual=0.05):
+        return {"outcomes": {"e2e": {"count": count, "mape": mape}, "ttft": {"count": 0, "mape": None}},
+                "calibration": {"source": source, "residual": residual}}
+
+    before = {"a": state(10, 0.5), "b": state(0, None, "prior", None)}
+    after = {"a": state(20, 0.3), "b": state(10, 0.2, "online", 0.15)}
+    checks = checks_between(before, after)
+    # a: 10 new with |err| sum 20*0.3 - 10*0.5 = 1.0; b: 10 new with 2.0 -> 3.0 / 20
+    assert checks.e2e_count == 20 and checks.e2e_mape == pytest.approx(0.15)
+    assert checks.ttft_count == 0 and checks.num_calibrated == 2 and checks.residual == pytest.approx(0.1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -148,3 +149,19 @@ def test_costs_and_decision_bases_per_request() -> None:
     astro = text.splitlines()[2].split()
     assert astro == ["astrolabe", "2.00", "50.0%", "0.0%", "50.0%", "250.00", "50.00", "125.00"]
     assert text.splitlines()[3].split()[1:5] == ["0.00", "-", "-", "-"]
+
+
+def test_prediction_quality_shows_what_the_sidecars_checked() -> None:
+    from bench.decisions import DecisionSummary
+    from bench.report import format_prediction_quality
+    from bench.sidecar_checks import SidecarChecks
+
+    decisions = DecisionSummary(num_decisions=10, routing_p50_s=0.005, routing_p99_s=0.02, basis_share={"prediction": 1.0}, num_scored=10, ttft_mape=0.5,
+                                ttft_median_abs_error_s=0.01, e2e_mape=1.2, e2e_median_abs_error_s=1.5,
+                                ttft_hindsight_agreement=0.75, num_pairs=40)
+    run = dataclasses.replace(_run("astrolabe", [0.1] * 10, decisions=decisions),
+                              sidecar_checks=SidecarChecks(9, 0.25, 10, 0.125, 4, 3, 0.05))
+    text = format_prediction_quality([run])
+    assert ("astrolabe, checked by the sidecars themselves (admission to first token / to release): TTFT MAPE "
+            "25.0% over 9, E2E MAPE 12.5% over 10; step-time model calibrated online on 3 of 4 sidecars (error on "
+            "measured steps 5.0%)") in text

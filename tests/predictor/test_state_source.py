@@ -305,3 +305,36 @@ async def test_plugin_mode_admit_checks_the_prompt_and_reports_duplicates(tmp_pa
             assert reply.ttft_s > 0 and reply.e2e_s >= reply.ttft_s and reply.queue_s >= 0
     finally:
         await sidecar.stop(0)
+
+
+def _state_text(**extra) -> str:
+    base = {"version": 1, "pid": os.getpid(), "seq": 1, "published_monotonic_s": time.monotonic(),
+            "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "block_size": 16, "num_gpu_blocks": 64,
+                       "enable_chunked_prefill": True},
+            "num_free_blocks": 64, "num_preemptions_total": 0, "running": [], "waiting": []}
+    return json.dumps({**base, **extra})
+
+
+@pytest.mark.parametrize("extra", [
+    {"steps": {}}, {"steps": [[1, 2, 3, 4]]}, {"steps": [[1, 10, 0, 100, 2, -0.1]]},
+    {"steps": [[1, 10, 0, 100, 2, "fast"]]}, {"steps": [[-1, 10, 0, 100, 2, 0.01]]},
+    {"first_tokens": [["", 1.0]]}, {"first_tokens": [["a", None]]}, {"first_tokens": "a"}],
+    ids=["steps-object", "short-row", "negative-duration", "text-duration", "negative-index", "empty-id",
+         "no-time", "not-a-list"])
+def test_malformed_steps_or_first_tokens_are_rejected(extra):
+    from predictor.state_source import PluginStateError
+
+    with pytest.raises(PluginStateError):
+        parse_plugin_state(_state_text(**extra))
+
+
+def test_a_state_without_steps_is_valid_and_new_steps_are_taken_once():
+    assert parse_plugin_state(_state_text()).steps == ()
+    source = PluginStateSource("auto", None)
+    first = parse_plugin_state(_state_text(steps=[[1, 10, 0, 100, 2, 0.01], [2, 11, 0, 100, 2, 0.01]]))
+    assert [s.num_tokens for s in source.new_steps(first)] == [10, 11]
+    second = parse_plugin_state(_state_text(steps=[[2, 11, 0, 100, 2, 0.01], [3, 12, 0, 100, 2, 0.01]]))
+    assert [s.num_tokens for s in source.new_steps(second)] == [12]  # step 2 was taken already
+    assert source.new_steps(second) == []
+    restarted = parse_plugin_state(_state_text(pid=1, steps=[[1, 20, 0, 100, 2, 0.01]]))  # a new engine process
+    assert [s.num_tokens for s in source.new_steps(restarted)] == [20]

@@ -49,6 +49,11 @@ async def predict(sidecar: str, num_prompt_tokens: int, num_output_tokens: int):
                               num_predicted_output_tokens=num_output_tokens), timeout=5)
 
 
+async def _state(sidecar: str) -> str:
+    async with grpc.aio.insecure_channel(sidecar) as channel:
+        return (await pb_grpc.PredictorStub(channel).State(pb.StateRequest(), timeout=5)).state_json
+
+
 def test_plugin_attached_and_publishes_the_engine_settings(vllm_stack):
     for server in vllm_stack.vllm:
         state = parse_plugin_state(server.state_path.read_text())
@@ -108,7 +113,10 @@ def test_load_queues_preempts_and_po2_spreads_it(vllm_stack):
     assert replies and all(r.state_source == "vllm-plugin" for r in replies)
     assert max(r.num_waiting for r in replies) > 0  # more than 2 x 1,024 KV tokens in flight: queues formed
     served = {a: vllm_counter(a, "vllm:request_success_total") - before[a] for a in before}
-    assert sum(served.values()) == 48 and min(served.values()) >= 12  # Po2 spread the load
+    calibration = [{k: c[k] for k in ("num_samples", "residual", "prior_residual", "scale_vs_prior", "num_refits")}
+                   | {"c0": c["model"]["c0_s"], "c1": c["model"]["c1_s_per_token"], "c3": c["model"]["c3_s_per_token"]}
+                   for c in (json.loads(asyncio.run(_state(s)))["calibration"] for s in vllm_stack.sidecars.values())]
+    assert sum(served.values()) == 48 and min(served.values()) >= 12, (served, calibration)  # Po2 spread the load
     preemptions = sum(parse_vllm_metrics(httpx.get(f"http://{s.address}/metrics", timeout=10).text)
                       .num_preemptions_total for s in vllm_stack.vllm) - preemptions_before
     assert preemptions > 0  # the small KV cache made vLLM preempt
@@ -134,3 +142,44 @@ def test_backend_metrics_are_scraped(vllm_stack):
         observed = parse_vllm_metrics(text)
         assert observed.block_size == 32 and observed.num_gpu_blocks is not None
         assert histogram_totals(text, "vllm:e2e_request_latency_seconds")[1] > 0
+
+
+def test_the_plugin_records_steps_and_first_tokens_and_the_sidecars_calibrate_and_check(vllm_stack):
+    """After the load above: every engine step reached the state file with its measured duration, the sidecars
+    refitted their step-time model from them, and checked each routed request's prediction against its outcome."""
+    for server in vllm_stack.vllm:
+        state = parse_plugin_state(server.state_path.read_text())
+        assert state.steps and all(sample.duration_s > 0 and sample.num_seqs >= 1 for _, sample in state.steps)
+        assert state.first_tokens and all(engine_id for engine_id, _ in state.first_tokens)
+    checked = 0
+    for sidecar in vllm_stack.sidecars.values():
+        with grpc.insecure_channel(sidecar) as channel:
+            quality = json.loads(pb_grpc.PredictorStub(channel).State(pb.StateRequest(), timeout=5).state_json)
+        calibration, outcomes = quality["calibration"], quality["outcomes"]
+        assert calibration["num_samples_total"] >= 64 and calibration["source"] == "online", calibration
+        assert calibration["residual"] < calibration["prior_residual"] or calibration["prior_residual"] < 0.1
+        assert outcomes["e2e"]["count"] > 0 and outcomes["ttft"]["count"] > 0, outcomes
+        checked += outcomes["e2e"]["count"]
+    assert checked >= 48 * 3 // 4  # most of the 48 routed requests (fallbacks carry no prediction)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_the_extprocs_prompt_token_count_equals_the_engines(vllm_stack, chat):
+    from deploy.vllm.launch import DEFAULT_MODEL_DIR
+    from extproc.prompt_tokens import PromptTokenCounter
+    from extproc.request import parse_body
+
+    counter = PromptTokenCounter({SERVED_MODEL_NAME: str(DEFAULT_MODEL_DIR)})
+    prompts = ["Hello there!", "Explain KV-cache preemption in vLLM, step by step, with an example of 3 requests.",
+               "naïve café — ünïcödé, emoji 🚀 and numbers 3.14159"]
+    server = vllm_stack.vllm[0].address
+    for prompt in prompts:
+        if chat:
+            path = "/v1/chat/completions"
+            body = {"model": SERVED_MODEL_NAME, "max_tokens": 1,
+                    "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]}
+        else:
+            path, body = "/v1/completions", {"model": SERVED_MODEL_NAME, "max_tokens": 1, "prompt": prompt}
+        usage = httpx.post(f"http://{server}{path}", json=body, timeout=120).json()["usage"]
+        request = parse_body("r", "POST", path, json.dumps(body).encode())
+        assert counter.count(request) == usage["prompt_tokens"], (prompt, chat)

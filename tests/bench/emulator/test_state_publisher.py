@@ -60,7 +60,7 @@ def test_a_sim_scheduler_round_trips_through_the_reader_into_the_same_queues(tmp
     raw = json.loads(path.read_text())
     assert raw["version"] == STATE_FORMAT_VERSION and list(raw) == [
         "version", "pid", "seq", "published_monotonic_s", "engine", "num_free_blocks", "num_preemptions_total",
-        "running", "waiting"]
+        "running", "waiting", "num_steps_total", "steps", "first_tokens"]
     state = parse_plugin_state(path.read_text())
     assert state.engine == SMALL  # num_gpu_blocks as is: the sim has no null block
     assert state.num_free_blocks == scheduler.num_free_blocks
@@ -211,16 +211,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def test_a_sidecar_in_plugin_mode_predicts_from_an_emulator_process(tmp_path):
-    path = tmp_path / "state.json"
+_PROCESS_ENGINE = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, block_size=16, num_gpu_blocks=512)
+
+
+def _emulator_process(path: Path, time_scale: float) -> tuple[subprocess.Popen, int]:
+    """An emulator process with `_PROCESS_ENGINE`'s limits publishing its state to ``path``; (process, port)."""
     port = _free_port()
-    engine = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, block_size=16, num_gpu_blocks=512)
     proc = subprocess.Popen(
         [sys.executable, "-m", "astrolabe", "emulator", "--port", str(port), "--log-level", "WARNING",
-         "--time-scale", "5", "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--num-gpu-blocks", "512",
-         "--state-path", str(path), "--state-interval-s", "0"],
+         "--time-scale", str(time_scale), "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+         "--num-gpu-blocks", "512", "--state-path", str(path), "--state-interval-s", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    sidecar = Sidecar(SidecarConfig(backend=f"127.0.0.1:{port}", listen="127.0.0.1:0", engine=engine,
+    return proc, port
+
+
+def _stop(proc: subprocess.Popen) -> tuple[int | None, str]:
+    """SIGTERM (SIGKILL after 20 s); returns (exit code or None if killed, stderr)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        code = None
+    stderr = proc.stderr.read().decode() if proc.stderr else ""
+    if proc.stderr:
+        proc.stderr.close()
+    return code, stderr
+
+
+async def test_a_sidecar_in_plugin_mode_predicts_from_an_emulator_process(tmp_path):
+    path = tmp_path / "state.json"
+    proc, port = _emulator_process(path, 5)
+    sidecar = Sidecar(SidecarConfig(backend=f"127.0.0.1:{port}", listen="127.0.0.1:0", engine=_PROCESS_ENGINE,
                                     time_scale=5.0, state_source="vllm-plugin", vllm_state_path=str(path),
                                     discover_kv_cache=False))
     channel = None
@@ -261,15 +285,82 @@ async def test_a_sidecar_in_plugin_mode_predicts_from_an_emulator_process(tmp_pa
         if channel is not None:
             await channel.close()
         await sidecar.stop()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            code = None
-        stderr = proc.stderr.read().decode() if proc.stderr else ""
-        if proc.stderr:
-            proc.stderr.close()
+        code, stderr = _stop(proc)
     assert code == 0, stderr
+
+
+async def test_a_sidecar_calibrates_to_an_engine_it_has_never_seen_and_checks_every_prediction(tmp_path):
+    """The emulator's steps take 3x what the sidecar's model says (time scale 6 against 2): the sidecar refits
+    from the measured steps in the state file, its E2E error falls, and every admitted request's prediction is
+    checked against its observed TTFT and E2E."""
+    path = tmp_path / "state.json"
+    proc, port = _emulator_process(path, 6)
+    sidecar = Sidecar(SidecarConfig(backend=f"127.0.0.1:{port}", listen="127.0.0.1:0", engine=_PROCESS_ENGINE,
+                                    time_scale=2.0, state_source="vllm-plugin", vllm_state_path=str(path),
+                                    discover_kv_cache=False, calibration_min_samples=32))
+    channel = None
+    try:
+        await _read_until(path, lambda s: True, _STARTUP_LIMIT_S)
+        grpc_port = await sidecar.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
+        stub = pb_grpc.PredictorStub(channel)
+        first = await stub.Predict(pb.PredictRequest(request_id="x", num_prompt_tokens=20,
+                                                     num_predicted_output_tokens=30), timeout=5)
+        assert first.calibration_source == "prior" and first.calibration_num_samples == 0
+
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60.0) as client:
+            async def one(name: str) -> None:
+                prompt = f"calibration request {name}"
+                ask = pb.PredictRequest(request_id=name, num_prompt_tokens=count_tokens(prompt),
+                                        num_predicted_output_tokens=30, length_source=pb.LENGTH_SOURCE_EXACT)
+                answer = await stub.Predict(ask, timeout=5)
+                await stub.Admit(pb.AdmitRequest(request_id=f"{name}/s", num_prompt_tokens=ask.num_prompt_tokens,
+                                                 num_predicted_output_tokens=30, max_tokens=30,
+                                                 length_source=pb.LENGTH_SOURCE_EXACT,
+                                                 predicted_ttft_s=answer.ttft_s, predicted_e2e_s=answer.e2e_s),
+                                 timeout=5)
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 30, "ignore_eos": True}
+                response = await client.post("/v1/completions", json=body, headers={"x-request-id": name})
+                assert response.status_code == 200
+                await stub.Release(pb.ReleaseRequest(request_id=f"{name}/s"), timeout=5)
+
+            async def wave(tag: str) -> None:
+                await asyncio.gather(*(one(f"{tag}-{i}") for i in range(8)))
+
+            async def quality() -> dict:
+                state = json.loads((await stub.State(pb.StateRequest(), timeout=5)).state_json)
+                return state
+
+            await wave("w0")  # predicted on the prior: about a third of what happens
+            before = (await quality())["outcomes"]
+            deadline_s = time.monotonic() + 60.0
+            n = 1
+            while True:
+                calibration = (await quality())["calibration"]
+                if calibration["source"] == "online" and calibration["scale_vs_prior"] > 2.7:
+                    break
+                assert time.monotonic() < deadline_s, f"never calibrated: {calibration}"
+                await wave(f"w{n}")
+                n += 1
+            await wave("last")
+            after = await quality()
+        calibration, outcomes = after["calibration"], after["outcomes"]
+        assert calibration["scale_vs_prior"] < 4.0 and calibration["residual"] < calibration["prior_residual"]
+        assert outcomes["e2e"]["count"] == outcomes["ttft"]["count"] == 8 * (n + 1)  # every request checked
+        first_wave = [r for r in outcomes["recent"] if r[0].startswith("w0-")]
+        last_wave = [r for r in outcomes["recent"] if r[0].startswith("last-")]
+
+        def mape(records, predicted, observed):
+            return sum(abs(r[predicted] - r[observed]) / r[observed] for r in records) / len(records)
+
+        assert before["e2e"]["bias"] < 0.6 and mape(first_wave, 3, 4) > 0.4  # the prior: ~3x too short
+        assert mape(last_wave, 3, 4) < 0.25  # calibrated
+        answer = await stub.Predict(pb.PredictRequest(request_id="y", num_prompt_tokens=20,
+                                                      num_predicted_output_tokens=30), timeout=5)
+        assert answer.calibration_source == "online" and answer.calibration_num_samples >= 32
+        assert 0 <= answer.calibration_residual < 0.5
+    finally:
+        if channel is not None:
+            await channel.close()
+        await sidecar.stop()
+        _stop(proc)

@@ -81,3 +81,39 @@ def test_the_writer_thread_writes_the_newest_state(tmp_path):
             break
         time.sleep(0.01)
     assert parse_plugin_state(path.read_text()).running[0][3] == 5
+
+
+def test_vllm_step_shape_reads_prefill_chunks_decodes_and_first_tokens():
+    from types import SimpleNamespace
+
+    from predictor.vllm_plugin.publisher import vllm_step_shape
+
+    # After Scheduler.schedule, vLLM has advanced num_computed_tokens by the scheduled tokens.
+    def req(prompt, computed_after, outputs):
+        return SimpleNamespace(num_prompt_tokens=prompt, num_computed_tokens=computed_after,
+                               num_output_tokens=outputs, num_tokens=prompt + outputs)
+
+    scheduler = SimpleNamespace(requests={
+        "decode": req(100, 111, 11),     # 110 of its 111 tokens computed before, computes the last: a decode
+        "chunk": req(300, 128, 0),       # first chunk of 128 of a 300-token prompt
+        "last": req(300, 300, 0),        # last chunk (172 tokens after 128): its first token comes out
+        "resumed": req(50, 40, 5),       # preempted, recomputing 40 of its 55 tokens
+    })
+    output = SimpleNamespace(num_scheduled_tokens={"decode": 1, "chunk": 128, "last": 172, "resumed": 40,
+                                                   "gone": 3})
+    shape, first = vllm_step_shape(scheduler, output)
+    attention = 128 * 128 + 172 * (128 + 172) + 40 * 40
+    assert shape == (1 + 128 + 172 + 40, attention, 111, 5)
+    assert first == ["last"]
+
+
+def test_recorded_steps_and_first_tokens_reach_the_file_and_the_reader(tmp_path):
+    path = tmp_path / "state.json"
+    publisher = StatePublisher(str(path), 0.0, synchronous=True)
+    for i in range(70):
+        publisher.record_step(10 + i, 0, 500, 10, 0.005, ["cmpl-a-0"] if i == 3 else (), 100.0 + i)
+    publisher.maybe_publish(FakeScheduler([], []))
+    state = parse_plugin_state(path.read_text())
+    assert [index for index, _ in state.steps] == list(range(7, 71))  # the last STEP_HISTORY (64)
+    assert state.steps[-1][1].num_tokens == 79 and state.steps[-1][1].duration_s == 0.005
+    assert state.first_tokens == (("cmpl-a-0", 103.0),)

@@ -1,0 +1,121 @@
+"""Prompt tokens counted as the served model's engine counts them: a tokenizer per model, from the config.
+
+`PromptTokenCounter` maps a request's ``model`` to the tokenizer configured for it (``tokenizers:`` in the
+extproc config: a ``tokenizer.json`` file or a model directory holding one) and counts as vLLM does:
+
+- completions: ``tokenizer(prompt)`` with the tokenizer's special tokens (vLLM's default
+  ``add_special_tokens=True``);
+- chat: the model's chat template rendered with ``add_generation_prompt=True``, then tokenized without special
+  tokens (the template writes them), as vLLM's chat serving does. The template is rendered by ``transformers``
+  (``AutoTokenizer.apply_chat_template``) when it is installed and the directory has one (``chat_template.jinja``
+  or ``tokenizer_config.json``); otherwise the message texts are counted joined, and a warning says so once.
+
+Requests for a model with no configured tokenizer (or no ``model``) are counted with the shipped WordPiece
+(`extproc.lengths.count_prompt_tokens`); the first time a configured counter is missing for a request, a warning
+says which fallback is used (once, not per model name: names come from clients). Token-id prompts are counted
+as given. The length tagger keeps its own tokenizer for its features.
+
+Source: vllm/entrypoints/openai/serving_completion.py and serving_chat.py, vllm/entrypoints/chat_utils.py
+``apply_hf_chat_template`` (vLLM 0.32).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+from extproc.lengths import MAX_TOKENIZED_CHARS, count_prompt_tokens
+from extproc.request import RoutingRequest
+
+logger = logging.getLogger(__name__)
+
+
+class TokenizerLoadError(ValueError):
+    """A configured tokenizer cannot be loaded (the message names the model and the path)."""
+
+
+class _ModelTokenizer:
+    """One model's tokenizer: the fast tokenizer (``tokenizers``) and, when available, its chat template."""
+
+    def __init__(self, model: str, path: str) -> None:
+        from tokenizers import Tokenizer  # noqa: PLC0415 (loaded only when configured)
+
+        location = Path(path)
+        file = location / "tokenizer.json" if location.is_dir() else location
+        try:
+            self.tokenizer = Tokenizer.from_file(str(file))
+        except Exception as exc:  # noqa: BLE001 (tokenizers raises plain Exception subclasses)
+            raise TokenizerLoadError(f"tokenizers.{model}: cannot load {file}: {exc}") from None
+        # A tokenizer.json may carry padding or truncation settings (for training): an engine counts neither.
+        self.tokenizer.no_padding()
+        self.tokenizer.no_truncation()
+        self.model = model
+        self.chat = None  # a transformers tokenizer with a chat template, or None
+        if location.is_dir() and ((location / "chat_template.jinja").exists()
+                                  or "chat_template" in _read(location / "tokenizer_config.json")):
+            try:
+                from transformers import AutoTokenizer  # noqa: PLC0415
+
+                self.chat = AutoTokenizer.from_pretrained(str(location))
+            except ImportError:
+                logger.warning("tokenizers.%s: transformers is not installed: chat prompts are counted without "
+                               "the chat template (pip install transformers)", model)
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("tokenizers.%s: chat template not loaded (%s): chat prompts are counted without it",
+                               model, exc)
+
+    def count(self, request: RoutingRequest) -> int:
+        text = request.prompt_text or ""
+        if request.chat_messages is not None and self.chat is not None:
+            messages = [{"role": role, "content": content} for role, content in request.chat_messages]
+            ids = self.chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            return max(len(ids), 1)
+        special = request.chat_messages is None
+        if len(text) <= MAX_TOKENIZED_CHARS:
+            return max(len(self.tokenizer.encode(text, add_special_tokens=special).ids), 1)
+        head = len(self.tokenizer.encode(text[:MAX_TOKENIZED_CHARS], add_special_tokens=special).ids)
+        return max(round(head * len(text) / MAX_TOKENIZED_CHARS), 1)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError:
+        return ""
+
+
+class PromptTokenCounter:
+    """Counts prompt tokens per served model (see the module docstring).
+
+    Args:
+        tokenizers: served model name -> tokenizer file or model directory.
+
+    Raises:
+        TokenizerLoadError: a configured tokenizer cannot be loaded.
+    """
+
+    def __init__(self, tokenizers: Mapping[str, str] | None = None) -> None:
+        self._by_model = {model: _ModelTokenizer(model, path) for model, path in (tokenizers or {}).items()}
+        self._warned = False
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """Models with a configured tokenizer."""
+        return tuple(self._by_model)
+
+    def count(self, request: RoutingRequest) -> int:
+        """Prompt tokens of ``request`` as its model's engine counts them (>= 1)."""
+        if request.prompt_token_ids is not None:
+            return max(len(request.prompt_token_ids), 1)
+        tokenizer = self._by_model.get(request.model or "")
+        if tokenizer is None:
+            if self._by_model and not self._warned:
+                self._warned = True
+                logger.warning("a request for a model without a configured tokenizer is counted with the shipped "
+                               "WordPiece (configured: %s); this warning is not repeated",
+                               ", ".join(self._by_model))
+            return count_prompt_tokens(request)
+        return tokenizer.count(request)

@@ -1,0 +1,148 @@
+"""Every prediction checked against what happened: the sidecar's record of predicted vs observed TTFT and E2E.
+
+At Admit the extproc sends what this sidecar predicted for the request (``AdmitRequest.predicted_ttft_s`` /
+``predicted_e2e_s``); `OutcomeTracker` keeps it with the admission time. When the request ends (Release: its
+ext_proc stream closed, i.e. the last byte of the response went through Envoy) the observed E2E is the time from
+Admit to Release; the observed TTFT is the time from Admit to the engine's first token where the state source
+shows it (the vLLM plugin's and the emulator's state files carry first-token times; the ledger does not, so in
+ledger mode only E2E is checked). Both clocks are this host's ``time.monotonic()``.
+
+Per metric it keeps running statistics over every completed request (`ErrorStats`: count, MAPE, the mean and
+the recent mean of log(predicted / observed), i.e. the bias) and the last `RECENT_RECORDS` records for reports
+(`bench accuracy`, the demo). With ``bias_correction`` on, `correction` returns the factor the sidecar multiplies
+its predictions by to cancel a persistent bias: exp(−recent mean log ratio) once ``min_samples`` requests were
+checked, bounded to [1/`MAX_CORRECTION`, `MAX_CORRECTION`]. Imports only the standard library.
+
+Why admission and not the Predict call as the origin: Admit follows the Predict the router acted on by one
+round trip (~1–2 ms, measured in the demo), so the error this adds is far below the figures it checks.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass
+
+RECENT_RECORDS = 256
+"""Completed requests kept for reports (the newest)."""
+MAX_CORRECTION = 4.0
+"""Bias correction never scales a prediction by more than this factor either way."""
+_RECENT_WEIGHT = 0.05
+"""Weight of each new request in the recent mean of log ratios (about the last 20-40 requests)."""
+MAX_PENDING = 8192
+"""Admitted requests tracked at most (oldest dropped first) when Release notices are lost."""
+
+
+@dataclass(slots=True)
+class ErrorStats:
+    """Running error statistics of one metric (TTFT or E2E).
+
+    Attributes:
+        count: requests checked.
+        sum_abs_pct: Σ |predicted − observed| / observed.
+        sum_log_ratio: Σ log(predicted / observed).
+        recent_log_ratio: exponentially weighted mean of log(predicted / observed) (weight `_RECENT_WEIGHT`).
+    """
+
+    count: int = 0
+    sum_abs_pct: float = 0.0
+    sum_log_ratio: float = 0.0
+    recent_log_ratio: float = 0.0
+
+    def add(self, predicted_s: float, observed_s: float) -> None:
+        """Count one request (both in seconds, > 0)."""
+        log_ratio = math.log(predicted_s / observed_s)
+        self.count += 1
+        self.sum_abs_pct += abs(predicted_s - observed_s) / observed_s
+        self.sum_log_ratio += log_ratio
+        weight = max(_RECENT_WEIGHT, 1.0 / self.count)
+        self.recent_log_ratio += weight * (log_ratio - self.recent_log_ratio)
+
+    @property
+    def mape(self) -> float:
+        """Mean absolute percentage error as a fraction (0.2 = 20%); NaN before any request."""
+        return self.sum_abs_pct / self.count if self.count else math.nan
+
+    @property
+    def bias(self) -> float:
+        """Geometric mean of predicted / observed over every request (1.0 = unbiased); NaN before any."""
+        return math.exp(self.sum_log_ratio / self.count) if self.count else math.nan
+
+    def as_dict(self) -> dict:
+        return {"count": self.count, "mape": self.mape, "bias": self.bias,
+                "recent_bias": math.exp(self.recent_log_ratio) if self.count else math.nan}
+
+
+@dataclass(slots=True)
+class _Pending:
+    admitted_s: float
+    predicted_ttft_s: float
+    predicted_e2e_s: float
+    observed_ttft_s: float | None = None
+
+
+class OutcomeTracker:
+    """Predicted vs observed TTFT and E2E per request (see the module docstring).
+
+    Args:
+        bias_correction: whether `correction` corrects a persistent bias (else it is always 1.0).
+        min_samples: requests checked before a correction applies.
+    """
+
+    def __init__(self, *, bias_correction: bool = False, min_samples: int = 50) -> None:
+        self.bias_correction = bias_correction
+        self.min_samples = min_samples
+        self.ttft = ErrorStats()
+        self.e2e = ErrorStats()
+        self.recent: collections.deque[tuple] = collections.deque(maxlen=RECENT_RECORDS)
+        self._pending: dict[str, _Pending] = {}
+
+    def admit(self, request_id: str, now_s: float, predicted_ttft_s: float, predicted_e2e_s: float) -> None:
+        """A request was admitted at ``now_s`` with these predictions (seconds from now; <= 0 or non-finite =
+        none: the request is not checked)."""
+        if not (predicted_e2e_s > 0 and math.isfinite(predicted_e2e_s)):
+            return
+        ttft = predicted_ttft_s if predicted_ttft_s > 0 and math.isfinite(predicted_ttft_s) else math.nan
+        self._pending[request_id] = _Pending(now_s, ttft, predicted_e2e_s)
+        while len(self._pending) > MAX_PENDING:
+            self._pending.pop(next(iter(self._pending)))
+
+    def is_tracked(self, request_id: str) -> bool:
+        return request_id in self._pending
+
+    def first_token(self, request_id: str, at_s: float) -> None:
+        """The engine produced the request's first token at ``at_s`` (same clock as ``admit``); later calls for
+        the same request are ignored."""
+        pending = self._pending.get(request_id)
+        if pending is not None and pending.observed_ttft_s is None:
+            pending.observed_ttft_s = max(at_s - pending.admitted_s, 1e-6)
+
+    def release(self, request_id: str, now_s: float) -> tuple | None:
+        """The request ended at ``now_s``: count its errors; returns its record ``(request_id, predicted TTFT,
+        observed TTFT or None, predicted E2E, observed E2E)`` in seconds, or None if it was not tracked."""
+        pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return None
+        observed_e2e_s = max(now_s - pending.admitted_s, 1e-6)
+        self.e2e.add(pending.predicted_e2e_s, observed_e2e_s)
+        if pending.observed_ttft_s is not None and math.isfinite(pending.predicted_ttft_s):
+            self.ttft.add(pending.predicted_ttft_s, pending.observed_ttft_s)
+        record = (request_id, pending.predicted_ttft_s, pending.observed_ttft_s, pending.predicted_e2e_s,
+                  observed_e2e_s)
+        self.recent.append(record)
+        return record
+
+    def correction(self, metric: str) -> float:
+        """Factor to multiply predictions of ``metric`` ("ttft" or "e2e") by: 1.0 unless bias correction is on
+        and ``min_samples`` requests were checked (see the module docstring)."""
+        stats = self.ttft if metric == "ttft" else self.e2e
+        if not self.bias_correction or stats.count < self.min_samples:
+            return 1.0
+        return min(max(math.exp(-stats.recent_log_ratio), 1.0 / MAX_CORRECTION), MAX_CORRECTION)
+
+    def as_dict(self) -> dict:
+        """Statistics and recent records, JSON-ready (NaN where nothing was measured)."""
+        return {"ttft": self.ttft.as_dict(), "e2e": self.e2e.as_dict(), "bias_correction": self.bias_correction,
+                "correction": {"ttft": self.correction("ttft"), "e2e": self.correction("e2e")},
+                "num_pending": len(self._pending),
+                "recent": [list(r) for r in self.recent]}

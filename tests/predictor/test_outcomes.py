@@ -1,0 +1,58 @@
+"""Tests for predictor/outcomes.py: predictions checked against what happened, hand-computed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from predictor.outcomes import MAX_CORRECTION, OutcomeTracker
+
+
+def test_errors_match_hand_computed_cases():
+    tracker = OutcomeTracker()
+    tracker.admit("a", 10.0, predicted_ttft_s=0.1, predicted_e2e_s=1.0)
+    tracker.admit("b", 11.0, predicted_ttft_s=0.3, predicted_e2e_s=4.0)
+    tracker.first_token("a", 10.2)
+    tracker.first_token("a", 10.9)  # only the first counts
+    tracker.first_token("b", 11.2)
+    assert tracker.release("a", 12.0) == ("a", 0.1, pytest.approx(0.2), 1.0, pytest.approx(2.0))
+    tracker.release("b", 13.0)
+    # TTFT: |0.1-0.2|/0.2 = 0.5, |0.3-0.2|/0.2 = 0.5; E2E: |1-2|/2 = 0.5, |4-2|/2 = 1.0
+    assert tracker.ttft.count == 2 and tracker.ttft.mape == pytest.approx(0.5)
+    assert tracker.e2e.count == 2 and tracker.e2e.mape == pytest.approx(0.75)
+    # bias: geometric mean of predicted/observed: sqrt(0.5 * 1.5), sqrt(0.5 * 2.0)
+    assert tracker.ttft.bias == pytest.approx(math.sqrt(0.75))
+    assert tracker.e2e.bias == pytest.approx(1.0)
+    record = tracker.as_dict()
+    assert record["e2e"]["count"] == 2 and [r[0] for r in record["recent"]] == ["a", "b"]
+
+
+def test_a_request_without_a_prediction_or_a_first_token_is_checked_only_where_it_can_be():
+    tracker = OutcomeTracker()
+    tracker.admit("none", 0.0, predicted_ttft_s=0.0, predicted_e2e_s=0.0)
+    tracker.admit("nan", 0.0, predicted_ttft_s=float("nan"), predicted_e2e_s=float("inf"))
+    assert not tracker.is_tracked("none") and not tracker.is_tracked("nan")
+    assert tracker.release("none", 1.0) is None
+    tracker.admit("ledger", 0.0, predicted_ttft_s=0.1, predicted_e2e_s=1.0)  # no first token seen
+    tracker.release("ledger", 1.0)
+    assert tracker.e2e.count == 1 and tracker.ttft.count == 0 and math.isnan(tracker.ttft.mape)
+    tracker.first_token("unknown", 1.0)  # ignored
+    assert tracker.release("ledger", 2.0) is None  # released twice: counted once
+
+
+def test_bias_correction_cancels_a_persistent_bias_after_enough_requests_and_is_bounded():
+    tracker = OutcomeTracker(bias_correction=True, min_samples=10)
+    for i in range(9):
+        tracker.admit(f"r{i}", 0.0, 0.1, 1.0)
+        tracker.release(f"r{i}", 2.0)  # always predicted half of what happened
+    assert tracker.correction("e2e") == 1.0  # not enough requests yet
+    tracker.admit("r9", 0.0, 0.1, 1.0)
+    tracker.release("r9", 2.0)
+    assert tracker.correction("e2e") == pytest.approx(2.0)
+    assert tracker.correction("ttft") == 1.0  # no TTFT was observed
+    for i in range(200):
+        tracker.admit(f"s{i}", 0.0, 0.1, 0.01)
+        tracker.release(f"s{i}", 2.0)  # 200x too short
+    assert tracker.correction("e2e") == MAX_CORRECTION
+    assert OutcomeTracker().correction("e2e") == 1.0  # off by default
