@@ -10,6 +10,8 @@ Two measurements:
 2. **Per-publish cost** of `predictor.vllm_plugin.publisher.StatePublisher` on a scheduler-shaped object with
    ``running``/``waiting`` requests (no vLLM needed): microseconds per publish, which bounds the plugin's share
    of each engine step (it publishes at most once per step, and at most every 10 ms unless queues change).
+3. **Per-step cost of step times** (the batch shape and duration of every step, for the sidecar's online
+   calibration): microseconds per step on the engine thread, for 16 and 256 requests in the step.
 """
 
 from __future__ import annotations
@@ -111,6 +113,28 @@ def publish_cost_us(num_running: int, num_waiting: int, synchronous: bool, folde
     return statistics.median(times_us)
 
 
+def step_record_cost_us(num_seqs: int, repeats: int = 300) -> float:
+    """Median microseconds the engine thread spends per step on step times (``vllm_step_shape`` over a step of
+    ``num_seqs`` scheduled requests, one prefill chunk among them, plus ``record_step``)."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from predictor.vllm_plugin.publisher import vllm_step_shape  # noqa: PLC0415
+
+    requests = {f"r{i}": SimpleNamespace(num_prompt_tokens=100, num_computed_tokens=150 if i else 64,
+                                         num_output_tokens=50 if i else 0, num_tokens=151 if i else 100)
+                for i in range(num_seqs)}
+    output = SimpleNamespace(num_scheduled_tokens={rid: 1 if i else 64 for i, rid in enumerate(requests)})
+    scheduler = SimpleNamespace(requests=requests)
+    publisher = StatePublisher("/dev/null", 0.0, synchronous=True)
+    times_us = []
+    for _ in range(repeats):
+        start_s = time.perf_counter()
+        shape, first = vllm_step_shape(scheduler, output)
+        publisher.record_step(*shape, 0.01, first, 0.0)
+        times_us.append(1e6 * (time.perf_counter() - start_s))
+    return statistics.median(times_us)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="astrolabe bench plugin-overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2, help="A/B pairs (0 = only the per-publish cost)")
@@ -128,6 +152,9 @@ def main(argv: list[str]) -> int:
               f"{publish_cost_us(running, waiting, False, shm):.0f} us; whole publish on tmpfs "
               f"{publish_cost_us(running, waiting, True, shm):.0f} us, on the default temp dir "
               f"{publish_cost_us(running, waiting, True, None):.0f} us")
+    for num_seqs in (16, 256):
+        print(f"step times (calibration), {num_seqs} requests in the step: engine thread "
+              f"{step_record_cost_us(num_seqs):.1f} us per step")
     if args.rounds:
         runs = throughput_ab(args)
         print(f"throughput, {args.num_requests} requests x {args.output_tokens} tokens at concurrency "

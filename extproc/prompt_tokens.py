@@ -68,16 +68,26 @@ class _ModelTokenizer:
     def count(self, request: RoutingRequest) -> int:
         text = request.prompt_text or ""
         if request.chat_messages is not None and self.chat is not None:
-            messages = [{"role": role, "content": content} for role, content in request.chat_messages]
-            ids = self.chat.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
-                ids = ids["input_ids"]
-            return max(len(ids), 1)
-        special = request.chat_messages is None
+            if len(text) <= MAX_TOKENIZED_CHARS:
+                return max(self._template_tokens(request.chat_messages), 1)
+            # A long chat: the template's own tokens (rendered with empty contents) plus the contents' tokens,
+            # extrapolated like a long completion, so that no request tokenizes megabytes on the event loop.
+            overhead = self._template_tokens(tuple((role, "") for role, _ in request.chat_messages))
+            return max(overhead + self._text_tokens(text, special=False), 1)
+        return max(self._text_tokens(text, special=request.chat_messages is None), 1)
+
+    def _template_tokens(self, messages: tuple[tuple[str, str], ...]) -> int:
+        ids = self.chat.apply_chat_template([{"role": role, "content": content} for role, content in messages],
+                                            add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return len(ids)
+
+    def _text_tokens(self, text: str, *, special: bool) -> int:
         if len(text) <= MAX_TOKENIZED_CHARS:
-            return max(len(self.tokenizer.encode(text, add_special_tokens=special).ids), 1)
+            return len(self.tokenizer.encode(text, add_special_tokens=special).ids)
         head = len(self.tokenizer.encode(text[:MAX_TOKENIZED_CHARS], add_special_tokens=special).ids)
-        return max(round(head * len(text) / MAX_TOKENIZED_CHARS), 1)
+        return round(head * len(text) / MAX_TOKENIZED_CHARS)
 
 
 def _read(path: Path) -> str:

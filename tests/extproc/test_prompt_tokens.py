@@ -59,3 +59,19 @@ def test_a_tokenizer_that_cannot_load_is_a_config_error_naming_the_model(tmp_pat
     assert config.tokenizers == {"m": "/x/tokenizer.json"}
     with pytest.raises(ConfigError, match="tokenizers"):
         parse_config({"endpoints": [{"address": "127.0.0.1:8000"}], "tokenizers": {"m": 3}})
+
+
+def test_a_long_chat_is_estimated_without_rendering_megabytes(tmp_path):
+    pytest.importorskip("transformers")
+    from extproc.lengths import MAX_TOKENIZED_CHARS
+
+    from deploy.vllm.make_tiny_model import _write_tokenizer
+
+    _write_tokenizer(tokenizer_path(), tmp_path)
+    counter = PromptTokenCounter({"tiny": str(tmp_path)})
+    word = "prefill "
+    content = word * (4 * MAX_TOKENIZED_CHARS // len(word))
+    request = _chat("tiny", content.strip())
+    exact = counter._by_model["tiny"]._template_tokens(request.chat_messages)  # noqa: SLF001 (rendered in full)
+    # The template's tokens plus the contents' tokens extrapolated from the first MAX_TOKENIZED_CHARS characters.
+    assert counter.count(request) == pytest.approx(exact, rel=0.02)
