@@ -47,7 +47,7 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
 
 Environment overrides (``load_config`` only; ``parse_config`` is pure): ``ASTROLABE_EXTPROC_<KEY>`` replaces a
 root key and ``ASTROLABE_EXTPROC_<SECTION>__<KEY>`` one key of a section (``health_check``, ``output_length``,
-``predictor_client``, ``policy_params``); the key is the name's lower-case tail, e.g.
+``predictor_client``, ``policy_params``, ``tokenizers``); the key is the name's lower-case tail, e.g.
 ``ASTROLABE_EXTPROC_PREDICTOR_CLIENT__PREDICT_TIMEOUT_S=0.05``. A value is read as one YAML scalar (``0.05``,
 ``true``, ``null``; empty = null); text that YAML reads as a list or mapping, or cannot parse, stays a string
 (so ``[::]:9002`` works). ``endpoints``, ``policy_params`` and whole sections take YAML or JSON text, e.g.
@@ -374,7 +374,7 @@ _CLASS_AT: dict[tuple[str, ...], type] = {
     (): ExtprocConfig, ("endpoints",): EndpointConfig, ("health_check",): HealthCheckConfig,
     ("output_length",): OutputLengthSection, ("predictor_client",): PredictorClientSection,
 }
-_MAPPING_KEYS = ("health_check", "output_length", "predictor_client", "policy_params")
+_MAPPING_KEYS = ("health_check", "output_length", "predictor_client", "policy_params", "tokenizers")
 """Root keys whose own keys an ``<SECTION>__<KEY>`` override may set."""
 
 

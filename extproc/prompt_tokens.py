@@ -68,12 +68,16 @@ class _ModelTokenizer:
     def count(self, request: RoutingRequest) -> int:
         text = request.prompt_text or ""
         if request.chat_messages is not None and self.chat is not None:
-            if len(text) <= MAX_TOKENIZED_CHARS:
-                return max(self._template_tokens(request.chat_messages), 1)
-            # A long chat: the template's own tokens (rendered with empty contents) plus the contents' tokens,
-            # extrapolated like a long completion, so that no request tokenizes megabytes on the event loop.
-            overhead = self._template_tokens(tuple((role, "") for role, _ in request.chat_messages))
-            return max(overhead + self._text_tokens(text, special=False), 1)
+            try:
+                if len(text) <= MAX_TOKENIZED_CHARS:
+                    return max(self._template_tokens(request.chat_messages), 1)
+                # A long chat: the template's own tokens (rendered with empty contents) plus the contents'
+                # tokens, extrapolated like a long completion, so no request tokenizes megabytes on the loop.
+                overhead = self._template_tokens(tuple((role, "") for role, _ in request.chat_messages))
+                return max(overhead + self._text_tokens(text, special=False), 1)
+            except Exception as exc:  # noqa: BLE001 (a template may raise_exception, e.g. roles must alternate)
+                # The engine will refuse such a request itself (400); routing counts the text without the template.
+                logger.debug("tokenizers.%s: chat template failed (%s); counting the messages' text", self.model, exc)
         return max(self._text_tokens(text, special=request.chat_messages is None), 1)
 
     def _template_tokens(self, messages: tuple[tuple[str, str], ...]) -> int:

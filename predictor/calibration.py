@@ -35,6 +35,13 @@ import numpy as np
 
 from predictor.sim.batch_time import LinearBatchTimeModel
 
+MIN_STEP_S = 1e-6
+"""Shortest step duration taken, seconds."""
+MAX_STEP_S = 600.0
+"""Longest step duration taken, seconds."""
+MAX_REGRESSOR = 1 << 24
+"""Largest token, sequence or context count taken for one step (16.7 M)."""
+
 _COEFFS = ("c0_s", "c1_s_per_token", "c2_s_per_token2", "c3_s_per_token", "c4_s_per_seq")
 
 
@@ -145,11 +152,14 @@ class StepTimeCalibrator:
         self.num_outliers = 0
 
     def observe(self, samples) -> None:
-        """Add observed steps (an iterable of `StepSample`); steps with a non-positive or non-finite duration,
-        no sequence or no token are ignored."""
+        """Add observed steps (an iterable of `StepSample`); steps with no sequence or no token, a duration
+        outside [`MIN_STEP_S`, `MAX_STEP_S`] or a regressor beyond `MAX_REGRESSOR` (its square for the
+        attention work) are ignored: no engine step looks like that, and they would overflow the fit."""
         for sample in samples:
-            if (sample.num_seqs >= 1 and sample.num_tokens >= 1 and math.isfinite(sample.duration_s)
-                    and sample.duration_s > 0):
+            if (sample.num_seqs >= 1 and sample.num_tokens >= 1
+                    and MIN_STEP_S <= sample.duration_s <= MAX_STEP_S
+                    and max(sample.num_tokens, sample.num_seqs, sample.decode_context_tokens) <= MAX_REGRESSOR
+                    and sample.prefill_attention_work <= MAX_REGRESSOR**2):
                 self._samples.append(sample)
                 self.num_samples_total += 1
 
@@ -162,14 +172,23 @@ class StepTimeCalibrator:
         return self.refit()
 
     def refit(self) -> bool:
-        """Refit now from the window (guards in the module docstring); True if the new model was accepted."""
+        """Refit now from the window (guards in the module docstring); True if the new model was accepted.
+        Never raises: a fit numpy cannot solve counts as rejected."""
+        try:
+            with np.errstate(all="ignore"):
+                return self._refit()
+        except (np.linalg.LinAlgError, ValueError, FloatingPointError):
+            self.num_rejected += 1
+            return False
+
+    def _refit(self) -> bool:
         samples = list(self._samples)
         if len(samples) < self.min_samples:
             return False
         features = np.array([s.features() for s in samples], dtype=np.float64)
         times = np.array([s.duration_s for s in samples], dtype=np.float64)
         n_recent = max(len(samples) // 4, 1)
-        train = slice(0, len(samples) - n_recent)
+        train = slice(0, max(len(samples) - n_recent, min(len(samples), 5)))
         old = _coeffs(self.model)
         # The ridge pulls toward the prior scaled by the window's median ratio of measured to prior times, not
         # toward the current model: in directions the window cannot identify (every step with the same number
@@ -183,14 +202,17 @@ class StepTimeCalibrator:
             self.num_rejected += 1
             return False
         new = self._bounded(old, fitted, features)
+        if not np.all(np.isfinite(new)):
+            self.num_rejected += 1
+            return False
         recent = slice(len(samples) - n_recent, len(samples))
         if _error(new, features[recent], times[recent]) >= _error(old, features[recent], times[recent]):
             self.num_rejected += 1
             return False
         # Accepted: refit on the whole window (the held-out quarter included), with the same guards.
         refit_all, outliers = self._fit(features, times, around)
-        if refit_all is not None:
-            new = self._bounded(old, refit_all, features)
+        if refit_all is not None and np.all(np.isfinite(candidate := self._bounded(old, refit_all, features))):
+            new = candidate
         self.num_outliers = outliers
         self.model = LinearBatchTimeModel(self.prior.model, *(float(c) for c in new))
         self.num_refits += 1

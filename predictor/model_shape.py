@@ -38,22 +38,24 @@ def read_model_shape(path: str | Path) -> dict[str, int]:
     Nested ``text_config`` (multimodal configs) is read when the top level lacks the fields.
 
     Raises:
-        OSError: unreadable file. ValueError: not JSON, or none of ``num_hidden_layers``/``hidden_size``.
+        OSError: unreadable file. ValueError: not JSON (or not UTF-8, or nested too deeply), or no positive
+            ``num_hidden_layers``/``hidden_size`` below 2**40 (the message names the file).
     """
     file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{file}: not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, 4300-digit ints, nesting
+        raise ValueError(f"{file}: not a JSON model config: {exc!r}"[:300]) from None
     if isinstance(data, dict) and "hidden_size" not in data and isinstance(data.get("text_config"), dict):
         data = data["text_config"]
     if not isinstance(data, dict):
         raise ValueError(f"{file}: not a JSON object")
     shape = {name: data[name] for name in _FIELDS
-             if isinstance(data.get(name), int) and not isinstance(data.get(name), bool) and data[name] > 0}
+             if isinstance(data.get(name), int) and not isinstance(data.get(name), bool) and 0 < data[name] < 2**40}
     if "num_hidden_layers" not in shape or "hidden_size" not in shape:
         raise ValueError(f"{file}: no num_hidden_layers/hidden_size: not a transformer model config")
-    shape.setdefault("num_key_value_heads", shape.get("num_attention_heads", 0) or shape["hidden_size"] // 128)
+    shape.setdefault("num_key_value_heads",
+                     shape.get("num_attention_heads", 0) or max(shape["hidden_size"] // 128, 1))
     return shape
 
 

@@ -9,9 +9,11 @@ ledger mode only E2E is checked). Both clocks are this host's ``time.monotonic()
 
 Per metric it keeps running statistics over every completed request (`ErrorStats`: count, MAPE, the mean and
 the recent mean of log(predicted / observed), i.e. the bias) and the last `RECENT_RECORDS` records for reports
-(`bench accuracy`, the demo). With ``bias_correction`` on, `correction` returns the factor the sidecar multiplies
-its predictions by to cancel a persistent bias: exp(−recent mean log ratio) once ``min_samples`` requests were
-checked, bounded to [1/`MAX_CORRECTION`, `MAX_CORRECTION`]. Imports only the standard library.
+(`bench accuracy`, the demo). With ``bias_correction`` on, once ``min_samples`` requests were checked,
+`correction` returns the factor the sidecar multiplies its E2E predictions by to cancel a persistent bias
+(exp(−recent mean log ratio), bounded to [1/`MAX_CORRECTION`, `MAX_CORRECTION`]) and `ttft_offset_s` the seconds
+it adds to TTFT predictions (the median shortfall of the last `_SHORTFALL_WINDOW`, bounded to
+[0, `MAX_TTFT_OFFSET_S`]: a median, since a few queued requests' long TTFTs must not shift every short one). Imports only the standard library.
 
 Why admission and not the Predict call as the origin: Admit follows the Predict the router acted on by one
 round trip (~1–2 ms, measured in the demo), so the error this adds is far below the figures it checks.
@@ -20,15 +22,25 @@ round trip (~1–2 ms, measured in the demo), so the error this adds is far belo
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
+import statistics
 from dataclasses import dataclass
 
 RECENT_RECORDS = 256
 """Completed requests kept for reports (the newest)."""
 MAX_CORRECTION = 4.0
-"""Bias correction never scales a prediction by more than this factor either way."""
+"""Bias correction never scales an E2E prediction by more than this factor either way."""
+MAX_TTFT_OFFSET_S = 1.0
+"""Bias correction never adds more than this to a TTFT prediction, seconds."""
 _RECENT_WEIGHT = 0.05
 """Weight of each new request in the recent mean of log ratios (about the last 20-40 requests)."""
+MIN_PREDICTION_S = 1e-6
+MAX_PREDICTION_S = 86400.0
+"""Predictions outside [MIN_PREDICTION_S, MAX_PREDICTION_S] seconds are not checked (no request is predicted to
+take a day, and such values would swamp the statistics)."""
+_SHORTFALL_WINDOW = 64
+"""Requests whose TTFT shortfall the offset is the median of."""
 MAX_PENDING = 8192
 """Admitted requests tracked at most (oldest dropped first) when Release notices are lost."""
 
@@ -42,21 +54,26 @@ class ErrorStats:
         sum_abs_pct: Σ |predicted − observed| / observed.
         sum_log_ratio: Σ log(predicted / observed).
         recent_log_ratio: exponentially weighted mean of log(predicted / observed) (weight `_RECENT_WEIGHT`).
+        recent_shortfalls_s: observed − predicted of the last `_SHORTFALL_WINDOW` requests, seconds.
     """
 
     count: int = 0
     sum_abs_pct: float = 0.0
     sum_log_ratio: float = 0.0
     recent_log_ratio: float = 0.0
+    recent_shortfalls_s: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=_SHORTFALL_WINDOW))
 
     def add(self, predicted_s: float, observed_s: float) -> None:
-        """Count one request (both in seconds, > 0)."""
+        """Count one request (both in seconds; each is clamped to >= 1e-6)."""
+        predicted_s, observed_s = max(predicted_s, 1e-6), max(observed_s, 1e-6)
         log_ratio = math.log(predicted_s / observed_s)
         self.count += 1
         self.sum_abs_pct += abs(predicted_s - observed_s) / observed_s
         self.sum_log_ratio += log_ratio
         weight = max(_RECENT_WEIGHT, 1.0 / self.count)
         self.recent_log_ratio += weight * (log_ratio - self.recent_log_ratio)
+        self.recent_shortfalls_s.append(observed_s - predicted_s)
 
     @property
     def mape(self) -> float:
@@ -70,7 +87,13 @@ class ErrorStats:
 
     def as_dict(self) -> dict:
         return {"count": self.count, "mape": self.mape, "bias": self.bias,
-                "recent_bias": math.exp(self.recent_log_ratio) if self.count else math.nan}
+                "recent_bias": math.exp(self.recent_log_ratio) if self.count else math.nan,
+                "recent_shortfall_s": self.recent_shortfall_s}
+
+    @property
+    def recent_shortfall_s(self) -> float:
+        """Median of the recent shortfalls (observed − predicted), seconds; NaN before any request."""
+        return statistics.median(self.recent_shortfalls_s) if self.recent_shortfalls_s else math.nan
 
 
 @dataclass(slots=True)
@@ -78,6 +101,8 @@ class _Pending:
     admitted_s: float
     predicted_ttft_s: float
     predicted_e2e_s: float
+    raw_ttft_s: float  # the prediction before the correction in force at admission
+    raw_e2e_s: float
     observed_ttft_s: float | None = None
 
 
@@ -94,16 +119,22 @@ class OutcomeTracker:
         self.min_samples = min_samples
         self.ttft = ErrorStats()
         self.e2e = ErrorStats()
+        # The corrections are learnt from the uncorrected predictions (else each correction would measure only
+        # what the previous one left, and undo it).
+        self._raw_ttft = ErrorStats()
+        self._raw_e2e = ErrorStats()
         self.recent: collections.deque[tuple] = collections.deque(maxlen=RECENT_RECORDS)
         self._pending: dict[str, _Pending] = {}
 
     def admit(self, request_id: str, now_s: float, predicted_ttft_s: float, predicted_e2e_s: float) -> None:
         """A request was admitted at ``now_s`` with these predictions (seconds from now; <= 0 or non-finite =
         none: the request is not checked)."""
-        if not (predicted_e2e_s > 0 and math.isfinite(predicted_e2e_s)):
+        if not MIN_PREDICTION_S <= predicted_e2e_s <= MAX_PREDICTION_S:  # NaN fails too
             return
-        ttft = predicted_ttft_s if predicted_ttft_s > 0 and math.isfinite(predicted_ttft_s) else math.nan
-        self._pending[request_id] = _Pending(now_s, ttft, predicted_e2e_s)
+        ttft = predicted_ttft_s if MIN_PREDICTION_S <= predicted_ttft_s <= MAX_PREDICTION_S else math.nan
+        self._pending[request_id] = _Pending(now_s, ttft, predicted_e2e_s,
+                                             max(ttft - self.ttft_offset_s(), 1e-6),
+                                             predicted_e2e_s / self.correction("e2e"))
         while len(self._pending) > MAX_PENDING:
             self._pending.pop(next(iter(self._pending)))
 
@@ -125,24 +156,39 @@ class OutcomeTracker:
             return None
         observed_e2e_s = max(now_s - pending.admitted_s, 1e-6)
         self.e2e.add(pending.predicted_e2e_s, observed_e2e_s)
+        self._raw_e2e.add(pending.raw_e2e_s, observed_e2e_s)
         if pending.observed_ttft_s is not None and math.isfinite(pending.predicted_ttft_s):
             self.ttft.add(pending.predicted_ttft_s, pending.observed_ttft_s)
+            self._raw_ttft.add(pending.raw_ttft_s, pending.observed_ttft_s)
         record = (request_id, pending.predicted_ttft_s, pending.observed_ttft_s, pending.predicted_e2e_s,
                   observed_e2e_s)
         self.recent.append(record)
         return record
 
     def correction(self, metric: str) -> float:
-        """Factor to multiply predictions of ``metric`` ("ttft" or "e2e") by: 1.0 unless bias correction is on
-        and ``min_samples`` requests were checked (see the module docstring)."""
-        stats = self.ttft if metric == "ttft" else self.e2e
-        if not self.bias_correction or stats.count < self.min_samples:
+        """Factor to multiply E2E predictions by (``metric`` "e2e"): 1.0 unless bias correction is on and
+        ``min_samples`` requests were checked (see the module docstring). TTFT is corrected by an offset
+        (`ttft_offset_s`), so its factor is always 1.0."""
+        stats = self._raw_e2e
+        if metric != "e2e" or not self.bias_correction or stats.count < self.min_samples:
             return 1.0
-        return min(max(math.exp(-stats.recent_log_ratio), 1.0 / MAX_CORRECTION), MAX_CORRECTION)
+        factor = math.exp(-stats.recent_log_ratio)
+        return min(max(factor, 1.0 / MAX_CORRECTION), MAX_CORRECTION) if math.isfinite(factor) else 1.0
+
+    def ttft_offset_s(self) -> float:
+        """Seconds to add to TTFT predictions: the recent median shortfall (observed − predicted), bounded to
+        [0, `MAX_TTFT_OFFSET_S`], once bias correction is on and ``min_samples`` TTFTs were checked; else 0.
+        Additive because TTFT's persistent error is a delay the engine does not see (the API server's HTTP,
+        tokenization and hand-over before the request reaches the scheduler), not a scale."""
+        stats = self._raw_ttft
+        if not self.bias_correction or stats.count < self.min_samples:
+            return 0.0
+        offset = stats.recent_shortfall_s
+        return min(max(offset, 0.0), MAX_TTFT_OFFSET_S) if math.isfinite(offset) else 0.0
 
     def as_dict(self) -> dict:
         """Statistics and recent records, JSON-ready (NaN where nothing was measured)."""
         return {"ttft": self.ttft.as_dict(), "e2e": self.e2e.as_dict(), "bias_correction": self.bias_correction,
-                "correction": {"ttft": self.correction("ttft"), "e2e": self.correction("e2e")},
+                "correction": {"ttft_offset_s": self.ttft_offset_s(), "e2e_factor": self.correction("e2e")},
                 "num_pending": len(self._pending),
                 "recent": [list(r) for r in self.recent]}

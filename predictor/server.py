@@ -73,7 +73,8 @@ class SidecarConfig:
         calibration: ``online`` (refit the step-time model from the engine's measured steps, when the state file
             carries them) or ``off`` (the shipped model as given).
         calibration_min_samples: measured steps before the first refit.
-        bias_correction: scale predictions by the inverse of their recent measured bias (``predictor.outcomes``).
+        bias_correction: correct the recent measured bias (``predictor.outcomes``): E2E by a factor, TTFT by an
+            offset.
         metrics_listen: ``host:port`` of a Prometheus /metrics endpoint; None = none.
     """
 
@@ -124,14 +125,21 @@ def load_batch_time(name_or_path: str, time_scale: float = 1.0) -> LinearBatchTi
         ValueError: unknown name, bad JSON, or ``time_scale <= 0``.
         OSError: unreadable file.
     """
-    if not time_scale > 0:
-        raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    if not 0 < time_scale < math.inf:
+        raise ValueError(f"time_scale must be a finite number > 0, got {time_scale}")
     model = (LinearBatchTimeModel.from_json(name_or_path) if name_or_path.endswith(".json")
              else LinearBatchTimeModel.default(name_or_path))
     return model.scaled(time_scale)
 
 
 CALIBRATION_MODES = ("online", "off")
+
+
+def _check_host_port(value: str, flag: str) -> None:
+    """Raises ValueError unless ``value`` is ``host:port`` with a port in [0, 65535]."""
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{flag} must be host:port with a port in [0, 65535], got {value!r}")
 
 
 def _json_safe(value):
@@ -235,10 +243,21 @@ class Sidecar:
 
     def absorb(self, state, now_s: float) -> None:
         """Take what a new plugin state adds beyond queues: measured steps (refit when due) and first tokens of
-        admitted requests. Cheap for a state already absorbed (one comparison)."""
+        admitted requests. Cheap for a state already absorbed (one comparison). Never raises: calibration and
+        outcome checks must not cost a prediction or a Release (a failure is logged once)."""
         if state is None or (state.pid, state.seq) == self._absorbed:
             return
         self._absorbed = (state.pid, state.seq)
+        try:
+            self._absorb(state, now_s)
+        except Exception:  # noqa: BLE001
+            if not self._absorb_failed:
+                logger.exception("absorbing the plugin state's steps and first tokens failed (logged once)")
+            self._absorb_failed = True
+
+    _absorb_failed = False
+
+    def _absorb(self, state, now_s: float) -> None:
         if self.calibrator is not None:
             self.calibrator.observe(self.plugin.new_steps(state))
             if self.calibrator.maybe_refit(now_s):
@@ -308,10 +327,9 @@ class Sidecar:
 
     def _corrected(self, response: pb.PredictResponse) -> pb.PredictResponse:
         """``response`` with the outcome tracker's bias correction applied (a no-op while it is off or young)."""
-        ttft_factor, e2e_factor = self.outcomes.correction("ttft"), self.outcomes.correction("e2e")
-        if ttft_factor != 1.0 or e2e_factor != 1.0:
-            response.ttft_s *= ttft_factor
-            response.queue_s *= ttft_factor
+        ttft_offset_s, e2e_factor = self.outcomes.ttft_offset_s(), self.outcomes.correction("e2e")
+        if ttft_offset_s or e2e_factor != 1.0:
+            response.ttft_s += ttft_offset_s  # queue_s is relative to an idle engine: the offset is in both
             response.e2e_s = max(response.e2e_s * e2e_factor, response.ttft_s)
         return response
 
@@ -339,8 +357,9 @@ class Sidecar:
         return _json_safe({"calibration": calibration, "outcomes": self.outcomes.as_dict()})
 
     def state(self) -> dict:
-        """The sidecar's view (queues, blocks, reconciliation or plugin figures) plus `quality`, JSON-ready."""
-        return {**self._state(), **self.quality()}
+        """The sidecar's view (queues, blocks, reconciliation or plugin figures) plus `quality`, strict JSON-ready
+        (non-finite figures, e.g. the state age before the first reconciliation, as null)."""
+        return _json_safe({**self._state(), **self.quality()})
 
     def _state(self) -> dict:
         now_s = time.monotonic()
@@ -408,15 +427,17 @@ class Sidecar:
                 self.absorb(self.plugin.reader.read(now_s), now_s)
 
     async def start(self) -> int:
+        if self.config.metrics_listen:
+            from predictor.sidecar_metrics import start_metrics_server  # noqa: PLC0415
+
+            self._metrics_server, self.metrics_port = start_metrics_server(self, self.config.metrics_listen)
+            logger.info("metrics on http://%s/metrics (port %d)", self.config.metrics_listen, self.metrics_port)
         self.port = self._server.add_insecure_port(self.config.listen)
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {self.config.listen}")
         await self._server.start()
         self._task = asyncio.create_task(self._reconcile_loop(), name="reconcile")
         self._absorb_task = asyncio.create_task(self._absorb_loop(), name="absorb")
-        if self.config.metrics_listen:
-            from predictor.sidecar_metrics import start_metrics_server  # noqa: PLC0415
-            self._metrics_server, self.metrics_port = start_metrics_server(self, self.config.metrics_listen)
         settle_heap()
         for name in ("", "liveness", "readiness", "astrolabe.predictor.v1.Predictor"):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -482,7 +503,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration-min-samples", type=int, default=64,
                         help="measured steps before the first refit")
     parser.add_argument("--bias-correction", action="store_true",
-                        help="scale predictions by the inverse of their measured recent bias (prediction vs outcome)")
+                        help="correct the measured recent bias (prediction vs outcome): E2E by a factor, TTFT by an offset")
     parser.add_argument("--metrics-listen", default=None,
                         help="host:port of a Prometheus /metrics endpoint (calibration, prediction error)")
     parser.add_argument("--log-level", default="INFO")
@@ -508,10 +529,17 @@ def run(args: argparse.Namespace) -> int:
         load_batch_time(resolve_batch_time_model(config.batch_time_model, config.model_config), config.time_scale)
         ResidualRules(config.residual_lengths, config.length_errors)
         PluginStateSource(config.state_source, config.vllm_state_path)
+        if config.metrics_listen:
+            _check_host_port(config.metrics_listen, "--metrics-listen")
+        _check_host_port(config.listen, "--listen")
         if not 1 <= config.calibration_min_samples <= 512:
             raise ValueError(f"--calibration-min-samples must be in [1, 512], got {config.calibration_min_samples}")
     except (ValueError, OSError) as exc:
         logger.error("invalid sidecar configuration: %s", exc)
         return 2
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except (OSError, RuntimeError) as exc:  # an address that cannot be bound (gRPC or metrics)
+        logger.error("sidecar cannot start: %s", exc)
+        return 2
     return 0

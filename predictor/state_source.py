@@ -207,13 +207,19 @@ def parse_plugin_state(text: str) -> PluginState:
                                for i, r in enumerate(_list(data.get("first_tokens", []), "first_tokens"))))
     except PluginStateError:
         raise
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
         raise PluginStateError(f"malformed state file: {exc!r}"[:300]) from None
+
+
+MAX_HISTORY_ROWS = 4096
+"""A state file's ``steps`` or ``first_tokens`` longer than this is refused (the plugin writes 64 / 256)."""
 
 
 def _list(value, what: str) -> list:
     if not isinstance(value, list):
         raise PluginStateError(f"{what} must be a list")
+    if len(value) > MAX_HISTORY_ROWS:
+        raise PluginStateError(f"{what} has {len(value)} rows, more than {MAX_HISTORY_ROWS}")
     return value
 
 

@@ -75,3 +75,27 @@ def test_a_long_chat_is_estimated_without_rendering_megabytes(tmp_path):
     exact = counter._by_model["tiny"]._template_tokens(request.chat_messages)  # noqa: SLF001 (rendered in full)
     # The template's tokens plus the contents' tokens extrapolated from the first MAX_TOKENIZED_CHARS characters.
     assert counter.count(request) == pytest.approx(exact, rel=0.02)
+
+
+def test_a_chat_template_that_raises_falls_back_to_the_messages_text(tmp_path):
+    pytest.importorskip("transformers")
+    from deploy.vllm.make_tiny_model import _write_tokenizer
+
+    _write_tokenizer(tokenizer_path(), tmp_path)
+    # A Llama-2-style template that refuses two user turns in a row (vLLM answers such a request 400 itself).
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+        "{{ raise_exception('roles must alternate') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    counter = PromptTokenCounter({"tiny": str(tmp_path)})
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "a b"}, {"role": "user", "content": "c"}]}'
+    assert counter.count(parse_body("r", "POST", "/v1/chat/completions", body)) == count_tokens("a b\nc")
+
+
+def test_the_tokenizers_mapping_can_be_set_from_the_environment(tmp_path):
+    from extproc.config import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("endpoints: [{address: 127.0.0.1:8000}]\n")
+    config = load_config(path, environ={"ASTROLABE_EXTPROC_TOKENIZERS": "{m: /models/m}",
+                                        "ASTROLABE_EXTPROC_TOKENIZERS__OTHER": "/models/o"})
+    assert config.tokenizers == {"m": "/models/m", "other": "/models/o"}

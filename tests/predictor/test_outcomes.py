@@ -50,9 +50,31 @@ def test_bias_correction_cancels_a_persistent_bias_after_enough_requests_and_is_
     tracker.admit("r9", 0.0, 0.1, 1.0)
     tracker.release("r9", 2.0)
     assert tracker.correction("e2e") == pytest.approx(2.0)
-    assert tracker.correction("ttft") == 1.0  # no TTFT was observed
+    assert tracker.correction("ttft") == 1.0 and tracker.ttft_offset_s() == 0.0  # no TTFT was observed
     for i in range(200):
         tracker.admit(f"s{i}", 0.0, 0.1, 0.01)
         tracker.release(f"s{i}", 2.0)  # 200x too short
     assert tracker.correction("e2e") == MAX_CORRECTION
     assert OutcomeTracker().correction("e2e") == 1.0  # off by default
+
+
+def test_ttft_is_corrected_by_the_delay_the_engine_does_not_see():
+    tracker = OutcomeTracker(bias_correction=True, min_samples=5)
+    for i in range(40):
+        tracker.admit(f"r{i}", 0.0, 0.005 + tracker.ttft_offset_s(), 1.0)  # the router acts on the corrected one
+        tracker.first_token(f"r{i}", 0.035)  # 30 ms in the API server before the engine saw it
+        tracker.release(f"r{i}", 1.0)
+    assert tracker.ttft_offset_s() == pytest.approx(0.030)
+    assert tracker.correction("e2e") == pytest.approx(1.0)
+    assert OutcomeTracker(bias_correction=False).ttft_offset_s() == 0.0
+
+
+def test_corrections_are_learnt_from_uncorrected_predictions_and_do_not_oscillate():
+    tracker = OutcomeTracker(bias_correction=True, min_samples=5)
+    for i in range(200):  # the sidecar's raw predictions: half the E2E, 30 ms short on TTFT
+        factor, offset = tracker.correction("e2e"), tracker.ttft_offset_s()
+        tracker.admit(f"r{i}", 0.0, 0.005 + offset, 1.0 * factor)  # what the router acted on: corrected
+        tracker.first_token(f"r{i}", 0.035)
+        tracker.release(f"r{i}", 2.0)
+    assert tracker.correction("e2e") == pytest.approx(2.0) and tracker.ttft_offset_s() == pytest.approx(0.030)
+    assert tracker.recent[-1][3] == pytest.approx(2.0) and tracker.recent[-1][1] == pytest.approx(0.035)
