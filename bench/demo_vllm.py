@@ -48,8 +48,11 @@ def start_fleet(procs: ProcessGroup, num_instances: int, log_dir: Path) -> tuple
     settings = VllmSettings()
     for server in servers:
         port = free_port()
+        # Calibration off: the servers share this machine's CPU, so per-instance online calibration learns the
+        # neighbour's load and the sidecars disagree (bench/README-vllm.md); the shared CPU profile is fairer.
         proc = procs.start([sys.executable, "-m", "astrolabe", "predictor", "serve", "--backend", server.address,
                             "--listen", f"127.0.0.1:{port}", "--batch-time-model", str(BATCH_TIME_MODEL),
+                            "--calibration", "off",
                             "--state-source", "vllm-plugin", "--vllm-state-path", str(server.state_path),
                             "--max-num-seqs", str(settings.max_num_seqs),
                             "--max-num-batched-tokens", str(settings.max_num_batched_tokens)],
