@@ -425,6 +425,14 @@ class Sidecar:
             if self.plugin.reader is not None:
                 now_s = time.monotonic()
                 self.absorb(self.plugin.reader.read(now_s), now_s)
+                if self.calibrator is not None:  # a refit that came due after the last step (engine now idle)
+                    try:
+                        if self.calibrator.maybe_refit(now_s):
+                            self.ledger.engine.batch_time = self.calibrator.model
+                        if now_s - self._status_s >= 0.5:
+                            self.calibration_status, self._status_s = self.calibrator.status(), now_s
+                    except Exception:  # noqa: BLE001 (refit never raises; status must not end the loop either)
+                        logger.exception("calibration status failed")
 
     async def start(self) -> int:
         if self.config.metrics_listen:
