@@ -248,6 +248,7 @@ class Sidecar:
         if state is None or (state.pid, state.seq) == self._absorbed:
             return
         self._absorbed = (state.pid, state.seq)
+        self._last_absorb_s = now_s
         try:
             self._absorb(state, now_s)
         except Exception:  # noqa: BLE001
@@ -256,6 +257,7 @@ class Sidecar:
             self._absorb_failed = True
 
     _absorb_failed = False
+    _last_absorb_s = float("-inf")
 
     def _absorb(self, state, now_s: float) -> None:
         if self.calibrator is not None:
@@ -268,10 +270,19 @@ class Sidecar:
             if now_s - self._status_s >= 0.5:
                 self.calibration_status, self._status_s = self.calibrator.status(), now_s
         admits, outcomes = self.plugin.admits, self.outcomes
-        for engine_request_id, at_s in state.first_tokens:
+        seen_s = self._first_tokens_seen_s if state.pid == self._first_tokens_pid else float("-inf")
+        for engine_request_id, at_s in reversed(state.first_tokens):  # newest first; stop at those taken before
+            if at_s <= seen_s:
+                break
             admit_id = admits.admit_id_of(engine_request_id)
             if admit_id is not None:
                 outcomes.first_token(admit_id, at_s)
+        if state.first_tokens:
+            self._first_tokens_seen_s = max(seen_s, state.first_tokens[-1][1])
+            self._first_tokens_pid = state.pid
+
+    _first_tokens_seen_s = float("-inf")
+    _first_tokens_pid = 0
 
     _status_s = float("-inf")
 
@@ -417,14 +428,15 @@ class Sidecar:
                 await asyncio.sleep(self.config.plugin_reconcile_interval_s if self.plugin.in_use
                                     else self.config.reconcile_interval_s)
 
-    async def _absorb_loop(self, interval_s: float = 0.2) -> None:
+    async def _absorb_loop(self, interval_s: float = 0.5) -> None:
         """Reads the plugin's state file between Predict calls, so calibration and first tokens keep up while no
         request is routed here."""
         while True:
             await asyncio.sleep(interval_s)
             if self.plugin.reader is not None:
                 now_s = time.monotonic()
-                self.absorb(self.plugin.reader.read(now_s), now_s)
+                if now_s - self._last_absorb_s >= interval_s:  # Predict calls absorb while traffic flows
+                    self.absorb(self.plugin.reader.read(now_s), now_s)
                 if self.calibrator is not None:  # a refit that came due after the last step (engine now idle)
                     try:
                         if self.calibrator.maybe_refit(now_s):

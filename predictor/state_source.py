@@ -128,6 +128,38 @@ def _count(value, what: str, *, optional: bool = False, big: bool = False) -> in
     return value
 
 
+def _is_count(value, limit: int = _MAX_COUNT) -> bool:
+    return type(value) is int and 0 <= value <= limit  # noqa: E721 (bool is not a count)
+
+
+def _fast_row(row) -> tuple | None:
+    """A request row that is plainly valid, as `_row` returns it; None to let `_row` say what is wrong."""
+    if (type(row) is list and len(row) == 7 and type(row[0]) is str and row[0]  # noqa: E721
+            and _is_count(row[1]) and _is_count(row[2]) and _is_count(row[3])
+            and (row[4] is None or _is_count(row[4])) and (row[5] is None or _is_count(row[5]))
+            and (row[6] is None or _is_count(row[6]))):
+        return (row[0], row[1], row[2], row[3], row[4], row[5], row[6] or 0)
+    return None
+
+
+def _fast_step(row) -> tuple[int, StepSample] | None:
+    """A step row that is plainly valid, as `_step` returns it; None to let `_step` say what is wrong."""
+    if (type(row) is list and len(row) == 6 and _is_count(row[0]) and _is_count(row[1])  # noqa: E721
+            and _is_count(row[2], 2**62) and _is_count(row[3], 2**62) and _is_count(row[4])
+            and type(row[5]) is float and 0.0 <= row[5] < math.inf):  # noqa: E721
+        return row[0], StepSample(row[1], row[2], row[3], row[4], row[5])
+    return None
+
+
+def _checked(rows: list, name: str, fast, slow) -> tuple:
+    """Every row of ``rows`` through ``fast``, falling back to ``slow`` (which raises with the row's place)."""
+    out = []
+    for i, row in enumerate(rows):
+        value = fast(row)
+        out.append(value if value is not None else slow(row, f"{name}[{i}]"))
+    return tuple(out)
+
+
 def _row(row, where: str) -> tuple:
     """One request row, checked: ``[id, prompt, computed, generated, max_tokens|null, blocks|null, preemptions]``."""
     if not isinstance(row, list) or len(row) != 7:
@@ -200,9 +232,9 @@ def parse_plugin_state(text: str) -> PluginState:
             pid=pid, seq=_count(data["seq"], "seq"), published_monotonic_s=float(published), engine=config,
             num_free_blocks=_count(data["num_free_blocks"], "num_free_blocks"),
             num_preemptions_total=_count(data["num_preemptions_total"], "num_preemptions_total"),
-            running=tuple(_row(r, f"running[{i}]") for i, r in enumerate(running)),
-            waiting=tuple(_row(r, f"waiting[{i}]") for i, r in enumerate(waiting)),
-            steps=tuple(_step(r, f"steps[{i}]") for i, r in enumerate(_list(data.get("steps", []), "steps"))),
+            running=_checked(running, "running", _fast_row, _row),
+            waiting=_checked(waiting, "waiting", _fast_row, _row),
+            steps=_checked(_list(data.get("steps", []), "steps"), "steps", _fast_step, _step),
             first_tokens=tuple(_first_token(r, f"first_tokens[{i}]")
                                for i, r in enumerate(_list(data.get("first_tokens", []), "first_tokens"))))
     except PluginStateError:

@@ -60,11 +60,12 @@ STATE_FORMAT_VERSION = 1
 _PREEMPTIONS_COLUMN = 6
 """Index of ``num_preemptions`` in a request row."""
 
-FIRST_TOKEN_HISTORY = 256
+FIRST_TOKEN_HISTORY = 64
 """First-token events kept for the file (the newest)."""
-STEP_HISTORY = 64
+STEP_HISTORY = 32
 """Steps kept for the file (the newest): at a 10 ms publish interval and 3-20 ms steps, every step reaches at
-least one file; a reader that misses some only samples fewer."""
+least one file; a reader that misses some only samples fewer. Small, because the sidecar parses the whole file
+each time it changes (the figures: bench/README-vllm.md)."""
 
 
 @dataclass(frozen=True, slots=True)

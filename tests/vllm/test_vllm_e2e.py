@@ -171,7 +171,7 @@ def test_a_cold_sidecar_calibrates_online_to_the_real_engine(vllm_stack):
         async with httpx.AsyncClient(timeout=600) as client:
             await asyncio.gather(*(send(client, f"http://{server.address}", r, stream=False, chat=False)
                                    for r in trace))
-        for _ in range(20):  # the sidecar reads the state file every 0.2 s and refits at most once a second
+        for _ in range(20):  # the sidecar reads the state file every 0.5 s while idle and refits at most once a second
             calibration = json.loads(await _state(sidecar))["calibration"]
             if calibration["source"] == "online":
                 return calibration

@@ -114,6 +114,6 @@ def test_recorded_steps_and_first_tokens_reach_the_file_and_the_reader(tmp_path)
         publisher.record_step(10 + i, 0, 500, 10, 0.005, ["cmpl-a-0"] if i == 3 else (), 100.0 + i)
     publisher.maybe_publish(FakeScheduler([], []))
     state = parse_plugin_state(path.read_text())
-    assert [index for index, _ in state.steps] == list(range(7, 71))  # the last STEP_HISTORY (64)
+    assert [index for index, _ in state.steps] == list(range(39, 71))  # the last STEP_HISTORY (32)
     assert state.steps[-1][1].num_tokens == 79 and state.steps[-1][1].duration_s == 0.005
     assert state.first_tokens == (("cmpl-a-0", 103.0),)
