@@ -114,6 +114,9 @@ class PromptTokenCounter:
     def __init__(self, tokenizers: Mapping[str, str] | None = None) -> None:
         self._by_model = {model: _ModelTokenizer(model, path) for model, path in (tokenizers or {}).items()}
         self._warned = False
+        for model, tokenizer in self._by_model.items():
+            logger.info("prompt tokens for model %r: %s (%s)", model, tokenizers[model],
+                        "with its chat template" if tokenizer.chat is not None else "no chat template")
 
     @property
     def models(self) -> tuple[str, ...]:

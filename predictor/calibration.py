@@ -147,6 +147,7 @@ class StepTimeCalibrator:
         self._samples: collections.deque[StepSample] = collections.deque(maxlen=window)
         self._last_refit_s = -math.inf
         self.num_samples_total = 0
+        self._samples_at_refit = -1
         self.num_refits = 0
         self.num_rejected = 0
         self.num_outliers = 0
@@ -164,11 +165,13 @@ class StepTimeCalibrator:
                 self.num_samples_total += 1
 
     def maybe_refit(self, now_s: float) -> bool:
-        """Refit if due (``refit_interval_s`` since the last, ``min_samples`` in the window); True if the model
-        changed. ``now_s``: seconds on any monotonic clock."""
-        if len(self._samples) < self.min_samples or now_s - self._last_refit_s < self.refit_interval_s:
+        """Refit if due (``refit_interval_s`` since the last, ``min_samples`` in the window, new steps since the
+        last refit); True if the model changed. ``now_s``: seconds on any monotonic clock."""
+        if (len(self._samples) < self.min_samples or now_s - self._last_refit_s < self.refit_interval_s
+                or self.num_samples_total == self._samples_at_refit):  # nothing new (an idle engine)
             return False
         self._last_refit_s = now_s
+        self._samples_at_refit = self.num_samples_total
         return self.refit()
 
     def refit(self) -> bool:

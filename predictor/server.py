@@ -500,7 +500,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpu-blocks", type=int, default=defaults.num_gpu_blocks)
     parser.add_argument("--no-enable-chunked-prefill", dest="chunked_prefill", action="store_false")
     parser.add_argument("--no-discover-kv-cache", dest="discover", action="store_false",
-                        help="keep --block-size/--num-gpu-blocks even if the backend reports others")
+                        help="keep --block-size/--num-gpu-blocks even if the backend reports others "
+                             "(discovery from vllm:cache_config_info is on unless this flag is given)")
     parser.add_argument("--reconcile-interval-s", type=float, default=0.1)
     parser.add_argument("--visibility-grace-s", type=float, default=2.0)
     parser.add_argument("--plugin-reconcile-interval-s", type=float, default=1.0,

@@ -158,3 +158,15 @@ def test_a_refit_on_a_narrow_window_still_gives_every_batch_a_positive_time():
     assert model.c0_s > 0 and min(model.c1_s_per_token, model.c2_s_per_token2, model.c3_s_per_token) >= 0
     for shape in [(1, 0, 1, 1), (512, 512 * 512, 0, 1), (48, 0, 48 * 4096, 48), (1, 1, 0, 1)]:
         assert model.step_time_from_counts_s(*shape) > 0
+
+
+def test_no_refit_is_attempted_without_new_steps():
+    rng = random.Random(9)
+    calibrator = StepTimeCalibrator(PRIOR)
+    calibrator.observe(_steps(TRUE, 100, rng))
+    assert calibrator.maybe_refit(0.0)
+    before = calibrator.status()
+    for now_s in range(1, 30):  # the engine idles: nothing new, nothing attempted, nothing counted
+        assert not calibrator.maybe_refit(float(now_s))
+    after = calibrator.status()
+    assert (after.num_refits, after.num_rejected) == (before.num_refits, before.num_rejected)

@@ -284,8 +284,10 @@ async def test_a_sidecar_in_plugin_mode_predicts_from_an_emulator_process(tmp_pa
     finally:
         if channel is not None:
             await channel.close()
-        await sidecar.stop()
-        code, stderr = _stop(proc)
+        try:
+            await sidecar.stop()
+        finally:
+            code, stderr = _stop(proc)
     assert code == 0, stderr
 
 
@@ -362,5 +364,7 @@ async def test_a_sidecar_calibrates_to_an_engine_it_has_never_seen_and_checks_ev
     finally:
         if channel is not None:
             await channel.close()
-        await sidecar.stop()
-        _stop(proc)
+        try:
+            await sidecar.stop()
+        finally:
+            _stop(proc)  # even if stopping the sidecar failed: never leave the emulator behind
