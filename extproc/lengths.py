@@ -15,6 +15,7 @@ Predicted output tokens, by ``source``:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from extproc.request import RoutingRequest
@@ -39,14 +40,19 @@ class OutputLengthConfig:
             raise ValueError(f"source: must be one of {SOURCES}, got {self.source!r}")
 
 
+def extrapolated_tokens(text: str, count: Callable[[str], int]) -> int:
+    """``count(text)``, or for a text longer than `MAX_TOKENIZED_CHARS` the count of that prefix scaled by the
+    length ratio (so that no request tokenizes megabytes on the event loop), tokens."""
+    if len(text) <= MAX_TOKENIZED_CHARS:
+        return count(text)
+    return round(count(text[:MAX_TOKENIZED_CHARS]) * len(text) / MAX_TOKENIZED_CHARS)
+
+
 def count_prompt_tokens(request: RoutingRequest) -> int:
     """Prompt length in tokens (>= 1: an empty prompt still costs one position); extrapolated for long texts."""
     if request.prompt_token_ids is not None:
         return max(len(request.prompt_token_ids), 1)
-    text = request.prompt_text or ""
-    if len(text) <= MAX_TOKENIZED_CHARS:
-        return max(count_tokens(text), 1)
-    return max(round(count_tokens(text[:MAX_TOKENIZED_CHARS]) * len(text) / MAX_TOKENIZED_CHARS), 1)
+    return max(extrapolated_tokens(request.prompt_text or "", count_tokens), 1)
 
 
 class OutputLengthEstimator:

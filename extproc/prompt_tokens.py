@@ -25,7 +25,7 @@ import logging
 from collections.abc import Mapping
 from pathlib import Path
 
-from extproc.lengths import MAX_TOKENIZED_CHARS, count_prompt_tokens
+from extproc.lengths import MAX_TOKENIZED_CHARS, count_prompt_tokens, extrapolated_tokens
 from extproc.request import RoutingRequest
 
 logger = logging.getLogger(__name__)
@@ -88,10 +88,7 @@ class _ModelTokenizer:
         return len(ids)
 
     def _text_tokens(self, text: str, *, special: bool) -> int:
-        if len(text) <= MAX_TOKENIZED_CHARS:
-            return len(self.tokenizer.encode(text, add_special_tokens=special).ids)
-        head = len(self.tokenizer.encode(text[:MAX_TOKENIZED_CHARS], add_special_tokens=special).ids)
-        return round(head * len(text) / MAX_TOKENIZED_CHARS)
+        return extrapolated_tokens(text, lambda t: len(self.tokenizer.encode(t, add_special_tokens=special).ids))
 
 
 def _read(path: Path) -> str:
