@@ -141,6 +141,11 @@ class OutcomeTracker:
     def is_tracked(self, request_id: str) -> bool:
         return request_id in self._pending
 
+    def awaits_first_token(self, request_id: str) -> bool:
+        """Whether the request is tracked and its first token has not been observed yet."""
+        pending = self._pending.get(request_id)
+        return pending is not None and pending.observed_ttft_s is None
+
     def first_token(self, request_id: str, at_s: float) -> None:
         """The engine produced the request's first token at ``at_s`` (same clock as ``admit``); later calls for
         the same request are ignored."""

@@ -200,7 +200,7 @@ class PredictorServicer(pb_grpc.PredictorServicer):
     async def Release(self, request, context):  # noqa: N802
         sidecar = self._sidecar
         now_s = time.monotonic()
-        if sidecar.outcomes.is_tracked(request.request_id) and sidecar.plugin.reader is not None:
+        if sidecar.outcomes.awaits_first_token(request.request_id) and sidecar.plugin.reader is not None:
             sidecar.absorb(sidecar.plugin.reader.read(now_s), now_s)  # its first token may be in the newest file
         sidecar.outcomes.release(request.request_id, now_s)
         sidecar.plugin.admits.release(request.request_id)
@@ -259,16 +259,21 @@ class Sidecar:
     _absorb_failed = False
     _last_absorb_s = float("-inf")
 
+    def _calibrate(self, now_s: float) -> None:
+        """Refit when due (the ledger's engine then steps with the new model) and refresh the cached status that
+        Predict answers carry (at most every 0.5 s)."""
+        calibrator = self.calibrator
+        if calibrator.maybe_refit(now_s):
+            self.ledger.engine.batch_time = calibrator.model
+            if calibrator.num_refits == 1:
+                logger.info("step-time model calibrated from %d measured steps", calibrator.status().num_samples)
+        if now_s - self._status_s >= 0.5:
+            self.calibration_status, self._status_s = calibrator.status(), now_s
+
     def _absorb(self, state, now_s: float) -> None:
         if self.calibrator is not None:
             self.calibrator.observe(self.plugin.new_steps(state))
-            if self.calibrator.maybe_refit(now_s):
-                self.ledger.engine.batch_time = self.calibrator.model
-                if self.calibrator.num_refits == 1:
-                    logger.info("step-time model calibrated from %d measured steps",
-                                self.calibrator.status().num_samples)
-            if now_s - self._status_s >= 0.5:
-                self.calibration_status, self._status_s = self.calibrator.status(), now_s
+            self._calibrate(now_s)
         admits, outcomes = self.plugin.admits, self.outcomes
         seen_s = self._first_tokens_seen_s if state.pid == self._first_tokens_pid else float("-inf")
         for engine_request_id, at_s in reversed(state.first_tokens):  # newest first; stop at those taken before
@@ -439,10 +444,7 @@ class Sidecar:
                     self.absorb(self.plugin.reader.read(now_s), now_s)
                 if self.calibrator is not None:  # a refit that came due after the last step (engine now idle)
                     try:
-                        if self.calibrator.maybe_refit(now_s):
-                            self.ledger.engine.batch_time = self.calibrator.model
-                        if now_s - self._status_s >= 0.5:
-                            self.calibration_status, self._status_s = self.calibrator.status(), now_s
+                        self._calibrate(now_s)
                     except Exception:  # noqa: BLE001 (refit never raises; status must not end the loop either)
                         logger.exception("calibration status failed")
 
@@ -547,7 +549,10 @@ def run(args: argparse.Namespace) -> int:
                                calibration_min_samples=args.calibration_min_samples,
                                bias_correction=args.bias_correction, metrics_listen=args.metrics_listen,
                                model_config=args.model_config)
-        load_batch_time(resolve_batch_time_model(config.batch_time_model, config.model_config), config.time_scale)
+        # Resolved once here (the cold start reads the model config and logs its choice once).
+        config = dataclasses.replace(config, batch_time_model=resolve_batch_time_model(config.batch_time_model,
+                                                                                       config.model_config))
+        load_batch_time(config.batch_time_model, config.time_scale)
         ResidualRules(config.residual_lengths, config.length_errors)
         PluginStateSource(config.state_source, config.vllm_state_path)
         if config.metrics_listen:
