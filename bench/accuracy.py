@@ -53,6 +53,7 @@ import aiohttp
 import grpc
 
 from bench.procs import ProcessGroup, free_port
+from bench.sidecar_checks import checks_between, read_sidecar_states
 from bench.vllm_trace import tiny_trace
 from bench.workloads import TraceRequest
 from deploy.vllm.launch import DEFAULT_MODEL_DIR, REPO_DIR, SERVED_MODEL_NAME, VllmServer, start_vllm_servers
@@ -261,15 +262,7 @@ def calibration_cost_us(window: int = 512, repeats: int = 20) -> tuple[float, fl
     return observe_us, (time.perf_counter() - start_s) / repeats * 1e3
 
 
-def _sidecar_states(addresses: list[str]) -> dict[str, dict]:
-    from bench.sidecar_checks import read_sidecar_states  # noqa: PLC0415
-
-    return read_sidecar_states(addresses)
-
-
 def run(args: argparse.Namespace) -> int:
-    from bench.sidecar_checks import checks_between  # noqa: PLC0415
-
     rng = random.Random(args.seed)
     trace = tiny_trace(args.num_requests, args.rate_qps, rng, max_prompt_tokens=args.max_prompt_tokens,
                        max_output_tokens=args.max_output_tokens)
@@ -293,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
                 replayer = Replayer([s.address for s in servers], sidecars, random.Random(args.seed),
                                     args.probe_every)
                 outcomes = asyncio.run(replayer.replay(trace, started_s))
-                states = _sidecar_states(sidecars)
+                states = read_sidecar_states(sidecars)
                 (args.work_dir / f"sidecar-states-{name}.json").write_text(json.dumps(states, indent=1))
                 checks = checks_between({}, states)
                 results[name] = (summarize(outcomes, args.warmup_requests), sorted(replayer.state_sources), checks,

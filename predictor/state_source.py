@@ -188,11 +188,19 @@ def _step(row, where: str) -> tuple[int, StepSample]:
         float(duration))
 
 
-def _first_token(row, where: str) -> tuple[str, float]:
+def _fast_first_token(row) -> tuple[str, float] | None:
+    """A valid first-token row as ``(request id, time)``, else None."""
     if (not isinstance(row, list) or len(row) != 2 or not isinstance(row[0], str) or not row[0]
             or isinstance(row[1], bool) or not isinstance(row[1], int | float) or not math.isfinite(row[1])):
-        raise PluginStateError(f"{where}: a first-token row must be [request id, time], got {str(row)[:80]}")
+        return None
     return row[0], float(row[1])
+
+
+def _first_token(row, where: str) -> tuple[str, float]:
+    parsed = _fast_first_token(row)
+    if parsed is None:
+        raise PluginStateError(f"{where}: a first-token row must be [request id, time], got {str(row)[:80]}")
+    return parsed
 
 
 def parse_plugin_state(text: str) -> PluginState:
@@ -235,8 +243,8 @@ def parse_plugin_state(text: str) -> PluginState:
             running=_checked(running, "running", _fast_row, _row),
             waiting=_checked(waiting, "waiting", _fast_row, _row),
             steps=_checked(_list(data.get("steps", []), "steps"), "steps", _fast_step, _step),
-            first_tokens=tuple(_first_token(r, f"first_tokens[{i}]")
-                               for i, r in enumerate(_list(data.get("first_tokens", []), "first_tokens"))))
+            first_tokens=_checked(_list(data.get("first_tokens", []), "first_tokens"), "first_tokens",
+                                  _fast_first_token, _first_token))
     except PluginStateError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:

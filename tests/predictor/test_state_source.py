@@ -14,6 +14,7 @@ from predictor.server import Sidecar, SidecarConfig
 from predictor.sim import EngineConfig
 from predictor.state_source import (
     AdmitRecords,
+    PluginStateError,
     PluginStateReader,
     PluginStateSource,
     parse_plugin_state,
@@ -322,8 +323,6 @@ def _state_text(**extra) -> str:
     ids=["steps-object", "short-row", "negative-duration", "text-duration", "negative-index", "empty-id",
          "no-time", "not-a-list"])
 def test_malformed_steps_or_first_tokens_are_rejected(extra):
-    from predictor.state_source import PluginStateError
-
     with pytest.raises(PluginStateError):
         parse_plugin_state(_state_text(**extra))
 
@@ -338,3 +337,12 @@ def test_a_state_without_steps_is_valid_and_new_steps_are_taken_once():
     assert source.new_steps(second) == []
     restarted = parse_plugin_state(_state_text(pid=1, steps=[[1, 20, 0, 100, 2, 0.01]]))  # a new engine process
     assert [s.num_tokens for s in source.new_steps(restarted)] == [20]
+
+
+@pytest.mark.parametrize("extra", [
+    {"steps": [[1, 10, 0, 100, 2, 10**400]]}, {"first_tokens": [["a", 10**400]]},
+    {"published_monotonic_s": 10**400}, {"steps": [[i + 1, 10, 0, 100, 2, 0.01] for i in range(5000)]}],
+    ids=["huge-duration", "huge-first-token-time", "huge-publish-time", "too-many-steps"])
+def test_huge_numbers_and_huge_lists_in_the_state_file_are_refused(extra):
+    with pytest.raises(PluginStateError):
+        parse_plugin_state(_state_text(**extra))

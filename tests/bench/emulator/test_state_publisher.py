@@ -225,6 +225,17 @@ def _emulator_process(path: Path, time_scale: float) -> tuple[subprocess.Popen, 
     return proc, port
 
 
+async def _tear_down(channel, sidecar: Sidecar, proc: subprocess.Popen) -> tuple[int | None, str]:
+    """Close the channel and the sidecar, then stop the emulator even if that failed; returns `_stop`'s result."""
+    try:
+        if channel is not None:
+            await channel.close()
+        await sidecar.stop()
+    finally:
+        result = _stop(proc)  # never leave the emulator behind
+    return result
+
+
 def _stop(proc: subprocess.Popen) -> tuple[int | None, str]:
     """SIGTERM (SIGKILL after 20 s); returns (exit code or None if killed, stderr)."""
     if proc.poll() is None:
@@ -282,12 +293,7 @@ async def test_a_sidecar_in_plugin_mode_predicts_from_an_emulator_process(tmp_pa
         after = await stub.Predict(ask, timeout=5)
         assert after.state_source == "vllm-plugin" and after.num_running + after.num_waiting == 0
     finally:
-        if channel is not None:
-            await channel.close()
-        try:
-            await sidecar.stop()
-        finally:
-            code, stderr = _stop(proc)
+        code, stderr = await _tear_down(channel, sidecar, proc)
     assert code == 0, stderr
 
 
@@ -362,9 +368,4 @@ async def test_a_sidecar_calibrates_to_an_engine_it_has_never_seen_and_checks_ev
         assert answer.calibration_source == "online" and answer.calibration_num_samples >= 32
         assert 0 <= answer.calibration_residual < 0.5
     finally:
-        if channel is not None:
-            await channel.close()
-        try:
-            await sidecar.stop()
-        finally:
-            _stop(proc)  # even if stopping the sidecar failed: never leave the emulator behind
+        await _tear_down(channel, sidecar, proc)
