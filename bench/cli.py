@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "cluster": ("bench.cluster", "dispatch policies on a simulated fleet in virtual time: capacity, P99 TTFT"),
     "plugin-overhead": ("bench.plugin_overhead", "cost of the vLLM state plugin: per publish, and throughput A/B"),
     "accuracy": ("bench.accuracy", "predicted vs actual E2E and Po2 hindsight agreement on 2 real vLLM servers"),
+    "tracing": ("bench.tracing_cost", "cost of OpenTelemetry tracing per routing decision: off vs on, same run"),
 }
 
 

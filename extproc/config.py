@@ -34,6 +34,12 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
     reload_interval_s: 1.0          # how often the file is checked for changes (endpoints reload live)
     metrics_interval_s: 0.05        # endpoint /metrics scrape interval (only for infaas | llumnix | gie)
     metrics_staleness_s: 2.0        # an older scrape counts as missing (GIE's default)
+    tracing:                        # OpenTelemetry traces (astrolabe/tracing.py); OTEL_* variables win per key
+      endpoint: null                # OTLP receiver, host:port or http(s):// URL (null = off unless OTEL_* say)
+      protocol: grpc                # grpc | http/protobuf
+      sampler_ratio: null           # share of new traces sampled, [0, 1] (null = all); a sampled caller is
+                                    # always followed
+      service_name: null            # service.name (null = astrolabe-extproc)
     health_check:                   # active HTTP health checks of the endpoints
       enabled: true
       path: /health
@@ -47,14 +53,15 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
 
 Environment overrides (``load_config`` only; ``parse_config`` is pure): ``ASTROLABE_EXTPROC_<KEY>`` replaces a
 root key and ``ASTROLABE_EXTPROC_<SECTION>__<KEY>`` one key of a section (``health_check``, ``output_length``,
-``predictor_client``, ``policy_params``, ``tokenizers``); the key is the name's lower-case tail, e.g.
+``predictor_client``, ``policy_params``, ``tokenizers``, ``tracing``); the key is the name's lower-case tail, e.g.
 ``ASTROLABE_EXTPROC_PREDICTOR_CLIENT__PREDICT_TIMEOUT_S=0.05``. A value is read as one YAML scalar (``0.05``,
 ``true``, ``null``; empty = null); text that YAML reads as a list or mapping, or cannot parse, stays a string
 (so ``[::]:9002`` works). ``endpoints``, ``policy_params`` and whole sections take YAML or JSON text, e.g.
 ``ASTROLABE_EXTPROC_ENDPOINTS='[{address: 10.0.0.5:8000}]'``. Precedence, lowest first: defaults, the file, the
 environment (a whole section before its ``__`` keys), then the CLI flags ``--listen`` and ``--policy`` (applied
 by the caller, with ``replace_config``). An override naming an unknown key is an error that names the variable,
-as is any error in a value it set.
+as is any error in a value it set. The standard ``OTEL_*`` variables are read later, by ``astrolabe.tracing``,
+and win over the ``tracing`` section key by key (its module docstring).
 
 All errors raise ``ConfigError`` whose message starts with the dotted path of the offending key (``<root>`` for
 the top level) and, for a value from the environment, names the variable.
@@ -76,6 +83,7 @@ from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, GetPyda
 from pydantic.dataclasses import dataclass
 from pydantic_core import core_schema
 
+from astrolabe.tracing import PROTOCOLS, TracingConfig, TracingConfigError, normalize_endpoint
 from extproc.lengths import SOURCES, OutputLengthConfig
 from extproc.policies.registry import POLICY_NAMES, build_policy
 from extproc.predictor_client import PredictorClientConfig
@@ -83,8 +91,8 @@ from extproc.predictor_client import PredictorClientConfig
 # NOTE: invariants.
 # - Every class here is a frozen pydantic dataclass with extra="forbid"; numeric and boolean fields are strict
 #   (a bool is not a number, "1" is not a number, an int is a float), so YAML typos fail instead of coercing.
-# - ``output_length`` and ``predictor_client`` are validated by the ``*Section`` mirrors below but hold the
-#   plain dataclasses their modules take; tests check each mirror has its dataclass's fields and defaults.
+# - ``output_length``, ``predictor_client`` and ``tracing`` are validated by the ``*Section`` mirrors below but
+#   hold the plain dataclasses their modules take; tests check each mirror has its dataclass's fields and defaults.
 # - ``*_s`` durations and ``*_tokens`` counts in sections must be > 0 (the policy is checked by ``parse_config``,
 #   by building it once, not by the classes, so ``dataclasses.replace`` stays cheap).
 
@@ -216,6 +224,19 @@ def _section(mirror: type, target: type) -> Any:
 
 _OUTPUT_LENGTH = OutputLengthConfig()
 _PREDICTOR_CLIENT = PredictorClientConfig()
+_TRACING = TracingConfig()
+
+
+def _otlp_endpoint(value: object) -> object:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"expected 'host:port' or an http(s):// URL, got {value!r}")
+    try:
+        normalize_endpoint(value, "endpoint")
+    except TracingConfigError as exc:
+        raise ValueError(str(exc).removeprefix("endpoint: ")) from None
+    return value
 
 
 @dataclass(frozen=True, slots=True, config=_config("OutputLengthSection"))
@@ -266,7 +287,27 @@ class PredictorClientSection:
         description="... provided they span at least this long (first sent to last failed), seconds.")
 
 
+@dataclass(frozen=True, slots=True, config=_config("TracingSection"))
+class TracingSection:
+    """OpenTelemetry traces (``astrolabe/tracing.py``); each standard ``OTEL_*`` variable wins over its key here."""
+
+    endpoint: Annotated[str | None, BeforeValidator(_otlp_endpoint, json_schema_input_type=str | None)] = Field(
+        _TRACING.endpoint,
+        description="OTLP receiver: host:port (plain text) or an http(s):// URL, as OTEL_EXPORTER_OTLP_ENDPOINT (for "
+                    "http/protobuf /v1/traces is appended); null = off unless OTEL_* variables configure an "
+                    "exporter.")
+    protocol: Literal[PROTOCOLS] = Field(  # type: ignore[valid-type]
+        _TRACING.protocol, description="OTLP transport: grpc or http/protobuf.")
+    sampler_ratio: Annotated[float, Field(strict=True, ge=0, le=1)] | None = Field(
+        _TRACING.sampler_ratio,
+        description="Share of new traces sampled, in [0, 1] (parentbased_traceidratio: a request whose caller sent "
+                    "a sampled context is always traced); null = every trace.")
+    service_name: _NonEmptyStr | None = Field(
+        _TRACING.service_name, description="service.name of the extproc's spans; null = astrolabe-extproc.")
+
+
 _OutputLength = _section(OutputLengthSection, OutputLengthConfig)
+_Tracing = _section(TracingSection, TracingConfig)
 _PredictorClient = _section(PredictorClientSection, PredictorClientConfig)
 
 
@@ -347,6 +388,9 @@ class ExtprocConfig:
         default_factory=OutputLengthConfig, description="Predicted output tokens sent to predictor sidecars.")
     predictor_client: _PredictorClient = Field(
         default_factory=PredictorClientConfig, description="Calls to the predictor sidecars.")
+    tracing: _Tracing = Field(
+        default_factory=TracingConfig,
+        description="OpenTelemetry traces; off unless an endpoint is set here or by OTEL_* variables.")
     decision_log_path: _NonEmptyStr | None = Field(
         None, description="File that receives JSON lines, one record per routing decision; null = off.")
     tokenizers: Annotated[dict[_NonEmptyStr, _NonEmptyStr],
@@ -373,8 +417,9 @@ _ADAPTER = TypeAdapter(ExtprocConfig)
 _CLASS_AT: dict[tuple[str, ...], type] = {
     (): ExtprocConfig, ("endpoints",): EndpointConfig, ("health_check",): HealthCheckConfig,
     ("output_length",): OutputLengthSection, ("predictor_client",): PredictorClientSection,
+    ("tracing",): TracingSection,
 }
-_MAPPING_KEYS = ("health_check", "output_length", "predictor_client", "policy_params", "tokenizers")
+_MAPPING_KEYS = ("health_check", "output_length", "predictor_client", "policy_params", "tokenizers", "tracing")
 """Root keys whose own keys an ``<SECTION>__<KEY>`` override may set."""
 
 
@@ -430,6 +475,8 @@ def _message(error: Mapping[str, Any]) -> tuple[tuple[int | str, ...], str]:
         return loc, f"must be > {ctx['gt']:g}{got}"
     if kind == "greater_than_equal":
         return loc, f"must be >= {ctx['ge']:g}{got}"
+    if kind == "less_than_equal":
+        return loc, f"must be <= {ctx['le']:g}{got}"
     if kind == "string_too_short":
         return loc, "must not be empty"
     if kind == "literal_error":

@@ -30,6 +30,8 @@ class Decision:
         stage_s: seconds spent per stage of a predicted decision: ``tokens`` (counting prompt tokens),
             ``length`` (the output-length estimate), ``predict`` (the k Predict calls, concurrent); empty
             otherwise.
+        fallback_reason: why the least-requests fallback decided (``extproc.router.FALLBACK_REASONS``); "" when
+            the basis is not ``fallback``.
     """
 
     destination: str
@@ -43,3 +45,4 @@ class Decision:
     length_source: int = 0
     routing_s: float = 0.0
     stage_s: tuple[tuple[str, float], ...] = ()
+    fallback_reason: str = ""

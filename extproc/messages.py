@@ -6,7 +6,7 @@ set through ``raw_value`` only: Envoy answers 500 when both ``value`` and ``raw_
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -25,12 +25,16 @@ def _set_header(key: str, value: bytes) -> base_pb2.HeaderValueOption:
     )
 
 
-def destination_common(destination: str) -> pb.CommonResponse:
-    """Header mutation that sets the destination header (overwriting a client's) and re-evaluates the route."""
-    return pb.CommonResponse(
-        header_mutation=pb.HeaderMutation(set_headers=[_set_header(wire.DESTINATION_HEADER, destination.encode())]),
-        clear_route_cache=True,
-    )
+def destination_common(destination: str, extra_headers: Sequence[tuple[str, bytes]] = ()) -> pb.CommonResponse:
+    """Header mutation that sets the destination header (overwriting a client's) and re-evaluates the route.
+
+    Args:
+        destination: ``ip:port[,ip:port...]``.
+        extra_headers: more request headers to set (overwriting), e.g. ``traceparent`` and ``tracestate``.
+    """
+    headers = [_set_header(wire.DESTINATION_HEADER, destination.encode())]
+    headers += [_set_header(key, value) for key, value in extra_headers]
+    return pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True)
 
 
 def destination_metadata(destination: str) -> struct_pb2.Struct:
@@ -45,18 +49,20 @@ def headers_continue() -> pb.ProcessingResponse:
     return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 
 
-def headers_route(destination: str) -> pb.ProcessingResponse:
-    """Request-headers answer that routes to ``destination`` (``ip:port[,ip:port...]``)."""
+def headers_route(destination: str, extra_headers: Sequence[tuple[str, bytes]] = ()) -> pb.ProcessingResponse:
+    """Request-headers answer that routes to ``destination`` (``ip:port[,ip:port...]``), also setting
+    ``extra_headers``."""
     return pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(response=destination_common(destination)),
+        request_headers=pb.HeadersResponse(response=destination_common(destination, extra_headers)),
         dynamic_metadata=destination_metadata(destination),
     )
 
 
-def body_route(destination: str) -> pb.ProcessingResponse:
-    """BUFFERED-mode request-body answer that routes to ``destination`` (header mutation allowed there)."""
+def body_route(destination: str, extra_headers: Sequence[tuple[str, bytes]] = ()) -> pb.ProcessingResponse:
+    """BUFFERED-mode request-body answer that routes to ``destination`` (header mutation allowed there), also
+    setting ``extra_headers``."""
     return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=destination_common(destination)),
+        request_body=pb.BodyResponse(response=destination_common(destination, extra_headers)),
         dynamic_metadata=destination_metadata(destination),
     )
 

@@ -39,6 +39,12 @@ NOTE: the rule, per sidecar.
   stays READY), so the probe call stays the authority and connectivity only brings it forward, once per
   reconnection; a frozen sidecar also stays READY, so the timed probe is the only way back for a late one.
 
+Tracing (a ``tracer`` given): each Predict and Admit is a CLIENT span ``astrolabe.predictor.v1.Predictor/<method>``
+below the current span, its context sent in the call's metadata; a Predict span records the outcome and the
+figures the router got (a late call's span ends when the call is given up). Release is not traced (it comes
+after the request's span ended). The maintained aio client interceptor does not fit here: it never ends the span
+of a call cancelled by the caller, and a late Predict is exactly such a call.
+
 Counters: ``outcomes[address][o]`` for o in ``OUTCOMES`` (every call of ``predict``, exactly one each),
 ``num_calls`` (Predicts sent) and ``num_late_excused``.
 """
@@ -52,8 +58,13 @@ import time
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from astrolabe.tracing import (ADMIT_ID, PREDICTED_E2E_S, PREDICTED_QUEUE_S, PREDICTED_TTFT_S, SERVER_ADDRESS,
+                               SERVER_PORT, STATE_AGE_S, grpc_metadata)
 from extproc.policies.base import Prediction
+from extproc.spans import host_port
 from predictor.api import pb, pb_grpc
 
 logger = logging.getLogger(__name__)
@@ -168,6 +179,8 @@ class PredictorClient:
         config: deadlines and backoff.
         clock: monotonic clock, seconds, for backoffs and late streaks (injectable for tests). Deadlines and
             loop lag run on the event loop's clock, since asyncio timers do.
+        tracer: starts a CLIENT span per Predict and Admit (a child of the current span) whose context travels
+            as gRPC metadata, so the sidecar continues the trace; None = no spans, no metadata (tracing off).
 
     Attributes:
         outcomes: sidecar address -> outcome (``OUTCOMES``) -> number of ``predict`` calls.
@@ -175,9 +188,11 @@ class PredictorClient:
         num_late_excused: late Predicts blamed on the extproc's event-loop lag rather than on the sidecar.
     """
 
-    def __init__(self, config: PredictorClientConfig, clock=time.monotonic) -> None:
+    def __init__(self, config: PredictorClientConfig, clock=time.monotonic,
+                 tracer: trace.Tracer | None = None) -> None:
         self.config = config
         self._clock = clock
+        self._tracer = tracer
         self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.PredictorStub]] = {}
         self._health: dict[str, _Health] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -226,7 +241,7 @@ class PredictorClient:
     async def predict(self, address: str, request_id: str, num_prompt_tokens: int,
                       num_output_tokens: int, metric: str = "e2e", *, max_tokens: int | None = None,
                       length_source: int = 0) -> Prediction | None:
-        """Asks one sidecar.
+        """Asks one sidecar (in a CLIENT span, its context sent as gRPC metadata, when tracing).
 
         Args:
             address: the sidecar's ``host:port``.
@@ -241,61 +256,86 @@ class PredictorClient:
             The prediction, or None if the sidecar is backing off, fails, misses the deadline, cannot serve
             the request, or answers from a stale state (the outcome is counted in ``outcomes``).
         """
-        health = self._sidecar(address)
-        counts = self.outcomes[address]
-        if self._skips(address, health):
-            counts["skipped_backoff"] += 1
-            return None
-        is_probe = health.backoff_until_s is not None
-        health.probe_in_flight |= is_probe
-        epoch, sent_s = health.epoch, self._clock()
-        self.num_calls += 1
         message = pb.PredictRequest(request_id=request_id, num_prompt_tokens=_uint32(num_prompt_tokens),
                                     num_predicted_output_tokens=_uint32(num_output_tokens),
                                     metric=_METRICS.get(metric, pb.METRIC_TTFT), max_tokens=_cap(max_tokens),
                                     length_source=length_source)
+        if self._tracer is None:
+            return (await self._predict(address, message, None))[0]
+        span = _call_span(self._tracer, "Predict", address, request_id)
         try:
-            reply = await self._send_predict(self._stub(address), message)
+            prediction, outcome = await self._predict(address, message, span)
+        except BaseException:  # the caller's own cancellation: the span still ends
+            span.end()
+            raise
+        if span.is_recording():
+            span.set_attribute(PREDICTOR_OUTCOME, outcome)
+            if outcome in ("down", "late"):
+                span.set_status(Status(StatusCode.ERROR, outcome))
+            if prediction is not None:
+                span.set_attributes({PREDICTED_TTFT_S: prediction.ttft_s, PREDICTED_E2E_S: prediction.e2e_s,
+                                     PREDICTED_QUEUE_S: prediction.queue_s, STATE_AGE_S: prediction.state_age_s})
+        span.end()
+        return prediction
+
+    async def _predict(self, address: str, message: pb.PredictRequest,
+                       span: trace.Span | None) -> tuple[Prediction | None, str]:
+        """``predict`` without the span: the prediction (None on any failure) and its outcome (``OUTCOMES``)."""
+        health = self._sidecar(address)
+        counts = self.outcomes[address]
+        if self._skips(address, health):
+            counts["skipped_backoff"] += 1
+            return None, "skipped_backoff"
+        is_probe = health.backoff_until_s is not None
+        health.probe_in_flight |= is_probe
+        epoch, sent_s = health.epoch, self._clock()
+        self.num_calls += 1
+        try:
+            reply = await self._send_predict(self._stub(address), message,
+                                             None if span is None else grpc_metadata(span))
         except _Late as late:
             counts["late"] += 1
             if late.excused:
                 self.num_late_excused += 1
             else:
                 self._late(address, health, epoch, sent_s)
-            return None
+            return None, "late"
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 counts["invalid"] += 1
-                logger.debug("predictor %s cannot serve request %s: %s", address, request_id, _describe(exc))
+                logger.debug("predictor %s cannot serve request %s: %s", address, message.request_id,
+                             _describe(exc))
                 self._answered(address, health)
-            else:
-                counts["down"] += 1
-                self._down(address, health, epoch, exc)
-            return None
+                return None, "invalid"
+            counts["down"] += 1
+            self._down(address, health, epoch, exc)
+            return None, "down"
         finally:
             if is_probe:
                 health.probe_in_flight = False
         self._answered(address, health)
         if not reply.state_age_s <= self.config.max_state_age_s:  # also catches inf (never reconciled)
             counts["stale_state"] += 1
-            return None
+            return None, "stale_state"
         figures = (reply.ttft_s, reply.e2e_s, reply.queue_s)
         if not all(math.isfinite(f) and f >= 0 for f in figures) or reply.e2e_s < reply.ttft_s:
             counts["invalid"] += 1  # a broken sidecar's answer must not reach a comparison (NaN loses every min)
-            logger.debug("predictor %s answered nonsense for %s: %s", address, request_id, figures)
-            return None
+            logger.debug("predictor %s answered nonsense for %s: %s", address, message.request_id, figures)
+            return None, "invalid"
         counts["ok"] += 1
-        return Prediction(reply.ttft_s, reply.e2e_s, reply.state_age_s, reply.queue_s)
+        return Prediction(reply.ttft_s, reply.e2e_s, reply.state_age_s, reply.queue_s), "ok"
 
-    async def _send_predict(self, stub: pb_grpc.PredictorStub, message: pb.PredictRequest) -> pb.PredictResponse:
-        """One Predict under the send-time deadline.
+    async def _send_predict(self, stub: pb_grpc.PredictorStub, message: pb.PredictRequest,
+                            metadata) -> pb.PredictResponse:
+        """One Predict under the send-time deadline (``metadata``: the trace context, or None).
 
         Raises:
             _Late: no answer in time; ``excused`` when the event loop's lag, not the sidecar, made it late.
             grpc.RpcError: any other failure.
         """
         loop = asyncio.get_running_loop()
-        call = stub.Predict(message, timeout=self.config.predict_timeout_s + self.config.max_loop_lag_s)
+        call = stub.Predict(message, timeout=self.config.predict_timeout_s + self.config.max_loop_lag_s,
+                            metadata=metadata)
         deadline = _SendDeadline(loop, call, self.config.predict_timeout_s)
         try:
             return await call
@@ -372,19 +412,27 @@ class PredictorClient:
                                   num_predicted_output_tokens=_uint32(num_output_tokens), max_tokens=_cap(max_tokens),
                                   length_source=length_source, predicted_ttft_s=predicted_ttft_s,
                                   predicted_e2e_s=predicted_e2e_s)
-        self._notify(address, self._stub(address).Admit(message, timeout=self.config.notify_timeout_s))
+        span = None if self._tracer is None else _call_span(self._tracer, "Admit", address, request_id)
+        call = self._stub(address).Admit(message, timeout=self.config.notify_timeout_s,
+                                         metadata=None if span is None else grpc_metadata(span))
+        self._notify(address, call, span)
 
     def release(self, address: str, request_id: str) -> None:
         """Tells the sidecar the request ended, without waiting for the answer."""
         self._notify(address, self._stub(address).Release(pb.ReleaseRequest(request_id=request_id),
                                                           timeout=self.config.notify_timeout_s))
 
-    def _notify(self, address: str, call) -> None:
+    def _notify(self, address: str, call, span: trace.Span | None = None) -> None:
         async def run() -> None:
             try:
                 await call
             except grpc.RpcError as exc:  # the sidecar reconciles with /metrics; a lost notice heals there
                 logger.debug("notice to predictor %s lost: %s", address, _describe(exc))
+                if span is not None:
+                    span.set_status(Status(StatusCode.ERROR, _describe(exc)))
+            finally:
+                if span is not None:
+                    span.end()
 
         self._spawn(run())
 
@@ -399,6 +447,20 @@ class PredictorClient:
         for channel, _ in self._stubs.values():
             await channel.close()
         self._stubs.clear()
+
+
+PREDICTOR_SERVICE = "astrolabe.predictor.v1.Predictor"
+PREDICTOR_OUTCOME = "astrolabe.predictor.outcome"  # one of OUTCOMES
+
+
+def _call_span(tracer: trace.Tracer, method: str, address: str, request_id: str) -> trace.Span:
+    """A CLIENT span for one call to a sidecar, named and attributed as the RPC semantic conventions say."""
+    host, port = host_port(address)
+    attributes = {"rpc.system": "grpc", "rpc.service": PREDICTOR_SERVICE, "rpc.method": method,
+                  SERVER_ADDRESS: host, ADMIT_ID: request_id}
+    if port is not None:
+        attributes[SERVER_PORT] = port
+    return tracer.start_span(f"{PREDICTOR_SERVICE}/{method}", kind=SpanKind.CLIENT, attributes=attributes)
 
 
 def _describe(error: BaseException) -> str:

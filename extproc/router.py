@@ -8,8 +8,10 @@ Failure policy (the only place it is decided):
 
 Every decision has a *basis*, counted in ``astrolabe_extproc_decisions_total{basis}``: ``prediction`` (every
 probed sidecar answered), ``partial`` (some did: the policy's rule for a partial answer decided),
-``fallback`` (none did: least-requests decided) or ``policy`` (a policy that does not predict). With
-``decision_log`` set, each decision is also written as one JSON record (``extproc.decision_log``).
+``fallback`` (none did: least-requests decided) or ``policy`` (a policy that does not predict). A fallback
+carries its reason (`FALLBACK_REASONS`). With ``decision_log`` set, each decision is also written as one JSON
+record (``extproc.decision_log``). With a tracer, the length estimate is a child span of the current span (the
+stream's request span); the Predict and Admit calls get theirs from the predictor client.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 
+from opentelemetry import trace
+
+from astrolabe.tracing import LENGTH_ESTIMATE_SPAN, NUM_PREDICTED_OUTPUT_TOKENS
 from extproc.decision import Decision
 from extproc.decision_log import DecisionLog
 from extproc.endpoint_metrics import MetricsScraper
@@ -34,8 +39,20 @@ from extproc.policies.least_requests import LeastRequestsPolicy
 from extproc.pool import EndpointPool
 from extproc.predictor_client import PredictorClient
 from extproc.request import RoutingRequest
+from extproc.spans import LENGTH_SOURCE, LENGTH_SOURCE_LABELS
 
 logger = logging.getLogger(__name__)
+
+FALLBACK_NO_SIDECAR = "no_sidecar"
+"""No probed candidate has a predictor sidecar."""
+FALLBACK_NO_PREDICTION = "no_prediction"
+"""Every probed sidecar failed, was late, was backing off, answered from a stale state or could not serve it."""
+FALLBACK_NO_METRICS = "no_metrics"
+"""A metrics policy found no endpoint with a fresh scrape."""
+FALLBACK_UNDECIDED = "policy_undecided"
+"""Any other policy that could not decide."""
+FALLBACK_REASONS = (FALLBACK_NO_SIDECAR, FALLBACK_NO_PREDICTION, FALLBACK_NO_METRICS, FALLBACK_UNDECIDED)
+"""Every ``Decision.fallback_reason`` but "" (a bounded set: fit for metric labels)."""
 
 
 class Router:
@@ -54,13 +71,14 @@ class Router:
         decision_log: where each decision is recorded (None = nowhere).
         prompt_tokens: counts prompt tokens per served model (``extproc.prompt_tokens``); None = the shipped
             WordPiece for every model.
+        tracer: where the length-estimate span is started (None: no span, tracing off).
     """
 
     def __init__(self, pool: EndpointPool, policy: Policy, metrics: ExtprocMetrics | None = None,
                  predictors: PredictorClient | None = None, lengths: OutputLengthEstimator | None = None,
                  rng: random.Random | None = None, endpoint_metrics: MetricsScraper | None = None,
                  clock=time.monotonic, decision_log: DecisionLog | None = None,
-                 prompt_tokens: PromptTokenCounter | None = None) -> None:
+                 prompt_tokens: PromptTokenCounter | None = None, tracer: trace.Tracer | None = None) -> None:
         if policy.needs_predictions and (predictors is None or lengths is None):
             raise ValueError(f"policy {policy.TYPE!r} needs a predictor client and an output-length estimator")
         self.pool = pool
@@ -73,6 +91,7 @@ class Router:
         self._clock = clock
         self.decision_log = decision_log
         self._count_prompt_tokens = prompt_tokens.count if prompt_tokens is not None else count_prompt_tokens
+        self._tracer = tracer
 
     def _healthy_views(self, request: RoutingRequest) -> list[EndpointView]:
         if not self.pool.endpoints:
@@ -107,9 +126,11 @@ class Router:
         else:
             chosen, policy_name = self.policy.choose(request, views), self.policy.TYPE
             basis = "policy"
+            reason = ""
             if chosen is None:  # e.g. a metrics policy with no fresh scrape of any endpoint
                 chosen, policy_name, basis = self._fallback.choose(request, views), self._fallback.TYPE, "fallback"
-            decision = Decision(chosen.address, policy_name, request.request_id, basis=basis)
+                reason = FALLBACK_NO_METRICS if self.policy.needs_metrics else FALLBACK_UNDECIDED
+            decision = Decision(chosen.address, policy_name, request.request_id, basis=basis, fallback_reason=reason)
         end_s = self._clock()
         decision = replace(decision, routing_s=end_s - request.arrival_time_s)
         self.pool.acquire(decision.destination)
@@ -129,7 +150,7 @@ class Router:
         t0_s = self._clock()
         num_prompt_tokens = self._count_prompt_tokens(request)
         t1_s = self._clock()
-        num_output_tokens, length_source = await self.lengths.estimate_with_source(request)
+        num_output_tokens, length_source = await self._estimate_length(request)
         t2_s = self._clock()
         metric = getattr(getattr(self.policy, "params", None), "metric", "e2e")
 
@@ -153,8 +174,10 @@ class Router:
         chosen = self.policy.choose(request, scored)
         policy_name = self.policy.TYPE
         basis = "prediction" if num_ok == len(candidates) else "partial"
+        reason = ""
         if chosen is None:
             chosen, policy_name, basis = self._fallback.choose(request, views), self._fallback.TYPE, "fallback"
+            reason = FALLBACK_NO_PREDICTION if any(v.predictor for v in candidates) else FALLBACK_NO_SIDECAR
         if chosen.predictor:
             used = chosen.prediction  # what the chosen sidecar answered: it checks it against the outcome
             self.predictors.admit(chosen.predictor, ledger_id, num_prompt_tokens, num_output_tokens,
@@ -163,7 +186,18 @@ class Router:
                                   predicted_e2e_s=used.e2e_s if used else 0.0)
         return Decision(chosen.address, policy_name, ledger_id, chosen.predictor, basis,
                         tuple((v.address, p) for v, p in zip(candidates, predictions)), num_prompt_tokens,
-                        num_output_tokens, length_source, stage_s=stage_s)
+                        num_output_tokens, length_source, stage_s=stage_s, fallback_reason=reason)
+
+    async def _estimate_length(self, request: RoutingRequest) -> tuple[int, int]:
+        """``lengths.estimate_with_source``, in a child span of the current one when tracing."""
+        if self._tracer is None:
+            return await self.lengths.estimate_with_source(request)
+        with self._tracer.start_as_current_span(LENGTH_ESTIMATE_SPAN) as span:
+            num_output_tokens, length_source = await self.lengths.estimate_with_source(request)
+            if span.is_recording():
+                span.set_attributes({NUM_PREDICTED_OUTPUT_TOKENS: num_output_tokens,
+                                     LENGTH_SOURCE: LENGTH_SOURCE_LABELS.get(length_source, "unspecified")})
+        return num_output_tokens, length_source
 
     def release(self, decision: Decision) -> None:
         """The request routed by ``decision`` has ended (its ext_proc stream closed)."""

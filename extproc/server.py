@@ -8,6 +8,9 @@ become SERVING after the first round of endpoint health checks and NOT_SERVING w
 Envoy's health checker moves new streams elsewhere while in-flight streams drain (for at most
 ``grace_period_s``; a stream still open then is cancelled, which ends nothing for a request whose route was
 already sent, since every response phase is skipped).
+
+Tracing (``tracing:`` in the config and the ``OTEL_*`` variables, ``astrolabe.tracing``): set up in ``main``
+before the server starts, shut down (queued spans exported, for at most 2 s) after it stopped.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from prometheus_client import start_http_server
 
 from astrolabe.envoy import DEFAULT_BUFFER_LIMIT_BYTES as ENVOY_BUFFER_LIMIT_BYTES
 from astrolabe.lifecycle import settle_heap, wait_for_termination
+from astrolabe.tracing import Tracing, TracingConfigError, setup_tracing
 from extproc import wire
 from extproc.config import ConfigError, ExtprocConfig, load_config, replace_config
 from extproc.endpoint_metrics import MetricsScraper
@@ -39,18 +43,25 @@ from extproc.policies.registry import build_policy
 from extproc.pool import EndpointPool, HealthChecker
 from extproc.prompt_tokens import PromptTokenCounter, TokenizerLoadError
 from extproc.router import Router
+from extproc.spans import NO_SPAN, RequestSpan
 from extproc.stream import StreamHandler
 from tagger.artifact import TaggerLoadError
 from tagger.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
+SERVICE_NAME = "astrolabe-extproc"
+"""The extproc's default ``service.name`` (``tracing.service_name`` or ``OTEL_SERVICE_NAME`` replace it)."""
+TRACER_NAME = "astrolabe.extproc"
+"""Instrumentation scope of every extproc span."""
+
 _GRPC_MESSAGE_OVERHEAD_BYTES = 1 << 20
 """Room above ``max_body_bytes`` for the rest of a ProcessingRequest (headers, metadata)."""
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    """The ext_proc service: one ``StreamHandler`` per ``Process`` stream.
+    """The ext_proc service: one ``StreamHandler`` per ``Process`` stream (and, with a ``tracer``, one request span,
+    whose parent may come from the stream's metadata: ``extproc.spans``).
 
     NOTE: after a request is routed its stream stays open until the HTTP request ends (Envoy waits for the
     response-trailers phase); that end is the request's release. At shutdown such streams are closed with OK
@@ -58,13 +69,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     and the HTTP response continues, whereas a cancelled stream is a processor error that fails it.
     """
 
-    def __init__(self, router: Router, max_body_bytes: int) -> None:
+    def __init__(self, router: Router, max_body_bytes: int, tracer=None) -> None:
         self._router = router
         self._max_body_bytes = max_body_bytes
+        self._tracer = tracer
         self.draining = asyncio.Event()
 
     async def Process(self, request_iterator, context):  # noqa: N802 (gRPC method name)
-        handler = StreamHandler(self._router, self._max_body_bytes)
+        span = NO_SPAN if self._tracer is None else RequestSpan(self._tracer, context.invocation_metadata() or ())
+        handler = StreamHandler(self._router, self._max_body_bytes, span)
         messages = request_iterator.__aiter__()
         try:
             while True:
@@ -164,16 +177,19 @@ class ExtprocServer:
     Args:
         config: validated configuration.
         config_path: file to watch for endpoint changes, or None.
+        tracing: the process's tracing (``setup_tracing``); None = off. The caller shuts it down.
     """
 
-    def __init__(self, config: ExtprocConfig, config_path: Path | None = None) -> None:
+    def __init__(self, config: ExtprocConfig, config_path: Path | None = None, tracing: Tracing | None = None) -> None:
         self.config = config
+        self.tracing = tracing or Tracing.off()
+        tracer = self.tracing.tracer(TRACER_NAME) if self.tracing.enabled else None
         # With health checks on, an endpoint (also one added by a reload) serves only after passing one.
         self.pool = EndpointPool(config.endpoints, new_endpoints_healthy=not config.health_check.enabled)
         rng = random.Random(config.seed)
         policy = build_policy(config.policy, config.policy_params, rng)
         self.metrics = ExtprocMetrics(self.pool)
-        self.predictors = PredictorClient(config.predictor_client)
+        self.predictors = PredictorClient(config.predictor_client, tracer=tracer)
         # Only load-based policies read engine metrics; the others never scrape the backends.
         self.endpoint_metrics = (MetricsScraper(self.pool, config.metrics_interval_s, config.metrics_staleness_s)
                                  if policy.needs_metrics else None)
@@ -194,7 +210,7 @@ class ExtprocServer:
         self.router = Router(self.pool, policy, self.metrics, self.predictors,
                              OutputLengthEstimator(config.output_length, _load_tagger(config)), rng,
                              endpoint_metrics=self.endpoint_metrics, decision_log=self.decision_log,
-                             prompt_tokens=prompt_tokens)
+                             prompt_tokens=prompt_tokens, tracer=tracer)
         if policy.needs_predictions and not any(e.predictor for e in config.endpoints):
             logger.warning("policy %r needs predictor sidecars but no endpoint names one: every request "
                            "falls back to least-requests", config.policy)
@@ -209,7 +225,7 @@ class ExtprocServer:
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ])
-        self._processor = ExternalProcessor(self.router, config.max_body_bytes)
+        self._processor = ExternalProcessor(self.router, config.max_body_bytes, tracer)
         pb_grpc.add_ExternalProcessorServicer_to_server(self._processor, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self.port = 0
@@ -290,9 +306,9 @@ async def _flush_every(log: DecisionLog, interval_s: float) -> None:
         log.flush()
 
 
-async def serve(config: ExtprocConfig, config_path: Path | None) -> None:
-    """Runs until SIGTERM or SIGINT, then shuts down gracefully."""
-    server = ExtprocServer(config, config_path)
+async def serve(config: ExtprocConfig, config_path: Path | None, tracing: Tracing | None = None) -> None:
+    """Runs until SIGTERM or SIGINT, then shuts down gracefully (``tracing``: as `ExtprocServer`)."""
+    server = ExtprocServer(config, config_path, tracing)
     await server.start()
     await wait_for_termination()
     logger.info("shutdown requested: draining for at most %.1f s", config.grace_period_s)
@@ -315,11 +331,18 @@ def main(argv: list[str]) -> int:
         logger.error("invalid configuration: %s", exc)
         return 2
     try:
-        asyncio.run(serve(config, args.config))
+        tracing = setup_tracing(SERVICE_NAME, config.tracing)
+    except TracingConfigError as exc:
+        logger.error("invalid tracing configuration: %s", exc)
+        return 2
+    try:
+        asyncio.run(serve(config, args.config, tracing))
     except TaggerLoadError as exc:
         logger.error("invalid configuration: output_length.tagger_path: %s", exc)
         return 2
     except ConfigError as exc:  # a file or port the configuration names cannot be used
         logger.error("invalid configuration: %s", exc)
         return 2
+    finally:
+        tracing.shutdown()
     return 0

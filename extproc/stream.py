@@ -11,6 +11,10 @@ Body modes (taken from ``protocol_config`` on the first message; Envoy 1.40 send
 
 Errors become an ``immediate_response`` (OpenAI-style JSON) at the moment they are known; a body over
 ``max_body_bytes`` is refused as soon as the running total passes the limit.
+
+Tracing (``extproc.spans``): the request's span starts with the headers, routes as the current span, records the
+parsed request and the decision (or the error) and ends there; the answer that routes also sets the upstream
+request's ``traceparent`` / ``tracestate`` to that span, so the backend's trace continues it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from extproc.errors import ErrorCode, RoutingError
 from extproc.request import RoutingRequest, parse_body
 from extproc.decision import Decision
 from extproc.router import Router
+from extproc.spans import NO_SPAN, RequestSpan
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +55,10 @@ class StreamHandler:
     Args:
         router: chooses the destination and counts in-flight requests.
         max_body_bytes: larger request bodies are answered with 413.
+        span: the request's span (``extproc.spans.RequestSpan``); the default records nothing (tracing off).
     """
 
-    def __init__(self, router: Router, max_body_bytes: int) -> None:
+    def __init__(self, router: Router, max_body_bytes: int, span: RequestSpan = NO_SPAN) -> None:
         self._router = router
         self._max_body_bytes = max_body_bytes
         self._phase = Phase.HEADERS
@@ -62,6 +68,7 @@ class StreamHandler:
         self._path = ""
         self._request_id = ""
         self._arrival_time_s = 0.0
+        self._span = span
         self.decision: Decision | None = None
 
     async def on_message(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -85,6 +92,7 @@ class StreamHandler:
 
     def close(self) -> None:
         """The stream ended (the HTTP request is over): release the in-flight slot, once."""
+        self._span.end("abandoned")  # a no-op unless the stream ended before a decision or an error answer
         if self.decision is not None:
             self._router.release(self.decision)
             self.decision = None
@@ -93,6 +101,7 @@ class StreamHandler:
         logger.debug("request %s rejected: %s %s", self._request_id, error.http_status, error.message)
         self._phase = Phase.REJECTED
         self._router.metrics.requests.labels(error.code.value).inc()
+        self._span.rejected(error)
         return [messages.immediate_error(error)]
 
     async def _dispatch(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -116,9 +125,10 @@ class StreamHandler:
         self._method = values.get(":method", "")
         self._path = values.get(":path", "")
         self._request_id = values.get(wire.REQUEST_ID_HEADER) or uuid.uuid4().hex
+        self._span.start(values, self._request_id)
         if headers.end_of_stream or self._body_mode not in (_BodyMode.BUFFERED, _BodyMode.FULL_DUPLEX_STREAMED):
             decision = await self._route(RoutingRequest(self._request_id, self._method, self._path))
-            return [messages.headers_route(decision.destination)]
+            return [messages.headers_route(decision.destination, self._span.upstream_headers())]
         self._phase = Phase.BODY
         if self._body_mode == _BodyMode.BUFFERED:
             return [messages.headers_continue()]
@@ -133,7 +143,7 @@ class StreamHandler:
                                f"request body exceeds the limit of {self._max_body_bytes} bytes")
         if self._body_mode == _BodyMode.BUFFERED:
             decision = await self._route_body()
-            return [messages.body_route(decision.destination)]
+            return [messages.body_route(decision.destination, self._span.upstream_headers())]
         if not body.end_of_stream:
             return []
         return await self._full_duplex_answers(had_trailers=False)
@@ -145,7 +155,7 @@ class StreamHandler:
 
     async def _full_duplex_answers(self, *, had_trailers: bool) -> list[pb.ProcessingResponse]:
         decision = await self._route_body()
-        answers = [messages.headers_route(decision.destination)]
+        answers = [messages.headers_route(decision.destination, self._span.upstream_headers())]
         answers += messages.streamed_body(bytes(self._body), end_of_stream=not had_trailers)
         if had_trailers:
             answers.append(messages.trailers_continue())
@@ -156,8 +166,11 @@ class StreamHandler:
         return await self._route(request)
 
     async def _route(self, request: RoutingRequest) -> Decision:
-        self.decision = await self._router.route(dataclasses.replace(request, arrival_time_s=self._arrival_time_s))
+        self._span.request(request)
+        with self._span.activated():
+            self.decision = await self._router.route(dataclasses.replace(request, arrival_time_s=self._arrival_time_s))
         self._phase = Phase.ROUTED
+        self._span.decision(self.decision, self._router.policy.TYPE)
         return self.decision
 
 

@@ -21,6 +21,7 @@ round trip (~1–2 ms, measured in the demo), so the error this adds is far belo
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import math
@@ -41,6 +42,9 @@ MAX_PREDICTION_S = 86400.0
 take a day, and such values would swamp the statistics)."""
 _SHORTFALL_WINDOW = 64
 """Requests whose TTFT shortfall the offset is the median of."""
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0)
+"""Upper bounds of the predicted / observed histogram (`ErrorStats.ratio_counts`; +Inf follows): symmetric in log
+around 1.0, so 0.8 and 1.25 are the same error in both directions."""
 MAX_PENDING = 8192
 """Admitted requests tracked at most (oldest dropped first) when Release notices are lost."""
 
@@ -55,6 +59,9 @@ class ErrorStats:
         sum_log_ratio: Σ log(predicted / observed).
         recent_log_ratio: exponentially weighted mean of log(predicted / observed) (weight `_RECENT_WEIGHT`).
         recent_shortfalls_s: observed − predicted of the last `_SHORTFALL_WINDOW` requests, seconds.
+        ratio_counts: requests per `RATIO_BUCKETS` bucket of predicted / observed (not cumulative; the last one
+            is +Inf), for the Prometheus histogram.
+        sum_ratio: Σ predicted / observed.
     """
 
     count: int = 0
@@ -63,6 +70,8 @@ class ErrorStats:
     recent_log_ratio: float = 0.0
     recent_shortfalls_s: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=_SHORTFALL_WINDOW))
+    ratio_counts: list = dataclasses.field(default_factory=lambda: [0] * (len(RATIO_BUCKETS) + 1))
+    sum_ratio: float = 0.0
 
     def add(self, predicted_s: float, observed_s: float) -> None:
         """Count one request (both in seconds; each is clamped to >= 1e-6)."""
@@ -74,6 +83,9 @@ class ErrorStats:
         weight = max(_RECENT_WEIGHT, 1.0 / self.count)
         self.recent_log_ratio += weight * (log_ratio - self.recent_log_ratio)
         self.recent_shortfalls_s.append(observed_s - predicted_s)
+        ratio = predicted_s / observed_s
+        self.sum_ratio += ratio
+        self.ratio_counts[bisect.bisect_left(RATIO_BUCKETS, ratio)] += 1
 
     @property
     def mape(self) -> float:

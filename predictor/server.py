@@ -12,6 +12,11 @@ steps (``predictor.calibration``, ``--calibration online``, the default) and obs
 every request admitted with a prediction is checked against what happened at Release
 (``predictor.outcomes``). Both are reported in every Predict answer (calibration), in ``State`` and, with
 ``--metrics-port``, as Prometheus metrics (`SidecarCollector`).
+
+Tracing (the ``OTEL_*`` variables, ``astrolabe.tracing``; off when none is set): Predict and Admit continue the
+caller's trace from the call's gRPC metadata in a SERVER span (``opentelemetry-instrumentation-grpc``), and each
+Predict's simulation is a child span ``astrolabe.simulate`` (state source, requests running and waiting, free KV
+blocks, simulated steps, state age, the predicted TTFT and E2E).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from astrolabe.lifecycle import settle_heap, wait_for_termination
+from astrolabe.tracing import (ADMIT_ID, NUM_PREDICTED_OUTPUT_TOKENS, NUM_PROMPT_TOKENS, PREDICTED_E2E_S,
+                               PREDICTED_TTFT_S, STATE_AGE_S, Tracing, TracingConfigError, setup_tracing)
 from predictor.api import pb, pb_grpc
 from predictor.backend_metrics import MetricsFormatError, parse_vllm_metrics
 from predictor.calibration import CalibrationStatus, StepTimeCalibrator
@@ -41,6 +48,7 @@ from predictor.sim.scheduler import check_request_fits
 from predictor.sim.predict import predict, queue_delay_s
 from predictor.sim.residual import RESIDUAL_RULES
 from predictor.sim.snapshot import InstanceSnapshot, RequestState
+from predictor.ingress import IngressDelayEstimator
 from predictor.state_source import STATE_SOURCE_LEDGER, STATE_SOURCE_PLUGIN, STATE_SOURCES, PluginStateSource
 
 logger = logging.getLogger(__name__)
@@ -76,6 +84,9 @@ class SidecarConfig:
         bias_correction: correct the recent measured bias (``predictor.outcomes``): E2E by a factor, TTFT by an
             offset.
         metrics_listen: ``host:port`` of a Prometheus /metrics endpoint; None = none.
+        ingress_delay: ``online`` (add the measured delay from Admit to the engine's scheduler,
+            ``predictor.ingress``, to TTFT and E2E predictions; needs the plugin's ``arrivals``) or ``off`` (the
+            default: the delay is measured and reported only).
     """
 
     backend: str
@@ -97,6 +108,7 @@ class SidecarConfig:
     bias_correction: bool = False
     metrics_listen: str | None = None
     model_config: str | None = None
+    ingress_delay: str = "off"
 
 
 def resolve_batch_time_model(batch_time_model: str | None, model_config: str | None) -> str:
@@ -133,6 +145,7 @@ def load_batch_time(name_or_path: str, time_scale: float = 1.0) -> LinearBatchTi
 
 
 CALIBRATION_MODES = ("online", "off")
+INGRESS_DELAY_MODES = ("online", "off")
 
 
 def _check_host_port(value: str, flag: str) -> None:
@@ -153,19 +166,59 @@ def _json_safe(value):
     return value
 
 
-class PredictorServicer(pb_grpc.PredictorServicer):
-    """Translates gRPC messages to ledger calls; no logic of its own."""
+SERVICE_NAME = "astrolabe-predictor"
+"""The sidecar's default ``service.name`` (``OTEL_SERVICE_NAME`` replaces it)."""
+TRACED_METHODS = ("/astrolabe.predictor.v1.Predictor/Predict", "/astrolabe.predictor.v1.Predictor/Admit")
+"""Calls whose caller's trace the sidecar continues (a SERVER span each); Release, State and health are not traced."""
+SIMULATION_SPAN = "astrolabe.simulate"
 
-    def __init__(self, sidecar: Sidecar) -> None:
+
+def _simulation_attributes(response: pb.PredictResponse) -> dict:
+    """What the simulation span records: the state it started from and what it found."""
+    return {"astrolabe.state_source": response.state_source, "astrolabe.num_running": response.num_running,
+            "astrolabe.num_waiting": response.num_waiting, "astrolabe.num_free_blocks": response.num_free_blocks,
+            "astrolabe.num_gpu_blocks": response.num_gpu_blocks,
+            "astrolabe.num_steps_simulated": response.num_steps_simulated, STATE_AGE_S: response.state_age_s,
+            PREDICTED_TTFT_S: response.ttft_s, PREDICTED_E2E_S: response.e2e_s,
+            "astrolabe.calibration_source": response.calibration_source}
+
+
+class PredictorServicer(pb_grpc.PredictorServicer):
+    """Translates gRPC messages to ledger calls; no logic of its own.
+
+    Args:
+        sidecar: the sidecar the calls go to.
+        tracer: starts the simulation span of each Predict, below the call's SERVER span (None: tracing off).
+    """
+
+    def __init__(self, sidecar: Sidecar, tracer=None) -> None:
         self._sidecar = sidecar
+        self._tracer = tracer
+
+    def _predict(self, request: pb.PredictRequest) -> pb.PredictResponse:
+        """``Sidecar.predict`` of ``request``, in the simulation span when tracing.
+
+        Raises:
+            ValueError: as ``Sidecar.predict``.
+        """
+        args = (request.num_prompt_tokens, request.num_predicted_output_tokens, request.max_tokens or None,
+                request.length_source)
+        if self._tracer is None:
+            return self._sidecar.predict(*args)
+        with self._tracer.start_as_current_span(SIMULATION_SPAN, attributes={
+                ADMIT_ID: request.request_id, NUM_PROMPT_TOKENS: request.num_prompt_tokens,
+                NUM_PREDICTED_OUTPUT_TOKENS: request.num_predicted_output_tokens}) as span:
+            response = self._sidecar.predict(*args)
+            if span.is_recording():
+                span.set_attributes(_simulation_attributes(response))
+        return response
 
     async def Predict(self, request, context):  # noqa: N802
         if request.num_prompt_tokens < 1 or request.num_predicted_output_tokens < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "num_prompt_tokens and num_predicted_output_tokens must be >= 1")
         try:
-            return self._sidecar.predict(request.num_prompt_tokens, request.num_predicted_output_tokens,
-                                         request.max_tokens or None, request.length_source)
+            return self._predict(request)
         except ValueError as exc:  # e.g. a prompt larger than the instance's whole KV cache
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot be served by this instance: {exc}")
 
@@ -213,16 +266,21 @@ class PredictorServicer(pb_grpc.PredictorServicer):
 class Sidecar:
     """The running sidecar: ledger, reconciliation loop, gRPC server."""
 
-    def __init__(self, config: SidecarConfig) -> None:
+    def __init__(self, config: SidecarConfig, tracing: Tracing | None = None) -> None:
         self.config = config
+        self.tracing = tracing or Tracing.off()
         if config.calibration not in CALIBRATION_MODES:
             raise ValueError(f"calibration must be one of {', '.join(CALIBRATION_MODES)}, got {config.calibration!r}")
+        if config.ingress_delay not in INGRESS_DELAY_MODES:
+            raise ValueError(f"ingress_delay must be one of {', '.join(INGRESS_DELAY_MODES)}, "
+                             f"got {config.ingress_delay!r}")
         self.prior_batch_time = load_batch_time(resolve_batch_time_model(config.batch_time_model,
                                                                          config.model_config), config.time_scale)
         self.calibrator = (StepTimeCalibrator(self.prior_batch_time, min_samples=config.calibration_min_samples)
                            if config.calibration == "online" else None)
         self.calibration_status: CalibrationStatus | None = self.calibrator.status() if self.calibrator else None
         self.outcomes = OutcomeTracker(bias_correction=config.bias_correction)
+        self.ingress = IngressDelayEstimator()
         self._absorbed: tuple[int, int] = (0, -1)  # (pid, seq) of the last plugin state absorbed
         self.residual = ResidualRules(config.residual_lengths, config.length_errors)
         self.ledger = self._new_ledger(config.engine)
@@ -230,8 +288,10 @@ class Sidecar:
                                         pending_grace_s=config.visibility_grace_s, residual=self.residual)
         self.last_reconciled_s: float | None = None
         self.health = health.aio.HealthServicer()
-        self._server = grpc.aio.server()
-        pb_grpc.add_PredictorServicer_to_server(PredictorServicer(self), self._server)
+        # With tracing on, Predict and Admit continue the extproc's trace from the call's metadata.
+        self._server = grpc.aio.server(interceptors=self.tracing.server_interceptors(TRACED_METHODS))
+        tracer = self.tracing.tracer("astrolabe.predictor") if self.tracing.enabled else None
+        pb_grpc.add_PredictorServicer_to_server(PredictorServicer(self, tracer), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         self._task: asyncio.Task | None = None
         self.port = 0
@@ -285,9 +345,22 @@ class Sidecar:
         if state.first_tokens:
             self._first_tokens_seen_s = max(seen_s, state.first_tokens[-1][1])
             self._first_tokens_pid = state.pid
+        arrived_s = self._arrivals_seen_s if state.pid == self._arrivals_pid else float("-inf")
+        for engine_request_id, at_s in reversed(state.arrivals):  # newest first; stop at those taken before
+            if at_s <= arrived_s:
+                break
+            admit_id = admits.admit_id_of(engine_request_id)
+            admitted_s = admits.admitted_at_s(admit_id) if admit_id is not None else None
+            if admitted_s is not None:
+                self.ingress.observe(at_s - admitted_s, now_s)
+        if state.arrivals:
+            self._arrivals_seen_s = max(arrived_s, state.arrivals[-1][1])
+            self._arrivals_pid = state.pid
 
     _first_tokens_seen_s = float("-inf")
     _first_tokens_pid = 0
+    _arrivals_seen_s = float("-inf")
+    _arrivals_pid = 0
 
     _status_s = float("-inf")
 
@@ -342,7 +415,12 @@ class Sidecar:
             **self._calibration_fields()))
 
     def _corrected(self, response: pb.PredictResponse) -> pb.PredictResponse:
-        """``response`` with the outcome tracker's bias correction applied (a no-op while it is off or young)."""
+        """``response`` with the measured ingress delay added (``predictor.ingress``; 0 while off or young) and
+        the outcome tracker's bias correction applied (a no-op while it is off or young)."""
+        ingress_s = self.ingress.delay_at(time.monotonic()) if self.config.ingress_delay == "online" else 0.0
+        if ingress_s:  # the request reaches the engine that much later; queue_s stays the engine's own
+            response.ttft_s += ingress_s
+            response.e2e_s += ingress_s
         ttft_offset_s, e2e_factor = self.outcomes.ttft_offset_s(), self.outcomes.correction("e2e")
         if ttft_offset_s or e2e_factor != 1.0:
             response.ttft_s += ttft_offset_s  # queue_s is relative to an idle engine: the offset is in both
@@ -370,7 +448,8 @@ class Sidecar:
                        "model": dataclasses.asdict(self.batch_time), "prior": dataclasses.asdict(self.prior_batch_time)}
         if self.calibrator is not None:
             calibration.update(self.calibrator.status().as_dict())
-        return _json_safe({"calibration": calibration, "outcomes": self.outcomes.as_dict()})
+        ingress = {"mode": self.config.ingress_delay, **self.ingress.as_dict(time.monotonic())}
+        return _json_safe({"calibration": calibration, "outcomes": self.outcomes.as_dict(), "ingress": ingress})
 
     def state(self) -> dict:
         """The sidecar's view (queues, blocks, reconciliation or plugin figures) plus `quality`, strict JSON-ready
@@ -477,9 +556,9 @@ class Sidecar:
             self._metrics_server.shutdown()
 
 
-async def serve(config: SidecarConfig) -> None:
-    """Runs the sidecar until SIGTERM or SIGINT."""
-    sidecar = Sidecar(config)
+async def serve(config: SidecarConfig, tracing: Tracing | None = None) -> None:
+    """Runs the sidecar until SIGTERM or SIGINT (``tracing``: as `Sidecar`; the caller shuts it down)."""
+    sidecar = Sidecar(config, tracing)
     await sidecar.start()
     await wait_for_termination()
     await sidecar.stop()
@@ -527,6 +606,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measured steps before the first refit")
     parser.add_argument("--bias-correction", action="store_true",
                         help="correct the measured recent bias (prediction vs outcome): E2E by a factor, TTFT by an offset")
+    parser.add_argument("--ingress-delay", choices=INGRESS_DELAY_MODES, default="off",
+                        help="add the measured delay from Admit to the engine's scheduler (the plugin's arrivals) "
+                             "to TTFT and E2E predictions (online) or only measure and report it (off, the "
+                             "default: see predictor/ingress.py for what it did on real vLLM)")
     parser.add_argument("--metrics-listen", default=None,
                         help="host:port of a Prometheus /metrics endpoint (calibration, prediction error)")
     parser.add_argument("--log-level", default="INFO")
@@ -548,7 +631,7 @@ def run(args: argparse.Namespace) -> int:
                                length_errors=args.length_errors, calibration=args.calibration,
                                calibration_min_samples=args.calibration_min_samples,
                                bias_correction=args.bias_correction, metrics_listen=args.metrics_listen,
-                               model_config=args.model_config)
+                               model_config=args.model_config, ingress_delay=args.ingress_delay)
         # Resolved once here (the cold start reads the model config and logs its choice once).
         config = dataclasses.replace(config, batch_time_model=resolve_batch_time_model(config.batch_time_model,
                                                                                        config.model_config))
@@ -564,8 +647,15 @@ def run(args: argparse.Namespace) -> int:
         logger.error("invalid sidecar configuration: %s", exc)
         return 2
     try:
-        asyncio.run(serve(config))
+        tracing = setup_tracing(SERVICE_NAME)  # the OTEL_* variables alone (astrolabe.tracing)
+    except TracingConfigError as exc:
+        logger.error("invalid tracing configuration: %s", exc)
+        return 2
+    try:
+        asyncio.run(serve(config, tracing))
     except (OSError, RuntimeError) as exc:  # an address that cannot be bound (gRPC or metrics)
         logger.error("sidecar cannot start: %s", exc)
         return 2
+    finally:
+        tracing.shutdown()
     return 0

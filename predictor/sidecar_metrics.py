@@ -10,15 +10,26 @@ is updated on the request path). Names (``astrolabe_predictor_*``; no label valu
 - ``astrolabe_predictor_calibrated``: 1 once the model was refitted from this engine, else 0;
 - ``astrolabe_predictor_prediction_checked_total{metric}``: requests whose prediction was checked (ttft, e2e);
 - ``astrolabe_predictor_prediction_mape_ratio{metric}``: their mean absolute percentage error (0.2 = 20%);
-- ``astrolabe_predictor_prediction_bias_ratio{metric}``: geometric mean of predicted / observed.
+- ``astrolabe_predictor_prediction_bias_ratio{metric}``: geometric mean of predicted / observed;
+- ``astrolabe_predictor_prediction_ratio{metric}``: histogram of predicted / observed per checked request
+  (buckets ``predictor.outcomes.RATIO_BUCKETS``); the sidecar is one endpoint's, so this is per endpoint;
+- ``astrolabe_predictor_state_age_seconds``: age of the state predictions start from;
+- ``astrolabe_predictor_reconciliations_total``, ``..._reconciliation_corrections_total{kind=added|removed}``:
+  the ledger's reconciliations with the backend's /metrics and the requests they corrected;
+- ``astrolabe_predictor_ingress_delay_seconds``: the measured delay from Admit to the engine's scheduler, median
+  of the last 10 s (``predictor.ingress``; 0 until enough measured), ``..._ingress_delays_measured_total``: how
+  many measured.
 """
 
 from __future__ import annotations
 
 import math
+import time
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from predictor.outcomes import RATIO_BUCKETS
 
 
 class SidecarCollector:
@@ -42,6 +53,12 @@ class SidecarCollector:
                                       value=status.num_refits)
             yield CounterMetricFamily("astrolabe_predictor_calibration_rejected", "refits rejected (fallback)",
                                       value=status.num_rejected)
+        ingress = sidecar.ingress
+        yield GaugeMetricFamily("astrolabe_predictor_ingress_delay_seconds", "predicted delay from Admit to the "
+                                "engine's scheduler (median of the measured ones; 0 until enough)",
+                                value=ingress.delay_at(time.monotonic()))
+        yield CounterMetricFamily("astrolabe_predictor_ingress_delays_measured", "Admit -> engine delays measured",
+                                  value=ingress.num_observed)
         checked = CounterMetricFamily("astrolabe_predictor_prediction_checked", "predictions checked against "
                                       "the outcome", labels=["metric"])
         mape = GaugeMetricFamily("astrolabe_predictor_prediction_mape_ratio", "mean absolute percentage error",
@@ -55,6 +72,30 @@ class SidecarCollector:
         yield checked
         yield mape
         yield bias
+        ratio = HistogramMetricFamily("astrolabe_predictor_prediction_ratio", "predicted / observed of every "
+                                      "checked request (1 = exact; < 1 = predicted too short)", labels=["metric"])
+        for metric, stats in (("ttft", sidecar.outcomes.ttft), ("e2e", sidecar.outcomes.e2e)):
+            cumulative, buckets = 0, []
+            for bound, count in zip((*map(str, RATIO_BUCKETS), "+Inf"), stats.ratio_counts):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            ratio.add_metric([metric], buckets, stats.sum_ratio)
+        yield ratio
+        now_s = time.monotonic()
+        plugin_state = sidecar.plugin.last_state if sidecar.plugin.in_use else None
+        age_s = plugin_state.age_s(now_s) if plugin_state is not None else sidecar.state_age_s(now_s)
+        yield GaugeMetricFamily("astrolabe_predictor_state_age_seconds", "age of the state predictions start "
+                                "from (the plugin's file, else the last /metrics reconciliation)",
+                                value=_finite(age_s))
+        stats = sidecar.ledger.stats
+        yield CounterMetricFamily("astrolabe_predictor_reconciliations", "ledger reconciliations with /metrics",
+                                  value=stats.num_reconciliations)
+        corrections = CounterMetricFamily("astrolabe_predictor_reconciliation_corrections", "requests the "
+                                          "reconciliation added (unseen by this sidecar) or removed (lost "
+                                          "Releases)", labels=["kind"])
+        corrections.add_metric(["added"], stats.num_phantoms_added)
+        corrections.add_metric(["removed"], stats.num_requests_removed)
+        yield corrections
 
 
 def _finite(value: float) -> float:

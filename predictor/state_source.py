@@ -84,6 +84,7 @@ class PluginState:
         steps: the engine's last steps, oldest first: ``(step_index, StepSample)`` (empty from a plugin that
             does not record them).
         first_tokens: the last first-token events, ``(engine request id, time.monotonic() seconds)``.
+        arrivals: the last requests the scheduler received, ``(engine request id, time.monotonic() seconds)``.
     """
 
     pid: int
@@ -96,6 +97,7 @@ class PluginState:
     waiting: tuple[tuple, ...]
     steps: tuple[tuple[int, StepSample], ...] = ()
     first_tokens: tuple[tuple[str, float], ...] = ()
+    arrivals: tuple[tuple[str, float], ...] = ()
 
     @property
     def num_unfinished(self) -> int:
@@ -189,7 +191,7 @@ def _step(row, where: str) -> tuple[int, StepSample]:
 
 
 def _fast_first_token(row) -> tuple[str, float] | None:
-    """A valid first-token row as ``(request id, time)``, else None."""
+    """A valid first-token (or arrival) row as ``(request id, time)``, else None."""
     if (not isinstance(row, list) or len(row) != 2 or not isinstance(row[0], str) or not row[0]
             or isinstance(row[1], bool) or not isinstance(row[1], int | float) or not math.isfinite(row[1])):
         return None
@@ -199,7 +201,7 @@ def _fast_first_token(row) -> tuple[str, float] | None:
 def _first_token(row, where: str) -> tuple[str, float]:
     parsed = _fast_first_token(row)
     if parsed is None:
-        raise PluginStateError(f"{where}: a first-token row must be [request id, time], got {str(row)[:80]}")
+        raise PluginStateError(f"{where}: a row must be [request id, time], got {str(row)[:80]}")
     return parsed
 
 
@@ -244,7 +246,9 @@ def parse_plugin_state(text: str) -> PluginState:
             waiting=_checked(waiting, "waiting", _fast_row, _row),
             steps=_checked(_list(data.get("steps", []), "steps"), "steps", _fast_step, _step),
             first_tokens=_checked(_list(data.get("first_tokens", []), "first_tokens"), "first_tokens",
-                                  _fast_first_token, _first_token))
+                                  _fast_first_token, _first_token),
+            arrivals=_checked(_list(data.get("arrivals", []), "arrivals"), "arrivals", _fast_first_token,
+                              _first_token))
     except PluginStateError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
@@ -252,7 +256,7 @@ def parse_plugin_state(text: str) -> PluginState:
 
 
 MAX_HISTORY_ROWS = 4096
-"""A state file's ``steps`` or ``first_tokens`` longer than this is refused (the plugin writes 64 / 256)."""
+"""A state file's ``steps``, ``first_tokens`` or ``arrivals`` longer than this is refused (the plugin writes 64 / 256)."""
 
 
 def _list(value, what: str) -> list:
@@ -385,6 +389,11 @@ class AdmitRecords:
         # An engine id seen before this admission may belong to it: let it be matched again.
         self._engine_to_admit = {k: v for k, v in self._engine_to_admit.items() if v is not None}
 
+    def admitted_at_s(self, request_id: str) -> float | None:
+        """When ``request_id`` was admitted (``time.monotonic()`` seconds), or None if it has no record."""
+        admission = self._by_id.get(request_id)
+        return None if admission is None else admission.admitted_s
+
     def is_admitted(self, request_id: str) -> bool:
         """Whether ``request_id`` has an admission record (admitted and not released)."""
         return request_id in self._by_id
@@ -396,7 +405,7 @@ class AdmitRecords:
     def pending(self, engine_request_ids: list[str], now_s: float, grace_s: float) -> list[RequestState]:
         """Admitted requests the engine has never shown, admitted less than ``grace_s`` seconds before ``now_s``,
         as waiting `RequestState`s in admission order (after `expected_output_tokens` saw the engine's ids)."""
-        self._seen.update(rid for eid in engine_request_ids if (rid := self._engine_to_admit.get(eid)))
+        self._seen.update(rid for eid in engine_request_ids if (rid := self.admit_id_of(eid)))
         return [RequestState(request_id=f"pending-{rid}", num_prompt_tokens=a.num_prompt_tokens,
                              num_output_tokens=self._expected(a, 0, a.max_tokens), arrival_time_s=now_s)
                 for rid, a in self._by_id.items() if rid not in self._seen and now_s - a.admitted_s < grace_s]
@@ -541,7 +550,9 @@ class PluginStateSource:
         if state is None:
             return None
         snapshot = plugin_snapshot(state, now_s, self.admits.expected_output_tokens)
+        # A request the scheduler received (``arrivals``) is no longer on its way, even when it already finished.
         engine_ids = [r.request_id for r in (*snapshot.running, *snapshot.waiting)]
+        engine_ids += [request_id for request_id, _ in state.arrivals]
         pending = self.admits.pending(engine_ids, now_s, self.pending_grace_s)
         if not pending:
             return snapshot

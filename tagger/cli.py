@@ -81,9 +81,14 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from astrolabe.tracing import TracingConfigError
     from tagger.serve import serve_grpc
 
-    asyncio.run(serve_grpc(args.tagger, args.listen))
+    try:
+        asyncio.run(serve_grpc(args.tagger, args.listen))
+    except TracingConfigError as exc:
+        logger.error("invalid tracing configuration: %s", exc)
+        return 2
     return 0
 
 

@@ -4,6 +4,10 @@ Owns: generating the Python stubs of ``tagger/tagger.proto``, the servicer (a th
 ``tagger.serve.TaggerService``), server start-up with health, and :class:`TaggerClient`. Imports grpc; the
 in-process path (``tagger.serve``) does not import this module.
 
+Tracing (``astrolabe.tracing``, the ``OTEL_*`` variables): with it on, ``Estimate`` continues the caller's trace
+from the call's metadata in a SERVER span, with the estimate as a child span ``astrolabe.length_estimate``;
+:class:`TaggerClient` sends the current span's context with each call.
+
 NOTE (generated code): the stubs are NOT committed. :func:`load_stubs` runs ``grpc_tools.protoc`` into
 ``tagger/_generated/`` (ignored by git through a ``.gitignore`` written there) when a stub is missing or older
 than ``tagger.proto``, so the stubs always match the ``.proto`` and need no staleness test. The proto is compiled
@@ -26,7 +30,9 @@ from types import ModuleType
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry import trace
 
+from astrolabe.tracing import LENGTH_ESTIMATE_SPAN, NUM_PREDICTED_OUTPUT_TOKENS, Tracing, grpc_metadata
 from tagger.serve import TaggerService
 
 logger = logging.getLogger(__name__)
@@ -34,6 +40,7 @@ logger = logging.getLogger(__name__)
 PROTO_PATH = Path(__file__).resolve().parent / "tagger.proto"
 GENERATED_DIR = Path(__file__).resolve().parent / "_generated"
 SERVICE_NAME = "astrolabe.tagger.v1.Tagger"
+TRACED_METHODS = (f"/{SERVICE_NAME}/Estimate",)
 _STUBS = ("tagger_pb2.py", "tagger_pb2_grpc.py")
 
 
@@ -95,32 +102,48 @@ pb2, pb2_grpc = load_stubs()
 
 
 class TaggerServicer(pb2_grpc.TaggerServicer):
-    """Translates ``Estimate`` messages onto a :class:`TaggerService`."""
+    """Translates ``Estimate`` messages onto a :class:`TaggerService` (in a span per estimate when ``tracer``)."""
 
-    def __init__(self, service: TaggerService) -> None:
+    def __init__(self, service: TaggerService, tracer: trace.Tracer | None = None) -> None:
         self.service = service
+        self._tracer = tracer
 
-    async def Estimate(self, request, context):  # noqa: N802 - gRPC method name
-        num_tokens = await self.service.estimate(
+    async def _estimate(self, request) -> int:
+        return await self.service.estimate(
             request.prompt_text if request.HasField("prompt_text") else None,
             list(request.prompt_token_ids),
             request.max_tokens if request.HasField("max_tokens") else None,
         )
+
+    async def Estimate(self, request, context):  # noqa: N802 - gRPC method name
+        if self._tracer is None:
+            num_tokens = await self._estimate(request)
+        else:
+            with self._tracer.start_as_current_span(LENGTH_ESTIMATE_SPAN) as span:
+                num_tokens = await self._estimate(request)
+                if span.is_recording():
+                    span.set_attributes({"astrolabe.tagger_kind": self.service.kind,
+                                         NUM_PREDICTED_OUTPUT_TOKENS: num_tokens,
+                                         "astrolabe.prompt_chars": len(request.prompt_text)})
         return pb2.EstimateResponse(num_output_tokens=num_tokens, tagger_kind=self.service.kind)
 
 
-async def start_server(service: TaggerService, listen: str) -> tuple[grpc.aio.Server, int]:
+async def start_server(service: TaggerService, listen: str,
+                       tracing: Tracing | None = None) -> tuple[grpc.aio.Server, int]:
     """Start a ``grpc.aio`` server with the tagger and health services; returns it and its bound port.
 
     Args:
         service: the in-process tagger service to expose.
         listen: ``host:port`` (port 0 picks a free port).
+        tracing: the process's tracing (None = off); the caller shuts it down.
 
     Raises:
         RuntimeError: the address cannot be bound.
     """
-    server = grpc.aio.server()
-    pb2_grpc.add_TaggerServicer_to_server(TaggerServicer(service), server)
+    tracing = tracing or Tracing.off()
+    server = grpc.aio.server(interceptors=tracing.server_interceptors(TRACED_METHODS))
+    tracer = tracing.tracer("astrolabe.tagger") if tracing.enabled else None
+    pb2_grpc.add_TaggerServicer_to_server(TaggerServicer(service, tracer), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(listen)
@@ -133,9 +156,11 @@ async def start_server(service: TaggerService, listen: str) -> tuple[grpc.aio.Se
     return server, port
 
 
-async def run_server(service: TaggerService, listen: str, grace_s: float = 2.0) -> None:
-    """Serve until cancelled or sent SIGTERM/SIGINT, then stop with ``grace_s`` seconds of grace."""
-    server, _ = await start_server(service, listen)
+async def run_server(service: TaggerService, listen: str, grace_s: float = 2.0,
+                     tracing: Tracing | None = None) -> None:
+    """Serve until cancelled or sent SIGTERM/SIGINT, then stop with ``grace_s`` seconds of grace (``tracing``: as
+    :func:`start_server`)."""
+    server, _ = await start_server(service, listen, tracing)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -164,7 +189,8 @@ class TaggerClient:
         self.timeout_s = timeout_s
 
     async def estimate(self, prompt_text: str | None, prompt_token_ids=None, max_tokens: int | None = None) -> int:
-        """Predicted output tokens, as :meth:`tagger.serve.TaggerService.estimate`.
+        """Predicted output tokens, as :meth:`tagger.serve.TaggerService.estimate` (the current span's context, if
+        any, travels as metadata).
 
         Raises:
             grpc.aio.AioRpcError: the call failed or passed its deadline.
@@ -174,7 +200,8 @@ class TaggerClient:
             request.prompt_text = prompt_text
         if max_tokens is not None:
             request.max_tokens = max_tokens
-        response = await self._stub.Estimate(request, timeout=self.timeout_s)
+        response = await self._stub.Estimate(request, timeout=self.timeout_s,
+                                             metadata=grpc_metadata(trace.get_current_span()))
         return response.num_output_tokens
 
     async def close(self) -> None:

@@ -99,9 +99,13 @@ def test_config_folder_is_not_a_python_package() -> None:
         ("least-request", {}),
         ("least-request", {"backend_addresses": ("10.0.0.5:8000", "[::1]:8000"),
                            "backend_health_check_path": "/v1/models"}),
+        ("buffered", {"tracing": launcher.EnvoyTracing("127.0.0.1:4317")}),
+        ("full-duplex", {"tracing": launcher.EnvoyTracing("http://otel-collector.observability:4317", 12.5,
+                                                          "edge-gw", 0.1)}),
+        ("least-request", {"tracing": launcher.EnvoyTracing("[::1]:4317")}),
     ],
     ids=["buffered", "full-duplex", "buffered-3-extprocs", "full-duplex-dns-extprocs", "least-request",
-         "least-request-v6-path"],
+         "least-request-v6-path", "buffered-traced", "full-duplex-traced-dns", "least-request-traced"],
 )
 def test_rendered_config_passes_envoy_validate(mode: str, overrides: dict, tmp_path: Path) -> None:
     config_path = tmp_path / "envoy.yaml"
@@ -507,3 +511,50 @@ def test_envoy_routes_to_the_processors_destination_not_the_clients(mode: str) -
         server.stop(grace=None)
     assert reply == str(chosen_port).encode() + b" " + body
     assert processor.seen_destination_headers == [None]
+
+
+@pytest.mark.parametrize("mode", launcher.MODES)
+def test_tracing_is_off_unless_asked_and_renders_envoys_opentelemetry_tracer(mode: str) -> None:
+    plain = yaml.safe_load(_render(mode))
+    assert "tracing" not in _hcm(plain) and "layered_runtime" not in plain
+    assert "astrolabe_otlp" not in _clusters(plain)
+    traced = yaml.safe_load(_render(mode, tracing=launcher.EnvoyTracing("collector.local:4317", 25, "gw", 0.25)))
+    tracing = _hcm(traced)["tracing"]
+    assert tracing["random_sampling"] == {"value": 25} and tracing["spawn_upstream_span"] is True
+    assert tracing["provider"]["name"] == "envoy.tracers.opentelemetry"
+    otel = tracing["provider"]["typed_config"]
+    assert otel["grpc_service"]["envoy_grpc"] == {"cluster_name": "astrolabe_otlp"} and otel["service_name"] == "gw"
+    cluster = _clusters(traced)["astrolabe_otlp"]
+    assert cluster["type"] == "STRICT_DNS"
+    assert _socket_addresses(cluster) == [{"address": "collector.local", "port_value": 4317}]
+    assert "http2_protocol_options" in cluster["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["explicit_http_config"]
+    (layer,) = traced["layered_runtime"]["layers"]
+    assert layer["static_layer"] == {"tracing.opentelemetry.flush_interval_ms": 250}
+    # everything else is the untraced config
+    del _hcm(traced)["tracing"], traced["layered_runtime"]
+    traced["static_resources"]["clusters"].pop()
+    assert traced == plain
+
+
+@pytest.mark.parametrize("tracing, match", [
+    (launcher.EnvoyTracing("collector"), "not host:port"),
+    (launcher.EnvoyTracing("a:1,b:2"), "one receiver"),
+    (launcher.EnvoyTracing("https://collector:4317"), "plain-text"),
+    (launcher.EnvoyTracing("127.0.0.1:4317", sampling_percent=101), "sampling_percent"),
+    (launcher.EnvoyTracing("127.0.0.1:4317", service_name="a b\nc: d"), "service_name"),
+    (launcher.EnvoyTracing("127.0.0.1:4317", flush_interval_s=0), "flush_interval_s"),
+], ids=["no-port", "two", "tls", "percent", "service-name", "flush"])
+def test_bad_tracing_settings_are_refused(tracing, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _render("full-duplex", tracing=tracing)
+
+
+def test_cli_tracing_flags(capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture) -> None:
+    assert launcher.main(["--mode", "full-duplex", "--print-config", "--otlp-endpoint", "127.0.0.1:4317",
+                          "--trace-sampling-percent", "50", "--trace-service-name", "gw"]) == 0
+    tracing = _hcm(yaml.safe_load(capsys.readouterr().out))["tracing"]
+    assert tracing["random_sampling"] == {"value": 50}
+    assert tracing["provider"]["typed_config"]["service_name"] == "gw"
+    assert launcher.main(["--mode", "full-duplex", "--print-config", "--trace-sampling-percent", "50"]) == 2
+    assert "--trace-sampling-percent need(s) --otlp-endpoint" in caplog.text

@@ -173,6 +173,8 @@ class EngineLoop:
                                next_notify_tokens=1 if stream_interval else _NEVER, max_tokens=max_tokens)
         self._handles[request_id] = handle
         self._wakeup.set()
+        if self._state_publisher is not None:
+            self._state_publisher.record_arrival(request_id, sim.arrival_time_s)
         self._publish_state()
         return handle
 

@@ -15,6 +15,14 @@ without the header both are ``chatcmpl-<n>`` / ``cmpl-<n>``. The sidecar matches
 by X (``predictor.state_source.AdmitRecords``).
 Source: vllm/entrypoints/openai/serving_engine.py ``OpenAIServing._base_request_id`` and
 vllm/v1/engine/input_processor.py ``InputProcessor.assign_request_id`` (engine id = external id + ``-<8 hex>``).
+
+Tracing, as vLLM's ``--otlp-traces-endpoint`` (or the ``OTEL_*`` variables, ``astrolabe.tracing``): each finished
+request becomes one SERVER span ``llm_request``, a child of the request's ``traceparent`` header, from arrival to
+the last token, with vLLM's attributes (``gen_ai.latency.time_in_queue``, ``gen_ai.latency.time_to_first_token``,
+``gen_ai.latency.e2e``, ``gen_ai.usage.prompt_tokens``, ``gen_ai.usage.completion_tokens``, ...).
+Source: vllm/v1/engine/output_processor.py ``OutputProcessor.do_tracing`` and vllm/tracing.py ``SpanAttributes``
+(span created when the request finishes, start time = arrival); the emulator has no detokenizer or sampling
+params to report, and an aborted request's span carries ``error.type`` = ``abort``.
 """
 
 from __future__ import annotations
@@ -34,6 +42,9 @@ from pathlib import Path
 
 import prometheus_client
 from aiohttp import web
+from opentelemetry.trace import SpanKind
+from astrolabe.tracing import (Tracing, TracingConfig, TracingConfigError, context_from, normalize_endpoint,
+                               setup_tracing)
 from predictor.sim import EngineConfig, LinearBatchTimeModel, Scheduler
 from predictor.vllm_plugin import DEFAULT_MIN_INTERVAL_S
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -72,6 +83,8 @@ class EmulatorConfig:
             with ``--state-source vllm-plugin --vllm-state-path``); None = not published. Put it on /dev/shm.
         state_interval_s: least time between two publications while the engine stays busy, seconds, >= 0
             (the plugin's ``ASTROLABE_VLLM_STATE_MIN_INTERVAL_S`` and its default; 0 = after every step).
+        otlp_traces_endpoint: OTLP receiver of the ``llm_request`` spans (vLLM's ``--otlp-traces-endpoint``;
+            ``host:port`` or a URL); None = the ``OTEL_*`` variables decide (off when none is set).
     """
 
     engine: EngineConfig = EngineConfig()
@@ -88,6 +101,7 @@ class EmulatorConfig:
     output_len_sigma: float = 1.0
     state_path: str | None = None
     state_interval_s: float = DEFAULT_MIN_INTERVAL_S
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         checks = {"max_model_len": self.max_model_len >= 2, "stream_interval": self.stream_interval >= 1,
@@ -98,6 +112,8 @@ class EmulatorConfig:
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"{name} is out of range: {getattr(self, name)!r}")
+        if self.otlp_traces_endpoint is not None:  # TracingConfigError is a ValueError
+            normalize_endpoint(self.otlp_traces_endpoint, "otlp_traces_endpoint")
 
 
 def load_batch_time_model(name_or_path: str) -> LinearBatchTimeModel:
@@ -113,10 +129,11 @@ def load_batch_time_model(name_or_path: str) -> LinearBatchTimeModel:
 
 
 class _Instance:
-    """Per-app state: scheduler, engine loop, metrics, RNG and the admission rule."""
+    """Per-app state: scheduler, engine loop, metrics, RNG, the admission rule and the tracer (None: off)."""
 
-    def __init__(self, config: EmulatorConfig) -> None:
+    def __init__(self, config: EmulatorConfig, tracer=None) -> None:
         self.config = config
+        self.tracer = tracer
         self.scheduler = Scheduler(config.engine)
         cache_info = {"block_size": str(config.engine.block_size), "num_gpu_blocks": str(config.engine.num_gpu_blocks),
                       "cache_dtype": "auto", "enable_prefix_caching": "False"}
@@ -218,6 +235,34 @@ def _error_response(exc: ApiError) -> web.Response:
     return web.json_response(exc.to_json(), status=exc.status)
 
 
+def _monotonic_to_unix_ns(time_s: float) -> int:
+    """A ``time.monotonic()`` instant as wall-clock ns since the epoch (span timestamps are wall clock)."""
+    return time.time_ns() - round((time.monotonic() - time_s) * 1e9)
+
+
+def _record_span(instance: _Instance, request: web.Request, handle: RequestHandle, request_id: str) -> None:
+    """The request's ``llm_request`` span, as vLLM writes it when a request finishes (module docstring)."""
+    sim = handle.sim
+    end_s = handle.last_token_time_s if handle.finish_reason != "abort" and handle.last_token_time_s else \
+        time.monotonic()
+    attributes = {"gen_ai.response.model": instance.config.served_model_name, "gen_ai.request.id": request_id,
+                  "gen_ai.usage.prompt_tokens": sim.num_prompt_tokens,
+                  "gen_ai.usage.completion_tokens": handle.num_generated_tokens,
+                  "gen_ai.latency.e2e": end_s - sim.arrival_time_s,
+                  "gen_ai.response.finish_reasons": [handle.finish_reason or "abort"]}
+    if handle.max_tokens is not None:
+        attributes["gen_ai.request.max_tokens"] = handle.max_tokens
+    if handle.first_scheduled_time_s is not None:
+        attributes["gen_ai.latency.time_in_queue"] = handle.first_scheduled_time_s - sim.arrival_time_s
+    if sim.first_token_time_s is not None:
+        attributes["gen_ai.latency.time_to_first_token"] = sim.first_token_time_s - sim.arrival_time_s
+    if handle.finish_reason in (None, "abort"):
+        attributes["error.type"] = "abort"
+    span = instance.tracer.start_span("llm_request", context=context_from(request.headers), kind=SpanKind.SERVER,
+                                      attributes=attributes, start_time=_monotonic_to_unix_ns(sim.arrival_time_s))
+    span.end(end_time=_monotonic_to_unix_ns(end_s))
+
+
 async def _generate(request: web.Request, is_chat: bool) -> web.StreamResponse:
     instance = request.app[_INSTANCE]
     request_id, response_id = instance.next_request_ids(is_chat, _latin1_header(request, REQUEST_ID_HEADER))
@@ -226,6 +271,16 @@ async def _generate(request: web.Request, is_chat: bool) -> web.StreamResponse:
         handle = instance.admit(parsed, request_id, _reply_tokens_hint(request.headers.get(OUTPUT_TOKENS_HEADER)))
     except ApiError as exc:
         return _error_response(exc)
+    try:
+        return await _answer(request, instance, parsed, handle, request_id, response_id, is_chat)
+    finally:
+        if instance.tracer is not None:
+            _record_span(instance, request, handle, request_id)
+
+
+async def _answer(request: web.Request, instance: _Instance, parsed: ParsedRequest, handle: RequestHandle,
+                  request_id: str, response_id: str, is_chat: bool) -> web.StreamResponse:
+    """The response to an admitted request (SSE or one JSON body); aborts it when the client goes away."""
     shaper = ResponseShaper(is_chat, response_id, instance.config.served_model_name, int(time.time()))
     try:
         if parsed.stream:
@@ -301,15 +356,19 @@ async def _add_instance_header(request: web.Request, response: web.StreamRespons
     response.headers[INSTANCE_HEADER] = request.app[_INSTANCE].instance_name
 
 
-def build_app(config: EmulatorConfig) -> web.Application:
+def build_app(config: EmulatorConfig, tracing: Tracing | None = None) -> web.Application:
     """The aiohttp application of one instance; its engine loop starts and stops with the app.
+
+    Args:
+        config: the instance's settings.
+        tracing: where each request's ``llm_request`` span goes (None = off); the caller shuts it down.
 
     Raises:
         ValueError: unknown batch-time model name or malformed model file.
         OSError: the batch-time model file cannot be read.
     """
     app = web.Application()
-    instance = _Instance(config)
+    instance = _Instance(config, tracing.tracer("astrolabe.emulator") if tracing and tracing.enabled else None)
     app[_INSTANCE] = instance
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
@@ -345,14 +404,15 @@ class RunningEmulator:
         await self.runner.cleanup()
 
 
-async def start_emulator(config: EmulatorConfig) -> RunningEmulator:
-    """Builds and starts one instance on the running event loop (port 0 = any free port).
+async def start_emulator(config: EmulatorConfig, tracing: Tracing | None = None) -> RunningEmulator:
+    """Builds and starts one instance on the running event loop (port 0 = any free port; ``tracing``: as
+    :func:`build_app`).
 
     Raises:
         OSError: the address cannot be bound.
         ValueError: see :func:`build_app`.
     """
-    app = build_app(config)
+    app = build_app(config, tracing)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
@@ -390,6 +450,9 @@ def _parse_args(argv: Sequence[str]) -> tuple[EmulatorConfig, str]:
                         "--state-source vllm-plugin --vllm-state-path (put it on /dev/shm); default: off")
     p.add_argument("--state-interval-s", type=float, default=d.state_interval_s,
                    help="least seconds between two state publications while busy (0 = every step)")
+    p.add_argument("--otlp-traces-endpoint", default=None,
+                   help="OTLP receiver of one span per request (vLLM's flag; host:port or URL); default: the "
+                        "OTEL_* variables decide, off when none is set")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     a = p.parse_args(list(argv))
     try:
@@ -400,14 +463,15 @@ def _parse_args(argv: Sequence[str]) -> tuple[EmulatorConfig, str]:
             engine=engine, batch_time_model=a.batch_time_model, served_model_name=a.served_model_name, host=a.host,
             port=a.port, seed=a.seed, max_model_len=a.max_model_len, stream_interval=a.stream_interval,
             time_scale=a.time_scale, step_noise_frac=a.step_noise, output_len_median_tokens=a.output_len_median,
-            output_len_sigma=a.output_len_sigma, state_path=a.state_path, state_interval_s=a.state_interval_s)
+            output_len_sigma=a.output_len_sigma, state_path=a.state_path, state_interval_s=a.state_interval_s,
+            otlp_traces_endpoint=a.otlp_traces_endpoint)
     except ValueError as exc:
         p.error(str(exc))
     return config, a.log_level
 
 
-async def _serve(config: EmulatorConfig) -> None:
-    server = await start_emulator(config)
+async def _serve(config: EmulatorConfig, tracing: Tracing) -> None:
+    server = await start_emulator(config, tracing)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -435,7 +499,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         logger.error("cannot load batch-time model: %s", exc)
         return 2
+    try:
+        tracing = setup_tracing("astrolabe-emulator", TracingConfig(endpoint=config.otlp_traces_endpoint))
+    except TracingConfigError as exc:
+        logger.error("invalid tracing configuration: %s", exc)
+        return 2
     # Fewer series per scrape; process-wide, so only the CLI does it (tests may share a process).
     prometheus_client.disable_created_metrics()
-    asyncio.run(_serve(config))
+    try:
+        asyncio.run(_serve(config, tracing))
+    finally:
+        tracing.shutdown()
     return 0

@@ -65,7 +65,7 @@ def register() -> None:
     _wrap(Scheduler, "__init__", publisher)  # the first state (empty queues, engine settings) at start
     _wrap_step(Scheduler, publisher)
     _wrap(Scheduler, "update_from_output", publisher)
-    _wrap(Scheduler, "add_request", publisher)
+    _wrap_add_request(Scheduler, publisher)
     setattr(Scheduler, _PATCHED_FLAG, True)
     logger.info("astrolabe state plugin attached (pid %d): state file %s, min interval %.3f s",
                 os.getpid(), path, min_interval_s)
@@ -81,6 +81,26 @@ def _wrap(cls: type, name: str, publisher) -> None:
         return result
 
     setattr(cls, name, wrapper)
+
+
+def _wrap_add_request(cls: type, publisher) -> None:
+    """``add_request``: record the request's arrival at the scheduler (its id, now), then publish if due."""
+    original = cls.add_request
+    failed: list[bool] = []
+
+    @functools.wraps(original)
+    def add_request(self, request, *args, **kwargs):
+        result = original(self, request, *args, **kwargs)
+        if not failed:
+            try:
+                publisher.record_arrival(str(request.request_id))
+            except Exception:  # noqa: BLE001 (the engine must keep serving whatever happens here)
+                logger.exception("astrolabe state plugin: recording an arrival failed; no arrival times")
+                failed.append(True)
+        publisher.maybe_publish(self)
+        return result
+
+    cls.add_request = add_request
 
 
 def _wrap_step(cls: type, publisher) -> None:

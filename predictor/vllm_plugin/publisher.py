@@ -12,7 +12,8 @@ File format (one JSON object, replaced atomically by write + ``os.replace``; `ST
      "num_steps_total": 5210,                                  # steps recorded since start (optional)
      "steps": [[step_index, num_tokens, prefill_attention_work, decode_context_tokens, num_seqs, duration_s],
                ...],                                           # the last STEP_HISTORY steps, oldest first
-     "first_tokens": [[request_id, monotonic_s], ...]}        # when the last requests got their first token
+     "first_tokens": [[request_id, monotonic_s], ...],        # when the last requests got their first token
+     "arrivals": [[request_id, monotonic_s], ...]}            # when the last requests reached the scheduler
 
 ``published_monotonic_s`` is on ``time.monotonic()``, which every process of one Linux host shares, so the
 sidecar beside the engine can compute the state's age. ``num_gpu_blocks`` excludes vLLM's reserved null block;
@@ -22,8 +23,11 @@ is the number of tokens generated so far; ``max_tokens`` the request's limit (nu
 ``predictor.sim.scheduler.ScheduledBatch`` and measured duration, seconds): what the sidecar's online calibration
 refits the step-time model from (`predictor.calibration`); ``step_index`` numbers them from 1 so that a reader
 takes each step once. ``first_tokens`` are the last `FIRST_TOKEN_HISTORY` first-token events (request id, end of
-the step that produced it on ``time.monotonic()``): the sidecar's observed TTFT (`predictor.outcomes`). A file
-without ``steps`` or ``first_tokens`` (an older plugin) is valid.
+the step that produced it on ``time.monotonic()``): the sidecar's observed TTFT (`predictor.outcomes`).
+``arrivals`` are the last `FIRST_TOKEN_HISTORY` requests the scheduler received (request id, when
+``add_request`` ran, ``time.monotonic()``): with the sidecar's Admit time, the delay before the engine sees a
+request (Envoy, the API server's HTTP handling and tokenizer; `predictor.calibration.IngressDelayEstimator`). A
+file without ``steps``, ``first_tokens`` or ``arrivals`` (an older plugin) is valid.
 
 `StatePublisher` owns everything but reading the scheduler: when to publish (rate limit, idle/busy edges), the
 envelope (version, pid, seq, time, preemption total), the writer thread and the atomic write. What is read from
@@ -190,7 +194,13 @@ class StatePublisher:
         self._writer: threading.Thread | None = None
         self._steps: collections.deque[tuple] = collections.deque(maxlen=STEP_HISTORY)
         self._first_tokens: collections.deque[tuple] = collections.deque(maxlen=FIRST_TOKEN_HISTORY)
+        self._arrivals: collections.deque[tuple] = collections.deque(maxlen=FIRST_TOKEN_HISTORY)
         self.num_steps_total = 0
+
+    def record_arrival(self, request_id: str, at_s: float | None = None) -> None:
+        """Record that the scheduler received ``request_id`` at ``at_s`` (``time.monotonic()`` seconds; None =
+        now); it goes into the next files' ``arrivals``. Called on the engine's thread; one append."""
+        self._arrivals.append((request_id, time.monotonic() if at_s is None else at_s))
 
     def record_step(self, num_tokens: int, prefill_attention_work: int, decode_context_tokens: int, num_seqs: int,
                     duration_s: float, first_token_ids=(), end_s: float | None = None) -> None:
@@ -246,6 +256,7 @@ class StatePublisher:
             "num_steps_total": self.num_steps_total,
             "steps": [list(step) for step in self._steps],
             "first_tokens": [list(event) for event in self._first_tokens],
+            "arrivals": [list(event) for event in self._arrivals],
         }
 
     def close(self, timeout_s: float = 2.0) -> None:

@@ -42,3 +42,17 @@ def test_sidecar_checks_pool_the_difference_between_two_readings():
     # a: 10 new with |err| sum 20*0.3 - 10*0.5 = 1.0; b: 10 new with 2.0 -> 3.0 / 20
     assert checks.e2e_count == 20 and checks.e2e_mape == pytest.approx(0.15)
     assert checks.ttft_count == 0 and checks.num_calibrated == 2 and checks.residual == pytest.approx(0.1)
+
+
+def test_the_ingress_summary_reads_each_sidecars_state():
+    from bench.accuracy import ingress_summary
+
+    states = {"a": {"ingress": {"num_samples": 64, "delay_s": 0.0123, "mean_s": 0.2}},
+              "b": {"ingress": {"num_samples": 0, "delay_s": 0.0, "mean_s": None}}, "c": {}}
+    assert ingress_summary(states) == "0.012 / 0.200, -, -"
+    assert ingress_summary({}) == "-"
+
+
+def test_one_server_outcomes_have_no_hindsight():
+    summary = summarize([Outcome(1.0, 2.0, float("nan")), Outcome(2.0, 2.0, float("nan"))])
+    assert summary["mape"] == pytest.approx(0.25) and summary["probes"] == 0

@@ -6,9 +6,10 @@ import pytest
 import yaml
 
 from extproc import config as config_module
+from astrolabe.tracing import TracingConfig
 from extproc.config import (ENV_PREFIX, ConfigError, EndpointConfig, ExtprocConfig, HealthCheckConfig,
-                            OutputLengthSection, PredictorClientSection, config_json_schema, load_config,
-                            parse_config, parse_ip_port, replace_config)
+                            OutputLengthSection, PredictorClientSection, TracingSection, config_json_schema,
+                            load_config, parse_config, parse_ip_port, replace_config)
 from extproc.lengths import OutputLengthConfig
 from extproc.policies.registry import POLICY_NAMES
 from extproc.predictor_client import PredictorClientConfig
@@ -174,8 +175,9 @@ def test_sections_are_the_dataclasses_other_modules_take():
 
 
 @pytest.mark.parametrize(("mirror", "target"), [(OutputLengthSection, OutputLengthConfig),
-                                                (PredictorClientSection, PredictorClientConfig)],
-                         ids=["output_length", "predictor_client"])
+                                                (PredictorClientSection, PredictorClientConfig),
+                                                (TracingSection, TracingConfig)],
+                         ids=["output_length", "predictor_client", "tracing"])
 def test_section_mirrors_have_the_dataclass_fields_and_defaults(mirror, target):
     assert [f.name for f in dataclasses.fields(mirror)] == [f.name for f in dataclasses.fields(target)]
     assert dataclasses.asdict(mirror()) == dataclasses.asdict(target())
@@ -306,9 +308,11 @@ def config_file(tmp_path):
         ({"ASTROLABE_EXTPROC_POLICY": "astrolabe", "ASTROLABE_EXTPROC_POLICY_PARAMS": "{k: 3}",
           "ASTROLABE_EXTPROC_POLICY_PARAMS__METRIC": "e2e"}, {"policy_params": {"k": 3, "metric": "e2e"}}),
         ({"OTHER_POLICY": "random", "ASTROLABE_EXTPROCX": "1"}, {"policy": "round-robin"}),
+        ({"ASTROLABE_EXTPROC_TRACING__ENDPOINT": "10.0.0.7:4317", "ASTROLABE_EXTPROC_TRACING__SAMPLER_RATIO": "0.1"},
+         {"tracing": TracingConfig(endpoint="10.0.0.7:4317", sampler_ratio=0.1)}),
     ],
     ids=["file-only", "root", "nested", "whole-section", "nested-over-section", "bool-int", "ipv6-verbatim",
-         "empty-is-null", "endpoints-json", "policy-params", "other-variables"],
+         "empty-is-null", "endpoints-json", "policy-params", "other-variables", "tracing"],
 )
 def test_env_overrides_win_over_the_file(config_file, environ, expected):
     config = load_config(config_file, environ)
@@ -342,9 +346,16 @@ def test_env_overrides_win_over_the_file(config_file, environ, expected):
         ({"ASTROLABE_EXTPROC_A__B__C": "1"}, "ASTROLABE_EXTPROC_A__B__C: expected ASTROLABE_EXTPROC_<KEY> or"),
         ({"ASTROLABE_EXTPROC_PREDICTOR_CLIENT": "7"},
          "predictor_client: expected a mapping, got 7 (set by ASTROLABE_EXTPROC_PREDICTOR_CLIENT)"),
+        ({"ASTROLABE_EXTPROC_TRACING__ENDPOINT": "collector"},
+         "tracing.endpoint: expected host:port or an http(s):// URL, got 'collector' "
+         "(set by ASTROLABE_EXTPROC_TRACING__ENDPOINT)"),
+        ({"ASTROLABE_EXTPROC_TRACING__SAMPLER_RATIO": "2"},
+         "tracing.sampler_ratio: must be <= 1, got 2 (set by ASTROLABE_EXTPROC_TRACING__SAMPLER_RATIO)"),
+        ({"ASTROLABE_EXTPROC_TRACING__PROTOCOL": "http/json"}, "tracing.protocol: must be one of"),
     ],
     ids=["unknown-root", "unknown-nested", "nested-type", "root-type", "endpoints-duplicate", "endpoints-yaml",
-         "policy", "policy-params", "not-a-section", "too-deep", "section-not-mapping"],
+         "policy", "policy-params", "not-a-section", "too-deep", "section-not-mapping", "tracing-endpoint",
+         "tracing-ratio", "tracing-protocol"],
 )
 def test_env_override_errors_name_the_key_and_variable(config_file, environ, message):
     with pytest.raises(ConfigError) as info:

@@ -237,6 +237,30 @@ async def test_decisions_are_logged_with_basis_candidates_and_stage_times(sideca
     assert samples[("astrolabe_extproc_decisions_total", (("basis", "partial"),))] == 4
 
 
+@pytest.mark.parametrize("predictors, policy, reason", [
+    (["127.0.0.1:1", "127.0.0.1:2"], "astrolabe", "no_prediction"),  # nothing listens there
+    ([None, None], "astrolabe", "no_sidecar"),
+    ([None, None], "gie", "no_metrics"),  # no scraper: every endpoint's metrics read None
+], ids=["sidecars-down", "no-sidecars", "metrics-policy"])
+async def test_a_fallback_says_why(predictors, policy, reason):
+    router = make_router(predictors, policy=policy)
+    try:
+        decision = await router.route(request(0))
+        assert decision.basis == "fallback" and decision.fallback_reason == reason
+    finally:
+        await router.predictors.close()
+
+
+async def test_a_decision_on_predictions_has_no_fallback_reason(sidecars):
+    started = await sidecars(2)
+    router = make_router([f"127.0.0.1:{s.port}" for s in started])
+    try:
+        decision = await router.route(request(0))
+        assert decision.basis == "prediction" and decision.fallback_reason == ""
+    finally:
+        await router.predictors.close()
+
+
 async def test_non_predicting_policy_decisions_have_basis_policy(sidecars):
     router = make_router([None, None], policy="least-requests")
     decision = await router.route(request(0))

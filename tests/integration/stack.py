@@ -17,11 +17,13 @@ PY = sys.executable
 
 @dataclass
 class Stack:
-    """Handles of a running stack; ``procs`` owns every process."""
+    """Handles of a running stack; ``procs`` owns every process. ``env`` is added to every process's environment
+    (e.g. the ``OTEL_*`` variables that turn tracing on)."""
 
     procs: ProcessGroup
     tmp: Path
     mode: str
+    env: dict[str, str] | None = None
     envoy_url: str = ""
     extproc_port: int = 0
     metrics_url: str = ""
@@ -32,7 +34,7 @@ class Stack:
     def start_echo(self) -> str:
         port = free_port()
         proc = self.procs.start([PY, "-m", "tests.integration.echo_backend", "--port", str(port)],
-                                name=f"echo-{port}", log_path=self.tmp / f"echo-{port}.log")
+                                name=f"echo-{port}", log_path=self.tmp / f"echo-{port}.log", env=self.env)
         proc.wait_http(f"http://127.0.0.1:{port}/health", timeout_s=20)
         self.backends[f"127.0.0.1:{port}"] = proc
         return f"127.0.0.1:{port}"
@@ -40,7 +42,7 @@ class Stack:
     def start_emulator(self, *extra: str) -> str:
         port = free_port()
         proc = self.procs.start([PY, "-m", "astrolabe", "emulator", "--port", str(port), *extra],
-                                name=f"emulator-{port}", log_path=self.tmp / f"emulator-{port}.log")
+                                name=f"emulator-{port}", log_path=self.tmp / f"emulator-{port}.log", env=self.env)
         proc.wait_http(f"http://127.0.0.1:{port}/health", timeout_s=30)
         self.backends[f"127.0.0.1:{port}"] = proc
         return f"127.0.0.1:{port}"
@@ -49,7 +51,7 @@ class Stack:
         port = free_port()
         proc = self.procs.start([PY, "-m", "astrolabe", "predictor", "serve", "--backend", backend,
                                  "--listen", f"127.0.0.1:{port}", *extra],
-                                name=f"sidecar-{port}", log_path=self.tmp / f"sidecar-{port}.log")
+                                name=f"sidecar-{port}", log_path=self.tmp / f"sidecar-{port}.log", env=self.env)
         proc.wait_tcp("127.0.0.1", port, timeout_s=30)
         return f"127.0.0.1:{port}"
 
@@ -67,18 +69,21 @@ class Stack:
     def start_extproc(self) -> None:
         self.extproc = self.procs.start([PY, "-m", "astrolabe", "extproc", "--config", str(self.config_path),
                                          "--log-level", "DEBUG"],
-                                        name="extproc", log_path=self.tmp / "extproc.log")
+                                        name="extproc", log_path=self.tmp / "extproc.log", env=self.env)
         self.extproc.wait_tcp("127.0.0.1", self.extproc_port, timeout_s=20)
         self.extproc.wait_http(self.metrics_url, timeout_s=20)
 
-    def start_envoy(self) -> None:
+    def start_envoy(self, *extra: str) -> str:
+        """Starts an Envoy in front of the extproc (``extra``: more ``astrolabe envoy`` flags); returns its URL,
+        also kept in ``envoy_url``."""
         port, admin = free_port(), free_port()
         proc = self.procs.start([PY, "-m", "astrolabe", "envoy", "--mode", self.mode, "--listen-port", str(port),
-                                 "--admin-port", str(admin), "--extproc", f"127.0.0.1:{self.extproc_port}"],
-                                name="envoy", log_path=self.tmp / "envoy.log")
+                                 "--admin-port", str(admin), "--extproc", f"127.0.0.1:{self.extproc_port}", *extra],
+                                name=f"envoy-{port}", log_path=self.tmp / f"envoy-{port}.log")
         proc.wait_http(f"http://127.0.0.1:{admin}/ready", timeout_s=20)
         self.envoy_url = f"http://127.0.0.1:{port}"
         self.wait_routable()
+        return self.envoy_url
 
     def wait_routable(self, timeout_s: float = 20.0) -> None:
         """Until Envoy has a healthy connection to the extproc (a GET gets through)."""

@@ -5,7 +5,10 @@ import os
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
+from astrolabe.tracing import LENGTH_ESTIMATE_SPAN, setup_tracing
 from tagger import grpc_service
 from tagger.grpc_service import SERVICE_NAME, TaggerClient, load_stubs, start_server
 from tagger.serve import load_service
@@ -53,3 +56,28 @@ def test_stale_stubs_are_regenerated():
     assert not grpc_service._stubs_stale()
     assert stub.stat().st_mtime_ns >= proto_mtime_ns
     assert (grpc_service.GENERATED_DIR / ".gitignore").read_text() == "*\n"
+
+
+async def test_estimate_continues_the_callers_trace():
+    exporter = InMemorySpanExporter()
+    tracing = setup_tracing("astrolabe-tagger", environ={}, exporter=exporter)
+    service = load_service(None)
+    server, port = await start_server(service, "127.0.0.1:0", tracing)
+    client = TaggerClient(f"127.0.0.1:{port}", timeout_s=5.0)
+    try:
+        with tracing.tracer("test").start_as_current_span("caller") as caller:
+            num_tokens = await client.estimate("Write a long essay about the moon.", None, 300)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:  # health checks are not traced
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5.0)
+    finally:
+        await client.close()
+        await server.stop(None)
+        service.close()
+        tracing.shutdown()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"caller", f"/{SERVICE_NAME}/Estimate", LENGTH_ESTIMATE_SPAN}
+    server_span, estimate = spans[f"/{SERVICE_NAME}/Estimate"], spans[LENGTH_ESTIMATE_SPAN]
+    assert server_span.kind == SpanKind.SERVER and server_span.parent.span_id == caller.get_span_context().span_id
+    assert estimate.parent.span_id == server_span.context.span_id
+    assert estimate.attributes["astrolabe.num_predicted_output_tokens"] == num_tokens
+    assert estimate.attributes["astrolabe.tagger_kind"] == "light"

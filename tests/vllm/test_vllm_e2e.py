@@ -187,6 +187,36 @@ def test_a_cold_sidecar_calibrates_online_to_the_real_engine(vllm_stack):
     assert answer.calibration_source == "online" and answer.calibration_num_samples >= 32
 
 
+MAPE_BOUND = 0.35
+"""E2E MAPE bound of a cold sidecar beside one real server (the other idle). Repeated runs of the same replay on
+this 2-core machine (``astrolabe bench accuracy --num-servers 1 --rate-qps 4``, bench/README-vllm.md): 13.9-16.3%;
+the bound leaves room for a machine shared with other jobs, and still fails the pre-calibration figures (50-68%)."""
+
+
+def test_a_cold_sidecar_predicts_one_real_servers_e2e_within_the_bound(vllm_stack):
+    """A sidecar that has never seen this engine (cold start from the nearest shipped shape, no offline profile)
+    predicts the E2E of Poisson traffic to one server (the other idle) within `MAPE_BOUND` after a warm-up: the
+    issue's "within the figures after a short warm-up, with no offline profiling step"."""
+    import time
+
+    from bench.accuracy import Replayer, summarize
+    from deploy.vllm.launch import DEFAULT_MODEL_DIR
+
+    server = vllm_stack.vllm[1]
+    sidecar = vllm_stack.start_sidecar(server.address, "--state-source", "vllm-plugin", "--vllm-state-path",
+                                       str(server.state_path), "--model-config", str(DEFAULT_MODEL_DIR),
+                                       "--max-num-seqs", "16", "--max-num-batched-tokens", "256")
+    trace = tiny_trace(160, 4.0, random.Random(11))
+    replayer = Replayer([server.address], [sidecar], random.Random(0), probe_every=0)
+    outcomes = asyncio.run(replayer.replay(trace, time.monotonic()))
+    summary = summarize(outcomes, warmup=40)
+    assert summary["errors"] == 0 and summary["requests"] == 120, summary
+    assert replayer.state_sources == {"vllm-plugin"}
+    assert summary["mape"] <= MAPE_BOUND, summary
+    calibration = json.loads(asyncio.run(_state(sidecar)))["calibration"]
+    assert calibration["source"] == "online" and calibration["residual"] < calibration["prior_residual"]
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_the_extprocs_prompt_token_count_equals_the_engines(vllm_stack, chat):
     from deploy.vllm.launch import DEFAULT_MODEL_DIR

@@ -60,7 +60,7 @@ def test_a_sim_scheduler_round_trips_through_the_reader_into_the_same_queues(tmp
     raw = json.loads(path.read_text())
     assert raw["version"] == STATE_FORMAT_VERSION and list(raw) == [
         "version", "pid", "seq", "published_monotonic_s", "engine", "num_free_blocks", "num_preemptions_total",
-        "running", "waiting", "num_steps_total", "steps", "first_tokens"]
+        "running", "waiting", "num_steps_total", "steps", "first_tokens", "arrivals"]
     state = parse_plugin_state(path.read_text())
     assert state.engine == SMALL  # num_gpu_blocks as is: the sim has no null block
     assert state.num_free_blocks == scheduler.num_free_blocks
@@ -355,6 +355,8 @@ async def test_a_sidecar_calibrates_to_an_engine_it_has_never_seen_and_checks_ev
         calibration, outcomes = after["calibration"], after["outcomes"]
         assert calibration["scale_vs_prior"] < 4.0 and calibration["residual"] < calibration["prior_residual"]
         assert outcomes["e2e"]["count"] == outcomes["ttft"]["count"] == 8 * (n + 1)  # every request checked
+        # every request's delay from Admit to the emulator's scheduler measured (loopback HTTP: well under 1 s)
+        assert after["ingress"]["num_observed"] == 8 * (n + 1) and 0 <= after["ingress"]["delay_s"] < 1.0
         first_wave = [r for r in outcomes["recent"] if r[0].startswith("w0-")]
         last_wave = [r for r in outcomes["recent"] if r[0].startswith("last-")]
 

@@ -117,3 +117,13 @@ def test_recorded_steps_and_first_tokens_reach_the_file_and_the_reader(tmp_path)
     assert [index for index, _ in state.steps] == list(range(39, 71))  # the last STEP_HISTORY (32)
     assert state.steps[-1][1].num_tokens == 79 and state.steps[-1][1].duration_s == 0.005
     assert state.first_tokens == (("cmpl-a-0", 103.0),)
+
+
+def test_recorded_arrivals_reach_the_file_and_the_reader(tmp_path):
+    path = tmp_path / "state.json"
+    publisher = StatePublisher(str(path), 0.0, synchronous=True)
+    for i in range(70):
+        publisher.record_arrival(f"cmpl-{i}-0", 200.0 + i)
+    publisher.maybe_publish(FakeScheduler([], []))
+    state = parse_plugin_state(path.read_text())
+    assert state.arrivals[0] == ("cmpl-6-0", 206.0) and len(state.arrivals) == 64  # the last 64

@@ -1,0 +1,103 @@
+"""The Admit -> engine delay: the estimator, and a sidecar that measures it from the plugin's arrivals."""
+
+import json
+import math
+import time
+
+import grpc
+import pytest
+
+from predictor.api import pb, pb_grpc
+from predictor.ingress import MAX_INGRESS_S, IngressDelayEstimator
+from predictor.server import Sidecar, SidecarConfig
+
+
+def test_the_estimate_is_the_median_of_the_window_once_there_are_enough():
+    estimator = IngressDelayEstimator(window=5, min_samples=3)
+    estimator.observe(0.1, 0.0)
+    estimator.observe(0.9, 0.0)
+    assert estimator.delay_at(0.0) == 0.0  # two samples: not trusted yet
+    estimator.observe(0.2, 0.0)
+    assert estimator.delay_at(0.0) == pytest.approx(0.2)
+    for delay_s in (3.0, 3.0, 3.0, 3.0):  # the window keeps the last five: 0.2 and older roll out
+        estimator.observe(delay_s, 1.0)
+    assert estimator.delay_at(1.0) == pytest.approx(3.0)
+    status = estimator.as_dict(1.0)
+    assert (status["num_samples"], status["num_fresh"], status["num_observed"], status["in_use"]) == (5, 5, 7, True)
+
+
+def test_stale_delays_stop_counting():
+    """An instance the router avoids measures nothing new: its old, high estimate must not keep it avoided."""
+    estimator = IngressDelayEstimator(window=64, min_samples=3, max_age_s=10.0)
+    for i in range(5):
+        estimator.observe(0.8, 100.0 + i)
+    assert estimator.delay_at(105.0) == pytest.approx(0.8)
+    assert estimator.delay_at(112.0) == pytest.approx(0.8)  # samples at 102-104 are still fresh: 3 of them
+    assert estimator.delay_at(113.5) == 0.0 and not estimator.as_dict(113.5)["in_use"]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0, MAX_INGRESS_S + 1, "0.1", None])
+def test_impossible_delays_are_counted_and_ignored(bad):
+    estimator = IngressDelayEstimator(window=4, min_samples=1)
+    estimator.observe(0.05, 0.0)
+    estimator.observe(bad, 0.0)
+    assert estimator.delay_at(0.0) == pytest.approx(0.05)
+    assert (estimator.num_observed, estimator.num_rejected) == (1, 1)
+
+
+def test_a_clock_tick_early_counts_as_zero():
+    estimator = IngressDelayEstimator(window=4, min_samples=1)
+    estimator.observe(-0.002, 0.0)
+    assert estimator.delay_at(0.0) == 0.0 and estimator.num_rejected == 0
+
+
+@pytest.mark.parametrize("window, min_samples, max_age_s", [(0, 1, 1.0), (4, 0, 1.0), (4, 5, 1.0), (4, 2, 0.0)])
+def test_bad_settings_are_refused(window, min_samples, max_age_s):
+    with pytest.raises(ValueError):
+        IngressDelayEstimator(window=window, min_samples=min_samples, max_age_s=max_age_s)
+
+
+def _state(path, now_s, arrivals, seq):
+    path.write_text(json.dumps({
+        "version": 1, "pid": __import__("os").getpid(), "seq": seq, "published_monotonic_s": now_s,
+        "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "block_size": 16, "num_gpu_blocks": 64,
+                   "enable_chunked_prefill": True},
+        "num_free_blocks": 64, "num_preemptions_total": 0, "running": [], "waiting": [], "arrivals": arrivals}))
+
+
+@pytest.mark.parametrize("mode", ["online", "off"])
+async def test_a_sidecar_measures_the_delay_from_admit_to_the_engine_and_adds_it_to_predictions(tmp_path, mode):
+    """Ten admitted requests reach the engine's scheduler 0.3 s after their Admit (the plugin's ``arrivals``):
+    with ``ingress_delay: online`` the sidecar's TTFT and E2E predictions grow by 0.3 s; with ``off`` it still
+    measures the delay (State shows it) and predicts as before."""
+    path = tmp_path / "state.json"
+    _state(path, time.monotonic(), [], 1)
+    sidecar = Sidecar(SidecarConfig(backend="127.0.0.1:1", listen="127.0.0.1:0", state_source="vllm-plugin",
+                                    vllm_state_path=str(path), discover_kv_cache=False, ingress_delay=mode))
+    await sidecar.start()
+    ask = pb.PredictRequest(request_id="p", num_prompt_tokens=10, num_predicted_output_tokens=10)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.port}") as channel:
+            stub = pb_grpc.PredictorStub(channel)
+            before = await stub.Predict(ask, timeout=5)
+            admitted_s = {}
+            for i in range(10):
+                await stub.Admit(pb.AdmitRequest(request_id=f"r{i}/x", num_prompt_tokens=10,
+                                                 num_predicted_output_tokens=10), timeout=5)
+                admitted_s[i] = sidecar.plugin.admits.admitted_at_s(f"r{i}/x")
+            # The engine names them cmpl-<x-request-id>-0-<suffix>; they arrived 0.3 s after their Admit and
+            # finished since (empty queues again; their Release has not come yet, and they are not counted as
+            # still on their way).
+            arrivals = [[f"cmpl-r{i}-0-1a2b3c4d", admitted_s[i] + 0.3] for i in range(10)]
+            _state(path, time.monotonic(), arrivals, 2)
+            after = await stub.Predict(ask, timeout=5)
+            state = json.loads((await stub.State(pb.StateRequest(), timeout=5)).state_json)
+    finally:
+        await sidecar.stop(0)
+    ingress = state["ingress"]
+    assert ingress["num_observed"] == 10 and ingress["delay_s"] == pytest.approx(0.3, abs=1e-6)
+    assert ingress["mode"] == mode and ingress["in_use"]
+    shift = 0.3 if mode == "online" else 0.0
+    assert after.ttft_s - before.ttft_s == pytest.approx(shift, abs=1e-3)
+    assert after.e2e_s - before.e2e_s == pytest.approx(shift, abs=1e-3)
+    assert after.queue_s == pytest.approx(before.queue_s, abs=1e-6)  # the engine's own queue only
