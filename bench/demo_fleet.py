@@ -53,11 +53,11 @@ class EngineSettings:
 
 
 def start_emulators(procs: ProcessGroup, num_instances: int, engine: EngineSettings, seed: int, log_dir: Path,
-                    state_dir: Path | None) -> list[str]:
+                    state_dir: Path | None, env: dict[str, str] | None = None) -> list[str]:
     """Start ``num_instances`` emulators on free ports and wait for ``/health``; returns their ``ip:port``.
 
     With ``state_dir`` each one publishes its engine state to ``state_dir/emulator-<i>.json`` (the vLLM plugin's
-    format), for sidecars in plugin mode.
+    format), for sidecars in plugin mode. ``env`` is added to their environment (the demo's ``OTEL_*`` tracing).
 
     Raises:
         ProcessStartError: an emulator exited or was not healthy within the start timeout.
@@ -75,7 +75,7 @@ def start_emulators(procs: ProcessGroup, num_instances: int, engine: EngineSetti
         ]
         if state_dir is not None:
             cmd += ["--state-path", str(state_dir / f"emulator-{i}.json")]
-        proc = procs.start(cmd, name=f"emulator-{i}", log_path=log_dir / f"emulator-{i}.log")
+        proc = procs.start(cmd, name=f"emulator-{i}", log_path=log_dir / f"emulator-{i}.log", env=env)
         _lower_priority(proc.pid)
         started.append((proc, f"{HOST}:{port}"))
     # Started all at once above, waited for here: their imports overlap.
@@ -100,11 +100,11 @@ def _lower_priority(pid: int) -> None:
 
 
 def start_sidecars(procs: ProcessGroup, instances: Sequence[str], engine: EngineSettings, log_dir: Path,
-                   state_dir: Path | None) -> dict[str, str]:
+                   state_dir: Path | None, env: dict[str, str] | None = None) -> dict[str, str]:
     """Start one predictor sidecar per instance (same engine limits and time scale); returns instance -> sidecar.
 
     With ``state_dir`` the sidecars read the emulators' engine state (``--state-source vllm-plugin``);
-    otherwise they keep a ledger reconciled with ``/metrics``.
+    otherwise they keep a ledger reconciled with ``/metrics``. ``env`` is added to their environment.
 
     Raises:
         ProcessStartError: a sidecar exited or did not listen within the start timeout.
@@ -122,7 +122,7 @@ def start_sidecars(procs: ProcessGroup, instances: Sequence[str], engine: Engine
             cmd += ["--state-source", "vllm-plugin", "--vllm-state-path", str(state_dir / f"emulator-{i}.json")]
         else:
             cmd += ["--state-source", "ledger"]
-        proc = procs.start(cmd, name=f"sidecar-{i}", log_path=log_dir / f"sidecar-{i}.log")
+        proc = procs.start(cmd, name=f"sidecar-{i}", log_path=log_dir / f"sidecar-{i}.log", env=env)
         started.append((proc, instance, f"{HOST}:{port}"))
     for proc, _, address in started:
         proc.wait_tcp(HOST, int(address.rsplit(":", 1)[1]), _START_TIMEOUT_S)
@@ -164,6 +164,19 @@ def wait_grpc_ready(proc: ManagedProcess, address: str, timeout_s: float) -> Non
             time.sleep(_POLL_INTERVAL_S)
 
 
+@dataclass(frozen=True, slots=True)
+class RouterTracing:
+    """How a router tier traces (``bench.demo_tracing`` builds it).
+
+    Attributes:
+        extproc_env: ``OTEL_*`` variables added to each extproc's environment.
+        envoy_args: ``astrolabe envoy`` flags of Envoy's tracer (``--otlp-endpoint`` ...).
+    """
+
+    extproc_env: dict[str, str]
+    envoy_args: tuple[str, ...]
+
+
 @dataclass(slots=True)
 class RouterTier:
     """The running router replicas of one policy.
@@ -193,7 +206,8 @@ class RouterTier:
 
 
 def start_router_tier(procs: ProcessGroup, policy: str, extproc_config: dict, num_routers: int, body_mode: str,
-                      instances: Sequence[str], log_dir: Path) -> RouterTier:
+                      instances: Sequence[str], log_dir: Path, tracing: RouterTracing | None = None,
+                      label: str | None = None) -> RouterTier:
     """Start ``num_routers`` Envoys (and as many extprocs, unless ``policy`` is ``envoy-least-request``).
 
     Args:
@@ -205,24 +219,29 @@ def start_router_tier(procs: ProcessGroup, policy: str, extproc_config: dict, nu
         body_mode: Envoy's ext_proc body mode (``full-duplex`` or ``buffered``).
         instances: the backends' ``ip:port`` (for ``envoy-least-request``).
         log_dir: process logs, configs and decision logs.
+        tracing: the tier's Envoy tracer and extproc ``OTEL_*`` variables; None = untraced.
+        label: names the tier's processes and files (``extproc-<label>-<r>.log``, ``decisions-<label>-<r>.jsonl``);
+            None = ``policy``.
 
     Raises:
         ProcessStartError: a process exited or was not ready within the start timeout.
     """
+    label = label or policy
     tier = RouterTier(base_urls=[])
     if policy != ENVOY_LEAST_REQUEST:
         addresses = []
         for r in range(num_routers):
             address, metrics = f"{HOST}:{free_port(HOST)}", f"{HOST}:{free_port(HOST)}"
-            decision_log = log_dir / f"decisions-{policy}-{r}.jsonl"
+            decision_log = log_dir / f"decisions-{label}-{r}.jsonl"
             decision_log.unlink(missing_ok=True)
             config = {"listen": address, "metrics_listen": metrics, "decision_log_path": str(decision_log),
                       **extproc_config}
-            path = log_dir / f"extproc-{policy}-{r}.yaml"
+            path = log_dir / f"extproc-{label}-{r}.yaml"
             path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
             tier.extprocs.append(procs.start(
                 [sys.executable, "-m", "astrolabe", "extproc", "--config", str(path)],
-                name=f"extproc-{policy}-{r}", log_path=log_dir / f"extproc-{policy}-{r}.log"))
+                name=f"extproc-{label}-{r}", log_path=log_dir / f"extproc-{label}-{r}.log",
+                env=None if tracing is None else tracing.extproc_env))
             addresses.append(address)
             tier.metrics_urls.append(f"http://{metrics}/metrics")
             tier.decision_logs.append(decision_log)
@@ -237,8 +256,8 @@ def start_router_tier(procs: ProcessGroup, policy: str, extproc_config: dict, nu
         listen_port, admin_port = free_port(HOST), free_port(HOST)
         tier.envoys.append(procs.start(
             [sys.executable, "-m", "astrolabe", "envoy", *mode_args, "--listen-port", str(listen_port),
-             "--admin-port", str(admin_port), "--concurrency", "1"],
-            name=f"envoy-{policy}-{r}", log_path=log_dir / f"envoy-{policy}-{r}.log"))
+             "--admin-port", str(admin_port), "--concurrency", "1", *(tracing.envoy_args if tracing else ())],
+            name=f"envoy-{label}-{r}", log_path=log_dir / f"envoy-{label}-{r}.log"))
         tier.base_urls.append(f"http://{HOST}:{listen_port}")
         admin_urls.append(f"http://{HOST}:{admin_port}/ready")
     for proc, url in zip(tier.envoys, admin_urls):

@@ -3,7 +3,9 @@
 It speaks the real protocol (``opentelemetry.proto.collector.trace.v1.TraceService/Export``, the service definition
 shipped in ``opentelemetry-proto``), so the SDK's OTLP exporter and Envoy's OpenTelemetry tracer export to it
 unchanged. Tests read the spans in process (`OtlpReceiver.wait_for`); ``python -m bench.otlp_receiver --listen
-HOST:PORT --output FILE`` runs it as a process that writes one JSON line per span (`ReceivedSpan.as_dict`).
+HOST:PORT --output FILE`` runs it as a process that writes one JSON line per span (`ReceivedSpan.as_dict`;
+`start_process` starts that process for the demo and the benches), and ``python -m bench.otlp_receiver --show
+FILE`` prints one trace of such a file as a tree (`format_trace`), or lists them (``--list``).
 Not a collector for production: no TLS, no retention limit beyond ``max_spans``, no other signals.
 """
 
@@ -14,6 +16,8 @@ import concurrent.futures
 import json
 import logging
 import signal
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +29,8 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
+
+from bench.procs import ProcessGroup, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -185,9 +191,17 @@ class OtlpReceiver:
             return list(self._spans)
 
 
-def format_trace(spans: Sequence[ReceivedSpan]) -> str:
+def format_trace(spans: Sequence[ReceivedSpan], with_attributes: bool = False, width: int = 116) -> str:
     """One trace as an indented tree, a line per span: start offset and duration (ms), service, name, kind;
-    children in start order. Spans whose parent is not among ``spans`` are roots."""
+    children in start order. Spans whose parent is not among ``spans`` are roots.
+
+    Args:
+        spans: the spans of one trace, any order.
+        with_attributes: also a block under each span: its status when not UNSET, its attributes (``key=value``)
+            and each event (``event NAME: key=value``, keys without the event's own name as prefix), wrapped at
+            ``width`` characters.
+        width: line width of the attribute blocks.
+    """
     ids = {s.span_id for s in spans}
     start_ns = min((s.start_time_unix_ns for s in spans), default=0)
     lines: list[str] = []
@@ -198,10 +212,121 @@ def format_trace(spans: Sequence[ReceivedSpan]) -> str:
             lines.append(f"{(span.start_time_unix_ns - start_ns) / 1e6:9.2f} "
                          f"{(span.end_time_unix_ns - span.start_time_unix_ns) / 1e6:9.2f}  {'  ' * depth}"
                          f"{span.service_name}: {span.name} ({span.kind})")
+            if with_attributes:
+                lines.extend(_attribute_lines(span, " " * (22 + 2 * depth), width))
             walk(span.span_id, depth + 1)
 
     walk("", 0)
     return "\n".join(["start ms   dur ms  span", *lines])
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return "[" + ",".join(map(_text, value)) + "]"
+    return str(value)
+
+
+def _attribute_lines(span: ReceivedSpan, indent: str, width: int) -> list[str]:
+    """The ``with_attributes`` block of `format_trace` for one span."""
+    items = [f"status={span.status_code}"] if span.status_code != "UNSET" else []
+    items += [f"{key}={_text(value)}" for key, value in span.attributes.items()]
+    lines = textwrap.wrap(" ".join(items), width, initial_indent=indent, subsequent_indent=indent,
+                          break_on_hyphens=False) if items else []
+    for name, attributes in span.events:
+        text = " ".join(f"{key.removeprefix(name + '.')}={_text(value)}" for key, value in attributes.items())
+        lines += textwrap.wrap(f"event {name}: {text}", width, initial_indent=indent,
+                               subsequent_indent=indent + "      ", break_on_hyphens=False)
+    return lines
+
+
+def read_spans(path: Path) -> list[ReceivedSpan]:
+    """The spans of a file that ``--output`` wrote (one JSON line per span), in file order.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: a line is not a span record (the message names the file and line).
+    """
+    spans = []
+    with path.open(encoding="utf-8") as fp:
+        for number, line in enumerate(fp, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                spans.append(ReceivedSpan(**{**record, "events": tuple((n, a) for n, a in record["events"]),
+                                             "links": tuple((t, s) for t, s in record["links"])}))
+            except (ValueError, TypeError, KeyError) as exc:
+                raise ValueError(f"{path}:{number}: not a span record ({exc})") from None
+    return spans
+
+
+def group_traces(spans: Sequence[ReceivedSpan]) -> dict[str, list[ReceivedSpan]]:
+    """trace id -> its spans, traces in the order their first span arrived."""
+    traces: dict[str, list[ReceivedSpan]] = {}
+    for span in spans:
+        traces.setdefault(span.trace_id, []).append(span)
+    return traces
+
+
+def select_trace(spans: Sequence[ReceivedSpan], trace_id: str | None = None,
+                 request_id: str | None = None) -> list[ReceivedSpan]:
+    """The spans of one trace: the one whose id starts with ``trace_id``, or whose spans carry
+    ``astrolabe.request_id`` = ``request_id`` (the x-request-id the extproc saw), else the trace with the most
+    spans (the first of those to arrive: the fullest picture of a request).
+
+    Raises:
+        LookupError: no trace matches, or ``trace_id`` is the prefix of several.
+    """
+    traces = group_traces(spans)
+    if trace_id is not None:
+        found = [t for t in traces if t.startswith(trace_id.lower())]
+        if len(found) != 1:
+            raise LookupError(f"{len(found)} traces have an id starting with {trace_id!r}")
+        return traces[found[0]]
+    if request_id is not None:
+        found = [t for t, members in traces.items()
+                 if any(s.attributes.get("astrolabe.request_id") == request_id for s in members)]
+        if not found:
+            raise LookupError(f"no trace carries astrolabe.request_id={request_id!r}")
+        return traces[found[0]]
+    if not traces:
+        raise LookupError("no spans")
+    return max(traces.values(), key=len)
+
+
+def format_trace_list(spans: Sequence[ReceivedSpan]) -> str:
+    """One line per trace: id, spans, duration (ms), its first root's service and name, the request id."""
+    lines = [f"{'trace id':<32}  {'spans':>5}  {'dur ms':>9}  root; request id"]
+    for trace_id, members in group_traces(spans).items():
+        ids = {s.span_id for s in members}
+        root = min((s for s in members if s.parent_span_id not in ids), key=lambda s: s.start_time_unix_ns)
+        duration_ms = (max(s.end_time_unix_ns for s in members) - min(s.start_time_unix_ns for s in members)) / 1e6
+        request_id = next((s.attributes["astrolabe.request_id"] for s in members
+                           if "astrolabe.request_id" in s.attributes), "-")
+        lines.append(f"{trace_id:<32}  {len(members):>5}  {duration_ms:>9.2f}  {root.service_name}: {root.name}; "
+                     f"{request_id}")
+    return "\n".join(lines)
+
+
+def start_process(procs: ProcessGroup, output: Path, log_path: Path, timeout_s: float = 60.0) -> str:
+    """Start ``python -m bench.otlp_receiver`` in ``procs`` on a free loopback port, spans appended to ``output``,
+    and wait until it listens.
+
+    Returns:
+        ``host:port`` of the receiver (prefix ``http://`` for ``OTEL_EXPORTER_OTLP_ENDPOINT``).
+
+    Raises:
+        bench.procs.ProcessStartError: it exited or did not listen within ``timeout_s`` seconds.
+    """
+    port = free_port()
+    proc = procs.start([sys.executable, "-m", "bench.otlp_receiver", "--listen", f"127.0.0.1:{port}",
+                        "--output", str(output)], name="otlp-receiver", log_path=log_path)
+    proc.wait_tcp("127.0.0.1", port, timeout_s)
+    return f"127.0.0.1:{port}"
 
 
 def _json_lines_sink(out: IO[str]) -> Callable[[list[ReceivedSpan]], None]:
@@ -216,12 +341,40 @@ def _json_lines_sink(out: IO[str]) -> Callable[[list[ReceivedSpan]], None]:
     return write
 
 
+def _show(args: argparse.Namespace) -> int:
+    try:
+        spans = read_spans(args.show)
+        if args.list:
+            print(format_trace_list(spans))
+        else:
+            print(format_trace(select_trace(spans, args.trace_id, args.request_id),
+                               with_attributes=not args.no_attributes))
+    except (OSError, ValueError, LookupError) as exc:
+        print(f"python -m bench.otlp_receiver: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m bench.otlp_receiver``: receive until SIGTERM/SIGINT, one JSON line per span to ``--output``."""
+    """``python -m bench.otlp_receiver``: receive until SIGTERM/SIGINT, one JSON line per span to ``--output``;
+    or, with ``--show``, print a trace of such a file. Returns 0, or 2 (cannot listen, or nothing to show)."""
     parser = argparse.ArgumentParser(prog="python -m bench.otlp_receiver", description=__doc__.splitlines()[0])
-    parser.add_argument("--listen", default="127.0.0.1:4317", help="host:port (default 127.0.0.1:4317)")
-    parser.add_argument("--output", type=Path, required=True, help="JSON-lines file, one span per line (appended)")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--output", type=Path, help="receive: JSON-lines file, one span per line (appended)")
+    what.add_argument("--show", type=Path, metavar="FILE",
+                      help="print one trace of FILE (written by --output) as a tree with each span's attributes")
+    parser.add_argument("--listen", default="127.0.0.1:4317", help="with --output: host:port (default 127.0.0.1:4317)")
+    pick = parser.add_mutually_exclusive_group()
+    pick.add_argument("--trace-id", help="with --show: the trace whose id starts with this (default: the trace with "
+                                         "the most spans)")
+    pick.add_argument("--request-id", help="with --show: the trace of this x-request-id (its astrolabe.route span's "
+                                           "astrolabe.request_id)")
+    pick.add_argument("--list", action="store_true", help="with --show: list the traces instead (id, spans, "
+                                                          "duration, root, request id)")
+    parser.add_argument("--no-attributes", action="store_true", help="with --show: the tree only")
     args = parser.parse_args(argv)
+    if args.show is not None:
+        return _show(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import aiohttp
 
+from astrolabe.cli import HelpFormatter
+from astrolabe.logs import setup_logging
 from bench.procs import ProcessGroup
 from deploy.vllm.launch import REPO_DIR, SERVED_MODEL_NAME, start_vllm_servers
 from predictor.vllm_plugin.publisher import StatePublisher
@@ -136,16 +138,20 @@ def step_record_cost_us(num_seqs: int, repeats: int = 300) -> float:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="astrolabe bench plugin-overhead", description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2, help="A/B pairs (0 = only the per-publish cost)")
-    parser.add_argument("--num-requests", type=int, default=96)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--output-tokens", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--work-dir", type=Path, default=REPO_DIR / ".cache" / "vllm" / "overhead")
+    parser = argparse.ArgumentParser(prog="astrolabe bench plugin-overhead", description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="throughput A/B pairs on real vLLM (0 = only the per-publish and per-step costs)")
+    parser.add_argument("--num-requests", type=int, default=96, help="requests per throughput run")
+    parser.add_argument("--concurrency", type=int, default=16, help="closed-loop clients of a throughput run")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="random prompt of each request, tokens")
+    parser.add_argument("--output-tokens", type=int, default=64,
+                        help="max_tokens of each request (with ignore_eos), tokens")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the prompts")
+    parser.add_argument("--work-dir", type=Path, default=REPO_DIR / ".cache" / "vllm" / "overhead",
+                        help="the vLLM servers' logs and state files")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging("WARNING")
     shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
     for running, waiting in ((16, 0), (64, 64), (256, 256)):
         print(f"publish cost, {running} running + {waiting} waiting: engine thread "

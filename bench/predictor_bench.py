@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from astrolabe.cli import HelpFormatter
 from predictor.sim.batch_time import LinearBatchTimeModel
 from predictor.sim.engine import Engine
 from predictor.sim.predict import Prediction, predict, predict_by_stepping
@@ -228,13 +229,15 @@ def _cpu_percentile(result: SizeResult, q: float) -> float:
 
 def main(argv: list[str]) -> int:
     """Entry point of `astrolabe bench predictor`; prints the latency table; returns 0."""
-    parser = argparse.ArgumentParser(prog="astrolabe bench predictor", description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="instance sizes")
-    parser.add_argument("--states", type=int, default=8, help="instance states per size")
+    parser = argparse.ArgumentParser(prog="astrolabe bench predictor", description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES),
+                        help="instance sizes, requests waiting + running")
+    parser.add_argument("--states", type=int, default=8, help="instance states built per size")
     parser.add_argument("--predictions", type=int, default=400, help="timed predict calls per size")
     parser.add_argument("--baseline", type=int, default=10, help="timed predict_by_stepping calls per size")
-    parser.add_argument("--model", default="llama-2-7b", help="shipped batch-time model")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="llama-2-7b", help="shipped batch-time model name")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the states and the log-normal lengths")
     parser.add_argument("--lognormal", action="store_true", help="log-normal lengths even if ShareGPT is cached")
     parser.add_argument("--quick", action="store_true", help="few states and calls (a smoke run)")
     args = parser.parse_args(argv)

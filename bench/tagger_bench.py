@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from astrolabe.cli import HelpFormatter
+from astrolabe.logs import setup_logging
 from bench.workloads import REPO_ROOT
 
 logger = logging.getLogger(__name__)
@@ -123,14 +125,19 @@ async def run(args: argparse.Namespace) -> list[LatencyRow]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``astrolabe bench tagger``; prints the table, returns 0."""
-    parser = argparse.ArgumentParser(prog="astrolabe bench tagger", description=__doc__.split("\n")[0])
-    parser.add_argument("--num-requests", type=int, default=200, help="distinct prompts per run")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--transformer", type=Path, default=None, help="trained transformer tagger directory")
-    parser.add_argument("--kinds", nargs="+", choices=("light", "transformer"), default=["light", "transformer"])
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser = argparse.ArgumentParser(prog="astrolabe bench tagger", description=__doc__.split("\n")[0],
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=200, help="distinct held-out prompts per run")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16],
+                        help="concurrent callers, one run per value")
+    parser.add_argument("--transformer", type=Path, default=None,
+                        help="trained transformer tagger directory; default: .cache/tagger/minilm when it exists, "
+                             "else a fresh head on all-MiniLM-L6-v2 (same cost per request)")
+    parser.add_argument("--kinds", nargs="+", choices=("light", "transformer"), default=["light", "transformer"],
+                        help="taggers to time (transformer: when torch is installed)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the transformer tagger")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging("INFO")
     rows = asyncio.run(run(args))
     print(format_rows(rows))
     return 0

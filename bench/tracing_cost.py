@@ -33,6 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
+from astrolabe.cli import HelpFormatter
+from astrolabe.logs import setup_logging
+from bench import otlp_receiver
 from bench.decisions import read_decisions
 from bench.demo_fleet import cpu_seconds, wait_grpc_ready
 from bench.procs import ManagedProcess, ProcessGroup, free_port
@@ -191,11 +194,8 @@ def run(num_requests: int, num_rounds: int, concurrency: int, seed: int, trace_s
     bodies = prompts(num_requests, seed)
     with tempfile.TemporaryDirectory(prefix="astrolabe-tracing-cost-") as folder, ProcessGroup() as procs:
         tmp = Path(folder)
-        receiver_port, spans_file = free_port(), tmp / "spans.jsonl"
-        receiver = procs.start([sys.executable, "-m", "bench.otlp_receiver", "--listen", f"127.0.0.1:{receiver_port}",
-                                "--output", str(spans_file)], name="otlp-receiver", log_path=tmp / "receiver.log")
-        receiver.wait_tcp("127.0.0.1", receiver_port, _START_TIMEOUT_S)
-        endpoint = f"http://127.0.0.1:{receiver_port}"
+        spans_file = tmp / "spans.jsonl"
+        endpoint = "http://" + otlp_receiver.start_process(procs, spans_file, tmp / "receiver.log", _START_TIMEOUT_S)
         fleet, sidecars = _start_fleet(procs, tmp, endpoint if trace_sidecars else None)
         extprocs = {"off": _start_extproc(procs, tmp, "extproc-off", fleet, None),
                     "on": _start_extproc(procs, tmp, "extproc-on", fleet,
@@ -267,7 +267,8 @@ def format_report(off: ModeResult, on: ModeResult, hooks_us: float) -> str:
 
 def main(argv: list[str]) -> int:
     """Entry point of `astrolabe bench tracing`; prints the report; returns 0."""
-    parser = argparse.ArgumentParser(prog="astrolabe bench tracing", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="astrolabe bench tracing", description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--num-requests", type=int, default=200, help="decisions per block (default 200)")
     parser.add_argument("--rounds", type=int, default=5, help="off/on block pairs (default 5)")
     parser.add_argument("--concurrency", type=int, default=1, help="streams in flight at once (default 1)")
@@ -284,7 +285,7 @@ def main(argv: list[str]) -> int:
         args.num_requests, args.rounds = 20, 2
     if args.num_requests < 8 or args.rounds < 1 or args.concurrency < 1 or not 0 <= args.sampler_ratio <= 1:
         parser.error("--num-requests must be >= 8, --rounds and --concurrency >= 1, --sampler-ratio in [0, 1]")
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging("WARNING")
     off, on = run(args.num_requests, args.rounds, args.concurrency, args.seed, not args.untraced_sidecars,
                   args.sampler_ratio, args.control)
     print(f"tracing cost: {args.rounds} rounds x {args.num_requests} decisions per mode, concurrency "

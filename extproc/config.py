@@ -29,6 +29,8 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
     grace_period_s: 10.0            # then streams still being routed get at most this long
     metrics_listen: null            # host:port for Prometheus /metrics (null = off)
     decision_log_path: null         # JSON lines, one record per routing decision (null = off)
+    log_level: INFO                 # DEBUG | INFO | WARNING | ERROR | CRITICAL (the --log-level flag wins)
+    log_format: text                # text | json: one JSON object per line (the --log-format flag wins)
     tokenizers: {}                  # served model -> tokenizer.json or model dir (prompt tokens as the engine
                                     # counts them; other models: the shipped WordPiece, extproc/prompt_tokens.py)
     reload_interval_s: 1.0          # how often the file is checked for changes (endpoints reload live)
@@ -58,9 +60,9 @@ root key and ``ASTROLABE_EXTPROC_<SECTION>__<KEY>`` one key of a section (``heal
 ``true``, ``null``; empty = null); text that YAML reads as a list or mapping, or cannot parse, stays a string
 (so ``[::]:9002`` works). ``endpoints``, ``policy_params`` and whole sections take YAML or JSON text, e.g.
 ``ASTROLABE_EXTPROC_ENDPOINTS='[{address: 10.0.0.5:8000}]'``. Precedence, lowest first: defaults, the file, the
-environment (a whole section before its ``__`` keys), then the CLI flags ``--listen`` and ``--policy`` (applied
-by the caller, with ``replace_config``). An override naming an unknown key is an error that names the variable,
-as is any error in a value it set. The standard ``OTEL_*`` variables are read later, by ``astrolabe.tracing``,
+environment (a whole section before its ``__`` keys), then the CLI flags ``--listen``, ``--policy``,
+``--log-level`` and ``--log-format`` (applied by the caller, with ``replace_config``). An override naming an
+unknown key is an error that names the variable, as is any error in a value it set. The standard ``OTEL_*`` variables are read later, by ``astrolabe.tracing``,
 and win over the ``tracing`` section key by key (its module docstring).
 
 All errors raise ``ConfigError`` whose message starts with the dotted path of the offending key (``<root>`` for
@@ -83,6 +85,7 @@ from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, GetPyda
 from pydantic.dataclasses import dataclass
 from pydantic_core import core_schema
 
+from astrolabe.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
 from astrolabe.tracing import PROTOCOLS, TracingConfig, TracingConfigError, normalize_endpoint
 from extproc.lengths import SOURCES, OutputLengthConfig
 from extproc.policies.registry import POLICY_NAMES, build_policy
@@ -104,6 +107,9 @@ ENV_NESTED_DELIMITER = "__"
 
 ROOT = "<root>"
 """How error messages name the top level of the file."""
+
+LIVE_KEYS = ("endpoints",)
+"""Root keys a reload applies while the extproc runs; a change to any other key needs a restart."""
 
 
 class ConfigError(ValueError):
@@ -178,6 +184,11 @@ def _url_path(value: str) -> str:
     if not value.startswith("/"):
         raise ValueError("must start with '/'")
     return value
+
+
+def _log_level(value: object) -> object:
+    """A level name in any case, upper-cased; anything else unchanged (the Literal's error names it as given)."""
+    return value.upper() if isinstance(value, str) and value.upper() in LOG_LEVELS else value
 
 
 def _none_as(empty: Callable[[], object]) -> Callable[[object], object]:
@@ -393,6 +404,12 @@ class ExtprocConfig:
         description="OpenTelemetry traces; off unless an endpoint is set here or by OTEL_* variables.")
     decision_log_path: _NonEmptyStr | None = Field(
         None, description="File that receives JSON lines, one record per routing decision; null = off.")
+    log_level: Annotated[Literal[LOG_LEVELS], BeforeValidator(_log_level)] = Field(  # type: ignore[valid-type]
+        DEFAULT_LOG_LEVEL, description="Least severe level logged (any case); the --log-level flag wins.")
+    log_format: Literal[LOG_FORMATS] = Field(  # type: ignore[valid-type]
+        DEFAULT_LOG_FORMAT,
+        description="text, or json: one JSON object per line (time, level, logger, message, request_id and "
+                    "trace_id while handling a request); the --log-format flag wins.")
     tokenizers: Annotated[dict[_NonEmptyStr, _NonEmptyStr],
                           BeforeValidator(_none_as(dict), json_schema_input_type=dict[str, str] | None)] = \
         Field(default_factory=dict,
@@ -571,6 +588,25 @@ def replace_config(config: ExtprocConfig, **changes: Any) -> ExtprocConfig:
         except ValueError as exc:
             raise ConfigError(f"{_policy_error_key(exc)}: {exc}") from None
     return new
+
+
+def changed_keys(old: ExtprocConfig, new: ExtprocConfig) -> list[str]:
+    """The keys whose values differ, dotted, in field order: one per changed key of a section or a mapping
+    (``predictor_client.predict_timeout_s``, ``policy_params.k``), ``endpoints`` and other keys whole."""
+    keys = []
+    for field in dataclasses.fields(ExtprocConfig):
+        before, after = getattr(old, field.name), getattr(new, field.name)
+        if before == after:
+            continue
+        if dataclasses.is_dataclass(before) and type(before) is type(after):
+            keys += [f"{field.name}.{f.name}" for f in dataclasses.fields(before)
+                     if getattr(before, f.name) != getattr(after, f.name)]
+        elif isinstance(before, Mapping) and isinstance(after, Mapping):
+            keys += [f"{field.name}.{key}" for key in sorted({*before, *after}, key=str)
+                     if before.get(key) != after.get(key)]
+        else:
+            keys.append(field.name)
+    return keys
 
 
 def _env_value(name: str, path: tuple[str, ...], text: str, structured: bool) -> object:

@@ -32,6 +32,7 @@ class Decision:
             otherwise.
         fallback_reason: why the least-requests fallback decided (``extproc.router.FALLBACK_REASONS``); "" when
             the basis is not ``fallback``.
+        decided_at_s: when the decision was made, on the router's monotonic clock, seconds (0: not recorded).
     """
 
     destination: str
@@ -46,3 +47,4 @@ class Decision:
     routing_s: float = 0.0
     stage_s: tuple[tuple[str, float], ...] = ()
     fallback_reason: str = ""
+    decided_at_s: float = 0.0

@@ -4,9 +4,13 @@ Record (keys always present; times in seconds)::
 
     {"time_unix_s": 1764581400.123,      # wall clock when the decision was made (to join with other logs)
      "request_id": "abc",                # the client's x-request-id (or the generated one)
+     "trace_id": "0af7651916cd43dd8448eb211c80319c",  # the request's trace (null: tracing off)
+     "span_id": "b7ad6b7169203331",      # its astrolabe.route span (null: tracing off)
+     "model": "llama-2-7b", "max_tokens": 256,  # from the body (null when absent; the model cut to 256 chars)
      "admit_id": "abc/9f3c2a1b7e4d",     # the id the chosen sidecar knows it by ("" when not predicted)
      "policy": "astrolabe",              # the policy that decided ("least-requests" on a fallback)
      "basis": "prediction",              # prediction | partial | fallback | policy (extproc.router)
+     "fallback_reason": "",              # why least-requests decided (extproc.router.FALLBACK_REASONS), else ""
      "destination": "10.0.0.5:8000",
      "routing_s": 0.0021,                # from the request's headers to the decision
      "stage_s": {"tokens": 0.0002, "length": 0.0003, "predict": 0.0012},  # predicted decisions only
@@ -16,10 +20,14 @@ Record (keys always present; times in seconds)::
                     {"endpoint": "10.0.0.6:8000", "ttft_s": null, "e2e_s": null, "state_age_s": null,
                      "queue_s": null}]}
 
-Candidates are in probe order (a second round's after the first's). A candidate with nulls did not answer (no sidecar, failed, late, backing off or stale). Lines are buffered and
-flushed when a record finds the last flush older than ``flush_interval_s``, by the server's ``flush`` timer
-(every second, so records reach the file when traffic stops) and on ``close``; a write error is logged once and the log turns
-itself off (routing never fails because of it). Records are written on the event loop: ~10 us each.
+Candidates are in probe order (a second round's after the first's). A candidate with nulls did not answer (no
+sidecar, failed, late, backing off or stale). A record holds the decision attributes of the request's span
+(``extproc.spans``), so either explains a decision; its trace and span ids are those of the span current when the
+router writes it (the stream routes with the request span current), else the trace bound to the request's log
+lines (``astrolabe.logs``). Lines are buffered and flushed when a record finds the last flush older than
+``flush_interval_s``, by the server's ``flush`` timer (every second, so records reach the file when traffic
+stops) and on ``close``; a write error is logged once and the log turns itself off (routing never fails because
+of it). Records are written on the event loop: ~10 us each.
 """
 
 from __future__ import annotations
@@ -29,6 +37,9 @@ import logging
 import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
+
+from astrolabe.logs import current_trace
+from extproc.spans import clip_text
 
 if TYPE_CHECKING:
     from extproc.decision import Decision
@@ -63,9 +74,13 @@ class DecisionLog:
         if self._file is None:
             return
         admit_id = decision.request_id if decision.request_id != request.request_id else ""
+        trace_id, span_id = current_trace()
         record = {
-            "time_unix_s": round(time.time(), 6), "request_id": request.request_id, "admit_id": admit_id,
-            "policy": decision.policy, "basis": decision.basis, "destination": decision.destination,
+            "time_unix_s": round(time.time(), 6), "request_id": request.request_id, "trace_id": trace_id,
+            "span_id": span_id, "model": None if request.model is None else clip_text(request.model),
+            "max_tokens": request.max_tokens, "admit_id": admit_id,
+            "policy": decision.policy, "basis": decision.basis, "fallback_reason": decision.fallback_reason,
+            "destination": decision.destination,
             "routing_s": round(decision.routing_s, 6),
             "stage_s": {name: round(value, 6) for name, value in decision.stage_s},
             "num_prompt_tokens": decision.num_prompt_tokens,

@@ -84,6 +84,17 @@ def streamed_body(body: bytes, *, end_of_stream: bool) -> Iterator[pb.Processing
         )
 
 
+def streamed_response_body_echo(body: pb.HttpBody) -> pb.ProcessingResponse:
+    """FULL_DUPLEX_STREAMED answer to a response-body chunk that sends it on unchanged (with its end of stream).
+
+    In that mode Envoy forwards to the client only the body the processor streams back, so acknowledging a chunk
+    without it loses the response (Envoy answers 503, or 200 with an empty body; seen with Envoy 1.40).
+    """
+    chunk = pb.StreamedBodyResponse(body=body.body, end_of_stream=body.end_of_stream)
+    return pb.ProcessingResponse(
+        response_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=chunk))))
+
+
 def trailers_continue() -> pb.ProcessingResponse:
     """Request-trailers answer that changes nothing."""
     return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())

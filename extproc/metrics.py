@@ -1,16 +1,28 @@
 """Prometheus metrics of the extproc (served on ``metrics_port`` when set).
 
-- ``astrolabe_extproc_requests_total{outcome}``: streams by outcome (``routed`` or an error code).
+- ``astrolabe_extproc_requests_total{policy, outcome}``: streams by the configured policy and outcome (``routed``,
+  ``fallback`` or an error code).
+- ``astrolabe_extproc_fallbacks_total{reason}``: decisions the least-requests fallback made, by reason
+  (``extproc.router.FALLBACK_REASONS``).
 - ``astrolabe_extproc_predictions_total{outcome}``: predictor calls per outcome (``ok`` or ``failed``, which
   includes deadlines missed and sidecars skipped while backing off).
 - ``astrolabe_extproc_decisions_total{basis}``: routing decisions by what decided them: ``prediction`` (every
   probed sidecar answered), ``partial``, ``fallback`` (no prediction: least-requests) or ``policy`` (a policy
   that does not predict).
 - ``astrolabe_extproc_routing_seconds``: time from the last needed message to the routing decision.
+- ``astrolabe_extproc_length_estimate_seconds``: time of the output-length estimate of a predicted decision.
+- ``astrolabe_extproc_predict_seconds{predictor}``: Predict round trips per sidecar (answered or not, up to the
+  deadline).
+- ``astrolabe_extproc_prediction_ratio{endpoint, metric}``: predicted / observed E2E (``metric="e2e"``) of every
+  completed request the chosen endpoint's prediction decided, observed from the decision to the end of the
+  ext_proc stream (the response's last byte through Envoy); 1 = exact, < 1 = predicted too short. TTFT is
+  checked by the sidecars (``astrolabe_predictor_prediction_ratio``), which see the engine's first token.
 - ``astrolabe_extproc_predictor_calls_total{predictor, outcome}``: Predict calls per sidecar by outcome
   (``extproc.predictor_client.OUTCOMES``: ok, late, down, invalid, skipped_backoff, stale_state), read from the
   client at scrape time; ``astrolabe_extproc_predictor_late_excused_total``: late calls blamed on this
-  replica's own event-loop lag. Label values are configured sidecar addresses (bounded), never request data.
+  replica's own event-loop lag.
+- Label values come only from configuration (policy, endpoint and sidecar addresses) and fixed sets (outcomes,
+  error codes, reasons, metrics), never from request fields (model, headers): a client cannot grow the series.
 - ``astrolabe_extproc_in_flight_requests{endpoint}``: this replica's in-flight count per endpoint (read live
   from the pool at scrape time).
 - ``astrolabe_extproc_endpoint_healthy{endpoint}``: 1 if the endpoint passes health checks.
@@ -23,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from extproc.pool import EndpointPool
+from predictor.outcomes import RATIO_BUCKETS
 
 
 class _PoolCollector(Collector):
@@ -67,8 +80,10 @@ class ExtprocMetrics:
 
     def __init__(self, pool: EndpointPool) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("astrolabe_extproc_requests", "ext_proc streams by outcome",
-                                ["outcome"], registry=self.registry)
+        self._requests = Counter("astrolabe_extproc_requests", "ext_proc streams by policy and outcome",
+                                 ["policy", "outcome"], registry=self.registry)
+        self.fallbacks = Counter("astrolabe_extproc_fallbacks", "Decisions the least-requests fallback made, by "
+                                 "reason", ["reason"], registry=self.registry)
         self.predictions = Counter("astrolabe_extproc_predictions", "Predictor calls by outcome",
                                    ["outcome"], registry=self.registry)
         self.decisions = Counter("astrolabe_extproc_decisions", "Routing decisions by basis",
@@ -77,7 +92,21 @@ class ExtprocMetrics:
             "astrolabe_extproc_routing_seconds", "Time to choose an endpoint, seconds",
             buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
             registry=self.registry)
+        self.length_estimate_seconds = Histogram(
+            "astrolabe_extproc_length_estimate_seconds", "Output-length estimate of a predicted decision, seconds",
+            buckets=(0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05), registry=self.registry)
+        self.predict_seconds = Histogram(
+            "astrolabe_extproc_predict_seconds", "Predict round trip per sidecar, seconds", ["predictor"],
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5), registry=self.registry)
+        self.prediction_ratio = Histogram(
+            "astrolabe_extproc_prediction_ratio", "Predicted / observed latency of completed requests",
+            ["endpoint", "metric"], buckets=RATIO_BUCKETS, registry=self.registry)
         self.registry.register(_PoolCollector(pool))
+
+    def count_request(self, policy: str, outcome: str) -> None:
+        """Count one ext_proc stream of the configured ``policy`` (its ``TYPE``) with ``outcome`` (``routed``,
+        ``fallback`` or an ``ErrorCode`` value)."""
+        self._requests.labels(policy, outcome).inc()
 
     def watch_predictors(self, predictors) -> None:
         """Export ``predictors``' per-sidecar outcome counts (an ``extproc.predictor_client.PredictorClient``)."""

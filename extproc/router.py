@@ -136,8 +136,11 @@ class Router:
         self.pool.acquire(decision.destination)
         self.pool.record_dispatch(decision.destination, end_s)
         self.metrics.routing_seconds.observe(end_s - start_s)
-        self.metrics.requests.labels("routed" if decision.policy == self.policy.TYPE else "fallback").inc()
+        decision = replace(decision, decided_at_s=end_s)
+        self.metrics.count_request(self.policy.TYPE, "routed" if decision.policy == self.policy.TYPE else "fallback")
         self.metrics.decisions.labels(decision.basis).inc()
+        if decision.fallback_reason:
+            self.metrics.fallbacks.labels(decision.fallback_reason).inc()
         if self.decision_log is not None:
             self.decision_log.write(request, decision)
         logger.debug("request %s -> %s (%s, %s)", request.request_id, decision.destination, decision.policy,
@@ -152,13 +155,21 @@ class Router:
         t1_s = self._clock()
         num_output_tokens, length_source = await self._estimate_length(request)
         t2_s = self._clock()
+        self.metrics.length_estimate_seconds.observe(t2_s - t1_s)
         metric = getattr(getattr(self.policy, "params", None), "metric", "e2e")
+
+        async def timed_predict(predictor: str):
+            start_s = self._clock()
+            try:
+                return await self.predictors.predict(predictor, ledger_id, num_prompt_tokens, num_output_tokens,
+                                                     metric, max_tokens=request.max_tokens,
+                                                     length_source=length_source)
+            finally:
+                self.metrics.predict_seconds.labels(predictor).observe(self._clock() - start_s)
 
         async def ask(views_: Sequence[EndpointView]) -> list[EndpointView]:
             predictions_ = await asyncio.gather(*(
-                self.predictors.predict(v.predictor, ledger_id, num_prompt_tokens, num_output_tokens, metric,
-                                        max_tokens=request.max_tokens, length_source=length_source)
-                if v.predictor else _none() for v in views_))
+                timed_predict(v.predictor) if v.predictor else _none() for v in views_))
             return [replace(v, prediction=p) for v, p in zip(views_, predictions_)]
 
         scored = await ask(candidates)
@@ -200,8 +211,16 @@ class Router:
         return num_output_tokens, length_source
 
     def release(self, decision: Decision) -> None:
-        """The request routed by ``decision`` has ended (its ext_proc stream closed)."""
+        """The request routed by ``decision`` has ended (its ext_proc stream closed): its in-flight count drops,
+        its sidecar is told, and the prediction that decided it (the chosen endpoint's, if it answered) is
+        compared with the E2E observed since the decision (``astrolabe_extproc_prediction_ratio``)."""
         self.pool.release(decision.destination)
+        predicted = next((p for address, p in decision.candidates if address == decision.destination), None)
+        if predicted is not None and decision.decided_at_s and predicted.e2e_s > 0:
+            observed_s = self._clock() - decision.decided_at_s
+            if observed_s > 0:
+                ratio = predicted.e2e_s / observed_s
+                self.metrics.prediction_ratio.labels(decision.destination, "e2e").observe(ratio)
         if decision.predictor and self.predictors is not None:
             self.predictors.release(decision.predictor, decision.request_id)
 

@@ -11,6 +11,10 @@ already sent, since every response phase is skipped).
 
 Tracing (``tracing:`` in the config and the ``OTEL_*`` variables, ``astrolabe.tracing``): set up in ``main``
 before the server starts, shut down (queued spans exported, for at most 2 s) after it stopped.
+
+Logs (``astrolabe.logs``): ``main`` sets them up from the flags first (so that config errors are logged as
+asked), then from ``log_level`` / ``log_format`` (the flags win); every line logged while a stream handles a
+request carries its request id and, with tracing on, its trace id (``extproc.stream``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import dataclasses
 import hashlib
 import logging
 import random
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -30,10 +36,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from astrolabe.envoy import DEFAULT_BUFFER_LIMIT_BYTES as ENVOY_BUFFER_LIMIT_BYTES
+from astrolabe.cli import HelpFormatter
 from astrolabe.lifecycle import settle_heap, wait_for_termination
+from astrolabe.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, add_arguments as add_log_arguments, setup_logging
 from astrolabe.tracing import Tracing, TracingConfigError, setup_tracing
 from extproc import wire
-from extproc.config import ConfigError, ExtprocConfig, load_config, replace_config
+from extproc.config import LIVE_KEYS, ConfigError, ExtprocConfig, changed_keys, load_config, replace_config
 from extproc.endpoint_metrics import MetricsScraper
 from extproc.decision_log import DecisionLog
 from extproc.lengths import OutputLengthEstimator
@@ -114,16 +122,26 @@ async def _next(messages):
 
 
 class ConfigWatcher:
-    """Reloads the config file when its content changes; applies the endpoint list live.
+    """Reloads the config file when its content changes; applies the endpoint list live (`LIVE_KEYS`).
 
-    A change to any other key is logged as needing a restart; an invalid file is logged and ignored (the
-    previous pool keeps serving).
+    Each reload logs the keys that changed against the running configuration, and which of them need a restart
+    (WARNING when any does: they are not applied, and stay listed at each later reload until the restart); an
+    invalid file is logged and ignored (the previous pool keeps serving).
+
+    Args:
+        path: the config file.
+        config: the running configuration.
+        pool: where a new endpoint list goes.
+        overrides: the command line's values (``replace_config`` keys), applied to each reloaded file too, so
+            that a flag is not reported as a change of its key.
     """
 
-    def __init__(self, path: Path, config: ExtprocConfig, pool: EndpointPool) -> None:
+    def __init__(self, path: Path, config: ExtprocConfig, pool: EndpointPool,
+                 overrides: Mapping[str, Any] | None = None) -> None:
         self._path = path
         self._config = config
         self._pool = pool
+        self._overrides = dict(overrides or {})
         self._digest = _digest(path)
 
     def poll(self) -> bool:
@@ -134,14 +152,26 @@ class ConfigWatcher:
         self._digest = digest
         try:
             new = load_config(self._path)
+            if self._overrides:
+                new = replace_config(new, **self._overrides)
         except ConfigError as exc:
             logger.error("config reload rejected, keeping the previous endpoints: %s", exc)
             return False
-        if dataclasses.replace(new, endpoints=self._config.endpoints) != self._config:
-            logger.warning("config reload: only 'endpoints' apply live; restart for the other changes")
+        changed = changed_keys(self._config, new)
+        restart = [key for key in changed if key.split(".")[0] not in LIVE_KEYS]
+        if restart:
+            logger.warning("config reloaded: changed %s; need a restart (not applied): %s", ", ".join(changed),
+                           ", ".join(restart))
+        elif changed:
+            logger.info("config reloaded: changed %s (applied live)", ", ".join(changed))
+        else:
+            logger.info("config reloaded: no key changed")
+        if new.endpoints != self._config.endpoints:
+            logger.info("endpoints now %d: added %s; removed %s", len(new.endpoints),
+                        _addresses(new.endpoints, self._config.endpoints) or "none",
+                        _addresses(self._config.endpoints, new.endpoints) or "none")
         self._pool.replace(new.endpoints)
-        self._config = new
-        logger.info("config reloaded: %d endpoints", len(new.endpoints))
+        self._config = dataclasses.replace(self._config, endpoints=new.endpoints)
         return True
 
     async def run(self) -> None:
@@ -164,6 +194,11 @@ def _load_tagger(config: ExtprocConfig):
     return load_service(config.output_length.tagger_path)
 
 
+def _addresses(endpoints, others) -> str:
+    """The endpoints of ``endpoints`` not in ``others`` (a changed model list or sidecar counts), comma-separated."""
+    return ", ".join(e.address for e in endpoints if e not in others)
+
+
 def _digest(path: Path) -> bytes | None:
     try:
         return hashlib.sha256(path.read_bytes()).digest()
@@ -178,9 +213,11 @@ class ExtprocServer:
         config: validated configuration.
         config_path: file to watch for endpoint changes, or None.
         tracing: the process's tracing (``setup_tracing``); None = off. The caller shuts it down.
+        overrides: the command line's values, applied to each reloaded file too (`ConfigWatcher`).
     """
 
-    def __init__(self, config: ExtprocConfig, config_path: Path | None = None, tracing: Tracing | None = None) -> None:
+    def __init__(self, config: ExtprocConfig, config_path: Path | None = None, tracing: Tracing | None = None,
+                 overrides: Mapping[str, Any] | None = None) -> None:
         self.config = config
         self.tracing = tracing or Tracing.off()
         tracer = self.tracing.tracer(TRACER_NAME) if self.tracing.enabled else None
@@ -217,7 +254,7 @@ class ExtprocServer:
         self._metrics_server = None
         self.health = health.aio.HealthServicer()
         self._checker = HealthChecker(self.pool, config.health_check) if config.health_check.enabled else None
-        self._watcher = ConfigWatcher(config_path, config, self.pool) if config_path else None
+        self._watcher = ConfigWatcher(config_path, config, self.pool, overrides) if config_path else None
         self._tasks: list[asyncio.Task] = []
         # Above Envoy's buffered-mode limit too, so that an oversized body gets our 413, not a gRPC error (503).
         max_message_bytes = max(config.max_body_bytes, ENVOY_BUFFER_LIMIT_BYTES) + _GRPC_MESSAGE_OVERHEAD_BYTES
@@ -306,9 +343,10 @@ async def _flush_every(log: DecisionLog, interval_s: float) -> None:
         log.flush()
 
 
-async def serve(config: ExtprocConfig, config_path: Path | None, tracing: Tracing | None = None) -> None:
-    """Runs until SIGTERM or SIGINT, then shuts down gracefully (``tracing``: as `ExtprocServer`)."""
-    server = ExtprocServer(config, config_path, tracing)
+async def serve(config: ExtprocConfig, config_path: Path | None, tracing: Tracing | None = None,
+                overrides: Mapping[str, Any] | None = None) -> None:
+    """Runs until SIGTERM or SIGINT, then shuts down gracefully (``tracing``, ``overrides``: as `ExtprocServer`)."""
+    server = ExtprocServer(config, config_path, tracing, overrides)
     await server.start()
     await wait_for_termination()
     logger.info("shutdown requested: draining for at most %.1f s", config.grace_period_s)
@@ -316,27 +354,35 @@ async def serve(config: ExtprocConfig, config_path: Path | None, tracing: Tracin
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="astrolabe extproc", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, type=Path, help="YAML config (see extproc/config.py)")
-    parser.add_argument("--listen", help="override 'listen' (host:port)")
-    parser.add_argument("--policy", help="override 'policy'")
-    parser.add_argument("--log-level", default="INFO")
+    """Entry point of ``astrolabe extproc``; returns the exit status (2 for an invalid configuration)."""
+    parser = argparse.ArgumentParser(prog="astrolabe extproc", description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--config", required=True, type=Path,
+                        help="YAML config (README 'Configuration reference', extproc/config.py); the "
+                             "ASTROLABE_EXTPROC_* variables override its keys")
+    parser.add_argument("--listen", help="host:port of the gRPC service; default: the config's 'listen'")
+    parser.add_argument("--policy", help="routing policy name; default: the config's 'policy'")
+    add_log_arguments(parser, None, None, unset="the config's {key} ({default})")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level or DEFAULT_LOG_LEVEL, args.log_format or DEFAULT_LOG_FORMAT)
+    overrides = {key: value for key, value in (("listen", args.listen), ("policy", args.policy),
+                                               ("log_level", args.log_level), ("log_format", args.log_format))
+                 if value}
     try:
         config = load_config(args.config)
-        if args.listen or args.policy:
-            config = replace_config(config, listen=args.listen or config.listen, policy=args.policy or config.policy)
+        if overrides:
+            config = replace_config(config, **overrides)
     except (ConfigError, ValueError) as exc:
         logger.error("invalid configuration: %s", exc)
         return 2
+    setup_logging(config.log_level, config.log_format)
     try:
         tracing = setup_tracing(SERVICE_NAME, config.tracing)
     except TracingConfigError as exc:
         logger.error("invalid tracing configuration: %s", exc)
         return 2
     try:
-        asyncio.run(serve(config, args.config, tracing))
+        asyncio.run(serve(config, args.config, tracing, overrides))
     except TaggerLoadError as exc:
         logger.error("invalid configuration: output_length.tagger_path: %s", exc)
         return 2

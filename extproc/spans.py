@@ -29,6 +29,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
+from astrolabe.logs import trace_id_hex
 from astrolabe.tracing import (ADMIT_ID, NUM_PREDICTED_OUTPUT_TOKENS, NUM_PROMPT_TOKENS, SERVER_ADDRESS, SERVER_PORT,
                                context_from, inject_headers)
 from extproc.decision import Decision
@@ -71,7 +72,8 @@ LENGTH_SOURCE_LABELS = {LENGTH_SOURCE_TAGGER: "tagger", LENGTH_SOURCE_FIXED: "fi
 """``predictor.residual_rules.LENGTH_SOURCE_*`` -> the value of ``astrolabe.length_source`` (else ``unspecified``)."""
 
 
-def _clip(text: str) -> str:
+def clip_text(text: str) -> str:
+    """``text`` cut to `MAX_REQUEST_TEXT_CHARS` (with a trailing "..."), for a value taken from the request."""
     return text if len(text) <= MAX_REQUEST_TEXT_CHARS else text[:MAX_REQUEST_TEXT_CHARS - 3] + "..."
 
 
@@ -116,10 +118,15 @@ class RequestSpan:
             if header_context.trace_id != trace.get_current_span(from_metadata).get_span_context().trace_id:
                 links = (Link(header_context),)
         parent = from_metadata or from_headers or Context()  # an empty context: a new root, never an ambient one
-        attributes = {REQUEST_ID: _clip(request_id), "http.request.method": _clip(headers.get(":method", "")),
-                      "url.path": _clip(headers.get(":path", "").split("?", 1)[0])}
+        attributes = {REQUEST_ID: clip_text(request_id), "http.request.method": clip_text(headers.get(":method", "")),
+                      "url.path": clip_text(headers.get(":path", "").split("?", 1)[0])}
         self._span = self._tracer.start_span(SPAN_NAME, context=parent, kind=SpanKind.SERVER, links=links,
                                              attributes=attributes)
+
+    @property
+    def trace_id(self) -> str | None:
+        """The span's trace id, 32 hex digits, for log lines; None before `start` or with tracing off."""
+        return None if self._span is None else trace_id_hex(self._span.get_span_context())
 
     @contextlib.contextmanager
     def activated(self) -> Iterator[None]:
@@ -139,7 +146,7 @@ class RequestSpan:
         if operation is not None:
             span.set_attribute(GEN_AI_OPERATION_NAME, operation)
         if request.model is not None:
-            span.set_attribute(GEN_AI_REQUEST_MODEL, _clip(request.model))
+            span.set_attribute(GEN_AI_REQUEST_MODEL, clip_text(request.model))
         if request.max_tokens is not None:
             span.set_attribute(GEN_AI_REQUEST_MAX_TOKENS, request.max_tokens)
 

@@ -15,6 +15,9 @@ Errors become an ``immediate_response`` (OpenAI-style JSON) at the moment they a
 Tracing (``extproc.spans``): the request's span starts with the headers, routes as the current span, records the
 parsed request and the decision (or the error) and ends there; the answer that routes also sets the upstream
 request's ``traceparent`` / ``tracestate`` to that span, so the backend's trace continues it.
+
+Logs: the headers bind the request id and the span's trace id to the stream's task (``astrolabe.logs``), so every
+line logged from then on while the stream handles the request (routing, Predict calls, errors) carries them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import uuid
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from astrolabe.logs import bind_request
 from extproc import messages, wire
 from extproc.errors import ErrorCode, RoutingError
 from extproc.request import RoutingRequest, parse_body
@@ -63,6 +67,7 @@ class StreamHandler:
         self._max_body_bytes = max_body_bytes
         self._phase = Phase.HEADERS
         self._body_mode = _BodyMode.BUFFERED
+        self._response_body_mode = _BodyMode.NONE
         self._body = bytearray()
         self._method = ""
         self._path = ""
@@ -100,13 +105,14 @@ class StreamHandler:
     def _reject(self, error: RoutingError) -> list[pb.ProcessingResponse]:
         logger.debug("request %s rejected: %s %s", self._request_id, error.http_status, error.message)
         self._phase = Phase.REJECTED
-        self._router.metrics.requests.labels(error.code.value).inc()
+        self._router.metrics.count_request(self._router.policy.TYPE, error.code.value)
         self._span.rejected(error)
         return [messages.immediate_error(error)]
 
     async def _dispatch(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if message.HasField("protocol_config"):
             self._body_mode = message.protocol_config.request_body_mode
+            self._response_body_mode = message.protocol_config.response_body_mode
         kind = message.WhichOneof("request")
         if self._phase is Phase.REJECTED:
             return []
@@ -116,7 +122,11 @@ class StreamHandler:
             return await self._on_body(message.request_body)
         if kind == "request_trailers":
             return await self._on_trailers()
-        # Response phases are skipped in our Envoy configs; answer unchanged if a config sends them anyway.
+        # Our Envoy configs skip the response phases; gateways that send them (Istio's InferencePool support asks
+        # for response bodies in FULL_DUPLEX_STREAMED mode) get them back unchanged.
+        if kind == "response_body" and self._response_body_mode == _BodyMode.FULL_DUPLEX_STREAMED:
+            # In this mode Envoy forwards only what the processor sends back: an empty answer would drop the body.
+            return [messages.streamed_response_body_echo(message.response_body)]
         return [_acknowledge(kind)]
 
     async def _on_headers(self, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
@@ -126,6 +136,7 @@ class StreamHandler:
         self._path = values.get(":path", "")
         self._request_id = values.get(wire.REQUEST_ID_HEADER) or uuid.uuid4().hex
         self._span.start(values, self._request_id)
+        bind_request(self._request_id, self._span.trace_id)
         if headers.end_of_stream or self._body_mode not in (_BodyMode.BUFFERED, _BodyMode.FULL_DUPLEX_STREAMED):
             decision = await self._route(RoutingRequest(self._request_id, self._method, self._path))
             return [messages.headers_route(decision.destination, self._span.upstream_headers())]

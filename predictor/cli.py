@@ -21,7 +21,17 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from astrolabe.cli import HelpFormatter
+from astrolabe.logs import add_arguments as add_log_arguments, setup_logging
+
 logger = logging.getLogger(__name__)
+
+COMMANDS: dict[str, str] = {
+    "serve": "run the predictor sidecar beside one backend",
+    "fit": "fit the batch-time model on a profile CSV; print held-out MAPE",
+    "profile": "measure a live vLLM backend's iteration times; write a CSV (and fit it)",
+}
+"""Subcommand -> one-line help (also listed by ``astrolabe --help``)."""
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
@@ -56,7 +66,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from predictor.profile import BackendProfiler, fit_nonnegative, parse_shapes, rows_to_profile, write_profile_csv
     from predictor.sim.batch_time import mape
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     try:
         shapes = (parse_shapes(args.prefill_shapes, "prefill")
                   + parse_shapes(args.decode_shapes, "decode", args.decode_tokens))
@@ -80,29 +90,33 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _add_profile_parser(subparsers) -> None:
-    profile = subparsers.add_parser("profile", help="measure a live vLLM backend's iteration times; write a CSV")
-    profile.add_argument("--backend", required=True, help="host:port (or URL) of the vLLM server")
+    profile = subparsers.add_parser("profile", help=COMMANDS["profile"], formatter_class=HelpFormatter)
+    profile.add_argument("--backend", required=True, help="host:port (or http:// URL) of the vLLM server")
     profile.add_argument("-o", "--output", type=Path, required=True, help="profile CSV to write")
-    profile.add_argument("--fit", type=Path, default=None, help="also fit and write the coefficients JSON here")
+    profile.add_argument("--fit", type=Path, default=None,
+                         help="also fit the measured rows and write the coefficients JSON here; default: no fit")
     from predictor import profile as defaults  # noqa: PLC0415
 
     profile.add_argument("--prefill-shapes", default=defaults.DEFAULT_PREFILL_SHAPES,
-                         help="requests x prompt tokens, comma-separated (keep requests x tokens within the "
-                              "backend's max_num_batched_tokens)")
+                         help="prefill runs as REQUESTSxPROMPT_TOKENS, comma-separated (keep requests x tokens "
+                              "within the backend's max_num_batched_tokens)")
     profile.add_argument("--decode-shapes", default=defaults.DEFAULT_DECODE_SHAPES,
-                         help="requests x prompt tokens of the decode runs (requests within max_num_seqs)")
+                         help="decode runs as REQUESTSxPROMPT_TOKENS, comma-separated (requests within the "
+                              "backend's max_num_seqs)")
     profile.add_argument("--decode-tokens", type=int, default=defaults.DEFAULT_DECODE_TOKENS,
-                         help="output tokens of each decode run")
+                         help="output tokens of each decode run, tokens")
     profile.add_argument("--repeats", type=int, default=2, help="runs per shape (the median is kept)")
-    profile.add_argument("--device-name", default="backend", help="the CSV's gpu column")
+    profile.add_argument("--device-name", default="backend", help="the value of the CSV's gpu column")
     profile.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+    add_log_arguments(profile)
     profile.set_defaults(handler=_cmd_profile)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="astrolabe predictor", description="predictor tools")
+    parser = argparse.ArgumentParser(prog="astrolabe predictor", description="the predictor sidecar and its tools",
+                                     formatter_class=HelpFormatter)
     subparsers = parser.add_subparsers(dest="command", required=True)
-    fit = subparsers.add_parser("fit", help="fit the batch-time model on a profile CSV; print held-out MAPE")
+    fit = subparsers.add_parser("fit", help=COMMANDS["fit"], formatter_class=HelpFormatter)
     fit.add_argument("profile", type=Path, help="profile CSV (format of predictor/sim/h200_iteration_profile.csv)")
     fit.add_argument("--model", required=True, help="model shape, the CSV's `model` column (e.g. llama-2-7b)")
     fit.add_argument("-o", "--output", type=Path, required=True, help="coefficients JSON to write")
@@ -110,8 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_profile_parser(subparsers)
     from predictor import server  # noqa: PLC0415 (keeps `fit` free of gRPC imports until needed)
 
-    serve = subparsers.add_parser("serve", help="run the predictor sidecar beside one backend",
-                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve = subparsers.add_parser("serve", help=COMMANDS["serve"], formatter_class=HelpFormatter)
     server.add_arguments(serve)
     serve.set_defaults(handler=server.run)
     return parser

@@ -17,6 +17,10 @@ Tracing (the ``OTEL_*`` variables, ``astrolabe.tracing``; off when none is set):
 caller's trace from the call's gRPC metadata in a SERVER span (``opentelemetry-instrumentation-grpc``), and each
 Predict's simulation is a child span ``astrolabe.simulate`` (state source, requests running and waiting, free KV
 blocks, simulated steps, state age, the predicted TTFT and E2E).
+
+Logs (``astrolabe.logs``, ``--log-level``, ``--log-format``): at start one line says what was discovered from the
+backend (KV cache, engine limits, state source, step-time model); a line logged while a Predict, Admit or Release
+is handled carries the request's id (the extproc's admit id, ``<x-request-id>/<suffix>``) and, traced, its trace.
 """
 
 from __future__ import annotations
@@ -33,13 +37,16 @@ import time
 import aiohttp
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import Histogram
 
 from astrolabe.lifecycle import settle_heap, wait_for_termination
+from astrolabe.logs import add_arguments as add_log_arguments, request_context, setup_logging
 from astrolabe.tracing import (ADMIT_ID, NUM_PREDICTED_OUTPUT_TOKENS, NUM_PROMPT_TOKENS, PREDICTED_E2E_S,
                                PREDICTED_TTFT_S, STATE_AGE_S, Tracing, TracingConfigError, setup_tracing)
 from predictor.api import pb, pb_grpc
 from predictor.backend_metrics import MetricsFormatError, parse_vllm_metrics
 from predictor.calibration import CalibrationStatus, StepTimeCalibrator
+from predictor.engine_flags import add_engine_arguments, engine_from_args
 from predictor.ledger import Ledger
 from predictor.outcomes import OutcomeTracker
 from predictor.residual_rules import ResidualRules
@@ -214,15 +221,20 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         return response
 
     async def Predict(self, request, context):  # noqa: N802
-        if request.num_prompt_tokens < 1 or request.num_predicted_output_tokens < 1:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "num_prompt_tokens and num_predicted_output_tokens must be >= 1")
-        try:
-            return self._predict(request)
-        except ValueError as exc:  # e.g. a prompt larger than the instance's whole KV cache
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot be served by this instance: {exc}")
+        with request_context(request.request_id):  # log lines name the request (and its trace: astrolabe.logs)
+            if request.num_prompt_tokens < 1 or request.num_predicted_output_tokens < 1:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    "num_prompt_tokens and num_predicted_output_tokens must be >= 1")
+            try:
+                return self._predict(request)
+            except ValueError as exc:  # e.g. a prompt larger than the instance's whole KV cache
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot be served by this instance: {exc}")
 
     async def Admit(self, request, context):  # noqa: N802
+        with request_context(request.request_id):
+            return await self._admit(request, context)
+
+    async def _admit(self, request, context):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         sidecar = self._sidecar
@@ -251,6 +263,10 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         return pb.AdmitResponse(duplicate=not added)
 
     async def Release(self, request, context):  # noqa: N802
+        with request_context(request.request_id):
+            return self._release(request)
+
+    def _release(self, request) -> pb.ReleaseResponse:
         sidecar = self._sidecar
         now_s = time.monotonic()
         if sidecar.outcomes.awaits_first_token(request.request_id) and sidecar.plugin.reader is not None:
@@ -281,6 +297,10 @@ class Sidecar:
         self.calibration_status: CalibrationStatus | None = self.calibrator.status() if self.calibrator else None
         self.outcomes = OutcomeTracker(bias_correction=config.bias_correction)
         self.ingress = IngressDelayEstimator()
+        # Not registered anywhere: the /metrics collector (predictor.sidecar_metrics) yields it at scrape time.
+        self.simulation_seconds = Histogram(
+            "astrolabe_predictor_simulation_seconds", "Work of one Predict (state read, simulation), seconds",
+            buckets=(0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1), registry=None)
         self._absorbed: tuple[int, int] = (0, -1)  # (pid, seq) of the last plugin state absorbed
         self.residual = ResidualRules(config.residual_lengths, config.length_errors)
         self.ledger = self._new_ledger(config.engine)
@@ -380,6 +400,15 @@ class Sidecar:
 
     def predict(self, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int | None = None,
                 length_source: int = 0) -> pb.PredictResponse:
+        """`_predict`, timed into ``simulation_seconds`` (the metric ``astrolabe_predictor_simulation_seconds``)."""
+        start_s = time.perf_counter()
+        try:
+            return self._predict(num_prompt_tokens, num_output_tokens, max_tokens, length_source)
+        finally:
+            self.simulation_seconds.observe(time.perf_counter() - start_s)
+
+    def _predict(self, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int | None = None,
+                 length_source: int = 0) -> pb.PredictResponse:
         """Predicted TTFT and E2E, in seconds from now, of a new request on this instance.
 
         Args:
@@ -483,25 +512,48 @@ class Sidecar:
             response.raise_for_status()
             return parse_vllm_metrics(await response.text())
 
-    async def _discover_kv_cache(self, session: aiohttp.ClientSession) -> None:
+    async def _discover_kv_cache(self, session: aiohttp.ClientSession) -> str:
+        """Takes the backend's KV cache (``vllm:cache_config_info``) into the ledger; returns where the KV
+        figures in use came from, for `_log_discovered`."""
+        if not self.config.discover_kv_cache:
+            return "the flags (--no-discover-kv-cache)"
         try:
             observed = await self._scrape(session)
         except (aiohttp.ClientError, asyncio.TimeoutError, MetricsFormatError) as exc:
             logger.warning("cannot read the backend's KV cache config yet (%s); using the flags", exc)
-            return
-        if observed.num_gpu_blocks and observed.block_size:
-            engine = dataclasses.replace(self.config.engine, num_gpu_blocks=observed.num_gpu_blocks,
-                                         block_size=observed.block_size)
-            if engine != self.ledger.scheduler.config:
-                self.ledger = self._new_ledger(engine)
-                logger.info("KV cache from the backend: %d blocks of %d tokens", engine.num_gpu_blocks,
-                            engine.block_size)
+            return "the flags (the backend's /metrics not readable yet)"
+        if not (observed.num_gpu_blocks and observed.block_size):
+            return "the flags (the backend's /metrics has no vllm:cache_config_info)"
+        engine = dataclasses.replace(self.config.engine, num_gpu_blocks=observed.num_gpu_blocks,
+                                     block_size=observed.block_size)
+        if engine != self.ledger.scheduler.config:
+            self.ledger = self._new_ledger(engine)
+        return "the backend's vllm:cache_config_info"
+
+    def _log_discovered(self, kv_source: str) -> None:
+        """One INFO line at start: the engine limits and KV cache in use and where each came from, the state
+        source and the step-time model."""
+        state = self.plugin.reader.read(time.monotonic()) if self.plugin.reader is not None else None
+        engine = state.engine if state is not None else self.ledger.scheduler.config
+        if state is not None:
+            kv_source = limits_source = f"the plugin's state file {self.plugin.reader.path}"
+            source = f"vllm-plugin ({self.plugin.reader.path}, state source {self.config.state_source})"
+        else:
+            limits_source = "the flags"
+            source = "ledger" if self.plugin.reader is None else \
+                f"ledger until the plugin's state file is readable ({self.plugin.reader.last_error}; state " \
+                f"source {self.config.state_source})"
+        logger.info("backend %s: KV cache %d blocks x %d tokens (from %s); engine limits max_num_seqs %d, "
+                    "max_num_batched_tokens %d, chunked prefill %s (from %s); state source %s; step-time model %s "
+                    "(calibration %s)", self.config.backend, engine.num_gpu_blocks, engine.block_size, kv_source,
+                    engine.max_num_seqs, engine.max_num_batched_tokens,
+                    "on" if engine.enable_chunked_prefill else "off", limits_source, source,
+                    self.prior_batch_time.model, self.config.calibration)
 
     async def _reconcile_loop(self) -> None:
         timeout = aiohttp.ClientTimeout(total=max(self.config.reconcile_interval_s * 5, 1.0))
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            if self.config.discover_kv_cache:
-                await self._discover_kv_cache(session)
+            self._log_discovered(await self._discover_kv_cache(session))
             while True:
                 try:
                     observed = await self._scrape(session)
@@ -565,66 +617,74 @@ async def serve(config: SidecarConfig, tracing: Tracing | None = None) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = EngineConfig()
-    parser.add_argument("--backend", required=True, help="host:port of the vLLM server")
-    parser.add_argument("--listen", default="127.0.0.1:9100", help="host:port of the gRPC server")
+    """The sidecar's flags (``astrolabe predictor serve``): one per `SidecarConfig` field, with its default and unit."""
+    defaults = SidecarConfig(backend="")
+    parser.add_argument("--backend", required=True, help="host:port of the vLLM server (its /metrics is scraped)")
+    parser.add_argument("--listen", default=defaults.listen, help="host:port of the gRPC server (port 0: any free)")
     parser.add_argument("--batch-time-model", default=None,
-                        help="shipped model name or JSON path (default: the shipped shape nearest --model-config, "
-                             "else llama-2-7b)")
+                        help="shipped step-time model name (predictor/sim/*.json) or a JSON path; default: the "
+                             "shipped shape nearest --model-config, else llama-2-7b")
     parser.add_argument("--model-config", default=None,
                         help="the served model's config.json or directory: the cold start picks the shipped "
-                             "step-time model of the nearest architecture")
-    parser.add_argument("--time-scale", type=float, default=1.0, help="step time multiplier (emulated backends)")
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
-    parser.add_argument("--block-size", type=int, default=defaults.block_size)
-    parser.add_argument("--num-gpu-blocks", type=int, default=defaults.num_gpu_blocks)
-    parser.add_argument("--no-enable-chunked-prefill", dest="chunked_prefill", action="store_false")
-    parser.add_argument("--no-discover-kv-cache", dest="discover", action="store_false",
-                        help="keep --block-size/--num-gpu-blocks even if the backend reports others "
-                             "(discovery from vllm:cache_config_info is on unless this flag is given)")
-    parser.add_argument("--reconcile-interval-s", type=float, default=0.1)
-    parser.add_argument("--visibility-grace-s", type=float, default=2.0)
-    parser.add_argument("--plugin-reconcile-interval-s", type=float, default=1.0,
-                        help="/metrics scrape interval while the plugin's state is in use (the ledger is a fallback)")
-    parser.add_argument("--state-source", choices=STATE_SOURCES, default="auto",
+                             "step-time model of the nearest architecture; default: none")
+    parser.add_argument("--time-scale", type=float, default=defaults.time_scale,
+                        help="factor on every modelled step time: 1.0 for a real GPU, an emulator's --time-scale "
+                             "for an emulated backend")
+    add_engine_arguments(parser, defaults.engine,
+                         kv_note="; the backend's vllm:cache_config_info replaces it at start (--discover-kv-cache)")
+    parser.add_argument("--discover-kv-cache", action=argparse.BooleanOptionalAction,
+                        default=defaults.discover_kv_cache,
+                        help="at start, take block_size and num_gpu_blocks from the backend's "
+                             "vllm:cache_config_info; --no-discover-kv-cache keeps --block-size / --num-gpu-blocks")
+    parser.add_argument("--reconcile-interval-s", type=float, default=defaults.reconcile_interval_s,
+                        help="how often the backend's /metrics is scraped to correct the ledger, seconds")
+    parser.add_argument("--visibility-grace-s", type=float, default=defaults.visibility_grace_s,
+                        help="an admitted request the backend does not show yet is not reconciled away for this "
+                             "long, seconds")
+    parser.add_argument("--plugin-reconcile-interval-s", type=float, default=defaults.plugin_reconcile_interval_s,
+                        help="the /metrics scrape interval while the plugin's state is in use (the ledger is then a "
+                             "fallback), seconds")
+    parser.add_argument("--state-source", choices=STATE_SOURCES, default=defaults.state_source,
                         help="instance state: the vLLM plugin's, the ledger's, or the plugin's when present (auto)")
     parser.add_argument("--vllm-state-path", default=None,
-                        help="state file written by the vLLM plugin (the server's ASTROLABE_VLLM_STATE_PATH)")
-    parser.add_argument("--plugin-max-age-s", type=float, default=2.0)
-    parser.add_argument("--residual-lengths", choices=RESIDUAL_RULES, default="empirical",
+                        help="state file written by the vLLM plugin (the server's ASTROLABE_VLLM_STATE_PATH) or an "
+                             "emulator's --state-path; default: none (the ledger)")
+    parser.add_argument("--plugin-max-age-s", type=float, default=defaults.plugin_max_age_s,
+                        help="a plugin state this old while requests are in flight is not used (the ledger "
+                             "answers), seconds")
+    parser.add_argument("--residual-lengths", choices=RESIDUAL_RULES, default=defaults.residual_lengths,
                         help="residual-length rule for requests of unspecified length source: empirical "
                              "(conditioned on the tagger's measured errors), paper (10 more tokens past the "
                              "prediction) or exact")
     parser.add_argument("--length-errors", default=None,
                         help="tagger directory (or errors.npz) whose measured errors condition residual lengths "
                              "(default: the shipped light tagger's)")
-    parser.add_argument("--calibration", choices=CALIBRATION_MODES, default="online",
+    parser.add_argument("--calibration", choices=CALIBRATION_MODES, default=defaults.calibration,
                         help="refit the step-time model from the engine's measured steps (online; needs the "
                              "plugin's state file) or keep the shipped one (off)")
-    parser.add_argument("--calibration-min-samples", type=int, default=64,
-                        help="measured steps before the first refit")
+    parser.add_argument("--calibration-min-samples", type=int, default=defaults.calibration_min_samples,
+                        help="measured engine steps before the first refit, steps (1..512)")
     parser.add_argument("--bias-correction", action="store_true",
-                        help="correct the measured recent bias (prediction vs outcome): E2E by a factor, TTFT by an offset")
-    parser.add_argument("--ingress-delay", choices=INGRESS_DELAY_MODES, default="off",
+                        help="correct the measured recent bias (prediction vs outcome): E2E by a factor, TTFT by an "
+                             "offset; without it, the bias is only measured and reported")
+    parser.add_argument("--ingress-delay", choices=INGRESS_DELAY_MODES, default=defaults.ingress_delay,
                         help="add the measured delay from Admit to the engine's scheduler (the plugin's arrivals) "
-                             "to TTFT and E2E predictions (online) or only measure and report it (off, the "
-                             "default: see predictor/ingress.py for what it did on real vLLM)")
+                             "to TTFT and E2E predictions (online) or only measure and report it (off; see "
+                             "predictor/ingress.py for what it did on real vLLM)")
     parser.add_argument("--metrics-listen", default=None,
-                        help="host:port of a Prometheus /metrics endpoint (calibration, prediction error)")
-    parser.add_argument("--log-level", default="INFO")
+                        help="host:port of a Prometheus /metrics endpoint (calibration, prediction error); "
+                             "default: off")
+    add_log_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     try:
-        engine = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                              block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
-                              enable_chunked_prefill=args.chunked_prefill)
+        engine = engine_from_args(args)
         config = SidecarConfig(backend=args.backend, listen=args.listen, engine=engine,
                                batch_time_model=args.batch_time_model, time_scale=args.time_scale,
                                reconcile_interval_s=args.reconcile_interval_s,
-                               visibility_grace_s=args.visibility_grace_s, discover_kv_cache=args.discover,
+                               visibility_grace_s=args.visibility_grace_s, discover_kv_cache=args.discover_kv_cache,
                                state_source=args.state_source, vllm_state_path=args.vllm_state_path,
                                plugin_max_age_s=args.plugin_max_age_s, residual_lengths=args.residual_lengths,
                                plugin_reconcile_interval_s=args.plugin_reconcile_interval_s,

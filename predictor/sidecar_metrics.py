@@ -16,6 +16,7 @@ is updated on the request path). Names (``astrolabe_predictor_*``; no label valu
 - ``astrolabe_predictor_state_age_seconds``: age of the state predictions start from;
 - ``astrolabe_predictor_reconciliations_total``, ``..._reconciliation_corrections_total{kind=added|removed}``:
   the ledger's reconciliations with the backend's /metrics and the requests they corrected;
+- ``astrolabe_predictor_simulation_seconds``: histogram of each Predict's work (state read and simulation);
 - ``astrolabe_predictor_ingress_delay_seconds``: the measured delay from Admit to the engine's scheduler, median
   of the last 10 s (``predictor.ingress``; 0 until enough measured), ``..._ingress_delays_measured_total``: how
   many measured.
@@ -96,6 +97,7 @@ class SidecarCollector:
         corrections.add_metric(["added"], stats.num_phantoms_added)
         corrections.add_metric(["removed"], stats.num_requests_removed)
         yield corrections
+        yield from sidecar.simulation_seconds.collect()
 
 
 def _finite(value: float) -> float:

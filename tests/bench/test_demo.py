@@ -1,7 +1,9 @@
-"""Tests of bench/demo.py: argument handling, and a quick end-to-end run through real Envoy as a subprocess."""
+"""Tests of bench/demo.py: argument handling, and quick end-to-end runs through real Envoy as a subprocess (one with
+tracing to the bundled receiver)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench import demo
+from bench.otlp_receiver import group_traces, read_spans
 from bench.procs import pid_alive
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -141,6 +144,44 @@ def test_quick_demo_end_to_end(tmp_path: Path) -> None:
     assert len(list(tmp_path.glob("decisions-astrolabe-*.jsonl"))) == 2
     assert not list(Path("/dev/shm").glob("astrolabe-demo-state-*")) or all(
         not p.exists() for p in Path("/dev/shm").glob("astrolabe-demo-state-*/emulator-*.json"))
+
+
+@pytest.mark.envoy
+@pytest.mark.slow
+def test_demo_traces_its_traced_phase_to_the_file(tmp_path: Path) -> None:
+    """--trace-file: the bundled receiver gets one whole trace per request of the traced phase, Envoy's span the
+    root, from every kind of process; the comparison before it is not traced."""
+    spans_file = tmp_path / "traces" / "spans.jsonl"
+    argv = ["--num-instances", "2", "--num-routers", "1", "--num-requests", "4", "--policies", "astrolabe",
+            "--rate-qps", "4", "--max-output-tokens", "16", "--trace-file", str(spans_file), "--trace-requests", "3",
+            "--no-progress", "--log-dir", str(tmp_path)]
+    done = _run_demo(argv, timeout_s=120)
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-5000:]}"
+    traces = group_traces(read_spans(spans_file))
+    assert len(traces) == 3, {t: sorted(s.name for s in spans) for t, spans in traces.items()}
+    phase_ids = {json.loads(line)["id"] for line in (tmp_path / "results-astrolabe-traced.jsonl").open()}
+    for spans in traces.values():
+        by_id = {s.span_id: s for s in spans}
+        by_name = {s.name: s for s in spans}
+        root = by_name["ingress"]
+        assert root.service_name == "astrolabe-envoy" and root.parent_span_id == ""
+        route = by_name["astrolabe.route"]
+        assert by_id[route.parent_span_id].parent_span_id == root.span_id  # via Envoy's ext_proc call span
+        # Envoy marks a sampled UUID in its 15th character; the rest is the id the client sent
+        request_id = route.attributes["astrolabe.request_id"]
+        assert request_id[14] == "9" and any(request_id[:14] + i[14] + request_id[15:] == i for i in phase_ids)
+        assert route.attributes["astrolabe.outcome"] == "routed"
+        assert len([e for e in route.events if e[0] == "astrolabe.candidate"]) == 2
+        predicts = [s for s in spans if s.name == "astrolabe.predictor.v1.Predictor/Predict"]
+        assert len(predicts) == 2 and all(s.parent_span_id == route.span_id for s in predicts)
+        simulations = [s for s in spans if s.name == "astrolabe.simulate"]
+        assert len(simulations) == 2 and all(by_id[by_id[s.parent_span_id].parent_span_id] in predicts
+                                             for s in simulations)
+        backend = by_name["llm_request"]
+        assert backend.service_name == "astrolabe-emulator" and by_id[backend.parent_span_id].name == (
+            "router backends egress")
+    assert "traces: 3 traces" in done.stdout and "astrolabe-emulator: llm_request (SERVER)" in done.stdout
+    assert not [pid for pid in _started_pids(done.stderr) if pid_alive(pid)]
 
 
 @pytest.mark.envoy

@@ -9,7 +9,7 @@ from extproc import config as config_module
 from astrolabe.tracing import TracingConfig
 from extproc.config import (ENV_PREFIX, ConfigError, EndpointConfig, ExtprocConfig, HealthCheckConfig,
                             OutputLengthSection, PredictorClientSection, TracingSection, config_json_schema,
-                            load_config, parse_config, parse_ip_port, replace_config)
+                            LIVE_KEYS, changed_keys, load_config, parse_config, parse_ip_port, replace_config)
 from extproc.lengths import OutputLengthConfig
 from extproc.policies.registry import POLICY_NAMES
 from extproc.predictor_client import PredictorClientConfig
@@ -201,6 +201,39 @@ def test_endpoint_config_positional_and_normalised():
         EndpointConfig("localhost:80")
 
 
+@pytest.mark.parametrize(("extra", "expected"), [
+    ({}, ("INFO", "text")),
+    ({"log_level": "warning", "log_format": "json"}, ("WARNING", "json")),
+], ids=["defaults", "set"])
+def test_log_keys(extra, expected):
+    config = parse_config({**GOOD, **extra})
+    assert (config.log_level, config.log_format) == expected
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"log_level": "loud"}, "log_level: must be one of 'DEBUG', 'INFO', 'WARNING', 'ERROR' or 'CRITICAL', got 'loud'"),
+    ({"log_level": 10}, "log_level: must be one of"),
+    ({"log_format": "xml"}, "log_format: must be one of 'text' or 'json', got 'xml'"),
+], ids=["level", "level-number", "format"])
+def test_log_key_errors(extra, message):
+    assert _error({**GOOD, **extra}).startswith(message), _error({**GOOD, **extra})
+
+
+@pytest.mark.parametrize(("changes", "expected"), [
+    ({}, []),
+    ({"policy": "random", "drain_delay_s": 3.0}, ["policy", "drain_delay_s"]),
+    ({"endpoints": ()}, ["endpoints"]),
+    ({"policy_params": {"k": 3}}, ["policy_params.k"]),
+    ({"predictor_client": PredictorClientConfig(predict_timeout_s=0.5, max_backoff_s=20.0)},
+     ["predictor_client.predict_timeout_s", "predictor_client.max_backoff_s"]),
+    ({"tokenizers": {"m": "/t.json"}, "log_format": "json"}, ["log_format", "tokenizers.m"]),
+], ids=["none", "root-keys", "endpoints", "mapping-key", "section-keys", "in-field-order"])
+def test_changed_keys_are_dotted_and_in_field_order(changes, expected):
+    old = parse_config(GOOD)
+    assert changed_keys(old, replace_config(old, **changes)) == expected
+    assert LIVE_KEYS == ("endpoints",)
+
+
 def test_decision_log_path():
     assert parse_config(GOOD).decision_log_path is None
     assert parse_config({**GOOD, "decision_log_path": "/var/log/decisions.jsonl"}).decision_log_path == \
@@ -310,9 +343,11 @@ def config_file(tmp_path):
         ({"OTHER_POLICY": "random", "ASTROLABE_EXTPROCX": "1"}, {"policy": "round-robin"}),
         ({"ASTROLABE_EXTPROC_TRACING__ENDPOINT": "10.0.0.7:4317", "ASTROLABE_EXTPROC_TRACING__SAMPLER_RATIO": "0.1"},
          {"tracing": TracingConfig(endpoint="10.0.0.7:4317", sampler_ratio=0.1)}),
+        ({"ASTROLABE_EXTPROC_LOG_FORMAT": "json", "ASTROLABE_EXTPROC_LOG_LEVEL": "debug"},
+         {"log_format": "json", "log_level": "DEBUG"}),
     ],
     ids=["file-only", "root", "nested", "whole-section", "nested-over-section", "bool-int", "ipv6-verbatim",
-         "empty-is-null", "endpoints-json", "policy-params", "other-variables", "tracing"],
+         "empty-is-null", "endpoints-json", "policy-params", "other-variables", "tracing", "logs"],
 )
 def test_env_overrides_win_over_the_file(config_file, environ, expected):
     config = load_config(config_file, environ)

@@ -1,13 +1,20 @@
 """extproc.decision_log: one JSON record per decision, flushed, and never a failure on the request path."""
 
+import dataclasses
 import json
 
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext
+
+from astrolabe.logs import request_context
 from extproc.decision import Decision
 from extproc.decision_log import DecisionLog
 from extproc.policies.base import Prediction
 from extproc.request import RoutingRequest
 
 REQUEST = RoutingRequest("abc", "POST", "/v1/completions")
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+SPAN_ID = "b7ad6b7169203331"
 DECISION = Decision("10.0.0.1:80", "astrolabe", "abc/123", "10.0.1.1:90", "prediction",
                     (("10.0.0.1:80", Prediction(0.03, 2.9, 0.01)), ("10.0.0.2:80", None)), 291, 180, 1, 0.002,
                     (("tokens", 0.0002), ("length", 0.0003), ("predict", 0.0012)))
@@ -25,6 +32,34 @@ def test_record_format(tmp_path):
         {"endpoint": "10.0.0.2:80", "ttft_s": None, "e2e_s": None, "state_age_s": None, "queue_s": None}]
     assert record["stage_s"] == {"tokens": 0.0002, "length": 0.0003, "predict": 0.0012}
     assert (record["num_prompt_tokens"], record["num_predicted_output_tokens"], record["length_source"]) == (291, 180, 1)
+
+
+def _record(tmp_path, request=REQUEST, decision=DECISION) -> dict:
+    (tmp_path / "d.jsonl").unlink(missing_ok=True)
+    log = DecisionLog(tmp_path / "d.jsonl")
+    log.write(request, decision)
+    log.close()
+    (record,) = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    return record
+
+
+def test_a_record_without_tracing_has_null_trace_ids_and_the_requests_model(tmp_path):
+    request = RoutingRequest("abc", "POST", "/v1/completions", model="m" * 1000, max_tokens=64)
+    record = _record(tmp_path, request, dataclasses.replace(DECISION, basis="fallback",
+                                                            fallback_reason="no_prediction"))
+    assert record["trace_id"] is None and record["span_id"] is None
+    assert record["model"] == "m" * 253 + "..." and record["max_tokens"] == 64  # cut as the span's attribute
+    assert (record["basis"], record["fallback_reason"]) == ("fallback", "no_prediction")
+
+
+def test_a_record_names_the_span_current_when_it_is_written(tmp_path):
+    span = NonRecordingSpan(SpanContext(int(TRACE_ID, 16), int(SPAN_ID, 16), is_remote=False))
+    with trace.use_span(span):
+        record = _record(tmp_path)
+    assert (record["trace_id"], record["span_id"]) == (TRACE_ID, SPAN_ID)
+    with request_context("abc", TRACE_ID):  # outside the span: the trace bound to the request's log lines
+        record = _record(tmp_path)
+    assert (record["trace_id"], record["span_id"]) == (TRACE_ID, None)
 
 
 def test_records_are_flushed_within_the_interval(tmp_path):

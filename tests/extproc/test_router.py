@@ -162,7 +162,8 @@ async def test_no_sidecar_answers_falls_back_to_least_requests():
             assert decision.policy == "least-requests"
             picks[decision.destination] += 1
         assert set(picks.values()) == {3}  # in-flight counts spread them evenly
-        text = router.metrics.registry.get_sample_value("astrolabe_extproc_requests_total", {"outcome": "fallback"})
+        text = router.metrics.registry.get_sample_value("astrolabe_extproc_requests_total",
+                                                   {"policy": "astrolabe", "outcome": "fallback"})
         assert text == 9
     finally:
         await router.predictors.close()

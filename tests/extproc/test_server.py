@@ -10,7 +10,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc import wire
-from extproc.config import load_config, parse_config
+from extproc.config import load_config, parse_config, replace_config
 from extproc.server import ConfigWatcher, ExtprocServer, main
 from tests.extproc.test_stream import BODY, body_msg, destination_of, headers_msg
 
@@ -77,15 +77,45 @@ def _write(path, endpoints, **extra):
                                 "endpoints": [{"address": a} for a in endpoints], **extra}))
 
 
-async def test_reload_warns_only_when_other_keys_change(tmp_path, caplog):
+def _reload_lines(caplog) -> list[tuple[str, str]]:
+    return [(r.levelname, r.getMessage()) for r in caplog.records if r.getMessage().startswith("config reloaded")]
+
+
+async def test_reload_names_the_changed_keys_and_those_that_need_a_restart(tmp_path, caplog):
+    caplog.set_level("INFO", logger="extproc.server")
     path = tmp_path / "extproc.yaml"
     _write(path, ["127.0.0.1:18001"])
     server = ExtprocServer(load_config(path), path)
     watcher = ConfigWatcher(path, server.config, server.pool)
     _write(path, ["127.0.0.1:18002"])
-    assert watcher.poll() and "restart" not in caplog.text
-    _write(path, ["127.0.0.1:18002"], drain_delay_s=5)  # a key that only applies at start
-    assert watcher.poll() and "restart for the other changes" in caplog.text
+    assert watcher.poll()
+    assert _reload_lines(caplog) == [("INFO", "config reloaded: changed endpoints (applied live)")]
+    assert "endpoints now 1: added 127.0.0.1:18002; removed 127.0.0.1:18001" in caplog.text
+    caplog.clear()
+    _write(path, ["127.0.0.1:18002"], drain_delay_s=5, predictor_client={"predict_timeout_s": 0.5})
+    assert watcher.poll()
+    assert _reload_lines(caplog) == [
+        ("WARNING", "config reloaded: changed drain_delay_s, predictor_client.predict_timeout_s; need a restart "
+                    "(not applied): drain_delay_s, predictor_client.predict_timeout_s")]
+    caplog.clear()  # not applied: still a difference from the running config at the next reload
+    _write(path, ["127.0.0.1:18003"], drain_delay_s=5, predictor_client={"predict_timeout_s": 0.5})
+    assert watcher.poll()
+    assert _reload_lines(caplog) == [
+        ("WARNING", "config reloaded: changed endpoints, drain_delay_s, predictor_client.predict_timeout_s; need a "
+                    "restart (not applied): drain_delay_s, predictor_client.predict_timeout_s")]
+    assert [e.address for e in server.pool.endpoints] == ["127.0.0.1:18003"]
+
+
+async def test_reload_does_not_report_a_key_the_command_line_set(tmp_path, caplog):
+    caplog.set_level("INFO", logger="extproc.server")
+    path = tmp_path / "extproc.yaml"
+    _write(path, ["127.0.0.1:18001"])
+    overrides = {"policy": "random", "log_level": "DEBUG"}
+    server = ExtprocServer(replace_config(load_config(path), **overrides), path, overrides=overrides)
+    watcher = ConfigWatcher(path, server.config, server.pool, overrides)
+    path.write_text(path.read_text() + "\n")  # new content, same keys
+    assert watcher.poll()
+    assert _reload_lines(caplog) == [("INFO", "config reloaded: no key changed")]
 
 
 async def test_reload_applies_endpoints_and_rejects_bad_files(tmp_path):

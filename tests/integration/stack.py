@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -99,11 +100,19 @@ class Stack:
             time.sleep(0.1)
 
     def metric(self, series: str) -> float:
-        """One sample of the extproc's /metrics, e.g. ``astrolabe_extproc_requests_total{outcome="routed"}``."""
-        for line in httpx.get(self.metrics_url, timeout=2).text.splitlines():
-            if line.startswith(series + " "):
-                return float(line.split()[-1])
-        raise KeyError(series)
+        """The sum of the extproc's /metrics samples named as ``series`` that carry at least its labels, e.g.
+        ``astrolabe_extproc_requests_total{outcome="routed"}`` (every policy). Raises KeyError if none does."""
+        from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+        name, _, labels_text = series.partition("{")
+        wanted = dict(re.findall(r'(\w+)="([^"]*)"', labels_text))
+        values = [sample.value
+                  for family in text_string_to_metric_families(httpx.get(self.metrics_url, timeout=2).text)
+                  for sample in family.samples
+                  if sample.name == name and wanted.items() <= sample.labels.items()]
+        if not values:
+            raise KeyError(series)
+        return sum(values)
 
     def in_flight(self, endpoint: str) -> float:
         """The extproc's own in-flight count for ``endpoint`` (from its /metrics)."""

@@ -1,19 +1,26 @@
 """The predictor sidecar over real gRPC, reconciling against a real emulated vLLM's /metrics."""
 
 import asyncio
+import io
 import json
+import logging
 import time
 
 import aiohttp
 import grpc
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from astrolabe.logs import build_handler
+from astrolabe.tracing import setup_tracing
 from bench.emulator.server import EmulatorConfig, start_emulator
 from predictor.api import pb, pb_grpc
 from predictor.server import Sidecar, SidecarConfig, load_batch_time
 from predictor.sim import EngineConfig
 
 ENGINE = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, block_size=16, num_gpu_blocks=512)
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+TRACEPARENT = f"00-{TRACE_ID}-b7ad6b7169203331-01"
 
 
 @pytest.fixture
@@ -130,3 +137,72 @@ async def test_a_request_that_can_never_fit_is_invalid_argument():
     finally:
         await channel.close()
         await sidecar.stop()
+
+
+def _start_line(caplog) -> str:
+    (line,) = [r.getMessage() for r in caplog.records
+               if r.name == "predictor.server" and r.getMessage().startswith("backend ")]
+    return line
+
+
+@pytest.mark.parametrize(("kwargs", "kv"), [
+    ({}, "KV cache 512 blocks x 16 tokens (from the backend's vllm:cache_config_info)"),
+    ({"discover_kv_cache": False}, "KV cache 100 blocks x 16 tokens (from the flags (--no-discover-kv-cache))"),
+], ids=["discovered", "flags"])
+async def test_the_start_line_says_what_was_discovered_from_the_backend(emulator, caplog, kwargs, kv):
+    caplog.set_level("INFO", logger="predictor.server")
+    backend = f"127.0.0.1:{emulator.port}"
+    flags = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, block_size=16, num_gpu_blocks=100)
+    sidecar = Sidecar(SidecarConfig(backend=backend, listen="127.0.0.1:0", engine=flags, **kwargs))
+    await sidecar.start()
+    try:
+        await _wait(lambda: any(r.getMessage().startswith("backend ") for r in caplog.records))
+    finally:
+        await sidecar.stop()
+    assert _start_line(caplog) == (
+        f"backend {backend}: {kv}; engine limits max_num_seqs 8, max_num_batched_tokens 256, chunked prefill on "
+        "(from the flags); state source ledger; step-time model llama-2-7b (calibration online)")
+
+
+async def test_the_start_line_names_the_plugin_state_file_and_what_it_reports(tmp_path, caplog):
+    caplog.set_level("INFO", logger="predictor.server")
+    path = tmp_path / "state.json"
+    engine = EngineConfig(max_num_seqs=4, max_num_batched_tokens=128, block_size=32, num_gpu_blocks=64,
+                          enable_chunked_prefill=False)
+    emu = await start_emulator(EmulatorConfig(port=0, engine=engine, state_path=str(path)))
+    await _wait(path.exists)
+    sidecar = Sidecar(SidecarConfig(backend=f"127.0.0.1:{emu.port}", listen="127.0.0.1:0", engine=ENGINE,
+                                    vllm_state_path=str(path)))
+    await sidecar.start()
+    try:
+        await _wait(lambda: any(r.getMessage().startswith("backend ") for r in caplog.records))
+    finally:
+        await sidecar.stop()
+        await emu.stop()
+    line = _start_line(caplog)
+    assert f"KV cache 64 blocks x 32 tokens (from the plugin's state file {path})" in line
+    assert "max_num_seqs 4, max_num_batched_tokens 128, chunked prefill off" in line
+    assert f"state source vllm-plugin ({path}, state source auto)" in line
+
+
+async def test_a_line_logged_while_a_call_is_handled_names_its_request_and_trace(tmp_path):
+    buffer, logger = io.StringIO(), logging.getLogger("predictor.state_source")
+    logger.addHandler(build_handler("json", buffer))
+    exporter = InMemorySpanExporter()
+    tracing = setup_tracing("astrolabe-predictor", environ={}, exporter=exporter)
+    # No state file yet: the first Predict logs the switch to the ledger, inside the call.
+    sidecar = Sidecar(SidecarConfig(backend="127.0.0.1:1", listen="127.0.0.1:0", engine=ENGINE,
+                                    vllm_state_path=str(tmp_path / "absent.json")), tracing)
+    port = await sidecar.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            await pb_grpc.PredictorStub(channel).Predict(
+                pb.PredictRequest(request_id="abc/1", num_prompt_tokens=10, num_predicted_output_tokens=10),
+                metadata=(("traceparent", TRACEPARENT),), timeout=5)
+    finally:
+        logger.handlers.clear()
+        await sidecar.stop()
+        tracing.shutdown()
+    (line,) = [json.loads(text) for text in buffer.getvalue().splitlines()]
+    assert line["message"].startswith("state source: ledger") and line["level"] == "WARNING"
+    assert (line["request_id"], line["trace_id"]) == ("abc/1", TRACE_ID)

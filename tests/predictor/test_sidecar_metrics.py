@@ -68,6 +68,8 @@ async def test_the_sidecars_metrics_show_every_checked_prediction_as_a_ratio(tmp
                    if s.name.endswith("_total")}
     assert corrections == {"added", "removed"}
     assert families["astrolabe_predictor_ingress_delay_seconds"].samples[0].value == 0.0
+    simulation = {s.name: s.value for s in families["astrolabe_predictor_simulation_seconds"].samples}
+    assert simulation["astrolabe_predictor_simulation_seconds_count"] == 1  # the one Predict
     # no label value comes from a request: only the metric names and the fixed label sets
     labels = {k: v for f in families.values() for s in f.samples for k, v in s.labels.items()}
     assert "long" not in labels.values() and "short" not in labels.values()

@@ -1,6 +1,7 @@
 """tagger.cli and its registration in `astrolabe`."""
 
 import asyncio
+import json
 import signal
 import socket
 import subprocess
@@ -42,10 +43,11 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-async def test_serve_process_is_healthy_and_stops_on_sigterm():
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "astrolabe", "tagger", "serve", "--listen", f"127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+async def test_serve_process_is_healthy_logs_json_lines_and_stops_on_sigterm(tmp_path):
+    port, log = _free_port(), tmp_path / "tagger.log"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "astrolabe", "tagger", "serve", "--listen", f"127.0.0.1:{port}",
+                                 "--log-format", "json"], stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             await asyncio.wait_for(channel.channel_ready(), timeout=60)
@@ -60,3 +62,5 @@ async def test_serve_process_is_healthy_and_stops_on_sigterm():
                 proc.kill()
                 proc.wait()
     assert proc.returncode == 0
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert any(line["message"] == f"tagger (light) serving on port {port}" for line in lines), lines

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import io
+import json
+import logging
 
 import httpx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from astrolabe.logs import build_handler
 from astrolabe.tracing import setup_tracing
+from bench.emulator import server as server_module
 from bench.emulator.server import EmulatorConfig, _parse_args, start_emulator
 from predictor.sim import EngineConfig
 
@@ -89,3 +94,26 @@ async def test_a_client_that_goes_away_leaves_an_aborted_span(traced):
     (span,) = _spans(tracing, exporter)
     assert span.attributes["error.type"] == "abort" and span.attributes["gen_ai.response.finish_reasons"] == ("abort",)
     assert 1 <= span.attributes["gen_ai.usage.completion_tokens"] < 2000
+
+
+async def test_a_line_logged_while_a_request_is_handled_names_it_and_its_trace(traced, monkeypatch):
+    client, _, _ = traced
+    buffer, logger = io.StringIO(), logging.getLogger("tests.emulator.handling")
+    logger.propagate, logger.level = False, logging.INFO
+    logger.addHandler(build_handler("json", buffer))
+    real_parse = server_module.parse_request
+
+    def parse_and_log(body, is_chat):  # a line from inside the request's handler
+        logger.info("parsing")
+        return real_parse(body, is_chat)
+
+    monkeypatch.setattr(server_module, "parse_request", parse_and_log)
+    try:
+        body = {"model": "llama-2-7b", "prompt": "x", "max_tokens": 2, "ignore_eos": True}
+        for headers in ({"traceparent": TRACEPARENT, "x-request-id": "abc"}, {}):
+            assert (await client.post("/v1/completions", json=body, headers=headers)).status_code == 200
+    finally:
+        logger.handlers.clear()
+    traced_line, plain_line = (json.loads(line) for line in buffer.getvalue().splitlines())
+    assert (traced_line["request_id"], traced_line["trace_id"]) == ("abc", TRACE_ID)
+    assert plain_line["request_id"].startswith("cmpl-") and "trace_id" not in plain_line  # the engine's id
