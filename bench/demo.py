@@ -446,6 +446,7 @@ def run_policies(cfg: DemoConfig, plan: TracePlan, log_dir: Path) -> int:
         else:
             state_dir = Path(tempfile.mkdtemp(prefix="astrolabe-demo-state-", dir=_state_root()))
             cleanup.callback(shutil.rmtree, state_dir, ignore_errors=True)
+            logger.info("emulator state files in %s (removed at the end)", state_dir)
             use_plugin = cfg.state_source == "plugin" and "astrolabe" in cfg.policies
             instances = demo_fleet.start_emulators(procs, cfg.num_instances, cfg.engine, cfg.seed, log_dir,
                                                    state_dir if use_plugin else None, env=service_env)
