@@ -20,7 +20,7 @@ class Decision:
         request_id: the id the chosen sidecar knows the request by (Admit / Release): the client's
             ``x-request-id`` made unique, since clients may reuse ids.
         predictor: the chosen endpoint's sidecar that was told about the request (Admit), or None.
-        basis: ``prediction``, ``partial``, ``fallback`` or ``policy`` (module docstring).
+        basis: ``prediction``, ``partial``, ``fallback``, ``policy`` or ``no_prompt`` (``extproc.router``).
         candidates: the probed endpoints with their predictions (None: no answer), probe order; empty when
             the policy does not predict.
         num_prompt_tokens: prompt tokens counted for the prediction (0 when not predicted).

@@ -8,7 +8,9 @@ Failure policy (the only place it is decided):
 
 Every decision has a *basis*, counted in ``astrolabe_extproc_decisions_total{basis}``: ``prediction`` (every
 probed sidecar answered), ``partial`` (some did: the policy's rule for a partial answer decided),
-``fallback`` (none did: least-requests decided) or ``policy`` (a policy that does not predict). A fallback
+``fallback`` (none did: least-requests decided), ``policy`` (a policy that does not predict) or ``no_prompt`` (a
+request without a prompt, e.g. ``GET /v1/models``, under a predicting policy: least-requests, no sidecar asked or
+told). A fallback
 carries its reason (`FALLBACK_REASONS`). With ``decision_log`` set, each decision is also written as one JSON
 record (``extproc.decision_log``). With a tracer, the length estimate is a child span of the current span (the
 stream's request span); the Predict and Admit calls get theirs from the predictor client.
@@ -43,6 +45,8 @@ from extproc.spans import LENGTH_SOURCE, LENGTH_SOURCE_LABELS
 
 logger = logging.getLogger(__name__)
 
+BASIS_NO_PROMPT = "no_prompt"
+"""The basis of a request without a prompt under a predicting policy: least-requests, no Predict, no Admit."""
 FALLBACK_NO_SIDECAR = "no_sidecar"
 """No probed candidate has a predictor sidecar."""
 FALLBACK_NO_PREDICTION = "no_prediction"
@@ -121,7 +125,12 @@ class Router:
         if not request.arrival_time_s:
             request = replace(request, arrival_time_s=start_s)
         views = self._healthy_views(request)
-        if self.policy.needs_predictions:
+        if self.policy.needs_predictions and request.prompt_text is None and request.prompt_token_ids is None:
+            # No prompt (a GET such as /v1/models, a body without one): nothing to predict, nothing for a sidecar
+            # to simulate or check against an outcome.
+            chosen = self._fallback.choose(request, views)
+            decision = Decision(chosen.address, self._fallback.TYPE, request.request_id, basis=BASIS_NO_PROMPT)
+        elif self.policy.needs_predictions:
             decision = await self._route_predicted(request, views)
         else:
             chosen, policy_name = self.policy.choose(request, views), self.policy.TYPE
@@ -137,7 +146,7 @@ class Router:
         self.pool.record_dispatch(decision.destination, end_s)
         self.metrics.routing_seconds.observe(end_s - start_s)
         decision = replace(decision, decided_at_s=end_s)
-        self.metrics.count_request(self.policy.TYPE, "routed" if decision.policy == self.policy.TYPE else "fallback")
+        self.metrics.count_request(self.policy.TYPE, "fallback" if decision.basis == "fallback" else "routed")
         self.metrics.decisions.labels(decision.basis).inc()
         if decision.fallback_reason:
             self.metrics.fallbacks.labels(decision.fallback_reason).inc()

@@ -286,6 +286,7 @@ class ExtprocServer:
             host, _, port = self.config.metrics_listen.rpartition(":")
             try:
                 self._metrics_server, _ = start_http_server(int(port), addr=host, registry=self.metrics.registry)
+                logger.info("metrics on http://%s/metrics", self.config.metrics_listen)
             except OSError as exc:
                 raise ConfigError(f"metrics_listen: cannot listen on {self.config.metrics_listen}: {exc}") from None
         await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)

@@ -537,12 +537,12 @@ class Sidecar:
         engine = state.engine if state is not None else self.ledger.scheduler.config
         if state is not None:
             kv_source = limits_source = f"the plugin's state file {self.plugin.reader.path}"
-            source = f"vllm-plugin ({self.plugin.reader.path}, state source {self.config.state_source})"
+            source = f"vllm-plugin (--state-source {self.config.state_source})"
         else:
             limits_source = "the flags"
             source = "ledger" if self.plugin.reader is None else \
-                f"ledger until the plugin's state file is readable ({self.plugin.reader.last_error}; state " \
-                f"source {self.config.state_source})"
+                f"ledger until the plugin's state file is readable ({self.plugin.reader.last_error}; " \
+                f"--state-source {self.config.state_source})"
         logger.info("backend %s: KV cache %d blocks x %d tokens (from %s); engine limits max_num_seqs %d, "
                     "max_num_batched_tokens %d, chunked prefill %s (from %s); state source %s; step-time model %s "
                     "(calibration %s)", self.config.backend, engine.num_gpu_blocks, engine.block_size, kv_source,

@@ -83,7 +83,8 @@ class SidecarCollector:
             ratio.add_metric([metric], buckets, stats.sum_ratio)
         yield ratio
         now_s = time.monotonic()
-        plugin_state = sidecar.plugin.last_state if sidecar.plugin.in_use else None
+        # The plugin's last state read (0 s for an idle engine, as Predict reports it), else the ledger's.
+        plugin_state = sidecar.plugin.last_state
         age_s = plugin_state.age_s(now_s) if plugin_state is not None else sidecar.state_age_s(now_s)
         yield GaugeMetricFamily("astrolabe_predictor_state_age_seconds", "age of the state predictions start "
                                 "from (the plugin's file, else the last /metrics reconciliation)",

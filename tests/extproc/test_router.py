@@ -284,3 +284,24 @@ async def test_a_second_round_finds_the_free_instance_when_both_probes_would_que
     assert {d.destination for d in decisions} == {"10.0.0.4:8000"}
     assert any(len(d.candidates) == 4 for d in decisions)  # some first rounds drew two busy instances
     assert all(len(d.candidates) == 2 for d in decisions if "10.0.0.4:8000" in {a for a, _ in d.candidates[:2]})
+
+
+async def test_a_request_without_a_prompt_is_not_predicted_or_admitted(sidecars):
+    """``GET /v1/models`` through a predicting policy: least-requests, no Predict, no Admit (a sidecar that
+    simulated it would carry phantom load and check a 'prediction' against a millisecond answer)."""
+    (only,) = await sidecars(1)
+    router = make_router([f"127.0.0.1:{only.port}", None])
+    try:
+        decision = await router.route(RoutingRequest("get-1", "GET", "/v1/models"))
+        assert decision.basis == "no_prompt" and decision.policy == "least-requests"
+        assert decision.predictor is None and decision.candidates == ()
+        router.release(decision)
+        await asyncio.sleep(0.2)
+        assert only.ledger.num_unfinished() == 0 and only.outcomes.e2e.count == 0
+        assert not any(sum(counts.values()) for counts in router.predictors.outcomes.values())
+        registry = router.metrics.registry
+        assert registry.get_sample_value("astrolabe_extproc_requests_total",
+                                         {"policy": "astrolabe", "outcome": "routed"}) == 1
+        assert registry.get_sample_value("astrolabe_extproc_decisions_total", {"basis": "no_prompt"}) == 1
+    finally:
+        await router.predictors.close()

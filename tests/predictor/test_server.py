@@ -182,7 +182,7 @@ async def test_the_start_line_names_the_plugin_state_file_and_what_it_reports(tm
     line = _start_line(caplog)
     assert f"KV cache 64 blocks x 32 tokens (from the plugin's state file {path})" in line
     assert "max_num_seqs 4, max_num_batched_tokens 128, chunked prefill off" in line
-    assert f"state source vllm-plugin ({path}, state source auto)" in line
+    assert "state source vllm-plugin (--state-source auto)" in line and f"the plugin's state file {path}" in line
 
 
 async def test_a_line_logged_while_a_call_is_handled_names_its_request_and_trace(tmp_path):
