@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
+import os
 import sys
 
 # subcommand -> (module, one-line help)
@@ -68,6 +70,10 @@ def dispatch(prog: str, table: dict[str, tuple[str, str]], argv: list[str]) -> i
     if name not in table:
         print(f"{prog}: unknown name {name!r}\n\n{usage}", file=sys.stderr)
         return 2
+    problem = _propagators_problem(os.environ.get("OTEL_PROPAGATORS"))
+    if problem:  # importing OpenTelemetry would raise a bare ValueError in every service
+        print(f"{prog}: {problem}", file=sys.stderr)
+        return 2
     return int(importlib.import_module(table[name][0]).main(rest) or 0)
 
 
@@ -82,6 +88,20 @@ def _name_lines(table: dict[str, tuple[str, str]], prog: str) -> list[str]:
             width = max(map(len, commands))
             lines += [f"    {name} {sub:<{width}}  {sub_help}" for sub, sub_help in commands.items()]
     return lines
+
+
+def _propagators_problem(value: str | None) -> str | None:
+    """Why ``OTEL_PROPAGATORS`` cannot load (a name with no installed ``opentelemetry_propagator`` entry point, as
+    ``opentelemetry.propagate`` looks them up at import), or None."""
+    if not value:
+        return None
+    names = [n.strip() for n in value.split(",") if n.strip() and n.strip().lower() != "none"]
+    installed = {ep.name for ep in importlib.metadata.entry_points(group="opentelemetry_propagator")}
+    unknown = [n for n in names if n not in installed]
+    if not unknown:
+        return None
+    return (f"OTEL_PROPAGATORS names propagator(s) not installed: {', '.join(unknown)} (installed: "
+            f"{', '.join(sorted(installed))}; e.g. b3 needs opentelemetry-propagator-b3)")
 
 
 def main(argv: list[str] | None = None) -> int:

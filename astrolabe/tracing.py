@@ -273,7 +273,11 @@ def _build_exporter(name: str, resolved: ResolvedTracing):
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # noqa: PLC0415
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # noqa: PLC0415
-    return OTLPSpanExporter(endpoint=resolved.endpoint)
+    try:
+        return OTLPSpanExporter(endpoint=resolved.endpoint)
+    except Exception as exc:  # noqa: BLE001 (the exporter reads more OTEL_EXPORTER_OTLP_* values, e.g. TIMEOUT)
+        raise TracingConfigError(f"the OTLP exporter refuses its settings (OTEL_EXPORTER_OTLP_*): "
+                                 f"{type(exc).__name__}: {exc}") from None
 
 
 class Tracing:

@@ -74,7 +74,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     NOTE: after a request is routed its stream stays open until the HTTP request ends (Envoy waits for the
     response-trailers phase); that end is the request's release. At shutdown such streams are closed with OK
     status instead of being cancelled at the end of the grace period: Envoy then skips the remaining phases
-    and the HTTP response continues, whereas a cancelled stream is a processor error that fails it.
+    and the HTTP response continues, whereas a cancelled stream is a processor error that fails it. A stream that
+    relays the response body (FULL_DUPLEX_STREAMED response mode) is not closed early: Envoy forwards only the
+    chunks the processor sends back, so it stays open until the response ends or the grace period is over.
     """
 
     def __init__(self, router: Router, max_body_bytes: int, tracer=None) -> None:
@@ -89,7 +91,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         messages = request_iterator.__aiter__()
         try:
             while True:
-                message = await (self._next_or_drain(messages) if handler.routed else _next(messages))
+                # At shutdown a routed stream is closed at once, unless its response flows through it: that one
+                # runs to the response's end (or the grace period).
+                drains = handler.routed and not handler.relays_response
+                message = await (self._next_or_drain(messages) if drains else _next(messages))
                 if message is None:
                     break
                 for response in await handler.on_message(message):

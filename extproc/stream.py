@@ -95,6 +95,13 @@ class StreamHandler:
         """The destination was sent; the stream now only waits for the request to end."""
         return self._phase is Phase.ROUTED
 
+    @property
+    def relays_response(self) -> bool:
+        """Routed, and Envoy streams the response body through this stream (FULL_DUPLEX_STREAMED response mode, as
+        Istio's InferencePool support sets it): Envoy forwards only the chunks sent back, so closing the stream
+        early would cut the response."""
+        return self.routed and self._response_body_mode == _BodyMode.FULL_DUPLEX_STREAMED
+
     def close(self) -> None:
         """The stream ended (the HTTP request is over): release the in-flight slot, once."""
         self._span.end("abandoned")  # a no-op unless the stream ended before a decision or an error answer

@@ -128,3 +128,17 @@ def test_every_default_is_printed_once(monkeypatch):
         formatter = parser._get_formatter()  # noqa: SLF001
         for action in _options(parser):
             assert formatter._expand_help(action).count("default") <= 1, (path, action.option_strings)  # noqa: SLF001
+
+
+def test_an_uninstalled_propagator_is_refused_with_a_message(monkeypatch, capsys):
+    """OpenTelemetry's import raises a bare ValueError for an unknown OTEL_PROPAGATORS entry (e.g. b3 without its
+    package), which would crash every service with a traceback; the CLI says so and exits 2 instead."""
+    from astrolabe.cli import main
+
+    monkeypatch.setenv("OTEL_PROPAGATORS", "tracecontext,b3")
+    assert main(["emulator", "--port", "1"]) == 2
+    assert "b3" in capsys.readouterr().err
+    monkeypatch.setenv("OTEL_PROPAGATORS", "tracecontext,baggage")
+    from astrolabe.cli import _propagators_problem
+
+    assert _propagators_problem("tracecontext,baggage") is None and _propagators_problem("none") is None

@@ -187,3 +187,13 @@ def test_every_service_refuses_a_bad_otel_value_at_start(tmp_path, args):
                                "OTEL_TRACES_SAMPLER": "sometimes"})
     assert done.returncode == 2, done.stderr[-2000:]
     assert "invalid tracing configuration: OTEL_TRACES_SAMPLER" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_exporter_settings_it_refuses_are_a_config_error(monkeypatch):
+    """The OTLP exporter reads OTEL_EXPORTER_OTLP_TIMEOUT etc. itself (from os.environ): a bad one is a clear
+    TracingConfigError (the services exit 2 with it), not a traceback."""
+    from astrolabe.tracing import TracingConfigError
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "abc")
+    with pytest.raises(TracingConfigError, match="OTEL_EXPORTER_OTLP"):
+        setup_tracing("svc", environ={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"})
