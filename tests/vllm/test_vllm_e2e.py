@@ -86,10 +86,11 @@ def test_load_queues_preempts_and_po2_spreads_it(vllm_stack):
     before = {s.address: vllm_counter(s.address, "vllm:request_success_total") for s in vllm_stack.vllm}
     preemptions_before = sum(parse_vllm_metrics(httpx.get(f"http://{s.address}/metrics", timeout=10).text)
                              .num_preemptions_total for s in vllm_stack.vllm)
-    # Poisson arrivals at 16 req/s: fast enough to queue (each request holds ~170 of an instance's 1,024 KV
-    # tokens for a second or more), spaced enough that each decision sees the previous ones (a burst sent in
+    # Poisson arrivals at 32 req/s: fast enough to queue and preempt even on an idle machine (each request holds
+    # ~170 of an instance's 1,024 KV tokens for a few hundred ms; at 16 req/s a quiet machine ran them too fast to
+    # fill the cache), spaced enough (31 ms mean gap) that each decision sees the previous ones (a burst sent in
     # one instant gets identical predictions for all its requests and goes to one instance).
-    trace = tiny_trace(48, 16.0, random.Random(2), max_prompt_tokens=120, max_output_tokens=96)
+    trace = tiny_trace(48, 32.0, random.Random(2), max_prompt_tokens=120, max_output_tokens=96)
     replies = []
 
     async def run():
