@@ -52,7 +52,6 @@ class IngressDelayEstimator:
         self.min_samples = min_samples
         self.max_age_s = max_age_s
         self._delays: collections.deque[tuple[float, float]] = collections.deque(maxlen=window)  # (when, delay)
-        self._estimate: tuple[float, int, float] = (math.nan, 0, 0.0)  # (now, fresh samples, median) cached
         self.num_observed = 0
         self.num_rejected = 0
 
@@ -65,17 +64,11 @@ class IngressDelayEstimator:
             return
         self._delays.append((now_s, max(float(delay_s), 0.0)))
         self.num_observed += 1
-        self._estimate = (math.nan, 0, 0.0)
 
     def _fresh(self, now_s: float) -> tuple[int, float]:
         """(fresh samples, their median or 0.0 when fewer than ``min_samples``) at ``now_s``."""
-        cached_s, count, median = self._estimate
-        if cached_s == now_s:
-            return count, median
         fresh = [delay for at_s, delay in self._delays if now_s - at_s <= self.max_age_s]
-        median = statistics.median(fresh) if len(fresh) >= self.min_samples else 0.0
-        self._estimate = (now_s, len(fresh), median)
-        return len(fresh), median
+        return len(fresh), statistics.median(fresh) if len(fresh) >= self.min_samples else 0.0
 
     def delay_at(self, now_s: float) -> float:
         """The predicted delay of a request admitted at ``now_s``, seconds (0 with fewer than ``min_samples``

@@ -354,33 +354,16 @@ class Sidecar:
         if self.calibrator is not None:
             self.calibrator.observe(self.plugin.new_steps(state))
             self._calibrate(now_s)
-        admits, outcomes = self.plugin.admits, self.outcomes
-        seen_s = self._first_tokens_seen_s if state.pid == self._first_tokens_pid else float("-inf")
-        for engine_request_id, at_s in reversed(state.first_tokens):  # newest first; stop at those taken before
-            if at_s <= seen_s:
-                break
+        admits = self.plugin.admits
+        for engine_request_id, at_s in self.plugin.new_first_tokens(state):
             admit_id = admits.admit_id_of(engine_request_id)
             if admit_id is not None:
-                outcomes.first_token(admit_id, at_s)
-        if state.first_tokens:
-            self._first_tokens_seen_s = max(seen_s, state.first_tokens[-1][1])
-            self._first_tokens_pid = state.pid
-        arrived_s = self._arrivals_seen_s if state.pid == self._arrivals_pid else float("-inf")
-        for engine_request_id, at_s in reversed(state.arrivals):  # newest first; stop at those taken before
-            if at_s <= arrived_s:
-                break
+                self.outcomes.first_token(admit_id, at_s)
+        for engine_request_id, at_s in self.plugin.new_arrivals(state):
             admit_id = admits.admit_id_of(engine_request_id)
             admitted_s = admits.admitted_at_s(admit_id) if admit_id is not None else None
             if admitted_s is not None:
                 self.ingress.observe(at_s - admitted_s, now_s)
-        if state.arrivals:
-            self._arrivals_seen_s = max(arrived_s, state.arrivals[-1][1])
-            self._arrivals_pid = state.pid
-
-    _first_tokens_seen_s = float("-inf")
-    _first_tokens_pid = 0
-    _arrivals_seen_s = float("-inf")
-    _arrivals_pid = 0
 
     _status_s = float("-inf")
 

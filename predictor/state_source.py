@@ -492,6 +492,28 @@ def _asdict(state: RequestState) -> dict:
     return {name: getattr(state, name) for name in RequestState.__slots__}
 
 
+class _EventCursor:
+    """Takes each row of one of a plugin state's event lists (``first_tokens``, ``arrivals``: ``(engine request id,
+    time)``, oldest first) once: a state's rows newer than the newest taken before; a new writer process (another
+    pid) starts over."""
+
+    def __init__(self) -> None:
+        self._pid = 0
+        self._seen_s = float("-inf")
+
+    def take(self, pid: int, rows: tuple[tuple[str, float], ...]) -> list[tuple[str, float]]:
+        """The rows not taken before, newest first."""
+        seen_s = self._seen_s if pid == self._pid else float("-inf")
+        new = []
+        for row in reversed(rows):  # newest first; stop at those taken before
+            if row[1] <= seen_s:
+                break
+            new.append(row)
+        if rows:
+            self._seen_s, self._pid = max(seen_s, rows[-1][1]), pid
+        return new
+
+
 class PluginStateSource:
     """The sidecar's plugin side: reader, Admit records, and the choice between plugin and ledger.
 
@@ -520,6 +542,8 @@ class PluginStateSource:
         self.last_state: PluginState | None = None
         self._using_plugin: bool | None = None
         self._steps_seen: tuple[int, int] = (0, 0)  # (writer pid, last step index taken)
+        self._first_tokens = _EventCursor()
+        self._arrivals = _EventCursor()
 
     def new_steps(self, state: PluginState | None) -> list[StepSample]:
         """The steps of ``state`` not returned before (each step once; a new writer process starts over)."""
@@ -530,6 +554,14 @@ class PluginStateSource:
             last = 0
         self._steps_seen = (state.pid, state.steps[-1][0])
         return [sample for index, sample in state.steps if index > last]
+
+    def new_first_tokens(self, state: PluginState) -> list[tuple[str, float]]:
+        """The first-token events of ``state`` not returned before, newest first (``_EventCursor``)."""
+        return self._first_tokens.take(state.pid, state.first_tokens)
+
+    def new_arrivals(self, state: PluginState) -> list[tuple[str, float]]:
+        """The arrivals of ``state`` not returned before, newest first (``_EventCursor``)."""
+        return self._arrivals.take(state.pid, state.arrivals)
 
     @property
     def in_use(self) -> bool:

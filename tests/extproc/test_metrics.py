@@ -2,10 +2,8 @@
 
 import asyncio
 import json
-import os
 import random
 import string
-import time
 
 import grpc
 import httpx
@@ -19,18 +17,17 @@ from extproc.server import ExtprocServer
 from predictor.server import Sidecar, SidecarConfig
 from predictor.sim import EngineConfig
 from tests.extproc.test_stream import body_msg, headers_msg
+from tests.predictor.test_state_source import _state_text
 
 ENGINE = EngineConfig(max_num_seqs=8, max_num_batched_tokens=512, block_size=16, num_gpu_blocks=512)
 
 
-def idle_engine_state(path) -> str:
+def idle_engine_state(path):
     """A plugin state file of an idle engine (current however old: predictions need no reconciliation)."""
-    path.write_text(json.dumps({
-        "version": 1, "pid": os.getpid(), "seq": 1, "published_monotonic_s": time.monotonic(),
-        "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 512, "block_size": 16, "num_gpu_blocks": 512,
-                   "enable_chunked_prefill": True},
-        "num_free_blocks": 512, "num_preemptions_total": 0, "running": [], "waiting": []}))
-    return str(path)
+    path.write_text(_state_text(engine={"max_num_seqs": 8, "max_num_batched_tokens": 512, "block_size": 16,
+                                        "num_gpu_blocks": 512, "enable_chunked_prefill": True},
+                                num_free_blocks=512))
+    return path
 
 
 @pytest.fixture
@@ -39,7 +36,7 @@ async def stack(tmp_path):
     for i in range(2):
         sidecar = Sidecar(SidecarConfig(backend="127.0.0.1:1", listen="127.0.0.1:0", engine=ENGINE,
                                         discover_kv_cache=False, state_source="vllm-plugin",
-                                        vllm_state_path=idle_engine_state(tmp_path / f"state-{i}.json")))
+                                        vllm_state_path=str(idle_engine_state(tmp_path / f"state-{i}.json"))))
         await sidecar.start()
         sidecars.append(sidecar)
     endpoints = [{"address": f"10.0.0.{i}:8000", "models": ["m"], "predictor": f"127.0.0.1:{s.port}"}

@@ -10,6 +10,7 @@ import pytest
 from predictor.api import pb, pb_grpc
 from predictor.ingress import MAX_INGRESS_S, IngressDelayEstimator
 from predictor.server import Sidecar, SidecarConfig
+from tests.predictor.test_state_source import _state_text
 
 
 def test_the_estimate_is_the_median_of_the_window_once_there_are_enough():
@@ -57,21 +58,13 @@ def test_bad_settings_are_refused(window, min_samples, max_age_s):
         IngressDelayEstimator(window=window, min_samples=min_samples, max_age_s=max_age_s)
 
 
-def _state(path, now_s, arrivals, seq):
-    path.write_text(json.dumps({
-        "version": 1, "pid": __import__("os").getpid(), "seq": seq, "published_monotonic_s": now_s,
-        "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "block_size": 16, "num_gpu_blocks": 64,
-                   "enable_chunked_prefill": True},
-        "num_free_blocks": 64, "num_preemptions_total": 0, "running": [], "waiting": [], "arrivals": arrivals}))
-
-
 @pytest.mark.parametrize("mode", ["online", "off"])
 async def test_a_sidecar_measures_the_delay_from_admit_to_the_engine_and_adds_it_to_predictions(tmp_path, mode):
     """Ten admitted requests reach the engine's scheduler 0.3 s after their Admit (the plugin's ``arrivals``):
     with ``ingress_delay: online`` the sidecar's TTFT and E2E predictions grow by 0.3 s; with ``off`` it still
     measures the delay (State shows it) and predicts as before."""
     path = tmp_path / "state.json"
-    _state(path, time.monotonic(), [], 1)
+    path.write_text(_state_text(arrivals=[]))
     sidecar = Sidecar(SidecarConfig(backend="127.0.0.1:1", listen="127.0.0.1:0", state_source="vllm-plugin",
                                     vllm_state_path=str(path), discover_kv_cache=False, ingress_delay=mode))
     await sidecar.start()
@@ -89,7 +82,7 @@ async def test_a_sidecar_measures_the_delay_from_admit_to_the_engine_and_adds_it
             # finished since (empty queues again; their Release has not come yet, and they are not counted as
             # still on their way).
             arrivals = [[f"cmpl-r{i}-0-1a2b3c4d", admitted_s[i] + 0.3] for i in range(10)]
-            _state(path, time.monotonic(), arrivals, 2)
+            path.write_text(_state_text(seq=2, published_monotonic_s=time.monotonic(), arrivals=arrivals))
             after = await stub.Predict(ask, timeout=5)
             state = json.loads((await stub.State(pb.StateRequest(), timeout=5)).state_json)
     finally:

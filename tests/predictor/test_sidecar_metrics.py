@@ -1,8 +1,5 @@
 """The sidecar's /metrics: prediction-error histograms, state age, reconciliation and ingress figures."""
 
-import json
-import os
-import time
 
 import grpc
 import httpx
@@ -12,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from predictor.api import pb, pb_grpc
 from predictor.outcomes import RATIO_BUCKETS, ErrorStats
 from predictor.server import Sidecar, SidecarConfig
+from tests.predictor.test_state_source import _state_text
 
 
 def test_ratio_buckets_count_each_request_once_with_le_semantics():
@@ -30,11 +28,7 @@ def _families(text: str) -> dict:
 
 async def test_the_sidecars_metrics_show_every_checked_prediction_as_a_ratio(tmp_path):
     path = tmp_path / "state.json"
-    path.write_text(json.dumps({
-        "version": 1, "pid": os.getpid(), "seq": 1, "published_monotonic_s": time.monotonic(),
-        "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "block_size": 16, "num_gpu_blocks": 64,
-                   "enable_chunked_prefill": True},
-        "num_free_blocks": 64, "num_preemptions_total": 0, "running": [], "waiting": []}))
+    path.write_text(_state_text())
     sidecar = Sidecar(SidecarConfig(backend="127.0.0.1:1", listen="127.0.0.1:0", state_source="vllm-plugin",
                                     vllm_state_path=str(path), discover_kv_cache=False,
                                     metrics_listen="127.0.0.1:0"))
