@@ -75,6 +75,44 @@ far past any sane value)."""
 DEFAULT_MAX_UPSTREAM_REQUESTS = 65536
 """Circuit-breaker limit per cluster (Envoy's default is 1024, which bursts of LLM requests hit)."""
 
+FAILURE_MODES: tuple[str, ...] = ("closed", "open")
+"""ext_proc modes: what Envoy does when the processor cannot answer (the InferencePool's ``failureMode``
+FailClose / FailOpen; ``failure_mode_allow`` false / true)."""
+
+POOL_RETRIES = 3
+"""With ``--pool``: retries of a request whose endpoint refused or reset the connection before it was sent, each
+to the next endpoint of the picker's fallback list, then to Envoy's least-request choice."""
+
+_ORIGINAL_DST_BACKENDS = """    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    original_dst_lb_config:
+      use_http_header: true
+      http_header_name: x-gateway-destination-endpoint"""
+
+_POOL_BACKENDS = Template("""    type: ${cluster_type}
+    load_assignment:
+      cluster_name: backends
+      endpoints:
+      - lb_endpoints:
+        ${lb_endpoints}
+    # Source: envoy/extensions/load_balancing_policies/override_host/v3/override_host.proto (Envoy 1.40).
+    load_balancing_policy:
+      policies:
+      - typed_extension_config:
+          name: envoy.load_balancing_policies.override_host
+          typed_config:
+            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
+            override_host_sources:
+            - header: x-gateway-destination-endpoint
+            - metadata: { key: envoy.lb, path: [ { key: x-gateway-destination-endpoint } ] }
+            selected_host_key: { key: envoy.lb, path: [ { key: x-gateway-destination-endpoint-served } ] }
+            fallback_policy:
+              policies:
+              - typed_extension_config:
+                  name: envoy.load_balancing_policies.least_request
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest""")
+
 LOG_LEVELS: tuple[str, ...] = ("trace", "debug", "info", "warning", "error", "critical", "off")
 """Envoy's ``--log-level`` values."""
 
@@ -285,14 +323,28 @@ def _lb_endpoints(endpoints: list[tuple[str, int]]) -> str:
     return f"\n{_ENDPOINT_INDENT}".join(lines)
 
 
+def _backends_discovery(pool_addresses: str | Sequence[str] | None) -> str:
+    """The ``backends`` cluster's discovery lines: ORIGINAL_DST, or the pool's endpoints with override_host."""
+    if pool_addresses is None:
+        return _ORIGINAL_DST_BACKENDS
+    pool = parse_address_list(pool_addresses, what="pool_addresses", ip_only=False)
+    return _POOL_BACKENDS.substitute(
+        cluster_type="STATIC" if all(_is_ip(host) for host, _ in pool) else "STRICT_DNS",
+        lb_endpoints=_lb_endpoints(pool))
+
+
 def _extproc_values(extproc_address: str | Sequence[str] | None, backend_addresses: object,
-                    message_timeout_s: float, buffer_limit_bytes: int) -> dict[str, object]:
+                    message_timeout_s: float, buffer_limit_bytes: int,
+                    pool_addresses: str | Sequence[str] | None = None,
+                    failure_mode: str = "closed") -> dict[str, object]:
     """Template values of the ext_proc modes (buffered, full-duplex)."""
     if extproc_address is None:
         raise ValueError("extproc_address is required in the ext_proc modes")
     if backend_addresses is not None:
         raise ValueError("backend_addresses is only for the least-request mode: in the ext_proc modes the "
-                         "processor names each request's backend")
+                         "processor names each request's backend (pool_addresses: the endpoints Envoy knows)")
+    if failure_mode not in FAILURE_MODES:
+        raise ValueError(f"failure_mode must be one of {FAILURE_MODES}, got {failure_mode!r}")
     extprocs = parse_address_list(extproc_address, what="extproc_address", ip_only=False)
     if not 0 < message_timeout_s <= MAX_MESSAGE_TIMEOUT_S:
         raise ValueError(f"message_timeout_s must be > 0 and <= {MAX_MESSAGE_TIMEOUT_S:g} s, got {message_timeout_s}")
@@ -304,6 +356,11 @@ def _extproc_values(extproc_address: str | Sequence[str] | None, backend_address
         # Protobuf JSON durations take at most 9 fractional digits; milliseconds are enough.
         "message_timeout_s": f"{message_timeout_s:.3f}",
         "buffer_limit_bytes": buffer_limit_bytes,
+        "backends_discovery": _backends_discovery(pool_addresses),
+        "response_header_mode": "SKIP" if pool_addresses is None else "SEND",
+        # With --pool a retry goes down the picker's list (up to 7 fallbacks, extproc fallback_endpoints).
+        "num_retries": 1 if pool_addresses is None else POOL_RETRIES,
+        "failure_mode_allow": "true" if failure_mode == "open" else "false",
     }
 
 
@@ -333,6 +390,8 @@ def render_config(
     buffer_limit_bytes: int = DEFAULT_BUFFER_LIMIT_BYTES,
     backend_health_check_path: str = DEFAULT_BACKEND_HEALTH_CHECK_PATH,
     tracing: EnvoyTracing | None = None,
+    pool_addresses: str | Sequence[str] | None = None,
+    failure_mode: str = "closed",
 ) -> str:
     """Fill the Envoy config template of ``mode``.
 
@@ -355,6 +414,13 @@ def render_config(
         backend_health_check_path: least-request mode: the HTTP path Envoy's active health check GETs on
             each backend (200 = healthy).
         tracing: any mode: Envoy's OpenTelemetry tracer to an OTLP/gRPC receiver; None = no tracing.
+        pool_addresses: ext_proc modes: the InferencePool's endpoints ``host:port`` known to Envoy (IP literals:
+            STATIC; a host name: STRICT_DNS, e.g. a headless Service), routed with the override_host policy: the
+            picker's ordered fallback list is retried in order, the served endpoint is reported back, and with
+            ``failure_mode`` open a request the picker did not answer goes to Envoy's least-request choice.
+            None = ORIGINAL_DST on the header (one endpoint per request, any ip:port).
+        failure_mode: ext_proc modes: ``closed`` (FailClose: no answer from the picker = 503) or ``open``
+            (FailOpen: the request goes on without a destination).
 
     Returns:
         The rendered YAML text.
@@ -371,9 +437,12 @@ def render_config(
     if not _is_ip(listen_address):
         raise ValueError(f"listen_address must be an IP address, got {listen_address!r}")
     if mode == LEAST_REQUEST_MODE:
+        if pool_addresses is not None or failure_mode != "closed":
+            raise ValueError("pool_addresses and failure_mode have no use in the least-request mode (no ext_proc)")
         values = _least_request_values(extproc_address, backend_addresses, backend_health_check_path)
     else:
-        values = _extproc_values(extproc_address, backend_addresses, message_timeout_s, buffer_limit_bytes)
+        values = _extproc_values(extproc_address, backend_addresses, message_timeout_s, buffer_limit_bytes,
+                                 pool_addresses, failure_mode)
     template = Template((CONFIG_DIR / f"envoy-{mode}.yaml").read_text(encoding="utf-8"))
     return template.substitute(
         listen_address=listen_address,
@@ -446,6 +515,14 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                              f"(default {DEFAULT_MESSAGE_TIMEOUT_S:g})")
     parser.add_argument("--backends", default=None,
                         help="least-request mode (required there, no default): backends IP:PORT[,IP:PORT...]")
+    parser.add_argument("--pool", default=None,
+                        help="ext_proc modes: the pool's endpoints HOST:PORT[,HOST:PORT...] known to Envoy, routed "
+                             "with the override_host policy (fallback lists, served endpoint, FailOpen to "
+                             "least-request); default: none, ORIGINAL_DST on the header")
+    parser.add_argument("--failure-mode", choices=FAILURE_MODES, default=None,
+                        help="ext_proc modes: closed (FailClose: no answer from the picker = 503) or open "
+                             "(FailOpen: the request goes on without a destination; with --pool Envoy picks) "
+                             "(default closed)")
     parser.add_argument("--backend-health-check-path", default=None,
                         help=f"least-request mode: HTTP path of the backends' active health check "
                              f"(default {DEFAULT_BACKEND_HEALTH_CHECK_PATH})")
@@ -480,7 +557,8 @@ def _render_from_args(args: argparse.Namespace) -> str:
     """
     tracing = _tracing_from_args(args)
     if args.mode == LEAST_REQUEST_MODE:
-        for flag, value in (("--extproc", args.extproc), ("--message-timeout-s", args.message_timeout_s)):
+        for flag, value in (("--extproc", args.extproc), ("--message-timeout-s", args.message_timeout_s),
+                            ("--pool", args.pool), ("--failure-mode", args.failure_mode)):
             if value is not None:
                 raise ValueError(f"{flag} has no use in --mode {LEAST_REQUEST_MODE} (there is no ext_proc filter)")
         if args.backends is None:
@@ -499,9 +577,12 @@ def _render_from_args(args: argparse.Namespace) -> str:
                              f"processor (--extproc) picks each request's backend")
     extproc = DEFAULT_EXTPROC_ADDRESS if args.extproc is None else args.extproc
     parse_address_list(extproc, what="--extproc", ip_only=False)  # errors that name the flag
+    if args.pool is not None:
+        parse_address_list(args.pool, what="--pool", ip_only=False)
     return render_config(
         args.mode, listen_address=args.listen_address, listen_port=args.listen_port,
-        admin_port=args.admin_port, extproc_address=extproc,
+        admin_port=args.admin_port, extproc_address=extproc, pool_addresses=args.pool,
+        failure_mode=args.failure_mode or "closed",
         message_timeout_s=(DEFAULT_MESSAGE_TIMEOUT_S if args.message_timeout_s is None
                            else args.message_timeout_s),
         tracing=tracing,

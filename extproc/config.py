@@ -25,6 +25,8 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
       late_backoff_span_s: 1.0      # ... spanning at least this long
     seed: null                      # seeds the policy RNG; null = from os.urandom
     max_body_bytes: 8388608         # larger request bodies get 413
+    fallback_endpoints: 0           # endpoints after the chosen one in the destination list (gateways that take a
+                                    # list only, e.g. `astrolabe envoy --pool`; ORIGINAL_DST takes one)
     drain_delay_s: 2.0              # at shutdown, keep serving this long after readiness goes NOT_SERVING
     grace_period_s: 10.0            # then streams still being routed get at most this long
     metrics_listen: null            # host:port for Prometheus /metrics (null = off)
@@ -48,7 +50,21 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
       interval_s: 2.0
       timeout_s: 1.0
       unhealthy_threshold: 2        # consecutive failures before an endpoint leaves the pool
-    endpoints:
+    discovery:                      # where the endpoints come from (extproc/discovery)
+      source: static                # static: the endpoints key | kubernetes | dns
+      namespace: null               # kubernetes: null = the pod's own namespace
+      label_selector: null          # kubernetes: pods by label selector, e.g. app=vllm ...
+      inference_pool: null          # ... or by an InferencePool's selector and targetPorts (exactly one)
+      target_ports: [8000]          # model-server port(s) per pod (InferencePool: its targetPorts)
+      predictor_port: 9100          # sidecar port (or a container port name); null = no sidecar
+      models: []                    # served models of discovered endpoints; empty = any
+      kubeconfig: null              # null = in-cluster service account, else $KUBECONFIG / ~/.kube/config
+      resync_interval_s: 300.0      # kubernetes: full relist period
+      dns_name: null                # dns: e.g. vllm.default.svc.cluster.local (a headless Service)
+      dns_nameservers: []           # dns: empty = /etc/resolv.conf
+      dns_interval_s: 5.0           # dns: time between lookups
+      timeout_s: 5.0                # one API list or DNS lookup
+    endpoints:                      # discovery.source static only (required there)
       - address: 10.0.0.5:8000      # ip:port of a vLLM (or compatible) OpenAI server
         models: [llama-2-7b]        # served model names; empty = serves any model
         predictor: 10.0.0.5:9100    # predictor sidecar beside it (optional)
@@ -357,6 +373,102 @@ class EndpointConfig:
                                 "to least-requests for it).")
 
 
+
+DISCOVERY_SOURCES = ("static", "kubernetes", "dns")
+"""Where the endpoint list comes from (``discovery.source``)."""
+
+
+def _port_or_name(value: object) -> object:
+    """A port number (1..65535) or an IANA-style container port name (lower-case, <= 15 characters)."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        if not 1 <= value <= 65535:
+            raise ValueError(f"port {value} is not in 1..65535")
+        return value
+    if isinstance(value, str) and 1 <= len(value) <= 15 and value.replace("-", "").isalnum() \
+            and value == value.lower() and not value.isdigit():
+        return value
+    raise ValueError(f"expected a port number or a container port name, got {value!r}")
+
+
+_Port = Annotated[int, Field(strict=True, ge=1, le=65535)]
+
+
+@dataclass(frozen=True, slots=True, config=_config("DiscoveryConfig"))
+class DiscoveryConfig:
+    """Where the endpoints come from: the static ``endpoints`` list, the Kubernetes API, or DNS.
+
+    ``kubernetes``: the Ready pods (phase Running, condition Ready True, not being deleted, with a pod IP) matched
+    by ``label_selector``, or by the selector of the InferencePool ``inference_pool``
+    (``inference.networking.k8s.io/v1``), in ``namespace``; each pod gives one endpoint per target port
+    (``podIP:port``). Listed, then watched (resourceVersion, bookmarks; a 410 Gone relists) and relisted every
+    ``resync_interval_s`` (``extproc/discovery/kubernetes.py``).
+    ``dns``: the A/AAAA records of ``dns_name`` (a headless Service lists its Ready pods), re-resolved every
+    ``dns_interval_s``, each ``ip:target_ports[0]`` (``extproc/discovery/dns.py``).
+    The sidecar of each endpoint is ``podIP:predictor_port``. A failed list or lookup keeps the last endpoints.
+    """
+
+    source: Literal[DISCOVERY_SOURCES] = Field(  # type: ignore[valid-type]
+        "static", description="static: the endpoints key; kubernetes: pods from the Kubernetes API; dns: the "
+                              "records of a headless Service.")
+    namespace: _NonEmptyStr | None = Field(
+        None, description="kubernetes: namespace of the pods and the InferencePool; null = the extproc pod's own "
+                          "(its service account's namespace file), else 'default'.")
+    label_selector: _NonEmptyStr | None = Field(
+        None, description="kubernetes: a label selector of the model-server pods, e.g. 'app=vllm' (exactly one of "
+                          "label_selector and inference_pool).")
+    inference_pool: _NonEmptyStr | None = Field(
+        None, description="kubernetes: name of an InferencePool (inference.networking.k8s.io/v1) whose "
+                          "spec.selector and spec.targetPorts define the endpoints; watched too.")
+    target_ports: Annotated[tuple[_Port, ...], Field(min_length=1, max_length=8)] = Field(
+        (8000,), description="Model-server port(s) of each pod (1-8, as InferencePool targetPorts); "
+                             "inference_pool: ignored (the pool's targetPorts win); dns: the first.")
+    predictor_port: Annotated[int | str | None, BeforeValidator(_port_or_name, json_schema_input_type=int | str | None)] = Field(
+        9100, description="Port of the predictor sidecar in each pod: a number, or (kubernetes) the name of a "
+                          "container port; null = no sidecar. With several target ports, the i-th port's sidecar "
+                          "is predictor_port + i (a name: its number + i).")
+    models: Annotated[tuple[_NonEmptyStr, ...],
+                      BeforeValidator(_none_as(tuple), json_schema_input_type=list[_NonEmptyStr] | None)] = Field(
+        (), description="Served model names of every discovered endpoint; empty = any model.")
+    kubeconfig: _NonEmptyStr | None = Field(
+        None, description="kubernetes: a kubeconfig file; null = in-cluster (service account) when "
+                          "KUBERNETES_SERVICE_HOST is set, else $KUBECONFIG or ~/.kube/config.")
+    resync_interval_s: _PositiveSeconds = Field(
+        300.0, description="kubernetes: full relist period, seconds (each watch also ends after this long).")
+    dns_name: _NonEmptyStr | None = Field(
+        None, description="dns: the name to resolve, e.g. vllm.default.svc.cluster.local (a headless Service).")
+    dns_nameservers: Annotated[tuple[_NonEmptyStr, ...],
+                               BeforeValidator(_none_as(tuple), json_schema_input_type=list[str] | None)] = Field(
+        (), description="dns: resolvers as 'ip' or 'ip:port'; empty = those of /etc/resolv.conf (with its search "
+                        "domains).")
+    dns_interval_s: _PositiveSeconds = Field(5.0, description="dns: time between two lookups, seconds.")
+    timeout_s: _PositiveSeconds = Field(
+        5.0, description="Deadline of one API list or DNS lookup, seconds; a failure retries with backoff "
+                         "(0.5 s doubling to 30 s) and keeps the last endpoints.")
+
+    def __post_init__(self) -> None:
+        if self.source == "kubernetes" and (self.label_selector is None) == (self.inference_pool is None):
+            raise _Located(("source",), "kubernetes needs exactly one of label_selector and inference_pool")
+        if self.source == "dns" and (self.label_selector or self.inference_pool):
+            raise _Located(("source",), "dns discovery takes no label_selector or inference_pool (kubernetes keys)")
+        if self.source == "kubernetes" and self.dns_name:
+            raise _Located(("source",), "kubernetes discovery takes no dns_name (a dns key)")
+        if self.source == "dns" and self.dns_name is None:
+            raise _Located(("dns_name",), "required when discovery.source is dns")
+        if self.source == "dns" and isinstance(self.predictor_port, str):
+            raise _Located(("predictor_port",), "dns discovery cannot read a named container port; give a number")
+        for i, server in enumerate(self.dns_nameservers):
+            host, _, port = server.rpartition(":") if server.count(":") == 1 or server.startswith("[") \
+                else ("", "", "")
+            try:
+                ipaddress.ip_address((host or server).strip("[]"))
+            except ValueError:
+                raise _Located(("dns_nameservers", i), f"expected 'ip' or 'ip:port', got {server!r}") from None
+            if port and not (port.isdigit() and 1 <= int(port) <= 65535):
+                raise _Located(("dns_nameservers", i), f"port {port!r} is not in 1..65535")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The root
 
@@ -366,7 +478,8 @@ class ExtprocConfig:
     """The whole extproc configuration (see the module docstring for the YAML form)."""
 
     endpoints: tuple[EndpointConfig, ...] = Field(
-        description="The backends. Reloaded live when the file changes; addresses must be distinct.")
+        (), description="The backends (required with discovery.source static, where it is reloaded live when the "
+                        "file changes; must be empty otherwise); addresses must be distinct.")
     listen: _HostPort = Field("127.0.0.1:9002", description="host:port of the gRPC ExternalProcessor service.",
                               json_schema_extra=_PORT_PATTERN)
     policy: _Str = Field(
@@ -379,6 +492,12 @@ class ExtprocConfig:
         None, description="Seeds the policy RNG; null = from os.urandom.")
     max_body_bytes: _PositiveInt = Field(
         8 * 1024 * 1024, description="Largest request body routed, bytes (>= 1); larger bodies get 413.")
+    fallback_endpoints: Annotated[int, Field(strict=True, ge=0, le=7)] = Field(
+        0, description="Endpoints listed after the chosen one in the destination (an ordered fallback list, "
+                       "Endpoint Picker protocol v0.4: the other probed candidates best first, then the least "
+                       "loaded), 0-7. Only for gateways that take a list (Envoy's override_host policy: "
+                       "`astrolabe envoy --pool`; Envoy Gateway, GKE); an ORIGINAL_DST cluster takes one ip:port, "
+                       "so keep 0 there.")
     drain_delay_s: _NonNegativeSeconds = Field(
         2.0, description="At shutdown, keep serving this long after readiness goes NOT_SERVING, seconds.")
     grace_period_s: _NonNegativeSeconds = Field(
@@ -395,6 +514,10 @@ class ExtprocConfig:
     health_check: Annotated[HealthCheckConfig, BeforeValidator(_none_as(dict),
                                                                json_schema_input_type=HealthCheckConfig | None)] = \
         Field(default_factory=HealthCheckConfig, description="Active HTTP health checks of the endpoints.")
+    discovery: Annotated[DiscoveryConfig, BeforeValidator(_none_as(dict),
+                                                          json_schema_input_type=DiscoveryConfig | None)] = \
+        Field(default_factory=DiscoveryConfig,
+              description="Where the endpoints come from: the endpoints key, the Kubernetes API or DNS.")
     output_length: _OutputLength = Field(
         default_factory=OutputLengthConfig, description="Predicted output tokens sent to predictor sidecars.")
     predictor_client: _PredictorClient = Field(
@@ -427,6 +550,11 @@ class ExtprocConfig:
             seen.add(endpoint.address)
         return endpoints
 
+    def __post_init__(self) -> None:
+        if self.discovery.source != "static" and self.endpoints:
+            raise _Located(("endpoints",), f"must be empty when discovery.source is {self.discovery.source} (the "
+                                           "endpoints are discovered)")
+
 
 _ADAPTER = TypeAdapter(ExtprocConfig)
 
@@ -434,19 +562,25 @@ _ADAPTER = TypeAdapter(ExtprocConfig)
 _CLASS_AT: dict[tuple[str, ...], type] = {
     (): ExtprocConfig, ("endpoints",): EndpointConfig, ("health_check",): HealthCheckConfig,
     ("output_length",): OutputLengthSection, ("predictor_client",): PredictorClientSection,
-    ("tracing",): TracingSection,
+    ("tracing",): TracingSection, ("discovery",): DiscoveryConfig,
 }
-_MAPPING_KEYS = ("health_check", "output_length", "predictor_client", "policy_params", "tokenizers", "tracing")
+_MAPPING_KEYS = ("health_check", "output_length", "predictor_client", "policy_params", "tokenizers", "tracing",
+                 "discovery")
 """Root keys whose own keys an ``<SECTION>__<KEY>`` override may set."""
 
 
 def config_json_schema() -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of the YAML file, with a description (and unit) for every key.
 
-    For Helm / ConfigMap validation. It cannot express two rules ``parse_config`` also checks: distinct
-    endpoint addresses, and parameters the chosen policy accepts.
+    For Helm / ConfigMap validation. It cannot express the rules ``parse_config`` also checks: distinct
+    endpoint addresses, parameters the chosen policy accepts, and the keys each discovery source needs.
     """
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **_ADAPTER.json_schema()}
+    discovered = {"required": ["discovery"], "properties": {"discovery": {
+        "required": ["source"], "properties": {"source": {"enum": [s for s in DISCOVERY_SOURCES if s != "static"]}}}}}
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **_ADAPTER.json_schema(),
+            # endpoints: required with static discovery (the default), empty with the others.
+            "if": {"not": discovered}, "then": {"required": ["endpoints"]},
+            "else": {"properties": {"endpoints": {"maxItems": 0}}}}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -541,6 +675,9 @@ def _config_error(exc: ValidationError, sources: Mapping[tuple[str, ...], str]) 
 def _parse(raw: object, sources: Mapping[tuple[str, ...], str]) -> ExtprocConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{ROOT}: expected a mapping")
+    discovery = raw.get("discovery")
+    if "endpoints" not in raw and (not isinstance(discovery, Mapping) or discovery.get("source", "static") == "static"):
+        raise ConfigError(f"endpoints: required (or set discovery.source to kubernetes or dns){_set_by(sources, ('endpoints',))}")
     try:
         config = _ADAPTER.validate_python(dict(raw))
     except ValidationError as exc:

@@ -33,6 +33,10 @@ class Decision:
         fallback_reason: why the least-requests fallback decided (``extproc.router.FALLBACK_REASONS``); "" when
             the basis is not ``fallback``.
         decided_at_s: when the decision was made, on the router's monotonic clock, seconds (0: not recorded).
+        fallbacks: more endpoints, in the order the gateway should try them after ``destination`` fails
+            (``fallback_endpoints`` in the config; empty by default).
+        served_elsewhere: the gateway reported that a fallback served the request: ``destination`` and
+            ``predictor`` are now that endpoint's (moved by ``Router.served``).
     """
 
     destination: str
@@ -48,3 +52,10 @@ class Decision:
     stage_s: tuple[tuple[str, float], ...] = ()
     fallback_reason: str = ""
     decided_at_s: float = 0.0
+    fallbacks: tuple[str, ...] = ()
+    served_elsewhere: bool = False
+
+    @property
+    def destination_value(self) -> str:
+        """The destination header's and metadata's value: ``ip:port[,ip:port...]``, the chosen endpoint first."""
+        return ",".join((self.destination, *self.fallbacks))

@@ -30,6 +30,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -101,7 +103,20 @@ class ExtprocMetrics:
         self.prediction_ratio = Histogram(
             "astrolabe_extproc_prediction_ratio", "Predicted / observed latency of completed requests",
             ["endpoint", "metric"], buckets=RATIO_BUCKETS, registry=self.registry)
+        self.served_elsewhere = Counter(
+            "astrolabe_extproc_served_elsewhere", "Requests the gateway reported served by a fallback endpoint, not "
+            "the chosen one (x-gateway-destination-endpoint-served)", registry=self.registry)
         self.registry.register(_PoolCollector(pool))
+
+    def forget_endpoint(self, address: str, predictor: str | None) -> None:
+        """Drops the per-endpoint series of an endpoint that left the pool (discovery: pods come and go, and
+        their series must not pile up)."""
+        for metric in ("e2e", "ttft"):
+            with contextlib.suppress(KeyError):
+                self.prediction_ratio.remove(address, metric)
+        if predictor:
+            with contextlib.suppress(KeyError):
+                self.predict_seconds.remove(predictor)
 
     def count_request(self, policy: str, outcome: str) -> None:
         """Count one ext_proc stream of the configured ``policy`` (its ``TYPE``) with ``outcome`` (``routed``,

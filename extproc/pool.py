@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -110,7 +111,12 @@ class HealthChecker:
         self._pool = pool
         self._config = config
         self._failures: dict[str, int] = {}
+        self._wake = asyncio.Event()
         self.first_round_done = asyncio.Event()
+
+    def wake(self) -> None:
+        """Starts the next round now (new endpoints were discovered: they serve after their first check)."""
+        self._wake.set()
 
     async def _check(self, session: aiohttp.ClientSession, address: str) -> None:
         try:
@@ -134,6 +140,8 @@ class HealthChecker:
         timeout = aiohttp.ClientTimeout(total=self._config.timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
+                self._wake.clear()
                 await self.run_once(session)
                 self.first_round_done.set()
-                await asyncio.sleep(self._config.interval_s)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self._config.interval_s)

@@ -441,6 +441,15 @@ class PredictorClient:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def forget(self, address: str) -> None:
+        """Drops a sidecar that left the pool (its endpoint is gone): its channel is closed in the background, its
+        health and outcome counts are deleted. A later call to it starts afresh."""
+        entry = self._stubs.pop(address, None)
+        self._health.pop(address, None)
+        self.outcomes.pop(address, None)
+        if entry is not None:
+            self._spawn(entry[0].close(grace=self.config.notify_timeout_s))
+
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()

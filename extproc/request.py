@@ -44,6 +44,8 @@ class RoutingRequest:
         chat_messages: chat only: ``(role, text)`` of every message, in order (what a chat template renders).
         arrival_time_s: when the extproc received the request's headers, seconds on ``time.monotonic()`` (the
             cluster simulation's virtual clock there); 0.0 when unknown. Routing overhead is measured from it.
+        allowed_endpoints: the gateway's subset hint (``extproc.wire.DESTINATION_SUBSET_HEADER``): normalised
+            ``ip:port`` the request may go to; None = any endpoint of the pool.
     """
 
     request_id: str
@@ -58,6 +60,7 @@ class RoutingRequest:
     last_user_message: str | None = None
     arrival_time_s: float = 0.0
     chat_messages: tuple[tuple[str, str], ...] | None = None
+    allowed_endpoints: frozenset[str] | None = None
 
 
 def _bad(message: str, param: str | None = None) -> RoutingError:

@@ -76,13 +76,17 @@ class Router:
         prompt_tokens: counts prompt tokens per served model (``extproc.prompt_tokens``); None = the shipped
             WordPiece for every model.
         tracer: where the length-estimate span is started (None: no span, tracing off).
+        num_fallbacks: endpoints listed after the chosen one (``Decision.fallbacks``, the config's
+            ``fallback_endpoints``): the other probed candidates by their predicted latency, then the healthy
+            endpoints by this replica's in-flight count.
     """
 
     def __init__(self, pool: EndpointPool, policy: Policy, metrics: ExtprocMetrics | None = None,
                  predictors: PredictorClient | None = None, lengths: OutputLengthEstimator | None = None,
                  rng: random.Random | None = None, endpoint_metrics: MetricsScraper | None = None,
                  clock=time.monotonic, decision_log: DecisionLog | None = None,
-                 prompt_tokens: PromptTokenCounter | None = None, tracer: trace.Tracer | None = None) -> None:
+                 prompt_tokens: PromptTokenCounter | None = None, tracer: trace.Tracer | None = None,
+                 num_fallbacks: int = 0) -> None:
         if policy.needs_predictions and (predictors is None or lengths is None):
             raise ValueError(f"policy {policy.TYPE!r} needs a predictor client and an output-length estimator")
         self.pool = pool
@@ -96,6 +100,7 @@ class Router:
         self.decision_log = decision_log
         self._count_prompt_tokens = prompt_tokens.count if prompt_tokens is not None else count_prompt_tokens
         self._tracer = tracer
+        self._num_fallbacks = num_fallbacks
 
     def _healthy_views(self, request: RoutingRequest) -> list[EndpointView]:
         if not self.pool.endpoints:
@@ -103,6 +108,12 @@ class Router:
         serving = self.pool.serving(request.model)
         if not serving:
             raise RoutingError(ErrorCode.MODEL_NOT_FOUND, f"The model `{request.model}` does not exist.", "model")
+        if request.allowed_endpoints is not None:
+            serving = [e for e in serving if e.address in request.allowed_endpoints]
+            if not any(self.pool.is_healthy(e.address) for e in serving):
+                raise RoutingError(ErrorCode.NO_HEALTHY_ENDPOINT,
+                                   f"no healthy endpoint of the gateway's subset hint ({len(request.allowed_endpoints)}"
+                                   f" listed) serves the request")
         since_s = self._clock() - self.policy.recent_window_s
         scraper = self.endpoint_metrics if self.policy.needs_metrics else None
         views = [EndpointView(e.address, self.pool.in_flight(e.address), e.predictor,
@@ -140,6 +151,8 @@ class Router:
                 chosen, policy_name, basis = self._fallback.choose(request, views), self._fallback.TYPE, "fallback"
                 reason = FALLBACK_NO_METRICS if self.policy.needs_metrics else FALLBACK_UNDECIDED
             decision = Decision(chosen.address, policy_name, request.request_id, basis=basis, fallback_reason=reason)
+        if self._num_fallbacks:
+            decision = replace(decision, fallbacks=self._fallback_list(decision, views))
         end_s = self._clock()
         decision = replace(decision, routing_s=end_s - request.arrival_time_s)
         self.pool.acquire(decision.destination)
@@ -218,6 +231,48 @@ class Router:
                 span.set_attributes({NUM_PREDICTED_OUTPUT_TOKENS: num_output_tokens,
                                      LENGTH_SOURCE: LENGTH_SOURCE_LABELS.get(length_source, "unspecified")})
         return num_output_tokens, length_source
+
+    def _fallback_list(self, decision: Decision, views: Sequence[EndpointView]) -> tuple[str, ...]:
+        """Up to ``num_fallbacks`` endpoints after ``decision.destination``: the probed candidates that answered,
+        lowest predicted latency (the policy's metric) first, then the other healthy endpoints, fewest in flight
+        first."""
+        metric = getattr(getattr(self.policy, "params", None), "metric", "e2e")
+        answered = sorted((getattr(p, f"{metric}_s", p.e2e_s), address) for address, p in decision.candidates
+                          if p is not None and address != decision.destination)
+        ranked = [address for _, address in answered]
+        taken = {decision.destination, *ranked}
+        ranked += [v.address for v in sorted(views, key=lambda v: (v.num_in_flight, v.address))
+                   if v.address not in taken]
+        return tuple(ranked[:self._num_fallbacks])
+
+    def served(self, decision: Decision, address: str) -> Decision:
+        """The gateway reports that ``address`` served the request ``decision`` routed (it went down the fallback
+        list, or chose itself): the in-flight count moves there, the chosen sidecar is released (the request never ran there) and
+        the serving endpoint's sidecar, if any, is told (Admit, without a prediction).
+
+        A served endpoint that is not in the list (the gateway's own choice after the list was used up, or with
+        no list) moves the count the same way, if it is an endpoint of the pool.
+
+        Returns:
+            The decision now pointing at ``address`` (``served_elsewhere``); ``decision`` itself when ``address``
+            is its destination or no endpoint of the pool (a report to ignore).
+        """
+        if address == decision.destination or not any(e.address == address for e in self.pool.endpoints):
+            return decision
+        self.pool.release(decision.destination)
+        self.pool.acquire(address)
+        self.metrics.served_elsewhere.inc()
+        predictor = next((e.predictor for e in self.pool.endpoints if e.address == address), None)
+        if self.predictors is not None:
+            if decision.predictor:
+                self.predictors.release(decision.predictor, decision.request_id)
+            if predictor and decision.num_prompt_tokens:
+                self.predictors.admit(predictor, decision.request_id, decision.num_prompt_tokens,
+                                      decision.num_predicted_output_tokens, length_source=decision.length_source)
+        logger.info("request %s served by fallback %s (chosen %s)", decision.request_id, address,
+                    decision.destination)
+        return replace(decision, destination=address, predictor=predictor if decision.predictor else None,
+                       candidates=(), served_elsewhere=True)
 
     def release(self, decision: Decision) -> None:
         """The request routed by ``decision`` has ended (its ext_proc stream closed): its in-flight count drops,

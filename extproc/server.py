@@ -4,7 +4,8 @@ No routing code lives here: ``stream.StreamHandler`` handles each ext_proc strea
 
 Health (grpc.health.v1) reports the service names ``""``, ``liveness``, ``readiness`` and
 ``envoy.service.ext_proc.v3.ExternalProcessor``. ``liveness`` is SERVING while the process runs; the others
-become SERVING after the first round of endpoint health checks and NOT_SERVING when shutdown starts, so that
+become SERVING after the first discovered endpoint list (``discovery.source`` kubernetes or dns:
+``extproc.discovery``) and the first round of endpoint health checks and NOT_SERVING when shutdown starts, so that
 Envoy's health checker moves new streams elsewhere while in-flight streams drain (for at most
 ``grace_period_s``; a stream still open then is cancelled, which ends nothing for a request whose route was
 already sent, since every response phase is skipped).
@@ -44,6 +45,7 @@ from extproc import wire
 from extproc.config import LIVE_KEYS, ConfigError, ExtprocConfig, changed_keys, load_config, replace_config
 from extproc.endpoint_metrics import MetricsScraper
 from extproc.decision_log import DecisionLog
+from extproc.discovery import build_source
 from extproc.lengths import OutputLengthEstimator
 from extproc.metrics import ExtprocMetrics
 from extproc.predictor_client import PredictorClient
@@ -150,7 +152,7 @@ class ConfigWatcher:
         self._digest = _digest(path)
 
     def poll(self) -> bool:
-        """Checks the file once; returns True when a new endpoint list was applied."""
+        """Checks the file once; returns True when a new endpoint list was applied (never with discovery)."""
         digest = _digest(self._path)
         if digest is None or digest == self._digest:
             return False
@@ -171,6 +173,8 @@ class ConfigWatcher:
             logger.info("config reloaded: changed %s (applied live)", ", ".join(changed))
         else:
             logger.info("config reloaded: no key changed")
+        if self._config.discovery.source != "static":
+            return False  # the pool's endpoints are discovered; the file's list is empty
         if new.endpoints != self._config.endpoints:
             logger.info("endpoints now %d: added %s; removed %s", len(new.endpoints),
                         _addresses(new.endpoints, self._config.endpoints) or "none",
@@ -252,8 +256,10 @@ class ExtprocServer:
         self.router = Router(self.pool, policy, self.metrics, self.predictors,
                              OutputLengthEstimator(config.output_length, _load_tagger(config)), rng,
                              endpoint_metrics=self.endpoint_metrics, decision_log=self.decision_log,
-                             prompt_tokens=prompt_tokens, tracer=tracer)
-        if policy.needs_predictions and not any(e.predictor for e in config.endpoints):
+                             prompt_tokens=prompt_tokens, tracer=tracer, num_fallbacks=config.fallback_endpoints)
+        self._source = build_source(config.discovery)
+        self._first_sync = asyncio.Event()
+        if self._source is None and policy.needs_predictions and not any(e.predictor for e in config.endpoints):
             logger.warning("policy %r needs predictor sidecars but no endpoint names one: every request "
                            "falls back to least-requests", config.policy)
         self._metrics_server = None
@@ -297,6 +303,16 @@ class ExtprocServer:
         await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
         await self._set_serving(False)
         await self._server.start()
+        if self._source is not None:  # readiness waits for the first discovered list (an API or DNS failure: logged)
+            discovery = asyncio.create_task(self._source.run(self._publish), name="endpoint-discovery")
+            self._tasks.append(discovery)
+            synced = asyncio.create_task(self._first_sync.wait())
+            await asyncio.wait((discovery, synced), return_when=asyncio.FIRST_COMPLETED)
+            synced.cancel()
+            if discovery.done():  # a source ends only on an error it cannot retry (e.g. no kubeconfig)
+                await self.stop_now()
+                discovery.result()
+                raise ConfigError("discovery: the endpoint source stopped before its first list")
         if self._checker:
             self._tasks.append(asyncio.create_task(self._checker.run(), name="endpoint-health"))
             await self._checker.first_round_done.wait()
@@ -316,6 +332,32 @@ class ExtprocServer:
                     self.config.policy, params if params is not None else dict(self.config.policy_params),
                     len(self.pool.endpoints))
         return self.port
+
+    def _publish(self, endpoints) -> None:
+        """A discovery source's new endpoint list: into the pool (in-flight requests keep their destination); the
+        health checker checks the new ones at once; sidecars of new endpoints are connected."""
+        gone = [e for e in self.pool.endpoints if e.address not in {n.address for n in endpoints}]
+        self.pool.replace(endpoints)
+        self._first_sync.set()
+        predictors = {e.predictor for e in endpoints}
+        for endpoint in gone:
+            self.metrics.forget_endpoint(endpoint.address, endpoint.predictor)
+            if endpoint.predictor and endpoint.predictor not in predictors:
+                self.predictors.forget(endpoint.predictor)
+        if self._checker is not None:
+            self._checker.wake()
+        if self.router.policy.needs_predictions:
+            self.predictors.connect([e.predictor for e in endpoints if e.predictor])
+
+    async def stop_now(self) -> None:
+        """Stops at once, without the drain (a start that failed)."""
+        await self._server.stop(0)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.predictors.close()
 
     async def stop(self) -> None:
         """Graceful shutdown.

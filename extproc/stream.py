@@ -33,6 +33,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from astrolabe.logs import bind_request
 from extproc import messages, wire
+from extproc.config import ConfigError, parse_ip_port
 from extproc.errors import ErrorCode, RoutingError
 from extproc.request import RoutingRequest, parse_body
 from extproc.decision import Decision
@@ -74,6 +75,7 @@ class StreamHandler:
         self._request_id = ""
         self._arrival_time_s = 0.0
         self._span = span
+        self._allowed: frozenset[str] | None = None
         self.decision: Decision | None = None
 
     async def on_message(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -124,7 +126,12 @@ class StreamHandler:
         if self._phase is Phase.REJECTED:
             return []
         if kind == "request_headers":
+            self._allowed = _subset_hint(message)
             return await self._on_headers(message.request_headers)
+        if kind == "response_headers" and self.decision is not None:
+            served = _served_endpoint(message)
+            if served is not None:
+                self.decision = self._router.served(self.decision, served)
         if kind == "request_body":
             return await self._on_body(message.request_body)
         if kind == "request_trailers":
@@ -146,7 +153,7 @@ class StreamHandler:
         bind_request(self._request_id, self._span.trace_id)
         if headers.end_of_stream or self._body_mode not in (_BodyMode.BUFFERED, _BodyMode.FULL_DUPLEX_STREAMED):
             decision = await self._route(RoutingRequest(self._request_id, self._method, self._path))
-            return [messages.headers_route(decision.destination, self._span.upstream_headers())]
+            return [messages.headers_route(decision.destination_value, self._span.upstream_headers())]
         self._phase = Phase.BODY
         if self._body_mode == _BodyMode.BUFFERED:
             return [messages.headers_continue()]
@@ -161,7 +168,7 @@ class StreamHandler:
                                f"request body exceeds the limit of {self._max_body_bytes} bytes")
         if self._body_mode == _BodyMode.BUFFERED:
             decision = await self._route_body()
-            return [messages.body_route(decision.destination, self._span.upstream_headers())]
+            return [messages.body_route(decision.destination_value, self._span.upstream_headers())]
         if not body.end_of_stream:
             return []
         return await self._full_duplex_answers(had_trailers=False)
@@ -173,7 +180,7 @@ class StreamHandler:
 
     async def _full_duplex_answers(self, *, had_trailers: bool) -> list[pb.ProcessingResponse]:
         decision = await self._route_body()
-        answers = [messages.headers_route(decision.destination, self._span.upstream_headers())]
+        answers = [messages.headers_route(decision.destination_value, self._span.upstream_headers())]
         answers += messages.streamed_body(bytes(self._body), end_of_stream=not had_trailers)
         if had_trailers:
             answers.append(messages.trailers_continue())
@@ -186,10 +193,52 @@ class StreamHandler:
     async def _route(self, request: RoutingRequest) -> Decision:
         self._span.request(request)
         with self._span.activated():
-            self.decision = await self._router.route(dataclasses.replace(request, arrival_time_s=self._arrival_time_s))
+            self.decision = await self._router.route(dataclasses.replace(
+                request, arrival_time_s=self._arrival_time_s, allowed_endpoints=self._allowed))
         self._phase = Phase.ROUTED
         self._span.decision(self.decision, self._router.policy.TYPE)
         return self.decision
+
+
+def _subset_hint(message: pb.ProcessingRequest) -> frozenset[str] | None:
+    """The gateway's subset hint in the request's filter metadata (``envoy.lb.subset_hint`` /
+    ``x-gateway-destination-endpoint-subset``): a list of ``ip:port`` strings, or one comma-separated string
+    (what Envoy's header_to_metadata filter makes of a header). Entries that are not ``ip:port`` are not eligible;
+    None when there is no hint.
+
+    Source: gateway-api-inference-extension docs/proposals/004-endpoint-picker-protocol ("Endpoint Subset").
+    """
+    hint = message.metadata_context.filter_metadata.get(wire.SUBSET_HINT_NAMESPACE)
+    if hint is None or wire.DESTINATION_SUBSET_HEADER not in hint.fields:
+        return None
+    value = hint.fields[wire.DESTINATION_SUBSET_HEADER]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        entries = [v.string_value for v in value.list_value.values if v.WhichOneof("kind") == "string_value"]
+    elif kind == "string_value":
+        entries = value.string_value.split(",")
+    else:
+        entries = []
+    allowed = set()
+    for entry in entries:
+        try:
+            allowed.add(parse_ip_port(entry.strip(), wire.DESTINATION_SUBSET_HEADER))
+        except ConfigError:
+            logger.debug("subset hint entry %r is not ip:port; not eligible", entry)
+    return frozenset(allowed)
+
+
+def _served_endpoint(message: pb.ProcessingRequest) -> str | None:
+    """The endpoint the gateway reports as having served the request (``envoy.lb`` /
+    ``x-gateway-destination-endpoint-served`` in the response's metadata context), normalised; None if absent
+    or not ``ip:port``."""
+    lb = message.metadata_context.filter_metadata.get(wire.LB_METADATA_NAMESPACE)
+    if lb is None or wire.DESTINATION_SERVED_KEY not in lb.fields:
+        return None
+    try:
+        return parse_ip_port(lb.fields[wire.DESTINATION_SERVED_KEY].string_value, wire.DESTINATION_SERVED_KEY)
+    except ConfigError:
+        return None
 
 
 def _acknowledge(kind: str | None) -> pb.ProcessingResponse:

@@ -7,10 +7,19 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 """Request header that carries the chosen ``ip:port`` (ORIGINAL_DST cluster reads it)."""
 
 DESTINATION_SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
-"""Optional proxy hint restricting the candidates (not used for routing decisions here)."""
+"""The gateway's subset hint: a list of ``ip:port`` (or one comma-separated string) in the request's filter
+metadata under `SUBSET_HINT_NAMESPACE`; the picker must choose among them, and answers 503 when none is eligible.
+Also a request header that Envoy must strip from clients (our configs do)."""
+
+SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
+"""Filter-metadata namespace of the subset hint (protocol v0.3)."""
 
 LB_METADATA_NAMESPACE = "envoy.lb"
 """Dynamic metadata namespace in which the chosen endpoint is also published, under DESTINATION_HEADER."""
+
+DESTINATION_SERVED_KEY = "x-gateway-destination-endpoint-served"
+"""Key under `LB_METADATA_NAMESPACE` in the response's metadata context: the ``ip:port`` that served the request
+(protocol v1.0), which differs from the first endpoint when the gateway went down the fallback list."""
 
 REQUEST_ID_HEADER = "x-request-id"
 """Envoy's request id; a stream without one gets a generated id."""

@@ -103,9 +103,12 @@ def test_config_folder_is_not_a_python_package() -> None:
         ("full-duplex", {"tracing": launcher.EnvoyTracing("http://otel-collector.observability:4317", 12.5,
                                                           "edge-gw", 0.1)}),
         ("least-request", {"tracing": launcher.EnvoyTracing("[::1]:4317")}),
+        ("full-duplex", {"pool_addresses": "10.0.0.5:8000,[fd00::5]:8000", "failure_mode": "open"}),
+        ("buffered", {"pool_addresses": ["vllm.astrolabe.svc.cluster.local:8000"]}),
     ],
     ids=["buffered", "full-duplex", "buffered-3-extprocs", "full-duplex-dns-extprocs", "least-request",
-         "least-request-v6-path", "buffered-traced", "full-duplex-traced-dns", "least-request-traced"],
+         "least-request-v6-path", "buffered-traced", "full-duplex-traced-dns", "least-request-traced",
+         "full-duplex-pool-fail-open", "buffered-dns-pool"],
 )
 def test_rendered_config_passes_envoy_validate(mode: str, overrides: dict, tmp_path: Path) -> None:
     config_path = tmp_path / "envoy.yaml"
@@ -558,3 +561,45 @@ def test_cli_tracing_flags(capsys: pytest.CaptureFixture, caplog: pytest.LogCapt
     assert tracing["provider"]["typed_config"]["service_name"] == "gw"
     assert launcher.main(["--mode", "full-duplex", "--print-config", "--trace-sampling-percent", "50"]) == 2
     assert "--trace-sampling-percent need(s) --otlp-endpoint" in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["buffered", "full-duplex"])
+def test_the_pool_routes_with_override_host_and_reports_the_served_endpoint(mode: str) -> None:
+    """``pool_addresses``: Envoy knows the endpoints and follows the picker's list (header, then metadata), reports
+    the endpoint served in envoy.lb, falls back to least-request, and asks the picker for the response headers
+    (where that report arrives); without it: ORIGINAL_DST, response headers skipped."""
+    default = yaml.safe_load(_render(mode))
+    assert _clusters(default)["backends"]["type"] == "ORIGINAL_DST"
+    ext_proc = next(f for f in _http_filters(default) if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+    assert ext_proc["processing_mode"]["response_header_mode"] == "SKIP" and ext_proc["failure_mode_allow"] is False
+    assert ext_proc["metadata_options"]["forwarding_namespaces"]["untyped"] == ["envoy.lb", "envoy.lb.subset_hint"]
+    assert _route(default)["retry_policy"]["num_retries"] == 1
+
+    config = yaml.safe_load(_render(mode, pool_addresses="10.0.0.5:8000,10.0.0.6:8000", failure_mode="open"))
+    backends = _clusters(config)["backends"]
+    assert backends["type"] == "STATIC"
+    assert [(a["address"], a["port_value"]) for a in _socket_addresses(backends)] == [("10.0.0.5", 8000),
+                                                                                     ("10.0.0.6", 8000)]
+    (policy,) = backends["load_balancing_policy"]["policies"]
+    override = policy["typed_extension_config"]["typed_config"]
+    assert override["override_host_sources"][0] == {"header": "x-gateway-destination-endpoint"}
+    assert override["selected_host_key"] == {"key": "envoy.lb",
+                                             "path": [{"key": "x-gateway-destination-endpoint-served"}]}
+    (fallback,) = override["fallback_policy"]["policies"]
+    assert fallback["typed_extension_config"]["name"] == "envoy.load_balancing_policies.least_request"
+    ext_proc = next(f for f in _http_filters(config) if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+    assert ext_proc["processing_mode"]["response_header_mode"] == "SEND" and ext_proc["failure_mode_allow"] is True
+    assert _route(config)["retry_policy"]["num_retries"] == launcher.POOL_RETRIES
+    assert _clusters(yaml.safe_load(_render(mode, pool_addresses="vllm.ns.svc:8000")))["backends"]["type"] == \
+        "STRICT_DNS"
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"failure_mode": "sometimes"}, "failure_mode must be one of"),
+    ({"pool_addresses": "10.0.0.5"}, "pool_addresses"),
+])
+def test_pool_and_failure_mode_errors(overrides: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _render("full-duplex", **overrides)
+    with pytest.raises(ValueError, match="no use in the least-request mode"):
+        _render("least-request", pool_addresses="10.0.0.5:8000")

@@ -4,7 +4,8 @@ No Kubernetes API server runs here. What is checked instead:
 
 - Rendering: every kustomization is built with kustomize (``kustomize build`` or ``kubectl kustomize``, whichever
   is on PATH) and, independently, by a minimal resolver in this file (resources, components, namespace,
-  configMapGenerator, images: the only features the manifests use); the two must agree. Without a kustomize
+  configMapGenerator, images, strategic-merge patches from files: the only features the manifests use); the two
+  must agree. Without a kustomize
   binary the resolver's output is what the other tests check, and the agreement test is skipped.
 - Schemas: built-in kinds against the Kubernetes OpenAPI schemas (the ``kubernetes-validate`` package, strict:
   unknown fields are errors) at the oldest and newest versions the README claims; InferencePool, HTTPRoute and
@@ -12,7 +13,9 @@ No Kubernetes API server runs here. What is checked instead:
   unknown fields rejected as the API server's strict field validation does). CEL rules (x-kubernetes-validations)
   are not evaluated; the few that apply are checked by hand below. Istio's kinds have no schema here.
 - Cross references: selectors, ports, probes, volumes, $(VAR) references, the extproc config (parsed by the
-  extproc's own loader), the sidecar's flags (parsed by its own parser), the standalone Envoy config (the
+  extproc's own loader with the ASTROLABE_EXTPROC_* overrides the overlays set on its container: its endpoint
+  discovery must select the vLLM pods, or name the overlay's InferencePool, on the right ports; the Role must
+  grant what discovery reads), the sidecar's flags (parsed by its own parser), the standalone Envoy config (the
   launcher's rendering, validated by the real Envoy binary) and the Istio EnvoyFilter's patches (assembled into
   an Envoy config and validated by the same binary).
 """
@@ -106,19 +109,67 @@ def _set_image(image: str, rules: list[dict]) -> str:
     return image
 
 
-def resolve(directory: Path) -> list[dict]:
-    """A minimal kustomize: the features deploy/kubernetes uses, nothing else (unknown keys are an error)."""
+def _strategic_merge(target: object, patch: object) -> object:
+    """``patch`` merged into ``target`` as a strategic merge patch does for the fields the manifests patch: maps
+    recursively, lists of named items (containers, env, volumes, ports with names) by ``name``, anything else
+    replaced. Directives (``$patch``, ``$setElementOrder``...) are not supported."""
+    if isinstance(target, dict) and isinstance(patch, dict):
+        assert not any(k.startswith("$") for k in patch), f"unsupported directive in {patch}"
+        merged = dict(target)
+        for key, value in patch.items():
+            merged[key] = _strategic_merge(target[key], value) if key in target else copy.deepcopy(value)
+        return merged
+    if (isinstance(target, list) and isinstance(patch, list)
+            and all(isinstance(i, dict) and "name" in i for i in target + patch)):
+        merged = list(target)
+        for item in patch:
+            at = [n for n, existing in enumerate(merged) if existing["name"] == item["name"]]
+            if at:
+                merged[at[0]] = _strategic_merge(merged[at[0]], item)
+            else:
+                merged.append(copy.deepcopy(item))
+        return merged
+    return copy.deepcopy(patch)
+
+
+def _apply_patches(directory: Path, kustomization: dict, objects: list[dict]) -> list[dict]:
+    for entry in kustomization.get("patches", []):
+        assert set(entry) == {"path"}, f"{directory}: the resolver only knows patches from files: {entry}"
+        (patch,) = [o for o in yaml.safe_load_all((directory / entry["path"]).read_text()) if o]
+        def matches(obj: dict, patch: dict = patch) -> bool:
+            namespace = obj["metadata"].get("namespace")
+            return ((obj["apiVersion"], obj["kind"], obj["metadata"]["name"])
+                    == (patch["apiVersion"], patch["kind"], patch["metadata"]["name"])
+                    and patch["metadata"].get("namespace", namespace) == namespace)
+
+        hits = [n for n, o in enumerate(objects) if matches(o)]
+        assert len(hits) == 1, f"{directory}: patch {entry['path']} matches {len(hits)} objects"
+        objects[hits[0]] = _strategic_merge(objects[hits[0]], patch)
+    return objects
+
+
+def resolve(directory: Path, objects: list[dict] | None = None) -> list[dict]:
+    """A minimal kustomize: the features deploy/kubernetes uses, nothing else (unknown keys are an error).
+
+    ``objects``: for a Component, what the kustomization using it has accumulated so far (its patches apply to
+    those too, as kustomize applies a component to its parent's resources)."""
     kustomization = _load_kustomization(directory)
-    known = {"apiVersion", "kind", "namespace", "resources", "components", "configMapGenerator", "images"}
+    known = {"apiVersion", "kind", "namespace", "resources", "components", "configMapGenerator", "images",
+             "patches"}
     assert set(kustomization) <= known, f"{directory}: the resolver does not know {set(kustomization) - known}"
-    objects: list[dict] = []
-    for entry in kustomization.get("resources", []) + kustomization.get("components", []):
+    is_component = kustomization.get("kind") == "Component"
+    assert is_component == (objects is not None), f"{directory}: a Component only under components:"
+    objects = list(objects or [])
+    for entry in kustomization.get("resources", []):
         path = directory / entry
         if path.is_dir():
             objects += resolve(path)
         else:
             objects += [o for o in yaml.safe_load_all(path.read_text()) if o]
+    for entry in kustomization.get("components", []):
+        objects = resolve(directory / entry, objects)
     objects += [_generated_configmap(directory, spec) for spec in kustomization.get("configMapGenerator", [])]
+    objects = _apply_patches(directory, kustomization, objects)
     namespace = kustomization.get("namespace")
     if namespace:
         for obj in objects:
@@ -223,6 +274,7 @@ def test_every_referenced_file_exists(directory):
     referenced = kustomization.get("resources", []) + kustomization.get("components", [])
     for spec in kustomization.get("configMapGenerator", []):
         referenced += [f.rpartition("=")[2] for f in spec.get("files", [])] + spec.get("envs", [])
+    referenced += [entry["path"] for entry in kustomization.get("patches", [])]
     assert referenced
     for entry in referenced:
         assert (directory / entry).exists(), f"{directory.relative_to(K8S)}: {entry} does not exist"
@@ -238,6 +290,7 @@ def test_every_manifest_file_is_used():
         for spec in kustomization.get("configMapGenerator", []):
             used |= {(directory / f.rpartition("=")[2]).resolve() for f in spec.get("files", [])}
             used |= {(directory / e).resolve() for e in spec.get("envs", [])}
+        used |= {(directory / entry["path"]).resolve() for entry in kustomization.get("patches", [])}
     files = {p.resolve() for p in K8S.rglob("*") if p.is_file() and p.name != "README.md"}
     assert files <= used, f"files no kustomization uses: {sorted(str(p) for p in files - used)}"
 
@@ -430,9 +483,8 @@ def test_picker_is_highly_available_and_rolls_without_losing_capacity():
     assert pdb["spec"]["selector"]["matchLabels"].items() <= _pod_labels(deployment).items()
 
 
-def _extproc_config(objects: list[dict]):
-    from extproc.config import parse_config
-
+def _extproc_config_file(objects: list[dict]) -> tuple[str, dict, dict]:
+    """(the config file's text as the picker's pod mounts it, its container, its Deployment)."""
     deployment = find(objects, "Deployment", "astrolabe-extproc")
     container = container_of(objects, "astrolabe-extproc", "extproc")
     config_path = container["args"][container["args"].index("--config") + 1]
@@ -440,7 +492,25 @@ def _extproc_config(objects: list[dict]):
     (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
     assert "subPath" not in mount  # a subPath mount would never see ConfigMap updates (live endpoint reload)
     data = _configmap_data(objects, volume["configMap"]["name"])
-    return parse_config(yaml.safe_load(data[config_path[len(mount["mountPath"]) + 1:]])), container, deployment
+    return data[config_path[len(mount["mountPath"]) + 1:]], container, deployment
+
+
+def _extproc_config(objects: list[dict], tmp_dir: Path | None = None):
+    """The config the picker runs with: its ConfigMap's file (which must be valid alone, ``parse_config``) plus
+    the ASTROLABE_EXTPROC_* variables of its container, read by the extproc's own ``load_config``."""
+    import tempfile
+
+    from extproc.config import ENV_PREFIX, load_config, parse_config
+
+    text, container, deployment = _extproc_config_file(objects)
+    parse_config(yaml.safe_load(text))
+    overrides = [v for v in container.get("env", []) if v["name"].startswith(ENV_PREFIX)]
+    assert all(set(v) == {"name", "value"} for v in overrides), overrides  # literal values, readable here
+    environ = {v["name"]: v["value"] for v in overrides}
+    with tempfile.TemporaryDirectory(dir=tmp_dir) as directory:
+        path = Path(directory) / "extproc.yaml"
+        path.write_text(text)
+        return load_config(path, environ=environ), container, deployment
 
 
 def test_extproc_config_parses_and_matches_the_pod():
@@ -451,29 +521,126 @@ def test_extproc_config_parses_and_matches_the_pod():
     assert config.metrics_listen.rpartition(":") == ("0.0.0.0", ":", str(ports["http-metrics"]))
     grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace > config.drain_delay_s + config.grace_period_s
-    served = _configmap_data(objects, "astrolabe-engine")["SERVED_MODEL_NAME"]
-    for endpoint in config.endpoints:
-        assert set(endpoint.models) <= {served}
-    # The vLLM pods' port and the sidecar's: what an endpoint entry names (the README's kubectl command).
-    assert _port_number(container_of(objects, "astrolabe-vllm", "vllm"), "http") == 8000
-    assert _port_number(container_of(objects, "astrolabe-vllm", "predictor"), "grpc-predictor") == 9100
     vllm_probe = container_of(objects, "astrolabe-vllm", "vllm")["readinessProbe"]
     assert config.health_check.path == vllm_probe["httpGet"]["path"]
+    assert "endpoints" not in yaml.safe_load(_extproc_config_file(objects)[0])  # discovered, not listed
 
 
-def test_the_readmes_endpoint_command_produces_a_valid_list():
-    """The README's jsonpath template, filled with two pod IPs as kubectl would, parses as the config's list."""
+def _equality_selector(selector: str) -> dict[str, str]:
+    """A label selector of ``k=v`` terms as a matchLabels mapping (the only form the manifests use)."""
+    terms = [term.strip().split("=") for term in selector.split(",")]
+    assert all(len(term) == 2 and all(term) for term in terms), f"not k=v terms: {selector!r}"
+    return dict(terms)
+
+
+DISCOVERY_BY = {"base": "label_selector", "overlays/standalone-envoy": "label_selector",
+                "overlays/istio-envoyfilter": "label_selector", "overlays/inference-extension": "inference_pool",
+                "overlays/istio": "inference_pool"}
+"""How each overlay's picker finds the vLLM pods: by label, or through the InferencePool the overlay creates."""
+
+
+def _discovered_pods(objects: list[dict], config) -> tuple[str, dict[str, str], tuple[int, ...]]:
+    """(namespace, pod selector, target ports) that the picker's Kubernetes discovery reads, as
+    extproc/discovery/kubernetes.py resolves them (namespace null = the picker pod's own)."""
+    discovery = config.discovery
+    namespace = discovery.namespace or find(objects, "Deployment", "astrolabe-extproc")["metadata"]["namespace"]
+    if discovery.inference_pool is not None:
+        pool = find(objects, "InferencePool", discovery.inference_pool)
+        assert pool["metadata"]["namespace"] == namespace
+        return namespace, pool["spec"]["selector"]["matchLabels"], tuple(p["number"] for p in
+                                                                         pool["spec"]["targetPorts"])
+    return namespace, _equality_selector(discovery.label_selector), discovery.target_ports
+
+
+def _resolved_predictor_port(objects: list[dict], predictor_port: int | str) -> int:
+    """The sidecar's port number ``predictor_port`` names, as discovery resolves a name: a container port of
+    the pod (native sidecars included) with that name; and it must be the predictor sidecar's own port."""
+    pod = find(objects, "Deployment", "astrolabe-vllm")
+    if isinstance(predictor_port, str):
+        hits = [(c["name"], p["containerPort"]) for c in _pod_containers(pod) for p in c.get("ports", [])
+                if p.get("name") == predictor_port]
+        assert len(hits) == 1, f"container port {predictor_port!r}: {hits}"
+        (container_name, number), = hits
+        assert container_name == "predictor"
+    else:
+        number = predictor_port
+    predictor = container_of(objects, "astrolabe-vllm", "predictor")
+    assert _port_number(predictor, number) == number
+    from predictor.cli import _parser
+
+    args = _parser().parse_args(["serve", *[_expand(a, _env_of(objects, predictor)) for a in predictor["args"]]])
+    assert args.listen.rpartition(":")[2] == str(number)  # the sidecar serves gRPC there
+    return number
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_picker_discovers_the_vllm_pods(overlay):
+    """Each overlay's picker, with its overlay's overrides, discovers exactly the vLLM pods on the vLLM port, with
+    the sidecar's port and the served model: no endpoint list to keep by hand."""
+    objects = build(overlay)
+    config, _, _ = _extproc_config(objects)
+    discovery = config.discovery
+    assert discovery.source == "kubernetes" and config.endpoints == ()
+    by = DISCOVERY_BY[overlay]
+    assert (discovery.label_selector is not None, discovery.inference_pool is not None) == (
+        by == "label_selector", by == "inference_pool"), discovery
+    if by == "inference_pool":  # the pool this overlay creates, the one its HTTPRoute sends traffic to
+        route = find(objects, "HTTPRoute", "astrolabe")
+        assert [b["name"] for rule in route["spec"]["rules"] for b in rule["backendRefs"]] == [
+            discovery.inference_pool]
+    else:
+        assert not [o for o in objects if o["kind"] == "InferencePool"]
+    namespace, selector, ports = _discovered_pods(objects, config)
+    selected = _selected_deployments(objects, namespace, selector)
+    assert [d["metadata"]["name"] for d in selected] == ["astrolabe-vllm"]
+    vllm = container_of(objects, "astrolabe-vllm", "vllm")
+    assert ports == discovery.target_ports  # the same ports with or without the pool
+    for port in ports:
+        assert _port_number(vllm, port) == port
+        assert f"--port={port}" in vllm["args"]
+    _resolved_predictor_port(objects, discovery.predictor_port)
+    served = _configmap_data(objects, "astrolabe-engine")["SERVED_MODEL_NAME"]
+    assert discovery.models == (served,)
+    assert f"--served-model-name={served}" in [_expand(a, _env_of(objects, vllm)) for a in vllm["args"]]
+
+
+def test_picker_discovery_follows_the_vllm_labels_and_the_pool():
+    """The checks above fail when the selector and the pods disagree (a renamed label, a pool on other pods)."""
+    objects = build("overlays/inference-extension")
+    config, _, _ = _extproc_config(objects)
+    find(objects, "InferencePool", "astrolabe-vllm")["spec"]["selector"]["matchLabels"] = {"app": "other"}
+    namespace, selector, _ = _discovered_pods(objects, config)
+    assert not _selected_deployments(objects, namespace, selector)
+    base = build("base")
+    text, _, _ = _extproc_config_file(base)
+    raw = yaml.safe_load(text)
+    raw["discovery"]["label_selector"] = "app.kubernetes.io/name=vllm"
     from extproc.config import parse_config
 
-    readme = (K8S / "README.md").read_text()
-    template = re.search(r"\{range \.items\[\*\]\}(.*?)\{end\}", readme).group(1)
-    served = _configmap_data(build("base"), "astrolabe-engine")["SERVED_MODEL_NAME"]
-    assert f"[{served}]" in template
-    lines = "".join(template.replace("{.status.podIP}", ip).replace('{"\\n"}', "\n")
-                    for ip in ("10.8.1.23", "10.8.2.7"))
-    config = parse_config({"endpoints": yaml.safe_load(lines)})
-    assert [e.address for e in config.endpoints] == ["10.8.1.23:8000", "10.8.2.7:8000"]
-    assert [e.predictor for e in config.endpoints] == ["10.8.1.23:9100", "10.8.2.7:9100"]
+    namespace, selector, _ = _discovered_pods(base, parse_config(raw))
+    assert not _selected_deployments(base, namespace, selector)
+    with pytest.raises(AssertionError):
+        _resolved_predictor_port(base, "grpc-predicto")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_fallback_lists_only_for_a_gateway_that_takes_one(overlay):
+    """fallback_endpoints > 0 only where the gateway's Envoy routes with override_host (standalone-envoy's
+    `--pool`); an ORIGINAL_DST cluster (istio-envoyfilter) takes one ip:port, and the Inference Extension
+    gateways were not tried with a list."""
+    objects = build(overlay)
+    config, _, _ = _extproc_config(objects)
+    if overlay != "overlays/standalone-envoy":
+        assert config.fallback_endpoints == 0
+        return
+    envoy = yaml.safe_load(_configmap_data(objects, "astrolabe-envoy-config")["envoy.yaml"])
+    (backends,) = [c for c in envoy["static_resources"]["clusters"] if c["name"] == "backends"]
+    (policy,) = backends["load_balancing_policy"]["policies"]
+    assert policy["typed_extension_config"]["name"] == "envoy.load_balancing_policies.override_host"
+    (route,) = envoy["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "route_config"]["virtual_hosts"][0]["routes"]
+    # Every listed fallback can be tried: one retry per fallback at least.
+    assert 1 <= config.fallback_endpoints <= route["route"]["retry_policy"]["num_retries"]
 
 
 def test_picker_service_ports_are_named_as_the_inference_extensions():
@@ -482,22 +649,98 @@ def test_picker_service_ports_are_named_as_the_inference_extensions():
                                                                          ("http-metrics", 9090)}
 
 
-def test_rbac_is_read_only_pods_and_inference_pools():
-    objects = build("base")
+def _mounts_token(objects: list[dict], deployment: str) -> bool:
+    """Whether the Deployment's pods get their service account's token (the pod's field wins over the account's;
+    both unset: mounted, the Kubernetes default)."""
+    pod = find(objects, "Deployment", deployment)["spec"]["template"]["spec"]
+    if "automountServiceAccountToken" in pod:
+        return pod["automountServiceAccountToken"]
+    account = [o for o in objects if o["kind"] == "ServiceAccount"
+               and o["metadata"]["name"] == pod.get("serviceAccountName", "default")]
+    return account[0].get("automountServiceAccountToken", True) if account else True
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_rbac_grants_exactly_what_discovery_reads(overlay):
+    objects = build(overlay)
     assert not [o for o in objects if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
     role = find(objects, "Role", "astrolabe-extproc-discovery")
     rules = {(g, r, tuple(sorted(rule["verbs"]))) for rule in role["rules"] for g in rule["apiGroups"]
              for r in rule["resources"]}
+    assert all(set(rule) == {"apiGroups", "resources", "verbs"} for rule in role["rules"])  # no resourceNames
     assert rules == {("", "pods", ("get", "list", "watch")),
                      ("inference.networking.k8s.io", "inferencepools", ("get", "list", "watch"))}
     binding = find(objects, "RoleBinding", "astrolabe-extproc-discovery")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                                   "name": role["metadata"]["name"]}
-    pod = find(objects, "Deployment", "astrolabe-extproc")["spec"]["template"]["spec"]
+    deployment = find(objects, "Deployment", "astrolabe-extproc")
+    pod = deployment["spec"]["template"]["spec"]
+    namespace = deployment["metadata"]["namespace"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"],
-                                    "namespace": "astrolabe"}]
+                                    "namespace": namespace}]
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == namespace
     find(objects, "ServiceAccount", pod["serviceAccountName"])
-    assert pod["automountServiceAccountToken"] is False  # no API use until discovery lands
+    # The Role's namespace is the one discovery reads (namespace null = the pod's own).
+    config, _, _ = _extproc_config(objects)
+    assert _discovered_pods(objects, config)[0] == namespace
+    # The picker authenticates with its account's token (in-cluster configuration: KUBERNETES_SERVICE_HOST is
+    # set in every pod, so no kubeconfig is needed or given); no other pod gets one.
+    assert config.discovery.kubeconfig is None
+    assert _mounts_token(objects, "astrolabe-extproc") is True
+    for other in (o["metadata"]["name"] for o in objects if o["kind"] == "Deployment"):
+        if other != "astrolabe-extproc":
+            assert _mounts_token(objects, other) is False, other
+
+
+def _readme_block(heading: str) -> str:
+    """The first ```yaml block after ``heading`` in deploy/kubernetes/README.md, dedented."""
+    import textwrap
+
+    readme = (K8S / "README.md").read_text()
+    after = readme[readme.index(heading):]
+    return textwrap.dedent(re.search(r"\n( *)```yaml\n(.*?)\n *```", after, re.DOTALL).group(2))
+
+
+def test_the_readmes_dns_discovery_variant_resolves_the_headless_vllm_service():
+    """The README's `source: dns` section, put in place of the file's, parses and names the headless Service of
+    the vLLM pods, whose records are exactly the Ready pods, on the vLLM port and the sidecar's."""
+    from extproc.config import parse_config
+
+    objects = build("base")
+    raw = yaml.safe_load(_extproc_config_file(objects)[0])
+    raw["discovery"] = yaml.safe_load(_readme_block("**DNS instead of the API**"))["discovery"]
+    discovery = parse_config(raw).discovery
+    assert discovery.source == "dns"
+    service_name, namespace, rest = discovery.dns_name.split(".", 2)
+    assert rest == "svc.cluster.local"
+    service = find(objects, "Service", service_name)
+    assert service["metadata"]["namespace"] == namespace
+    assert service["spec"]["clusterIP"] == "None" and not service["spec"].get("publishNotReadyAddresses", False)
+    (vllm_deployment,) = _selected_deployments(objects, namespace, service["spec"]["selector"])
+    assert vllm_deployment["metadata"]["name"] == "astrolabe-vllm"
+    vllm = container_of(objects, "astrolabe-vllm", "vllm")
+    assert _port_number(vllm, discovery.target_ports[0]) == discovery.target_ports[0]
+    assert isinstance(discovery.predictor_port, int)
+    _resolved_predictor_port(objects, discovery.predictor_port)
+    assert discovery.models == (_configmap_data(objects, "astrolabe-engine")["SERVED_MODEL_NAME"],)
+
+
+def test_the_readmes_commands_name_the_discovered_pods_and_the_pickers_account():
+    readme = (K8S / "README.md").read_text()
+    objects = build("base")
+    config, _, deployment = _extproc_config(objects)
+    for selector in re.findall(r"get pods -l (\S+)", readme):
+        assert selector == config.discovery.label_selector
+    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    namespace = deployment["metadata"]["namespace"]
+    assert f"--as=system:serviceaccount:{namespace}:{account}" in readme
+    metrics_port = int(config.metrics_listen.rpartition(":")[2])
+    assert f"port-forward deploy/astrolabe-extproc {metrics_port}:{metrics_port}" in readme
+    from extproc.metrics import __doc__ as metrics_doc
+
+    for series in re.findall(r"astrolabe_extproc_\(([a-z_|]+)\)\\\{", readme):
+        for name in series.split("|"):
+            assert f"astrolabe_extproc_{name}{{endpoint}}" in metrics_doc, name
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -750,9 +993,62 @@ def test_standalone_envoy_config_is_the_launchers_rendering():
         "deploy/kubernetes/overlays/standalone-envoy/envoy.yaml is stale: regenerate it (command in its header)"
 
 
-def test_standalone_envoy_wiring():
+def _check_standalone_backends(objects: list[dict], backends: dict, listener: dict) -> None:
+    """standalone-envoy's `backends` cluster knows exactly the pods the picker discovers, on the port the picker
+    names them by: STRICT_DNS on a headless Service of the vLLM pods (records = the Ready pods, as discovery's
+    Ready pods), routed by override_host on the picker's header, reporting the served endpoint to the picker."""
     from extproc import wire
 
+    assert backends["type"] == "STRICT_DNS"
+    (locality,) = backends["load_assignment"]["endpoints"]
+    (endpoint,) = locality["lb_endpoints"]
+    address = endpoint["endpoint"]["address"]["socket_address"]
+    service = find(objects, "Service", address["address"])  # a short name: the pod's own namespace
+    namespace = find(objects, "Deployment", "astrolabe-envoy")["metadata"]["namespace"]
+    assert service["metadata"]["namespace"] == namespace
+    assert service["spec"]["clusterIP"] == "None" and not service["spec"].get("publishNotReadyAddresses", False)
+    (selected,) = _selected_deployments(objects, namespace, service["spec"]["selector"])
+    assert selected["metadata"]["name"] == "astrolabe-vllm"
+    # A headless Service's records are pod IPs: Envoy connects to podIP:port_value, which must be the port the
+    # picker discovers (podIP:target port), so that the header's ip:port is a host Envoy knows.
+    config, _, _ = _extproc_config(objects)
+    _, selector, ports = _discovered_pods(objects, config)
+    assert selector.items() <= _pod_labels(selected).items()
+    assert [address["port_value"]] == list(ports)
+    assert _port_number(container_of(objects, "astrolabe-vllm", "vllm"), address["port_value"]) is not None
+    (policy,) = backends["load_balancing_policy"]["policies"]
+    override = policy["typed_extension_config"]
+    assert override["name"] == "envoy.load_balancing_policies.override_host"
+    sources = override["typed_config"]["override_host_sources"]
+    assert {"header": wire.DESTINATION_HEADER} in sources
+    assert override["typed_config"]["selected_host_key"] == {
+        "key": wire.LB_METADATA_NAMESPACE, "path": [{"key": wire.DESTINATION_SERVED_KEY}]}
+    # The served endpoint reaches the picker: response headers sent, with the envoy.lb metadata forwarded.
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+    assert ext_proc["typed_config"]["processing_mode"]["response_header_mode"] == "SEND"
+    assert wire.LB_METADATA_NAMESPACE in ext_proc["typed_config"]["metadata_options"]["forwarding_namespaces"][
+        "untyped"]
+    assert ext_proc["typed_config"]["failure_mode_allow"] is False  # FailClose (the InferencePool's default)
+
+
+def test_standalone_envoy_backends_check_fails_on_a_mismatch():
+    objects = build("overlays/standalone-envoy")
+    config = yaml.safe_load(_configmap_data(objects, "astrolabe-envoy-config")["envoy.yaml"])
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    (listener,) = config["static_resources"]["listeners"]
+    socket = clusters["backends"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
+        "socket_address"]
+    socket["port_value"] = 9100
+    with pytest.raises(AssertionError):
+        _check_standalone_backends(objects, clusters["backends"], listener)
+    socket["port_value"] = 8000
+    find(objects, "Service", "astrolabe-vllm")["spec"]["publishNotReadyAddresses"] = True
+    with pytest.raises(AssertionError):
+        _check_standalone_backends(objects, clusters["backends"], listener)
+
+
+def test_standalone_envoy_wiring():
     objects = build("overlays/standalone-envoy")
     envoy_text = _configmap_data(objects, "astrolabe-envoy-config")["envoy.yaml"]
     config = yaml.safe_load(envoy_text)
@@ -766,7 +1062,7 @@ def test_standalone_envoy_wiring():
     assert listener["address"]["socket_address"]["address"] == "0.0.0.0"
     assert _port_number(container, listener["address"]["socket_address"]["port_value"]) is not None
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    assert clusters["backends"]["original_dst_lb_config"]["http_header_name"] == wire.DESTINATION_HEADER
+    _check_standalone_backends(objects, clusters["backends"], listener)
     extproc = clusters["extproc"]
     assert extproc["type"] == "STRICT_DNS"
     (endpoint,) = extproc["load_assignment"]["endpoints"][0]["lb_endpoints"]

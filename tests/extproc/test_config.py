@@ -2,6 +2,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 
@@ -62,6 +63,34 @@ def test_load_yaml(tmp_path):
         ({"endpoints": [], "health_check": {"path": "health"}}, "health_check.path: must start with '/'"),
         ({"endpoints": [], "health_check": {"every": 1}}, "health_check: unknown key(s) ['every']"),
         ({"endpoints": [], "listen": "nowhere"}, "listen: expected 'host:port'"),
+        ({"endpoints": [], "fallback_endpoints": 8}, "fallback_endpoints: must be <= 7"),
+        ({"discovery": {"source": "k8s"}}, "discovery.source: must be one of"),
+        ({"discovery": {"source": "kubernetes"}}, "discovery.source: kubernetes needs exactly one of label_selector "
+                                                  "and inference_pool"),
+        ({"discovery": {"source": "kubernetes", "label_selector": "a=b", "inference_pool": "p"}},
+         "discovery.source: kubernetes needs exactly one"),
+        ({"discovery": {"source": "dns"}}, "discovery.dns_name: required when discovery.source is dns"),
+        ({"discovery": {"source": "dns", "dns_name": "x", "predictor_port": "predictor"}},
+         "discovery.predictor_port: dns discovery cannot read a named container port"),
+        ({"discovery": {"source": "dns", "dns_name": "x", "dns_nameservers": ["ns.local"]}},
+         "discovery.dns_nameservers[0]: expected 'ip' or 'ip:port'"),
+        ({"discovery": {"source": "dns", "dns_name": "x", "dns_nameservers": ["10.0.0.1:99999"]}},
+         "discovery.dns_nameservers[0]: port '99999' is not in 1..65535"),
+        ({"discovery": {"source": "kubernetes", "label_selector": "a=b", "predictor_port": 0}},
+         "discovery.predictor_port: port 0 is not in 1..65535"),
+        ({"discovery": {"source": "kubernetes", "label_selector": "a=b", "predictor_port": "Bad_Name"}},
+         "discovery.predictor_port: expected a port number or a container port name"),
+        ({"discovery": {"source": "kubernetes", "label_selector": "a=b", "target_ports": []}},
+         "discovery.target_ports"),
+        ({"discovery": {"source": "dns", "dns_name": "x"}, "endpoints": [{"address": "10.0.0.1:8000"}]},
+         "endpoints: must be empty when discovery.source is dns"),
+        ({"discovery": {"source": "static"}}, "endpoints: required"),
+        ({"discovery": {"source": "dns", "dns_name": "x", "inference_pool": "p"}},
+         "discovery.source: dns discovery takes no label_selector or inference_pool"),
+        ({"discovery": {"source": "kubernetes", "label_selector": "a=b", "dns_name": "x"}},
+         "discovery.source: kubernetes discovery takes no dns_name"),
+        ({"discovery": {"source": "dns", "dns_name": "x", "dns_interval": 1}},
+         "discovery: unknown key(s) ['dns_interval']"),
     ],
 )
 def test_errors_name_the_key(raw, message):
@@ -281,7 +310,13 @@ def _properties(schema: dict):
 def test_json_schema_shape_and_descriptions():
     schema = config_json_schema()
     assert schema["$schema"].startswith("https://json-schema.org/")
-    assert schema["required"] == ["endpoints"] and schema["additionalProperties"] is False
+    assert "required" not in schema and schema["then"] == {"required": ["endpoints"]}
+    assert schema["additionalProperties"] is False
+    validator = jsonschema.Draft202012Validator(schema)
+    assert not validator.is_valid({}) and validator.is_valid({"endpoints": []})
+    assert validator.is_valid({"discovery": {"source": "dns", "dns_name": "vllm.default.svc"}})
+    assert not validator.is_valid({"discovery": {"source": "dns"}, "endpoints": [{"address": "10.0.0.1:8000"}]})
+    assert not validator.is_valid({"discovery": {"label_selector": "app=vllm"}})  # source static: endpoints needed
     assert set(schema["properties"]) == {f.name for f in dataclasses.fields(ExtprocConfig)}
     assert schema["properties"]["policy"]["enum"] == list(POLICY_NAMES)
     assert schema["properties"]["decision_log_path"]["default"] is None
@@ -397,6 +432,19 @@ def test_env_override_errors_name_the_key_and_variable(config_file, environ, mes
         load_config(config_file, environ)
     assert str(info.value).startswith(message), str(info.value)
     assert next(iter(environ)) in str(info.value)
+
+
+def test_discovery_is_set_from_the_environment(tmp_path):
+    path = tmp_path / "extproc.yaml"
+    path.write_text("policy: least-requests\n")
+    config = load_config(path, {"ASTROLABE_EXTPROC_DISCOVERY__SOURCE": "kubernetes",
+                                "ASTROLABE_EXTPROC_DISCOVERY__INFERENCE_POOL": "vllm-pool",
+                                "ASTROLABE_EXTPROC_DISCOVERY__PREDICTOR_PORT": "predictor"})
+    assert (config.discovery.source, config.discovery.inference_pool, config.discovery.predictor_port) == \
+        ("kubernetes", "vllm-pool", "predictor")
+    assert config.endpoints == ()
+    with pytest.raises(ConfigError, match="ASTROLABE_EXTPROC_DISCOVERY__SOURCE"):
+        load_config(path, {"ASTROLABE_EXTPROC_DISCOVERY__SOURCE": "kubernetes"})
 
 
 def test_env_overrides_default_to_os_environ(config_file, monkeypatch):

@@ -1,0 +1,153 @@
+"""The Endpoint Picker protocol in the router and the stream: the subset hint, the ordered fallback list and the
+served endpoint (gateway-api-inference-extension docs/proposals/004-endpoint-picker-protocol). The same points
+through the real Envoy: tests/integration/test_picker_protocol.py."""
+
+import asyncio
+
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import struct_pb2
+
+from extproc import wire
+from extproc.config import parse_config
+from extproc.server import ExtprocServer
+from tests.extproc.test_router import make_router, request, sidecars  # noqa: F401 (a fixture)
+from tests.extproc.test_stream import BODY, body_msg, headers_msg, metadata_of
+
+ENDPOINTS = [{"address": f"127.0.0.1:1800{i}"} for i in range(1, 5)]
+
+
+def _with_hint(message: pb.ProcessingRequest, value: struct_pb2.Value) -> pb.ProcessingRequest:
+    message.metadata_context.filter_metadata[wire.SUBSET_HINT_NAMESPACE].fields[wire.DESTINATION_SUBSET_HEADER] \
+        .CopyFrom(value)
+    return message
+
+
+def _list(*items: str) -> struct_pb2.Value:
+    value = struct_pb2.Value()
+    value.list_value.values.extend(struct_pb2.Value(string_value=item) for item in items)
+    return value
+
+
+@pytest.fixture
+async def stub():
+    config = parse_config({"listen": "127.0.0.1:0", "policy": "least-requests", "seed": 1, "fallback_endpoints": 2, "drain_delay_s": 0,
+                           "health_check": {"enabled": False}, "endpoints": ENDPOINTS})
+    server = ExtprocServer(config)
+    port = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    yield server, pb_grpc.ExternalProcessorStub(channel)
+    await channel.close()
+    await server.stop()
+
+
+async def _route(stub, first: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    """One buffered request: its body's answer (the route, or an immediate response)."""
+    call = stub.Process()
+    await call.write(first)
+    await call.read()  # the headers' CONTINUE
+    await call.write(body_msg(BODY))
+    answer = await call.read()
+    await call.done_writing()
+    return answer
+
+
+@pytest.mark.parametrize("hint, allowed", [
+    (_list("127.0.0.1:18003"), {"127.0.0.1:18003"}),
+    (_list("127.0.0.1:18002", "10.9.9.9:1", "junk"), {"127.0.0.1:18002"}),  # unknown and malformed: not eligible
+    (struct_pb2.Value(string_value="127.0.0.1:18004, 127.0.0.1:18001"), {"127.0.0.1:18004", "127.0.0.1:18001"}),
+])
+async def test_the_subset_hint_limits_the_choice(stub, hint, allowed):
+    _, client = stub
+    for _ in range(6):
+        answer = await _route(client, _with_hint(headers_msg(), hint))
+        assert metadata_of(answer).split(",")[0] in allowed
+
+
+@pytest.mark.parametrize("hint", [_list(), _list("10.9.9.9:1"), struct_pb2.Value(number_value=3)],
+                         ids=["empty", "no-eligible", "not-a-list"])
+async def test_an_empty_or_ineligible_subset_is_503(stub, hint):
+    _, client = stub
+    answer = await _route(client, _with_hint(headers_msg(), hint))
+    assert answer.immediate_response.status.code == 503
+    assert b"subset hint" in answer.immediate_response.body
+
+
+async def test_the_destination_lists_the_fallbacks_least_loaded_first(stub):
+    server, client = stub
+    server.pool.acquire("127.0.0.1:18001")
+    server.pool.acquire("127.0.0.1:18001")
+    server.pool.acquire("127.0.0.1:18002")
+    answer = await _route(client, headers_msg())
+    listed = metadata_of(answer).split(",")
+    (option,) = answer.request_body.response.header_mutation.set_headers
+    assert option.header.raw_value.decode() == metadata_of(answer)  # header and metadata agree
+    assert len(listed) == 3 and len(set(listed)) == 3
+    assert listed[0] in ("127.0.0.1:18003", "127.0.0.1:18004")  # least-requests' choice
+    assert listed[1] in ("127.0.0.1:18003", "127.0.0.1:18004") and listed[2] == "127.0.0.1:18002"
+
+
+async def test_the_served_endpoint_moves_the_in_flight_count(stub):
+    server, client = stub
+    call = client.Process()
+    await call.write(headers_msg())
+    await call.read()
+    await call.write(body_msg(BODY))
+    chosen, fallback, _ = metadata_of(await call.read()).split(",")
+    assert server.pool.in_flight(chosen) == 1
+    served = pb.ProcessingRequest(response_headers=pb.HttpHeaders())
+    served.metadata_context.filter_metadata[wire.LB_METADATA_NAMESPACE].fields[wire.DESTINATION_SERVED_KEY] \
+        .string_value = fallback
+    await call.write(served)
+    assert (await call.read()).HasField("response_headers")
+    assert server.pool.in_flight(chosen) == 0 and server.pool.in_flight(fallback) == 1
+    assert server.metrics.registry.get_sample_value("astrolabe_extproc_served_elsewhere_total") == 1
+    await call.done_writing()
+    await call.read()  # the end of the stream
+    for _ in range(50):
+        if server.pool.in_flight(fallback) == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert server.pool.in_flight(fallback) == 0
+
+
+async def test_a_served_report_naming_no_endpoint_of_the_pool_is_ignored():
+    router = make_router([None, None, None], policy="least-requests")
+    router._num_fallbacks = 1
+    decision = await router.route(request())
+    assert router.served(decision, "10.9.9.9:8000") is decision  # no endpoint of the pool: a foreign report
+    assert router.served(decision, decision.destination) is decision
+    unlisted = next(e.address for e in router.pool.endpoints
+                    if e.address not in (decision.destination, *decision.fallbacks))
+    gateway_choice = router.served(decision, unlisted)  # the gateway chose past the list: the count follows
+    assert gateway_choice.destination == unlisted and router.pool.in_flight(unlisted) == 1
+    router.release(gateway_choice)
+    moved = router.served(decision, decision.fallbacks[0])
+    assert moved.destination == decision.fallbacks[0] and moved.served_elsewhere
+    assert router.pool.in_flight(decision.destination) == 0 and router.pool.in_flight(moved.destination) == 1
+    await router.predictors.close()
+
+
+async def test_predicted_fallbacks_are_the_other_candidates_best_first(sidecars):
+    started = await sidecars(4)
+    router = make_router([f"127.0.0.1:{s.port}" for s in started], params={"k": 4, "metric": "ttft"})
+    router._num_fallbacks = 3
+    try:
+        for i in range(8):  # load the instances unevenly, so the predictions differ
+            decision = await router.route(request(i))
+        assert len(decision.fallbacks) == 3
+        predicted = {address: p.ttft_s for address, p in decision.candidates if p is not None}
+        assert [predicted[a] for a in decision.fallbacks] == sorted(predicted[a] for a in decision.fallbacks)
+        assert decision.destination not in decision.fallbacks
+    finally:
+        await router.predictors.close()
+
+
+def test_no_subset_is_not_an_empty_subset():
+    """A request without a hint may go anywhere; an empty hint allows nothing (503)."""
+    from extproc.stream import _subset_hint  # noqa: PLC0415
+
+    assert _subset_hint(headers_msg()) is None
+    assert _subset_hint(_with_hint(headers_msg(), _list())) == frozenset()
