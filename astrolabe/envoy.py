@@ -521,8 +521,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                              "least-request); default: none, ORIGINAL_DST on the header")
     parser.add_argument("--failure-mode", choices=FAILURE_MODES, default=None,
                         help="ext_proc modes: closed (FailClose: no answer from the picker = 503) or open "
-                             "(FailOpen: the request goes on without a destination; with --pool Envoy picks) "
-                             "(default closed)")
+                             "(FailOpen: the request goes on without a destination, which only --pool can route: "
+                             "Envoy's least-request picks; and in full-duplex mode Envoy 1.40 fails open only "
+                             "requests without a body) (default closed)")
     parser.add_argument("--backend-health-check-path", default=None,
                         help=f"least-request mode: HTTP path of the backends' active health check "
                              f"(default {DEFAULT_BACKEND_HEALTH_CHECK_PATH})")
@@ -579,6 +580,13 @@ def _render_from_args(args: argparse.Namespace) -> str:
     parse_address_list(extproc, what="--extproc", ip_only=False)  # errors that name the flag
     if args.pool is not None:
         parse_address_list(args.pool, what="--pool", ip_only=False)
+    elif args.failure_mode == "open":
+        logger.warning("--failure-mode open without --pool: a request the picker does not answer has no destination "
+                       "and Envoy's ORIGINAL_DST cluster answers 503 (it only keeps requests already routed when the "
+                       "picker is lost, in buffered mode)")
+    if args.failure_mode == "open" and args.mode == "full-duplex":
+        logger.warning("--failure-mode open in full-duplex mode: Envoy 1.40 fails open only requests without a "
+                       "body (POSTs still get 503); use --mode buffered to fail open every request")
     return render_config(
         args.mode, listen_address=args.listen_address, listen_port=args.listen_port,
         admin_port=args.admin_port, extproc_address=extproc, pool_addresses=args.pool,

@@ -52,7 +52,7 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
       unhealthy_threshold: 2        # consecutive failures before an endpoint leaves the pool
     discovery:                      # where the endpoints come from (extproc/discovery)
       source: static                # static: the endpoints key | kubernetes | dns
-      namespace: null               # kubernetes: null = the pod's own namespace
+      namespace: null               # kubernetes: null = the kubeconfig context's, else the pod's own
       label_selector: null          # kubernetes: pods by label selector, e.g. app=vllm ...
       inference_pool: null          # ... or by an InferencePool's selector and targetPorts (exactly one)
       target_ports: [8000]          # model-server port(s) per pod (InferencePool: its targetPorts)
@@ -413,8 +413,9 @@ class DiscoveryConfig:
         "static", description="static: the endpoints key; kubernetes: pods from the Kubernetes API; dns: the "
                               "records of a headless Service.")
     namespace: _NonEmptyStr | None = Field(
-        None, description="kubernetes: namespace of the pods and the InferencePool; null = the extproc pod's own "
-                          "(its service account's namespace file), else 'default'.")
+        None, description="kubernetes: namespace of the pods and the InferencePool; null = the kubeconfig's current "
+                          "context's (as kubectl), else the extproc pod's own (its service account's namespace "
+                          "file), else 'default'.")
     label_selector: _NonEmptyStr | None = Field(
         None, description="kubernetes: a label selector of the model-server pods, e.g. 'app=vllm' (exactly one of "
                           "label_selector and inference_pool).")

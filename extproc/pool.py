@@ -31,6 +31,7 @@ class EndpointPool:
     def __init__(self, endpoints: Sequence[EndpointConfig], new_endpoints_healthy: bool = True) -> None:
         self._new_endpoints_healthy = new_endpoints_healthy
         self._endpoints: tuple[EndpointConfig, ...] = ()
+        self._addresses: dict[str, EndpointConfig] = {}
         self._healthy: dict[str, bool] = {}
         self._in_flight: dict[str, int] = {}
         # Dispatch times (router's monotonic clock, seconds) per address, oldest first, for min-qpm.
@@ -51,6 +52,15 @@ class EndpointPool:
         self._in_flight = {a: n for a, n in self._in_flight.items() if a in addresses or n > 0}
         self._dispatch_times_s = {a: t for a, t in self._dispatch_times_s.items() if a in addresses}
         self._endpoints = new
+        self._addresses = {e.address: e for e in new}
+
+    def has(self, address: str) -> bool:
+        """``address`` is one of the endpoints (O(1))."""
+        return address in self._addresses
+
+    def endpoint(self, address: str) -> EndpointConfig:
+        """The endpoint at ``address``. Raises KeyError if there is none."""
+        return self._addresses[address]
 
     def set_healthy(self, address: str, healthy: bool) -> None:
         if address in self._healthy and self._healthy[address] != healthy:
@@ -72,7 +82,7 @@ class EndpointPool:
 
     def release(self, address: str) -> None:
         remaining = self._in_flight.get(address, 0) - 1
-        if remaining > 0 or any(e.address == address for e in self._endpoints):
+        if remaining > 0 or address in self._addresses:
             self._in_flight[address] = max(remaining, 0)
         else:
             self._in_flight.pop(address, None)
@@ -98,6 +108,11 @@ class EndpointPool:
         return [e for e in self._endpoints if not e.models or model in e.models]
 
 
+MAX_CONCURRENT_CHECKS = 64
+"""Health checks in flight at once; each one's ``timeout_s`` starts when it gets its slot (thousands of endpoints
+checked in one burst would otherwise time out waiting for connections and the event loop, not for the endpoint)."""
+
+
 class HealthChecker:
     """Polls ``GET http://<address><path>`` on every endpoint; ``unhealthy_threshold`` consecutive failures
     (non-200 or timeout) mark it unhealthy, one success marks it healthy again.
@@ -112,6 +127,8 @@ class HealthChecker:
         self._config = config
         self._failures: dict[str, int] = {}
         self._wake = asyncio.Event()
+        self._slots = asyncio.Semaphore(MAX_CONCURRENT_CHECKS)
+        self._checked: set[str] = set()
         self.first_round_done = asyncio.Event()
 
     def wake(self) -> None:
@@ -119,11 +136,14 @@ class HealthChecker:
         self._wake.set()
 
     async def _check(self, session: aiohttp.ClientSession, address: str) -> None:
-        try:
-            async with session.get(f"http://{address}{self._config.path}") as response:
-                ok = response.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            ok = False
+        async with self._slots:  # the deadline counts from here: time spent queued is not the endpoint's fault
+            try:
+                async with asyncio.timeout(self._config.timeout_s):
+                    async with session.get(f"http://{address}{self._config.path}") as response:
+                        ok = response.status == 200
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                ok = False
+        self._checked.add(address)
         failures = 0 if ok else self._failures.get(address, 0) + 1
         self._failures[address] = failures
         if ok:
@@ -131,17 +151,29 @@ class HealthChecker:
         elif failures >= self._config.unhealthy_threshold:
             self._pool.set_healthy(address, False)
 
-    async def run_once(self, session: aiohttp.ClientSession) -> None:
-        """Checks every endpoint once, concurrently."""
-        await asyncio.gather(*(self._check(session, e.address) for e in self._pool.endpoints))
+    async def run_once(self, session: aiohttp.ClientSession, only_new: bool = False) -> None:
+        """Checks every endpoint once (``only_new``: those never checked yet), at most `MAX_CONCURRENT_CHECKS` at a
+        time."""
+        addresses = [e.address for e in self._pool.endpoints]
+        current = set(addresses)
+        self._checked &= current  # an endpoint that left and comes back is new again
+        self._failures = {a: n for a, n in self._failures.items() if a in current}
+        if only_new:
+            addresses = [a for a in addresses if a not in self._checked]
+        await asyncio.gather(*(self._check(session, a) for a in addresses))
 
     async def run(self) -> None:
-        """Runs until cancelled."""
-        timeout = aiohttp.ClientTimeout(total=self._config.timeout_s)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        """Runs until cancelled: a round every ``interval_s``; after `wake`, the endpoints not checked yet at once."""
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=2)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            loop = asyncio.get_running_loop()
+            next_round_s = loop.time()
             while True:
                 self._wake.clear()
-                await self.run_once(session)
+                full = loop.time() >= next_round_s
+                if full:
+                    next_round_s = loop.time() + self._config.interval_s
+                await self.run_once(session, only_new=not full)
                 self.first_round_done.set()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self._config.interval_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), max(next_round_s - loop.time(), 0))

@@ -393,8 +393,8 @@ class PredictorClient:
         self._stub(address)
         try:
             await asyncio.wait_for(self._stubs[address][0].channel_ready(), timeout=timeout_s)
-        except (asyncio.TimeoutError, grpc.RpcError):
-            return False
+        except (asyncio.TimeoutError, grpc.RpcError, grpc.aio.UsageError, KeyError):
+            return False  # not ready in time, or forgotten (its channel closed) meanwhile
         return True
 
     def connect(self, addresses) -> None:

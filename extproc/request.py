@@ -45,7 +45,7 @@ class RoutingRequest:
         arrival_time_s: when the extproc received the request's headers, seconds on ``time.monotonic()`` (the
             cluster simulation's virtual clock there); 0.0 when unknown. Routing overhead is measured from it.
         allowed_endpoints: the gateway's subset hint (``extproc.wire.DESTINATION_SUBSET_HEADER``): normalised
-            ``ip:port`` the request may go to; None = any endpoint of the pool.
+            ``ip:port`` the request may go to, or a bare IP for any port of it; None = any endpoint of the pool.
     """
 
     request_id: str

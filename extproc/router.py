@@ -104,16 +104,17 @@ class Router:
 
     def _healthy_views(self, request: RoutingRequest) -> list[EndpointView]:
         if not self.pool.endpoints:
-            raise RoutingError(ErrorCode.NO_HEALTHY_ENDPOINT, "no endpoint is configured")
+            raise RoutingError(ErrorCode.NO_HEALTHY_ENDPOINT, "no endpoint is configured or discovered")
         serving = self.pool.serving(request.model)
         if not serving:
             raise RoutingError(ErrorCode.MODEL_NOT_FOUND, f"The model `{request.model}` does not exist.", "model")
         if request.allowed_endpoints is not None:
-            serving = [e for e in serving if e.address in request.allowed_endpoints]
+            allowed = request.allowed_endpoints
+            serving = [e for e in serving if e.address in allowed or _host(e.address) in allowed]
             if not any(self.pool.is_healthy(e.address) for e in serving):
                 raise RoutingError(ErrorCode.NO_HEALTHY_ENDPOINT,
-                                   f"no healthy endpoint of the gateway's subset hint ({len(request.allowed_endpoints)}"
-                                   f" listed) serves the request")
+                                   f"no healthy endpoint of the gateway's subset hint ({len(allowed)} usable "
+                                   f"entries) serves the request")
         since_s = self._clock() - self.policy.recent_window_s
         scraper = self.endpoint_metrics if self.policy.needs_metrics else None
         views = [EndpointView(e.address, self.pool.in_flight(e.address), e.predictor,
@@ -257,20 +258,19 @@ class Router:
             The decision now pointing at ``address`` (``served_elsewhere``); ``decision`` itself when ``address``
             is its destination or no endpoint of the pool (a report to ignore).
         """
-        if address == decision.destination or not any(e.address == address for e in self.pool.endpoints):
+        if address == decision.destination or not self.pool.has(address):
             return decision
         self.pool.release(decision.destination)
         self.pool.acquire(address)
         self.metrics.served_elsewhere.inc()
-        predictor = next((e.predictor for e in self.pool.endpoints if e.address == address), None)
+        predictor = self.pool.endpoint(address).predictor
         if self.predictors is not None:
             if decision.predictor:
                 self.predictors.release(decision.predictor, decision.request_id)
             if predictor and decision.num_prompt_tokens:
                 self.predictors.admit(predictor, decision.request_id, decision.num_prompt_tokens,
                                       decision.num_predicted_output_tokens, length_source=decision.length_source)
-        logger.info("request %s served by fallback %s (chosen %s)", decision.request_id, address,
-                    decision.destination)
+        logger.debug("request %s served by %s (chosen %s)", decision.request_id, address, decision.destination)
         return replace(decision, destination=address, predictor=predictor if decision.predictor else None,
                        candidates=(), served_elsewhere=True)
 
@@ -279,6 +279,8 @@ class Router:
         its sidecar is told, and the prediction that decided it (the chosen endpoint's, if it answered) is
         compared with the E2E observed since the decision (``astrolabe_extproc_prediction_ratio``)."""
         self.pool.release(decision.destination)
+        if not self.pool.has(decision.destination):
+            return  # the endpoint left the pool (discovery) while this request ran: its series and sidecar are gone
         predicted = next((p for address, p in decision.candidates if address == decision.destination), None)
         if predicted is not None and decision.decided_at_s and predicted.e2e_s > 0:
             observed_s = self._clock() - decision.decided_at_s
@@ -291,3 +293,8 @@ class Router:
 
 async def _none() -> None:
     return None
+
+
+def _host(address: str) -> str:
+    """The IP of a normalised ``ip:port`` (IPv6 without brackets), as a subset hint's bare IP entry names it."""
+    return address.rpartition(":")[0].strip("[]")

@@ -257,6 +257,11 @@ class ExtprocServer:
                              OutputLengthEstimator(config.output_length, _load_tagger(config)), rng,
                              endpoint_metrics=self.endpoint_metrics, decision_log=self.decision_log,
                              prompt_tokens=prompt_tokens, tracer=tracer, num_fallbacks=config.fallback_endpoints)
+        if config.fallback_endpoints:
+            logger.warning("fallback_endpoints %d: the destination is a list of %d endpoints, which only a gateway "
+                           "that takes a list follows (Envoy's override_host policy: astrolabe envoy --pool); "
+                           "Envoy's ORIGINAL_DST cluster (astrolabe envoy without --pool) answers 503 to every "
+                           "request", config.fallback_endpoints, config.fallback_endpoints + 1)
         self._source = build_source(config.discovery)
         self._first_sync = asyncio.Event()
         if self._source is None and policy.needs_predictions and not any(e.predictor for e in config.endpoints):
@@ -304,6 +309,8 @@ class ExtprocServer:
         await self._set_serving(False)
         await self._server.start()
         if self._source is not None:  # readiness waits for the first discovered list (an API or DNS failure: logged)
+            logger.info("extproc listening on %s (port %d), not ready until the first endpoint list (discovery %s)",
+                        self.config.listen, self.port, self.config.discovery.source)
             discovery = asyncio.create_task(self._source.run(self._publish), name="endpoint-discovery")
             self._tasks.append(discovery)
             synced = asyncio.create_task(self._first_sync.wait())
@@ -335,19 +342,23 @@ class ExtprocServer:
 
     def _publish(self, endpoints) -> None:
         """A discovery source's new endpoint list: into the pool (in-flight requests keep their destination); the
-        health checker checks the new ones at once; sidecars of new endpoints are connected."""
-        gone = [e for e in self.pool.endpoints if e.address not in {n.address for n in endpoints}]
+        health checker checks the new ones at once; sidecars of new endpoints are connected, those of endpoints
+        that left are dropped with their metric series. O(endpoints) per call."""
+        old = {e.address: e for e in self.pool.endpoints}
+        new = {e.address: e for e in endpoints}
         self.pool.replace(endpoints)
         self._first_sync.set()
-        predictors = {e.predictor for e in endpoints}
-        for endpoint in gone:
-            self.metrics.forget_endpoint(endpoint.address, endpoint.predictor)
-            if endpoint.predictor and endpoint.predictor not in predictors:
-                self.predictors.forget(endpoint.predictor)
-        if self._checker is not None:
+        predictors = {e.predictor for e in endpoints if e.predictor}
+        for address, endpoint in old.items():
+            if address not in new:
+                self.metrics.forget_endpoint(address, endpoint.predictor)
+                if endpoint.predictor and endpoint.predictor not in predictors:
+                    self.predictors.forget(endpoint.predictor)
+        added = [e for a, e in new.items() if old.get(a) != e]
+        if added and self._checker is not None:
             self._checker.wake()
         if self.router.policy.needs_predictions:
-            self.predictors.connect([e.predictor for e in endpoints if e.predictor])
+            self.predictors.connect([e.predictor for e in added if e.predictor])
 
     async def stop_now(self) -> None:
         """Stops at once, without the drain (a start that failed)."""
@@ -395,9 +406,20 @@ async def serve(config: ExtprocConfig, config_path: Path | None, tracing: Tracin
                 overrides: Mapping[str, Any] | None = None) -> None:
     """Runs until SIGTERM or SIGINT, then shuts down gracefully (``tracing``, ``overrides``: as `ExtprocServer`)."""
     server = ExtprocServer(config, config_path, tracing, overrides)
-    await server.start()
-    await wait_for_termination()
-    logger.info("shutdown requested: draining for at most %.1f s", config.grace_period_s)
+    termination = asyncio.ensure_future(wait_for_termination())  # signals handled from now on, also while starting
+    starting = asyncio.ensure_future(server.start())
+    await asyncio.wait((termination, starting), return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # e.g. still waiting for the first discovered endpoint list
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        logger.info("shutdown requested before the extproc was ready: stopping")
+        await server.stop_now()
+        return
+    starting.result()  # a start-up error (ConfigError ...) ends the process here
+    await termination
+    logger.info("shutdown requested: draining for at most %.1f s (drain_delay_s %.1f s, then grace_period_s %.1f s)",
+                config.drain_delay_s + config.grace_period_s, config.drain_delay_s, config.grace_period_s)
     await server.stop()
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
 import logging
 import time
 import uuid
@@ -126,6 +127,8 @@ class StreamHandler:
         if self._phase is Phase.REJECTED:
             return []
         if kind == "request_headers":
+            if self._phase is not Phase.HEADERS:  # Envoy sends them once; a second set must not route again
+                return [_acknowledge(kind)]
             self._allowed = _subset_hint(message)
             return await self._on_headers(message.request_headers)
         if kind == "response_headers" and self.decision is not None:
@@ -203,8 +206,10 @@ class StreamHandler:
 def _subset_hint(message: pb.ProcessingRequest) -> frozenset[str] | None:
     """The gateway's subset hint in the request's filter metadata (``envoy.lb.subset_hint`` /
     ``x-gateway-destination-endpoint-subset``): a list of ``ip:port`` strings, or one comma-separated string
-    (what Envoy's header_to_metadata filter makes of a header). Entries that are not ``ip:port`` are not eligible;
-    None when there is no hint.
+    (what Envoy's header_to_metadata filter makes of a header). Entries are normalised ``ip:port``, or a bare IP
+    (normalised) that admits any port of it, as the Inference Extension's picker matches by IP; other entries
+    are not eligible. None when there is no hint, or when its value is neither a list nor a string (ignored, as
+    the reference pickers do).
 
     Source: gateway-api-inference-extension docs/proposals/004-endpoint-picker-protocol ("Endpoint Subset").
     """
@@ -218,13 +223,18 @@ def _subset_hint(message: pb.ProcessingRequest) -> frozenset[str] | None:
     elif kind == "string_value":
         entries = value.string_value.split(",")
     else:
-        entries = []
+        logger.debug("subset hint of kind %s is not a list: ignored", kind)
+        return None
     allowed = set()
     for entry in entries:
+        entry = entry.strip()
         try:
-            allowed.add(parse_ip_port(entry.strip(), wire.DESTINATION_SUBSET_HEADER))
+            allowed.add(parse_ip_port(entry, wire.DESTINATION_SUBSET_HEADER))
         except ConfigError:
-            logger.debug("subset hint entry %r is not ip:port; not eligible", entry)
+            try:
+                allowed.add(str(ipaddress.ip_address(entry.strip("[]"))))
+            except ValueError:
+                logger.debug("subset hint entry %r is neither ip:port nor ip; not eligible", entry[:100])
     return frozenset(allowed)
 
 

@@ -12,6 +12,7 @@ Modules: ``extproc.discovery.kubernetes`` (pods by label selector or InferencePo
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Protocol
 
@@ -21,7 +22,7 @@ Publish = Callable[[tuple[EndpointConfig, ...]], None]
 """Receives the whole discovered endpoint list (sorted by address) each time it changes."""
 
 MIN_RETRY_S = 0.5
-"""First wait after a failed list, watch or lookup, seconds; doubles per failure in a row ..."""
+"""First wait after a failed list, watch or lookup, seconds (+-`JITTER`); doubles per failure in a row ..."""
 MAX_RETRY_S = 30.0
 """... up to this, seconds."""
 
@@ -33,8 +34,14 @@ class EndpointSource(Protocol):
         """Discovers until cancelled, calling ``publish`` with the full list at the first sync and on each change."""
 
 
+JITTER = 0.2
+"""Each delay is drawn uniformly within +-20% of its nominal value, so that picker replicas that failed together
+do not retry in lockstep."""
+
+
 class Backoff:
-    """Retry delays: `MIN_RETRY_S` doubling per failure in a row up to `MAX_RETRY_S`; ``reset`` after a success."""
+    """Retry delays: `MIN_RETRY_S` doubling per failure in a row up to `MAX_RETRY_S` (each +-`JITTER`); ``reset``
+    after a success."""
 
     def __init__(self, min_s: float = MIN_RETRY_S, max_s: float = MAX_RETRY_S) -> None:
         self._min_s = min_s
@@ -43,7 +50,7 @@ class Backoff:
 
     def next_s(self) -> float:
         """The delay before the next attempt, seconds (and doubles the one after)."""
-        delay_s = self._next_s
+        delay_s = self._next_s * random.uniform(1 - JITTER, 1 + JITTER)
         self._next_s = min(self._next_s * 2, self._max_s)
         return delay_s
 

@@ -69,7 +69,9 @@ def to_endpoints(ips: Iterable[str], config: DiscoveryConfig) -> tuple[EndpointC
 
     Returns:
         ``EndpointConfig(address='ip:port', models=config.models, predictor='ip:predictor_port' or None)`` per
-        distinct IP (IPv6 bracketed, ``[fd00::1]:8000``), sorted by the address string.
+        distinct IP (IPv6 bracketed, ``[fd00::1]:8000``; an IPv4-mapped IPv6 address as its IPv4), sorted by the
+        address string; unspecified (0.0.0.0, ::), multicast, broadcast and link-local addresses are skipped
+        (logged), since no pod has one.
 
     Raises:
         ValueError: an entry is not an IP address.
@@ -81,7 +83,15 @@ def to_endpoints(ips: Iterable[str], config: DiscoveryConfig) -> tuple[EndpointC
         raise TypeError(f"dns discovery needs a numeric predictor_port, got {predictor_port!r}")
     endpoints: dict[str, EndpointConfig] = {}
     for text in ips:
-        ip = str(ipaddress.ip_address(text))
+        parsed = ipaddress.ip_address(text)
+        if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None:
+            parsed = parsed.ipv4_mapped  # ::ffff:10.0.0.5 is 10.0.0.5
+        if parsed.is_unspecified or parsed.is_multicast or parsed.is_link_local or \
+                parsed == ipaddress.IPv4Address("255.255.255.255"):
+            logger.warning("dns record %s is no pod address (unspecified, multicast, broadcast or link-local): "
+                           "skipped", text)
+            continue
+        ip = str(parsed)
         address = endpoint_address(ip, port)
         endpoints[address] = EndpointConfig(
             address=address, models=config.models,

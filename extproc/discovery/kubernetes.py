@@ -77,6 +77,10 @@ SERVICE_ACCOUNT_NAMESPACE_PATH = "/var/run/secrets/kubernetes.io/serviceaccount/
 DEFAULT_KUBECONFIG = "~/.kube/config"
 """The kubeconfig read when ``discovery.kubeconfig`` is null, $KUBECONFIG is unset and not in a cluster."""
 
+MIN_WATCH_S = 1.0
+"""A watch that ends sooner than this with no event counts as a failure (backs off), as client-go's reflector
+treats a "very short watch"."""
+
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_VERSION = "v1"
 POOL_PLURAL = "inferencepools"
@@ -129,12 +133,11 @@ class KubernetesSource:
                               "and inference_pool")
         self._config = config
         self._retry_s = (min_retry_s, max_retry_s)
-        self.namespace = config.namespace or _read_namespace(namespace_path)
-        """The namespace of the pods (and of the InferencePool)."""
         self._kubeconfig: str | None = None
         self._client_config: Configuration | None = None
+        context_namespace = None  # the kubeconfig's current context's, as kubectl uses it
         if config.kubeconfig is not None:
-            self._kubeconfig = _check_kubeconfig(config.kubeconfig, "discovery.kubeconfig")
+            self._kubeconfig, context_namespace = _check_kubeconfig(config.kubeconfig, "discovery.kubeconfig")
         elif os.environ.get("KUBERNETES_SERVICE_HOST"):
             client_config = Configuration()
             try:
@@ -145,9 +148,12 @@ class KubernetesSource:
                                   f"(automountServiceAccountToken: true) or set discovery.kubeconfig") from None
             self._client_config = client_config
         else:
-            self._kubeconfig = _check_kubeconfig(os.environ.get("KUBECONFIG") or DEFAULT_KUBECONFIG,
-                                                 "discovery.kubeconfig (null: not in a cluster, so $KUBECONFIG "
-                                                 "or ~/.kube/config)")
+            self._kubeconfig, context_namespace = _check_kubeconfig(
+                os.environ.get("KUBECONFIG") or DEFAULT_KUBECONFIG,
+                "discovery.kubeconfig (null: not in a cluster, so $KUBECONFIG or ~/.kube/config)")
+        self.namespace = config.namespace or context_namespace or _read_namespace(namespace_path)
+        """The namespace of the pods (and of the InferencePool): ``discovery.namespace``, else the kubeconfig's
+        current context's (as kubectl), else the pod's own (its service account's), else ``default``."""
         self._publish: Publish | None = None
         self._published: tuple[EndpointConfig, ...] | None = None
         self._warned_named_port: set[str] = set()
@@ -229,7 +235,16 @@ class KubernetesSource:
                 rv = await list_once()
                 deadline = loop.time() + self._config.resync_interval_s
                 while (remaining := deadline - loop.time()) > 0:
-                    rv = await watch_once(rv, remaining)
+                    started_s = loop.time()
+                    new_rv = await watch_once(rv, remaining)
+                    if new_rv == rv and loop.time() - started_s < MIN_WATCH_S:
+                        # A watch the server (or a proxy) ended at once with nothing in it: not a success, or
+                        # this would spin (client-go's "very short watch"); wait as after a failure.
+                        logger.debug("%s in namespace %s ended at once, empty; retrying after a backoff", what,
+                                     self.namespace)
+                        await asyncio.sleep(backoff.next_s())
+                        continue
+                    rv = new_rv
                     backoff.reset()
                     expired_in_a_row = 0
             except _Expired as exc:
@@ -409,17 +424,17 @@ class KubernetesSource:
         where = f"namespace {self.namespace}" + (f", pods {target.label_selector!r}" if target else "")
         if previous is None:
             logger.info("discovered %d endpoints (%s)%s", len(endpoints), where,
-                        ": " + ", ".join(_describe(e) for e in endpoints) if endpoints else "")
+                        ": " + _first(_describe(e) for e in endpoints) if endpoints else "")
         else:
             old = {e.address: e for e in previous}
             new = {e.address: e for e in endpoints}
             parts = []
             if added := [_describe(new[a]) for a in new if a not in old]:
-                parts.append("added " + ", ".join(added))
+                parts.append("added " + _first(added))
             if removed := [a for a in old if a not in new]:
-                parts.append("removed " + ", ".join(removed))
+                parts.append("removed " + _first(removed))
             if changed := [_describe(new[a]) for a in new if a in old and old[a] != new[a]]:
-                parts.append("changed " + ", ".join(changed))
+                parts.append("changed " + _first(changed))
             logger.info("endpoints now %d (%s): %s", len(endpoints), where, "; ".join(parts))
         assert self._publish is not None
         self._publish(endpoints)
@@ -440,7 +455,8 @@ class KubernetesSource:
         if isinstance(exc, ApiException) and exc.status == 403:
             resources = "pods and on inferencepools.inference.networking.k8s.io" if self._config.inference_pool \
                 else "pods"
-            message += (f" (forbidden: the extproc's service account needs a Role with get, list and watch on "
+            message += (f" (forbidden: the identity the extproc uses (in a pod, its service account) needs a "
+                        f"Role with get, list and watch on "
                         f"{resources} in namespace {self.namespace}, and a RoleBinding of the account to it; see "
                         f"deploy/kubernetes/base/extproc/rbac.yaml)")
         elif isinstance(exc, ApiException) and exc.status == 404 and resource == "inferencepools":
@@ -492,16 +508,25 @@ def _read_namespace(path: str) -> str:
         return "default"
 
 
-def _check_kubeconfig(path: str, key: str) -> str:
-    """``path`` (``:``-separated files allowed) if a kubeconfig there parses and names a usable context."""
+def _check_kubeconfig(path: str, key: str) -> tuple[str, str | None]:
+    """(``path``, its current context's namespace or None) if a kubeconfig there (``:``-separated files allowed)
+    parses and names a usable context."""
     files = [os.path.expanduser(p) for p in path.split(os.pathsep) if p]
     if not any(os.path.isfile(f) for f in files):
         raise ConfigError(f"{key}: no kubeconfig file at {path}")
     try:
-        list_kube_config_contexts(path)
+        _contexts, active = list_kube_config_contexts(path)
     except Exception as exc:  # noqa: BLE001 (YAML, missing keys, no current context...)
         raise ConfigError(f"{key}: {path} is not a usable kubeconfig: {type(exc).__name__}: {exc}") from None
-    return path
+    namespace = ((active or {}).get("context") or {}).get("namespace")
+    return path, namespace if isinstance(namespace, str) and namespace else None
+
+
+def _first(items, limit: int = 10) -> str:
+    """The first ``limit`` of ``items``, comma-separated, and how many more (a log line stays bounded)."""
+    items = list(items)
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
 
 
 def _describe(endpoint: EndpointConfig) -> str:

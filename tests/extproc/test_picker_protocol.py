@@ -58,6 +58,7 @@ async def _route(stub, first: pb.ProcessingRequest) -> pb.ProcessingResponse:
     (_list("127.0.0.1:18003"), {"127.0.0.1:18003"}),
     (_list("127.0.0.1:18002", "10.9.9.9:1", "junk"), {"127.0.0.1:18002"}),  # unknown and malformed: not eligible
     (struct_pb2.Value(string_value="127.0.0.1:18004, 127.0.0.1:18001"), {"127.0.0.1:18004", "127.0.0.1:18001"}),
+    (_list("127.0.0.1"), {f"127.0.0.1:1800{i}" for i in range(1, 5)}),  # a bare IP: any port of it (as GIE)
 ])
 async def test_the_subset_hint_limits_the_choice(stub, hint, allowed):
     _, client = stub
@@ -66,8 +67,8 @@ async def test_the_subset_hint_limits_the_choice(stub, hint, allowed):
         assert metadata_of(answer).split(",")[0] in allowed
 
 
-@pytest.mark.parametrize("hint", [_list(), _list("10.9.9.9:1"), struct_pb2.Value(number_value=3)],
-                         ids=["empty", "no-eligible", "not-a-list"])
+@pytest.mark.parametrize("hint", [_list(), _list("10.9.9.9:1"), _list("127.0.0.9")], ids=["empty", "no-eligible",
+                                                                                    "no-eligible-ip"])
 async def test_an_empty_or_ineligible_subset_is_503(stub, hint):
     _, client = stub
     answer = await _route(client, _with_hint(headers_msg(), hint))
@@ -146,8 +147,29 @@ async def test_predicted_fallbacks_are_the_other_candidates_best_first(sidecars)
 
 
 def test_no_subset_is_not_an_empty_subset():
-    """A request without a hint may go anywhere; an empty hint allows nothing (503)."""
+    """A request without a hint may go anywhere; an empty hint allows nothing (503); a hint that is neither a list
+    nor a string is ignored, as the reference pickers ignore it."""
     from extproc.stream import _subset_hint  # noqa: PLC0415
 
     assert _subset_hint(headers_msg()) is None
     assert _subset_hint(_with_hint(headers_msg(), _list())) == frozenset()
+    assert _subset_hint(_with_hint(headers_msg(), struct_pb2.Value(number_value=3))) is None
+    assert _subset_hint(_with_hint(headers_msg(), _list("[0:0::1]:8000", " ::1 ", "x"))) == {"[::1]:8000", "::1"}
+
+
+async def test_repeated_request_headers_do_not_route_twice(stub):
+    """Envoy sends the request headers once; a client of the gRPC port that sends them again must not add a second
+    in-flight count (a break-it pass: 100 streams x 5 headers left 400 phantom requests)."""
+    server, client = stub
+    call = client.Process()
+    for _ in range(5):
+        await call.write(headers_msg(method="GET", path="/v1/models", eos=True))
+        await call.read()
+    assert sum(server.pool.in_flight(e["address"]) for e in ENDPOINTS) == 1
+    await call.done_writing()
+    await call.read()
+    for _ in range(50):
+        if sum(server.pool.in_flight(e["address"]) for e in ENDPOINTS) == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert sum(server.pool.in_flight(e["address"]) for e in ENDPOINTS) == 0

@@ -6,13 +6,17 @@ Pods that appear get traffic and pods that go away stop getting it, with no conf
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable
 
+import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.procs import ProcessGroup, free_port
 from tests.extproc.discovery.dns_server import DnsTestServer
@@ -38,12 +42,17 @@ def _pods(procs: ProcessGroup, stack: Stack, port: int) -> dict[str, str]:
     return backends
 
 
-def _start(stack: Stack, discovery: dict) -> str:
-    """The extproc with ``discovery`` and no ``endpoints`` key at all, then Envoy; returns Envoy's URL."""
+def _write(stack: Stack, discovery: dict) -> None:
+    """The extproc's config with ``discovery`` and no ``endpoints`` key at all."""
     stack.write_config([], policy="least-requests", discovery=discovery)
     config = json.loads(stack.config_path.read_text())
     del config["endpoints"]
     stack.config_path.write_text(json.dumps(config))
+
+
+def _start(stack: Stack, discovery: dict) -> str:
+    """The extproc with ``discovery`` and no ``endpoints`` key, then Envoy; returns Envoy's URL."""
+    _write(stack, discovery)
     stack.start_extproc()
     return stack.start_envoy()
 
@@ -126,3 +135,26 @@ def test_kubernetes_discovery_follows_the_inference_pool(tmp_path):
                 assert api.watch_count("pods") >= 1 and api.watch_count("inferencepools") >= 1
         finally:
             loop.run(api.stop())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_picker_still_waiting_for_its_first_list_stops_cleanly(tmp_path, sig):
+    """No answer from discovery (a DNS server that is not there): readiness stays NOT_SERVING; a SIGTERM (the
+    kubelet giving up on the pod) or Ctrl-C then ends the process at once, with status 0 and no traceback."""
+    with ProcessGroup() as procs:
+        stack = Stack(procs, tmp_path, "full-duplex")
+        _write(stack, {"source": "dns", "dns_name": NAME, "dns_nameservers": [f"127.0.0.1:{free_port()}"],
+                       "timeout_s": 0.2})
+        proc = procs.start([sys.executable, "-m", "astrolabe", "extproc", "--config", str(stack.config_path)],
+                           name="extproc", log_path=tmp_path / "extproc.log")
+        proc.wait_tcp("127.0.0.1", stack.extproc_port, timeout_s=20)
+        channel = grpc.insecure_channel(f"127.0.0.1:{stack.extproc_port}")
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="readiness"),
+                                                           timeout=5).status
+        channel.close()
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        os.kill(proc.pid, sig)
+        assert proc.wait(timeout_s=10) == 0
+        log = (tmp_path / "extproc.log").read_text()
+        assert "not ready until the first endpoint list" in log and "before the extproc was ready" in log
+        assert "Traceback" not in log

@@ -347,3 +347,13 @@ def test_configuration_errors(tmp_path):
     DnsSource(make_config(["127.0.0.1:5353"]), resolv_conf=str(empty))  # the nameservers come from the config
     with pytest.raises(ConfigError, match=r"^discovery\.dns_name: 'a\.\.b' is not a DNS name"):
         DnsSource(make_config(["127.0.0.1"], dns_name="a..b"))
+
+
+def test_to_endpoints_skips_addresses_no_pod_has(caplog):
+    """0.0.0.0, ::, multicast, broadcast and link-local records are no pod (a break-it pass: 0.0.0.0 even passed
+    its health check, on the picker's own host); an IPv4-mapped IPv6 record is its IPv4 address."""
+    config = make_config([])
+    special = ["0.0.0.0", "::", "224.0.0.1", "255.255.255.255", "169.254.169.254", "ff02::1", "fe80::1"]
+    endpoints = to_endpoints([*special, "::ffff:10.0.0.7", "10.0.0.7"], config)
+    assert [e.address for e in endpoints] == ["10.0.0.7:8000"]
+    assert sum("no pod address" in r.getMessage() for r in caplog.records) == len(special)
