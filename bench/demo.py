@@ -50,7 +50,7 @@ from bench.demo_fleet import (ENVOY_LEAST_REQUEST, EngineSettings, RouterTier, R
                                scrape_sum, wait_idle)
 from bench.demo_tracing import DemoTracing
 from bench.loadgen import RequestResult, replay
-from bench.procs import ProcessGroup, ProcessStartError
+from bench.procs import ProcessGroup, exit_status_of
 from bench.sidecar_checks import checks_between, read_sidecar_states
 from bench.report import (
     ControlPlaneCost,
@@ -553,13 +553,8 @@ def _run(cfg: DemoConfig) -> int:
         logger.error("cannot plan the trace: %s", exc)
         return 2
     logger.info("traces ready: %d x %d requests at %.2f req/s", len(plan.traces), len(plan.trace), plan.rate_qps)
-    try:
-        status = run_policies(cfg, plan, log_dir)
-    except ProcessStartError as exc:
-        logger.error("a process failed to start: %s", exc)
-        return 2
-    except KeyboardInterrupt:
-        logger.error("interrupted; every process was stopped")
-        return 130
+    status = exit_status_of(lambda: run_policies(cfg, plan, log_dir))
+    if status in (2, 130):
+        return status
     logger.info("demo finished in %.0f s", time.monotonic() - start_s)
     return status

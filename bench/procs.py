@@ -10,6 +10,8 @@ wait on. Nothing here asserts on elapsed time; the timeouts only bound how long 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import logging
 import os
 import signal
@@ -288,3 +290,16 @@ class ProcessGroup:
         tb: TracebackType | None,
     ) -> None:
         self.stop_all()
+
+
+def exit_status_of(run: Callable[[], int]) -> int:
+    """``run()``'s exit status, or 2 when a process failed to start (logged), 130 on Ctrl-C (the processes are
+    stopped by their ``ProcessGroup`` as the exception unwinds)."""
+    try:
+        return run()
+    except ProcessStartError as exc:
+        logger.error("a process failed to start: %s", exc)
+        return 2
+    except KeyboardInterrupt:
+        logger.error("interrupted; every process was stopped")
+        return 130

@@ -72,7 +72,7 @@ from astrolabe.envoy import FAILURE_MODES, envoy_command, render_config
 from bench import demo, demo_fleet, stats
 from bench.demo_fleet import HOST, RouterTier, scrape_sum, wait_idle
 from bench.loadgen import RequestResult, replay
-from bench.procs import ManagedProcess, ProcessGroup, ProcessStartError, free_port
+from bench.procs import ManagedProcess, ProcessGroup, ProcessStartError, exit_status_of, free_port
 from bench.workloads import TraceRequest
 
 logger = logging.getLogger(__name__)
@@ -623,14 +623,9 @@ def main(argv: Sequence[str]) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     logger.info("logs and configs in %s", log_dir)
     started_s = time.monotonic()
-    try:
-        status = run(args, log_dir)
-    except ProcessStartError as exc:
-        logger.error("a process failed to start: %s", exc)
-        return 2
-    except KeyboardInterrupt:
-        logger.error("interrupted; every process was stopped")
-        return 130
+    status = exit_status_of(lambda: run(args, log_dir))
+    if status in (2, 130):
+        return status
     logger.info("replicas benchmark finished in %.0f s", time.monotonic() - started_s)
     return status
 
