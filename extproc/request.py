@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import json
 import urllib.parse
+import zlib
 from dataclasses import dataclass
+
+from pydantic import TypeAdapter, ValidationError
 
 from extproc.errors import ErrorCode, RoutingError
 
@@ -87,13 +90,23 @@ def _optional_bool(body: dict, key: str) -> bool:
     return value
 
 
+_COUNT = TypeAdapter(int)
+"""Token counts are read as vLLM's request models read them: pydantic's ``int`` in lax Python mode (FastAPI
+validates the parsed JSON so), so ``4.0`` and ``"4"`` are 4 and ``4.5`` is refused
+(vllm/entrypoints/openai/protocol.py: ``max_tokens: Optional[int]``; tests/vllm compares with vLLM's own)."""
+
+
 def _optional_count(body: dict, key: str) -> int | None:
     value = body.get(key)
     if value is None:
         return None
-    if not _is_int(value) or value < 0:
+    try:
+        count = _COUNT.validate_python(value)
+    except ValidationError:
+        raise _bad(f"'{key}' must be a non-negative integer", key) from None
+    if count < 0:
         raise _bad(f"'{key}' must be a non-negative integer", key)
-    return value
+    return count
 
 
 def _token_ids(values: list, param: str) -> tuple[int, ...]:
@@ -166,22 +179,59 @@ def _is_encodable(text: str) -> bool:
     return True
 
 
-def parse_body(request_id: str, method: str, path: str, body: bytes) -> RoutingRequest:
+CONTENT_ENCODINGS = ("identity", "gzip", "x-gzip", "deflate")
+"""Request ``content-encoding`` values the extproc decodes to read the body (the backend gets it unchanged)."""
+MAX_DECODED_FACTOR = 4
+"""A compressed body may decode to at most this many times ``max_decoded_bytes``'s base, the body limit (a
+"zip bomb" is refused, not inflated)."""
+
+
+def decode_body(body: bytes, content_encoding: str | None, max_decoded_bytes: int) -> bytes:
+    """``body`` decoded per its ``content-encoding`` (RFC 9110 8.4: a comma-separated list, applied in order).
+
+    Raises:
+        RoutingError: BAD_REQUEST for an encoding other than `CONTENT_ENCODINGS`, data that does not decode, or a
+            decoded body over ``max_decoded_bytes``.
+    """
+    codings = [c.strip().lower() for c in (content_encoding or "").split(",") if c.strip()]
+    for coding in reversed(codings):  # the last applied comes off first
+        if coding == "identity":
+            continue
+        if coding not in CONTENT_ENCODINGS:
+            raise _bad(f"unsupported content-encoding {coding!r} (supported: {', '.join(CONTENT_ENCODINGS)})")
+        decoder = zlib.decompressobj(zlib.MAX_WBITS | 16 if coding in ("gzip", "x-gzip") else zlib.MAX_WBITS)
+        try:
+            decoded = decoder.decompress(body, max_decoded_bytes + 1)
+        except zlib.error as exc:
+            raise _bad(f"request body is not valid {coding} data: {exc}") from None
+        if len(decoded) > max_decoded_bytes or decoder.unconsumed_tail:
+            raise _bad(f"request body decodes to more than {max_decoded_bytes} bytes")
+        body = decoded
+    return body
+
+
+def parse_body(request_id: str, method: str, path: str, body: bytes, content_encoding: str | None = None,
+               max_decoded_bytes: int = 64 * 1024 * 1024) -> RoutingRequest:
     """Parses an OpenAI-style JSON body into a ``RoutingRequest``.
 
     Args:
         request_id: the request's id.
         method: HTTP method (``POST``).
         path: request path; a query string is ignored.
-        body: the whole request body, UTF-8 JSON.
+        body: the whole request body, UTF-8 JSON, possibly compressed (``content_encoding``).
+        content_encoding: the request's ``content-encoding`` header (gzip and deflate are decoded, `decode_body`).
+        max_decoded_bytes: the largest decoded body read, bytes.
 
     Returns:
-        The routing view of the request.
+        The routing view of the request (``num_body_bytes``: the body as received).
 
     Raises:
-        RoutingError: BAD_REQUEST if the body is not a JSON object or a field has the wrong type or is missing.
+        RoutingError: BAD_REQUEST if the body does not decode, is not a JSON object, or a field has the wrong type
+            or is missing.
     """
     path = urllib.parse.unquote(path.split("?", 1)[0])  # /v1/%63ompletions is /v1/completions to the backend
+    received_bytes = len(body)
+    body = decode_body(body, content_encoding, max_decoded_bytes)
     try:
         parsed = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -221,7 +271,7 @@ def parse_body(request_id: str, method: str, path: str, body: bytes) -> RoutingR
         prompt_token_ids=ids,
         max_tokens=max_tokens,
         stream=_optional_bool(parsed, "stream"),
-        num_body_bytes=len(body),
+        num_body_bytes=received_bytes,
         last_user_message=last_user,
         chat_messages=chat,
     )

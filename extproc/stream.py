@@ -36,7 +36,7 @@ from astrolabe.logs import bind_request
 from extproc import messages, wire
 from extproc.config import ConfigError, parse_ip_port
 from extproc.errors import ErrorCode, RoutingError
-from extproc.request import RoutingRequest, parse_body
+from extproc.request import MAX_DECODED_FACTOR, RoutingRequest, parse_body
 from extproc.decision import Decision
 from extproc.router import Router
 from extproc.spans import NO_SPAN, RequestSpan
@@ -73,6 +73,7 @@ class StreamHandler:
         self._body = bytearray()
         self._method = ""
         self._path = ""
+        self._content_encoding: str | None = None
         self._request_id = ""
         self._arrival_time_s = 0.0
         self._span = span
@@ -151,6 +152,7 @@ class StreamHandler:
         values = {h.key.lower(): (h.raw_value or h.value.encode()).decode("latin-1") for h in headers.headers.headers}
         self._method = values.get(":method", "")
         self._path = values.get(":path", "")
+        self._content_encoding = values.get("content-encoding")
         self._request_id = values.get(wire.REQUEST_ID_HEADER) or uuid.uuid4().hex
         self._span.start(values, self._request_id)
         bind_request(self._request_id, self._span.trace_id)
@@ -190,7 +192,8 @@ class StreamHandler:
         return answers
 
     async def _route_body(self) -> Decision:
-        request = parse_body(self._request_id, self._method, self._path, bytes(self._body))
+        request = parse_body(self._request_id, self._method, self._path, bytes(self._body), self._content_encoding,
+                             MAX_DECODED_FACTOR * self._max_body_bytes)
         return await self._route(request)
 
     async def _route(self, request: RoutingRequest) -> Decision:

@@ -78,7 +78,7 @@ def test_other_paths_need_only_an_object():
         ("/v1/completions", {"prompt": [-1]}, "prompt"),
         ("/v1/completions", {"prompt": [[1], []]}, "prompt"),
         ("/v1/completions", {"prompt": "p", "model": 3}, "model"),
-        ("/v1/completions", {"prompt": "p", "max_tokens": "10"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "p", "max_tokens": "1e3"}, "max_tokens"),
         ("/v1/completions", {"prompt": "p", "max_tokens": -1}, "max_tokens"),
         ("/v1/completions", {"prompt": "p", "max_tokens": 1.5}, "max_tokens"),
         ("/v1/completions", {"prompt": "p", "stream": "yes"}, "stream"),
@@ -91,7 +91,7 @@ def test_other_paths_need_only_an_object():
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [1]}]}, "messages[0].content[0]"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
          "messages[0].content[0].text"),
-        ("/v1/chat/completions", {"messages": [{"role": "u", "content": "x"}], "max_completion_tokens": True},
+        ("/v1/chat/completions", {"messages": [{"role": "u", "content": "x"}], "max_completion_tokens": [3]},
          "max_completion_tokens"),
         ("/v1/embeddings", b"[]", None),
         ("/v1/completions", b'{"prompt": "x", "seed": 1' + b"0" * 5000 + b"}", None),
@@ -110,3 +110,39 @@ def test_malformed_bodies_are_400(path, body, param):
     payload = json.loads(err.json_body())
     assert payload["error"]["code"] == 400 and payload["error"]["type"] == "BadRequestError"
     assert payload["error"]["message"]
+
+
+COUNTS_AS_VLLM_READS_THEM = [(4, 4), (4.0, 4), ("4", 4), (True, 1), ("4.0", 4), (" 4", 4), (0, 0),
+                             (2 ** 70, 2 ** 70), (4.5, None), ("1e3", None), ([4], None), ("x", None), (1e20, None)]
+"""max_tokens value -> what vLLM 0.32's CompletionRequest reads (None: a validation error), as printed by
+tests/vllm/test_request_schema.py against vLLM's own model; tests/vllm checks the two still agree."""
+
+
+@pytest.mark.parametrize("value, expected", COUNTS_AS_VLLM_READS_THEM, ids=repr)
+def test_token_counts_are_read_as_vllm_reads_them(value, expected):
+    """A request vLLM accepts is not refused here: max_tokens 4.0 is 4 (a fresh-user report), "4" too, as
+    pydantic's lax int in vLLM's request models; 4.5 is refused by both."""
+    body = {"prompt": "p", "max_tokens": value}
+    if expected is None:
+        with pytest.raises(RoutingError):
+            _parse("/v1/completions", body)
+    else:
+        assert _parse("/v1/completions", body).max_tokens == expected
+
+
+def test_compressed_bodies_are_read_and_bombs_refused():
+    import gzip  # noqa: PLC0415
+    import zlib  # noqa: PLC0415
+
+    raw = json.dumps({"model": "m", "prompt": "hello there", "max_tokens": 7}).encode()
+    for encoding, data in (("gzip", gzip.compress(raw)), ("deflate", zlib.compress(raw)),
+                           ("gzip, identity", gzip.compress(raw)), (None, raw)):
+        request = parse_body("r", "POST", "/v1/completions", data, encoding)
+        assert (request.prompt_text, request.max_tokens, request.num_body_bytes) == ("hello there", 7, len(data))
+    with pytest.raises(RoutingError, match="not valid gzip"):
+        parse_body("r", "POST", "/v1/completions", raw, "gzip")
+    with pytest.raises(RoutingError, match="unsupported content-encoding 'br'"):
+        parse_body("r", "POST", "/v1/completions", raw, "br")
+    bomb = gzip.compress(b" " * 10_000_000)
+    with pytest.raises(RoutingError, match="decodes to more than 1000000 bytes"):
+        parse_body("r", "POST", "/v1/completions", bomb, "gzip", max_decoded_bytes=1_000_000)

@@ -177,3 +177,20 @@ async def test_cancelled_stream_releases_in_flight(server):
             break
         await asyncio.sleep(0.01)
     assert srv.pool.in_flight(dest) == 0
+
+
+async def test_a_gzip_body_is_decoded_for_routing_and_sent_on_unchanged(server):
+    """content-encoding gzip (a fresh-user report: refused as invalid JSON): the extproc reads the decoded body;
+    in full-duplex mode the body it re-sends to Envoy is the compressed one it received."""
+    import gzip  # noqa: PLC0415
+
+    srv, stub = server
+    compressed = gzip.compress(BODY)
+    call = stub.Process()
+    await call.write(headers_msg(mode=Mode.FULL_DUPLEX_STREAMED, extra=[("content-encoding", "gzip")]))
+    await call.write(body_msg(compressed))
+    headers = await call.read()
+    assert destination_of(headers.request_headers.response) in {e["address"] for e in ENDPOINTS}
+    chunk = await call.read()
+    assert chunk.request_body.response.body_mutation.streamed_response.body == compressed
+    await call.done_writing()

@@ -121,7 +121,7 @@ def test_a_killed_replica_costs_no_request_beyond_those_it_was_deciding(fleet):
     victim was still deciding at the kill (its streams minus its in-flight gauge of routed ones) may fail."""
     run = _kill(fleet, "buffered", "open")
     assert run.victim_in_flight >= 3, "the kill found no routed request on the victim: nothing was tested"
-    assert run.routed_lost() == [] and run.window_lost() == []
+    assert run.routed_lost() == [] and _after_the_race(run.window_lost(), run) == []
     assert len(run.lost()) <= run.victim_streams - run.victim_in_flight + len(_racing(run))
 
 
@@ -133,13 +133,18 @@ def test_in_full_duplex_mode_a_killed_replica_costs_the_responses_it_had_routed(
     request sent after the kill."""
     run = _kill(fleet, "full-duplex", "closed")
     assert len(run.lost()) <= run.victim_streams + len(_racing(run))
-    assert run.window_lost() == []
+    assert _after_the_race(run.window_lost(), run) == []
 
 
 def _racing(run):
-    """Requests sent in the 0.1 s before the SIGKILL: the victim's streams are read from Envoy's /clusters just
-    before the kill, and a stream Envoy opened on it in between is held too, but not counted there."""
-    return [r for r in run.results if run.kill_s - 0.1 <= r.send_offset_s < run.kill_s]
+    """Requests sent within 0.1 s of the SIGKILL: the victim's streams are read from Envoy's /clusters just before
+    the kill, and a stream Envoy opened on it in between, or while the kill was being delivered and its sockets
+    closed, is held too (it is reset, not refused, so the stream retry cannot move it), but not counted there."""
+    return [r for r in run.results if abs(r.send_offset_s - run.kill_s) <= 0.1]
+
+
+def _after_the_race(results, run):
+    return [r for r in results if r.send_offset_s > run.kill_s + 0.1]
 
 
 def test_kill_run_sorts_failures_by_what_the_client_saw():
