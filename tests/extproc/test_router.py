@@ -305,3 +305,51 @@ async def test_a_request_without_a_prompt_is_not_predicted_or_admitted(sidecars)
         assert registry.get_sample_value("astrolabe_extproc_decisions_total", {"basis": "no_prompt"}) == 1
     finally:
         await router.predictors.close()
+
+
+class RecordingPredictor(pb_grpc.PredictorServicer):
+    """Answers every Predict the same and records what the extproc asked and told (Predict, Admit)."""
+
+    def __init__(self) -> None:
+        self.predicts: list = []
+        self.admits: list = []
+
+    async def Predict(self, request, context):  # noqa: N802
+        self.predicts.append(request)
+        return pb.PredictResponse(ttft_s=0.1, e2e_s=1.0, state_age_s=0.0)
+
+    async def Admit(self, request, context):  # noqa: N802
+        self.admits.append(request)
+        return pb.AdmitResponse()
+
+
+async def test_what_the_extproc_asks_a_sidecar():
+    """The Predict and Admit a sidecar gets carry the request's own figures, each in its field (a mutation check:
+    swapping the prompt and output token counts passed every extproc test)."""
+    from extproc.lengths import count_prompt_tokens  # noqa: PLC0415
+
+    recorder = RecordingPredictor()
+    server = grpc.aio.server()
+    pb_grpc.add_PredictorServicer_to_server(recorder, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    router = make_router([f"127.0.0.1:{port}"], params={"k": 1})
+    try:
+        routed = request(1, max_tokens=300)
+        decision = await router.route(routed)
+        for _ in range(100):
+            if recorder.admits:
+                break
+            await asyncio.sleep(0.01)
+        (predict,) = recorder.predicts
+        prompt_tokens = count_prompt_tokens(routed)
+        assert prompt_tokens != 128  # the two figures differ, so a swap shows
+        assert (predict.num_prompt_tokens, predict.num_predicted_output_tokens, predict.max_tokens) == \
+            (prompt_tokens, 128, 300)
+        (admit,) = recorder.admits
+        assert (admit.request_id, admit.num_prompt_tokens, admit.num_predicted_output_tokens, admit.max_tokens) == \
+            (decision.request_id, prompt_tokens, 128, 300)
+        assert predict.request_id == decision.request_id
+    finally:
+        await router.predictors.close()
+        await server.stop(0)

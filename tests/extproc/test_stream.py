@@ -194,3 +194,23 @@ async def test_a_gzip_body_is_decoded_for_routing_and_sent_on_unchanged(server):
     chunk = await call.read()
     assert chunk.request_body.response.body_mutation.streamed_response.body == compressed
     await call.done_writing()
+
+
+@pytest.mark.parametrize("extra, routed", [(0, True), (1, False)], ids=["at-the-limit", "one-byte-over"])
+async def test_a_body_at_max_body_bytes_is_routed_and_one_byte_more_is_413(server, extra, routed):
+    """The limit is inclusive (a mutation check: `>` vs `>=` survived every test)."""
+    srv, stub = server
+    limit = srv.config.max_body_bytes
+    shell = json.dumps({"model": "m", "prompt": ""}).encode()
+    body = json.dumps({"model": "m", "prompt": "x" * (limit - len(shell) + extra)}).encode()
+    assert len(body) == limit + extra
+    call = stub.Process()
+    await call.write(headers_msg())
+    await call.read()
+    await call.write(body_msg(body))
+    answer = await call.read()
+    if routed:
+        assert destination_of(answer.request_body.response) in {e["address"] for e in ENDPOINTS}
+    else:
+        assert answer.immediate_response.status.code == 413
+    await call.done_writing()
