@@ -79,6 +79,9 @@ class Router:
         num_fallbacks: endpoints listed after the chosen one (``Decision.fallbacks``, the config's
             ``fallback_endpoints``): the other probed candidates by their predicted latency, then the healthy
             endpoints by this replica's in-flight count.
+        passive_ejection: when the gateway reports that another endpoint served a request (it could not use the
+            chosen one and went down the list), the chosen endpoint counts as unhealthy until its next passing
+            active health check; only with active health checks on (else nothing would bring it back).
     """
 
     def __init__(self, pool: EndpointPool, policy: Policy, metrics: ExtprocMetrics | None = None,
@@ -86,7 +89,7 @@ class Router:
                  rng: random.Random | None = None, endpoint_metrics: MetricsScraper | None = None,
                  clock=time.monotonic, decision_log: DecisionLog | None = None,
                  prompt_tokens: PromptTokenCounter | None = None, tracer: trace.Tracer | None = None,
-                 num_fallbacks: int = 0) -> None:
+                 num_fallbacks: int = 0, passive_ejection: bool = False) -> None:
         if policy.needs_predictions and (predictors is None or lengths is None):
             raise ValueError(f"policy {policy.TYPE!r} needs a predictor client and an output-length estimator")
         self.pool = pool
@@ -101,6 +104,7 @@ class Router:
         self._count_prompt_tokens = prompt_tokens.count if prompt_tokens is not None else count_prompt_tokens
         self._tracer = tracer
         self._num_fallbacks = num_fallbacks
+        self._passive_ejection = passive_ejection
 
     def _healthy_views(self, request: RoutingRequest) -> list[EndpointView]:
         if not self.pool.endpoints:
@@ -252,7 +256,8 @@ class Router:
         the serving endpoint's sidecar, if any, is told (Admit, without a prediction).
 
         A served endpoint that is not in the list (the gateway's own choice after the list was used up, or with
-        no list) moves the count the same way, if it is an endpoint of the pool.
+        no list) moves the count the same way, if it is an endpoint of the pool. With ``passive_ejection`` a
+        fallback of the list serving makes the chosen endpoint unhealthy until its next passing active check.
 
         Returns:
             The decision now pointing at ``address`` (``served_elsewhere``); ``decision`` itself when ``address``
@@ -263,6 +268,12 @@ class Router:
         self.pool.release(decision.destination)
         self.pool.acquire(address)
         self.metrics.served_elsewhere.inc()
+        if self._passive_ejection and address in decision.fallbacks and self.pool.is_healthy(decision.destination):
+            # The gateway went down the list: the chosen endpoint refused or reset the connection. A dead backend
+            # would otherwise attract traffic (its in-flight count falls to 0) until its active check fails.
+            logger.warning("endpoint %s failed a request the gateway then served at %s: out of the pool until its "
+                           "next passing health check", decision.destination, address)
+            self.pool.set_healthy(decision.destination, False)
         predictor = self.pool.endpoint(address).predictor
         if self.predictors is not None:
             if decision.predictor:

@@ -173,3 +173,13 @@ async def test_repeated_request_headers_do_not_route_twice(stub):
             break
         await asyncio.sleep(0.01)
     assert sum(server.pool.in_flight(e["address"]) for e in ENDPOINTS) == 0
+
+
+@pytest.mark.parametrize("passive", [True, False])
+async def test_a_fallback_serving_ejects_the_chosen_endpoint_only_with_active_checks(passive):
+    router = make_router([None, None, None], policy="least-requests")
+    router._num_fallbacks, router._passive_ejection = 1, passive
+    decision = await router.route(request())
+    router.served(decision, decision.fallbacks[0])
+    assert router.pool.is_healthy(decision.destination) is not passive
+    await router.predictors.close()
