@@ -603,3 +603,18 @@ def test_pool_and_failure_mode_errors(overrides: dict, match: str) -> None:
         _render("full-duplex", **overrides)
     with pytest.raises(ValueError, match="no use in the least-request mode"):
         _render("least-request", pool_addresses="10.0.0.5:8000")
+
+
+@pytest.mark.parametrize("mode", ["buffered", "full-duplex"])
+def test_a_stream_refused_by_a_dead_replica_is_retried_at_once_on_another(mode: str) -> None:
+    """The ext_proc grpc_service retries a stream whose replica refused or reset the connection, on another replica,
+    after 25 ms, not the 1 s that Envoy's RetryPolicy defaults to (with every replica dead, each request waited
+    ~2 s for its 503; measured)."""
+    config = yaml.safe_load(_render(mode, extproc_address="127.0.0.1:9002,127.0.0.1:9003"))
+    ext_proc = next(f for f in _http_filters(config) if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+    retry = ext_proc["grpc_service"]["retry_policy"]
+    assert set(retry["retry_on"].split(",")) == {"connect-failure", "refused-stream", "reset-before-request"}
+    assert retry["retry_back_off"]["base_interval"] == "0.025s" and retry["num_retries"] == 2
+    assert retry["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
+    breaker = _clusters(config)["extproc"]["circuit_breakers"]["thresholds"][0]
+    assert breaker["max_retries"] == launcher.DEFAULT_MAX_UPSTREAM_REQUESTS

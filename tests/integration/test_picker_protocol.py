@@ -64,6 +64,17 @@ def _with_subset_filter(rendered: str) -> str:
     return rendered.replace(marker, _SUBSET_FILTER + marker)
 
 
+def _all_served_by(url: str, backend: str, n: int) -> list[str]:
+    """Sends ``n`` completions; each must succeed at ``backend``; returns the destination header each carried."""
+    lists = []
+    for _ in range(n):
+        response = httpx.post(f"{url}/v1/completions", json=BODY, timeout=10)
+        assert response.status_code == 200, response.text
+        assert response.json()["served_by"] == backend
+        lists.append(response.json()["destination_header"])
+    return lists
+
+
 def _closed_port() -> str:
     """An ip:port nothing listens on."""
     return f"127.0.0.1:{free_port()}"
@@ -82,12 +93,7 @@ def test_the_fallback_list_is_tried_in_order_and_the_served_endpoint_moves_the_c
         url = _envoy(stack, "--pool", f"{dead},{alive}")
         stack.wait_routable()
         before = stack.metric("astrolabe_extproc_served_elsewhere_total")  # the readiness GETs count too
-        lists = []
-        for _ in range(10):
-            response = httpx.post(f"{url}/v1/completions", json=BODY, timeout=10)
-            assert response.status_code == 200, response.text
-            assert response.json()["served_by"] == alive
-            lists.append(response.json()["destination_header"])
+        lists = _all_served_by(url, alive, 10)
         assert set(lists) == {f"{dead},{alive}", f"{alive},{dead}"}
         dead_first = lists.count(f"{dead},{alive}")
         deadline = time.monotonic() + 5
@@ -163,12 +169,7 @@ def test_a_backend_that_dies_stops_getting_requests_at_once(tmp_path):
         url = _envoy(stack, "--pool", f"{doomed},{alive}")
         stack.wait_routable()
         stack.backends[doomed].stop()  # dies after passing its check; the next one is 30 s away
-        lists = []
-        for _ in range(20):
-            response = httpx.post(f"{url}/v1/completions", json=BODY, timeout=10)
-            assert response.status_code == 200, response.text
-            assert response.json()["served_by"] == alive
-            lists.append(response.json()["destination_header"])
+        lists = _all_served_by(url, alive, 20)
         first_failed = next(i for i, value in enumerate(lists) if value.startswith(doomed))
         assert all(value.startswith(alive) for value in lists[first_failed + 1:]), lists
         assert stack.metric(f'astrolabe_extproc_endpoint_healthy{{endpoint="{doomed}"}}') == 0
