@@ -394,6 +394,30 @@ def _port_or_name(value: object) -> object:
 
 _Port = Annotated[int, Field(strict=True, ge=1, le=65535)]
 
+DNS_PORT = 53
+"""Port of a nameserver given without one."""
+
+
+def parse_nameserver(text: str) -> tuple[str, int]:
+    """``'ip'``, ``'ip:port'``, ``'::1'`` or ``'[::1]:port'`` -> (normalised ip, port; `DNS_PORT` when absent).
+
+    Raises:
+        ValueError: not an IP literal (the message tail names the text), or a port outside 1..65535.
+    """
+    host, port = text, str(DNS_PORT)
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else port if not rest else ""
+    elif text.count(":") == 1:
+        host, _, port = text.partition(":")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"expected 'ip' or 'ip:port', got {text!r}") from None
+    if not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"port {port!r} is not in 1..65535")
+    return str(ip), int(port)
+
 
 @dataclass(frozen=True, slots=True, config=_config("DiscoveryConfig"))
 class DiscoveryConfig:
@@ -460,14 +484,10 @@ class DiscoveryConfig:
         if self.source == "dns" and isinstance(self.predictor_port, str):
             raise _Located(("predictor_port",), "dns discovery cannot read a named container port; give a number")
         for i, server in enumerate(self.dns_nameservers):
-            host, _, port = server.rpartition(":") if server.count(":") == 1 or server.startswith("[") \
-                else ("", "", "")
             try:
-                ipaddress.ip_address((host or server).strip("[]"))
-            except ValueError:
-                raise _Located(("dns_nameservers", i), f"expected 'ip' or 'ip:port', got {server!r}") from None
-            if port and not (port.isdigit() and 1 <= int(port) <= 65535):
-                raise _Located(("dns_nameservers", i), f"port {port!r} is not in 1..65535")
+                parse_nameserver(server)
+            except ValueError as exc:
+                raise _Located(("dns_nameservers", i), str(exc)) from None
 
 
 # ---------------------------------------------------------------------------------------------------------------

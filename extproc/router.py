@@ -41,7 +41,7 @@ from extproc.policies.least_requests import LeastRequestsPolicy
 from extproc.pool import EndpointPool
 from extproc.predictor_client import PredictorClient
 from extproc.request import RoutingRequest
-from extproc.spans import LENGTH_SOURCE, LENGTH_SOURCE_LABELS
+from extproc.spans import LENGTH_SOURCE, LENGTH_SOURCE_LABELS, host_port
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class Router:
             raise RoutingError(ErrorCode.MODEL_NOT_FOUND, f"The model `{request.model}` does not exist.", "model")
         if request.allowed_endpoints is not None:
             allowed = request.allowed_endpoints
-            serving = [e for e in serving if e.address in allowed or _host(e.address) in allowed]
+            serving = [e for e in serving if e.address in allowed or host_port(e.address)[0] in allowed]
             if not any(self.pool.is_healthy(e.address) for e in serving):
                 raise RoutingError(ErrorCode.NO_HEALTHY_ENDPOINT,
                                    f"no healthy endpoint of the gateway's subset hint ({len(allowed)} usable "
@@ -239,11 +239,10 @@ class Router:
 
     def _fallback_list(self, decision: Decision, views: Sequence[EndpointView]) -> tuple[str, ...]:
         """Up to ``num_fallbacks`` endpoints after ``decision.destination``: the probed candidates that answered,
-        lowest predicted latency (the policy's metric) first, then the other healthy endpoints, fewest in flight
-        first."""
-        metric = getattr(getattr(self.policy, "params", None), "metric", "e2e")
-        answered = sorted((getattr(p, f"{metric}_s", p.e2e_s), address) for address, p in decision.candidates
-                          if p is not None and address != decision.destination)
+        best first by the policy's own ``score`` of their predictions (what it chose by), then the other healthy
+        endpoints, fewest in flight first."""
+        answered = sorted((self.policy.score(EndpointView(address, prediction=p)), address)
+                          for address, p in decision.candidates if p is not None and address != decision.destination)
         ranked = [address for _, address in answered]
         taken = {decision.destination, *ranked}
         ranked += [v.address for v in sorted(views, key=lambda v: (v.num_in_flight, v.address))
@@ -305,7 +304,3 @@ class Router:
 async def _none() -> None:
     return None
 
-
-def _host(address: str) -> str:
-    """The IP of a normalised ``ip:port`` (IPv6 without brackets), as a subset hint's bare IP entry names it."""
-    return address.rpartition(":")[0].strip("[]")

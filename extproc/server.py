@@ -318,8 +318,7 @@ class ExtprocServer:
             await asyncio.wait((discovery, synced), return_when=asyncio.FIRST_COMPLETED)
             synced.cancel()
             if discovery.done():  # a source ends only on an error it cannot retry (e.g. no kubeconfig)
-                await self.stop_now()
-                discovery.result()
+                await self.stop_now()  # raises that error
                 raise ConfigError("discovery: the endpoint source stopped before its first list")
         if self._checker:
             self._tasks.append(asyncio.create_task(self._checker.run(), name="endpoint-health"))
@@ -362,14 +361,8 @@ class ExtprocServer:
             self.predictors.connect([e.predictor for e in added if e.predictor])
 
     async def stop_now(self) -> None:
-        """Stops at once, without the drain (a start that failed)."""
-        await self._server.stop(0)
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.predictors.close()
+        """Stops at once, without the drain (a start that failed or was interrupted)."""
+        await self._close(0)
 
     async def stop(self) -> None:
         """Graceful shutdown.
@@ -381,20 +374,27 @@ class ExtprocServer:
         await self._set_serving(False)
         await asyncio.sleep(self.config.drain_delay_s)
         self._processor.draining.set()
-        await self._server.stop(self.config.grace_period_s)
+        await self._close(self.config.grace_period_s)
+        logger.info("extproc stopped")
+
+    async def _close(self, grace_s: float) -> None:
+        """Stops the gRPC server (streams get ``grace_s``), the metrics server and the background tasks, and closes
+        the sidecar channels, the decision log and the tagger; then raises the first error a background task
+        ended with, if any."""
+        await self._server.stop(grace_s)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        results = await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.predictors.close()
         if self.decision_log is not None:
             self.decision_log.close()
         if self.router.lengths.tagger is not None:
             self.router.lengths.tagger.close()
-        logger.info("extproc stopped")
+        errors = [r for r in results if isinstance(r, Exception)]
+        if errors:
+            raise errors[0]
 
 
 async def _flush_every(log: DecisionLog, interval_s: float) -> None:

@@ -43,7 +43,7 @@ import dns.nameserver
 import dns.rdatatype
 import dns.resolver
 
-from extproc.config import ConfigError, DiscoveryConfig, EndpointConfig
+from extproc.config import ConfigError, DiscoveryConfig, EndpointConfig, parse_nameserver
 from extproc.discovery import Backoff, Publish, endpoint_address
 
 logger = logging.getLogger(__name__)
@@ -51,8 +51,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_RESOLV_CONF = "/etc/resolv.conf"
 """The resolver configuration read when ``dns_nameservers`` is empty and no ``resolv_conf`` is given."""
 
-DNS_PORT = 53
-"""Port of a nameserver given without one (and of every resolv.conf nameserver)."""
 
 _RDTYPES = (dns.rdatatype.A, dns.rdatatype.AAAA)
 _MAX_LOGGED = 10  # addresses named per log line; the rest are counted
@@ -241,17 +239,8 @@ def _make_resolver(config: DiscoveryConfig, resolv_conf: str | None) -> dns.asyn
 
 
 def _nameserver(text: str, index: int) -> dns.nameserver.Do53Nameserver:
-    """``'ip'``, ``'ip:port'``, ``'::1'`` or ``'[::1]:port'`` as a UDP/TCP nameserver (port 53 by default)."""
-    host, port = text, str(DNS_PORT)
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else port if not rest else ""
-    elif text.count(":") == 1:
-        host, _, port = text.partition(":")
+    """A ``dns_nameservers`` entry (`extproc.config.parse_nameserver`) as a UDP/TCP nameserver."""
     try:
-        ip = ipaddress.ip_address(host)
-        if not (port.isdigit() and 1 <= int(port) <= 65535):
-            raise ValueError(port)
-    except ValueError:
-        raise ConfigError(f"discovery.dns_nameservers[{index}]: expected 'ip' or 'ip:port', got {text!r}") from None
-    return dns.nameserver.Do53Nameserver(str(ip), int(port))
+        return dns.nameserver.Do53Nameserver(*parse_nameserver(text))
+    except ValueError as exc:
+        raise ConfigError(f"discovery.dns_nameservers[{index}]: {exc}") from None

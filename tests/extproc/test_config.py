@@ -489,3 +489,13 @@ def test_a_bad_policy_parameter_from_the_environment_names_its_variable(tmp_path
     path.write_text("endpoints: [{address: 10.0.0.1:80}]\n")
     with pytest.raises(ConfigError, match=r"^policy_params: .*k must be .*\(set by ASTROLABE_EXTPROC_POLICY_PARAMS__K\)"):
         load_config(path, environ={"ASTROLABE_EXTPROC_POLICY_PARAMS__K": "0"})
+
+
+
+@pytest.mark.parametrize("text, parsed", [("10.0.0.1", ("10.0.0.1", 53)), ("10.0.0.1:5353", ("10.0.0.1", 5353)),
+                                          ("::1", ("::1", 53)), ("[::1]", ("::1", 53)), ("[0:0::1]:5353", ("::1", 5353))])
+def test_nameservers_are_parsed_in_every_documented_form(text, parsed):
+    """One parser for the config's check and the DNS source (they disagreed: the config refused '[::1]')."""
+    from extproc.config import parse_nameserver  # noqa: PLC0415
+
+    assert parse_nameserver(text) == parsed

@@ -4,17 +4,13 @@ through the real Envoy: tests/integration/test_picker_protocol.py."""
 
 import asyncio
 
-import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
 from extproc import wire
-from extproc.config import parse_config
-from extproc.server import ExtprocServer
 from tests.extproc.test_router import make_router, request, sidecars  # noqa: F401 (a fixture)
-from tests.extproc.test_stream import BODY, body_msg, headers_msg, metadata_of
+from tests.extproc.test_stream import BODY, body_msg, headers_msg, metadata_of, running_server
 
 ENDPOINTS = [{"address": f"127.0.0.1:1800{i}"} for i in range(1, 5)]
 
@@ -33,14 +29,9 @@ def _list(*items: str) -> struct_pb2.Value:
 
 @pytest.fixture
 async def stub():
-    config = parse_config({"listen": "127.0.0.1:0", "policy": "least-requests", "seed": 1, "fallback_endpoints": 2, "drain_delay_s": 0,
-                           "health_check": {"enabled": False}, "endpoints": ENDPOINTS})
-    server = ExtprocServer(config)
-    port = await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    yield server, pb_grpc.ExternalProcessorStub(channel)
-    await channel.close()
-    await server.stop()
+    async with running_server({"policy": "least-requests", "seed": 1, "fallback_endpoints": 2, "drain_delay_s": 0,
+                               "health_check": {"enabled": False}, "endpoints": ENDPOINTS}) as running:
+        yield running
 
 
 async def _route(stub, first: pb.ProcessingRequest) -> pb.ProcessingResponse:

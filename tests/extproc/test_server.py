@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from extproc import wire
 from extproc.config import load_config, parse_config, replace_config
 from extproc.server import ConfigWatcher, ExtprocServer, main
+from tests.extproc.health_backend import health_backend
 from tests.extproc.test_stream import BODY, body_msg, destination_of, headers_msg
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -26,15 +27,8 @@ async def backend():
     async def health(_request):
         return web.Response(status=state["status"])
 
-    app = web.Application()
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    yield f"127.0.0.1:{port}", state
-    await runner.cleanup()
+    async with health_backend(health) as (address,):
+        yield address, state
 
 
 async def _statuses(port):

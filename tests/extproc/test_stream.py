@@ -1,6 +1,7 @@
 """The ext_proc stream over a real grpc.aio channel, driven the way Envoy drives it."""
 
 import asyncio
+import contextlib
 import json
 
 import grpc
@@ -18,16 +19,24 @@ Mode = processing_mode_pb2.ProcessingMode
 ENDPOINTS = [{"address": "127.0.0.1:18001", "models": ["m"]}, {"address": "127.0.0.1:18002", "models": ["m"]}]
 
 
-@pytest.fixture
-async def server():
-    config = parse_config({"listen": "127.0.0.1:0", "policy": "round-robin", "seed": 1, "max_body_bytes": 300_000,
-                           "health_check": {"enabled": False}, "endpoints": ENDPOINTS})
-    srv = ExtprocServer(config)
+@contextlib.asynccontextmanager
+async def running_server(raw: dict):
+    """An `ExtprocServer` of the config ``raw`` on a free port, and a stub of its ExternalProcessor service."""
+    srv = ExtprocServer(parse_config({"listen": "127.0.0.1:0", **raw}))
     port = await srv.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    yield srv, pb_grpc.ExternalProcessorStub(channel)
-    await channel.close()
-    await srv.stop()
+    try:
+        yield srv, pb_grpc.ExternalProcessorStub(channel)
+    finally:
+        await channel.close()
+        await srv.stop()
+
+
+@pytest.fixture
+async def server():
+    async with running_server({"policy": "round-robin", "seed": 1, "max_body_bytes": 300_000,
+                               "health_check": {"enabled": False}, "endpoints": ENDPOINTS}) as running:
+        yield running
 
 
 def headers_msg(method="POST", path="/v1/completions", eos=False, mode=Mode.BUFFERED, extra=()):
