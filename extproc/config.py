@@ -30,6 +30,15 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
     drain_delay_s: 2.0              # at shutdown, keep serving this long after readiness goes NOT_SERVING
     grace_period_s: 10.0            # then streams still being routed get at most this long
     metrics_listen: null            # host:port for Prometheus /metrics (null = off)
+    tls: null                       # TLS of the gRPC server (astrolabe/tls.py); null = plaintext, else:
+    #   cert_file: /etc/astrolabe/tls/tls.crt   # PEM chain, re-read when it changes
+    #   key_file: /etc/astrolabe/tls/tls.key
+    #   client_ca_file: null        # set = mutual TLS: Envoy must present a certificate this CA signed
+    predictor_tls: null             # TLS of the calls to the sidecars; null = plaintext, else:
+    #   ca_file: /etc/astrolabe/tls/ca.crt      # verifies the sidecars (null = system roots)
+    #   cert_file: null             # client certificate (mutual TLS), with key_file
+    #   key_file: null
+    #   server_name: null           # name the sidecars' certificates carry, if not their IP
     decision_log_path: null         # JSON lines, one record per routing decision (null = off)
     log_level: INFO                 # DEBUG | INFO | WARNING | ERROR | CRITICAL (the --log-level flag wins)
     log_format: text                # text | json: one JSON object per line (the --log-format flag wins)
@@ -71,8 +80,9 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
 
 Environment overrides (``load_config`` only; ``parse_config`` is pure): ``ASTROLABE_EXTPROC_<KEY>`` replaces a
 root key and ``ASTROLABE_EXTPROC_<SECTION>__<KEY>`` one key of a section (``health_check``, ``output_length``,
-``predictor_client``, ``policy_params``, ``tokenizers``, ``tracing``); the key is the name's lower-case tail, e.g.
-``ASTROLABE_EXTPROC_PREDICTOR_CLIENT__PREDICT_TIMEOUT_S=0.05``. A value is read as one YAML scalar (``0.05``,
+``predictor_client``, ``policy_params``, ``tokenizers``, ``tracing``, ``discovery``, ``tls``,
+``predictor_tls``); the key is the name's lower-case tail, e.g.
+``ASTROLABE_EXTPROC_PREDICTOR_CLIENT__PREDICT_TIMEOUT_S=0.05`` or ``ASTROLABE_EXTPROC_TLS__CERT_FILE=/tls/tls.crt``. A value is read as one YAML scalar (``0.05``,
 ``true``, ``null``; empty = null); text that YAML reads as a list or mapping, or cannot parse, stays a string
 (so ``[::]:9002`` works). ``endpoints``, ``policy_params`` and whole sections take YAML or JSON text, e.g.
 ``ASTROLABE_EXTPROC_ENDPOINTS='[{address: 10.0.0.5:8000}]'``. Precedence, lowest first: defaults, the file, the
@@ -490,6 +500,39 @@ class DiscoveryConfig:
                 raise _Located(("dns_nameservers", i), str(exc)) from None
 
 
+@dataclass(frozen=True, slots=True, config=_config("ServerTlsConfig"))
+class ServerTlsConfig:
+    """TLS of the extproc's gRPC server (``astrolabe.tls.ServerTls``): PEM files, as a ``kubernetes.io/tls``
+    Secret mounts them; re-read when they change (new connections get the new certificate)."""
+
+    cert_file: _NonEmptyStr = Field(description="PEM certificate chain the server presents (leaf first), e.g. "
+                                                "/etc/astrolabe/tls/tls.crt.")
+    key_file: _NonEmptyStr = Field(description="PEM private key of the certificate, e.g. /etc/astrolabe/tls/tls.key.")
+    client_ca_file: _NonEmptyStr | None = Field(
+        None, description="PEM CA bundle that verifies client certificates; set = mutual TLS (Envoy must present a "
+                          "certificate this CA signed); null = server-only TLS.")
+
+
+@dataclass(frozen=True, slots=True, config=_config("ClientTlsConfig"))
+class ClientTlsConfig:
+    """TLS of the extproc's calls to the predictor sidecars (``astrolabe.tls.ClientTls``)."""
+
+    ca_file: _NonEmptyStr | None = Field(
+        None, description="PEM CA bundle that verifies the sidecars' certificates; null = the system's roots.")
+    cert_file: _NonEmptyStr | None = Field(
+        None, description="PEM certificate chain presented to the sidecars (mutual TLS); null = none. Set with "
+                          "key_file.")
+    key_file: _NonEmptyStr | None = Field(None, description="PEM private key of cert_file.")
+    server_name: _NonEmptyStr | None = Field(
+        None, description="Name checked against each sidecar's certificate instead of its address's host (sidecars "
+                          "are dialled by pod IP; a certificate usually names a Service); null = the host.")
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            missing = "key_file" if self.key_file is None else "cert_file"
+            raise _Located((missing,), "cert_file and key_file are set together (a client certificate and its key)")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The root
 
@@ -546,6 +589,11 @@ class ExtprocConfig:
     tracing: _Tracing = Field(
         default_factory=TracingConfig,
         description="OpenTelemetry traces; off unless an endpoint is set here or by OTEL_* variables.")
+    tls: ServerTlsConfig | None = Field(
+        None, description="TLS (mutual with client_ca_file) of the ExternalProcessor gRPC server; null = plaintext.")
+    predictor_tls: ClientTlsConfig | None = Field(
+        None, description="TLS of the calls to the predictor sidecars (their `astrolabe predictor serve --tls-*` "
+                          "flags); null = plaintext.")
     decision_log_path: _NonEmptyStr | None = Field(
         None, description="File that receives JSON lines, one record per routing decision; null = off.")
     log_level: Annotated[Literal[LOG_LEVELS], BeforeValidator(_log_level)] = Field(  # type: ignore[valid-type]
@@ -583,10 +631,11 @@ _ADAPTER = TypeAdapter(ExtprocConfig)
 _CLASS_AT: dict[tuple[str, ...], type] = {
     (): ExtprocConfig, ("endpoints",): EndpointConfig, ("health_check",): HealthCheckConfig,
     ("output_length",): OutputLengthSection, ("predictor_client",): PredictorClientSection,
-    ("tracing",): TracingSection, ("discovery",): DiscoveryConfig,
+    ("tracing",): TracingSection, ("discovery",): DiscoveryConfig, ("tls",): ServerTlsConfig,
+    ("predictor_tls",): ClientTlsConfig,
 }
 _MAPPING_KEYS = ("health_check", "output_length", "predictor_client", "policy_params", "tokenizers", "tracing",
-                 "discovery")
+                 "discovery", "tls", "predictor_tls")
 """Root keys whose own keys an ``<SECTION>__<KEY>`` override may set."""
 
 

@@ -61,6 +61,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from astrolabe.tls import ClientTls, channel_credentials, channel_options
 from astrolabe.tracing import (ADMIT_ID, PREDICTED_E2E_S, PREDICTED_QUEUE_S, PREDICTED_TTFT_S, SERVER_ADDRESS,
                                SERVER_PORT, STATE_AGE_S, grpc_metadata)
 from extproc.policies.base import Prediction
@@ -181,6 +182,10 @@ class PredictorClient:
             loop lag run on the event loop's clock, since asyncio timers do.
         tracer: starts a CLIENT span per Predict and Admit (a child of the current span) whose context travels
             as gRPC metadata, so the sidecar continues the trace; None = no spans, no metadata (tracing off).
+        tls: TLS (mutual when it has a certificate) of every sidecar channel; None = plaintext.
+
+    Raises:
+        astrolabe.tls.TlsError: a file of ``tls`` cannot be used.
 
     Attributes:
         outcomes: sidecar address -> outcome (``OUTCOMES``) -> number of ``predict`` calls.
@@ -189,8 +194,11 @@ class PredictorClient:
     """
 
     def __init__(self, config: PredictorClientConfig, clock=time.monotonic,
-                 tracer: trace.Tracer | None = None) -> None:
+                 tracer: trace.Tracer | None = None, tls: ClientTls | None = None) -> None:
         self.config = config
+        # Read once (a TlsError here is a configuration error); every sidecar channel shares them.
+        self._credentials = channel_credentials(tls) if tls is not None else None
+        self._channel_options = channel_options(tls)
         self._clock = clock
         self._tracer = tracer
         self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.PredictorStub]] = {}
@@ -207,7 +215,10 @@ class PredictorClient:
             # or a probe would find the channel still waiting to reconnect to a sidecar that is back
             options = [("grpc.initial_reconnect_backoff_ms", max(int(self.config.min_backoff_s * 1000), 1)),
                        ("grpc.max_reconnect_backoff_ms", max(int(self.config.max_backoff_s * 1000), 1))]
-            channel = grpc.aio.insecure_channel(address, options=options)
+            if self._credentials is None:
+                channel = grpc.aio.insecure_channel(address, options=options)
+            else:
+                channel = grpc.aio.secure_channel(address, self._credentials, options=options + self._channel_options)
             entry = self._stubs[address] = (channel, pb_grpc.PredictorStub(channel))
         return entry[1]
 

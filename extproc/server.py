@@ -40,6 +40,7 @@ from astrolabe.envoy import DEFAULT_BUFFER_LIMIT_BYTES as ENVOY_BUFFER_LIMIT_BYT
 from astrolabe.cli import HelpFormatter
 from astrolabe.lifecycle import settle_heap, wait_for_termination
 from astrolabe.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, add_arguments as add_log_arguments, setup_logging
+from astrolabe.tls import ClientTls, ServerTls, TlsError, server_credentials
 from astrolabe.tracing import Tracing, TracingConfigError, setup_tracing
 from extproc import wire
 from extproc.config import LIVE_KEYS, ConfigError, ExtprocConfig, changed_keys, load_config, replace_config
@@ -235,7 +236,15 @@ class ExtprocServer:
         rng = random.Random(config.seed)
         policy = build_policy(config.policy, config.policy_params, rng)
         self.metrics = ExtprocMetrics(self.pool)
-        self.predictors = PredictorClient(config.predictor_client, tracer=tracer)
+        try:  # TLS files are read here, so that a bad one stops the start with the key that named it
+            self._credentials = server_credentials(ServerTls(**dataclasses.asdict(config.tls))) if config.tls else None
+        except TlsError as exc:
+            raise ConfigError(f"tls: {exc}") from None
+        try:
+            client_tls = ClientTls(**dataclasses.asdict(config.predictor_tls)) if config.predictor_tls else None
+            self.predictors = PredictorClient(config.predictor_client, tracer=tracer, tls=client_tls)
+        except TlsError as exc:
+            raise ConfigError(f"predictor_tls: {exc}") from None
         # Only load-based policies read engine metrics; the others never scrape the backends.
         self.endpoint_metrics = (MetricsScraper(self.pool, config.metrics_interval_s, config.metrics_staleness_s)
                                  if policy.needs_metrics else None)
@@ -296,7 +305,10 @@ class ExtprocServer:
         Raises:
             ConfigError: the listen or metrics address cannot be bound.
         """
-        self.port = self._server.add_insecure_port(self.config.listen)
+        if self._credentials is None:
+            self.port = self._server.add_insecure_port(self.config.listen)
+        else:
+            self.port = self._server.add_secure_port(self.config.listen, self._credentials)
         if self.port == 0:
             raise ConfigError(f"listen: cannot listen on {self.config.listen}")
         if self.config.metrics_listen:  # before the gRPC server starts, so that a busy port leaves nothing running

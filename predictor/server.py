@@ -41,6 +41,7 @@ from prometheus_client import Histogram
 
 from astrolabe.lifecycle import settle_heap, wait_for_termination
 from astrolabe.logs import add_arguments as add_log_arguments, request_context, setup_logging
+from astrolabe.tls import ServerTls, TlsError, add_port, server_credentials
 from astrolabe.tracing import (ADMIT_ID, NUM_PREDICTED_OUTPUT_TOKENS, NUM_PROMPT_TOKENS, PREDICTED_E2E_S,
                                PREDICTED_TTFT_S, STATE_AGE_S, Tracing, TracingConfigError, setup_tracing)
 from predictor.api import pb, pb_grpc
@@ -94,6 +95,7 @@ class SidecarConfig:
         ingress_delay: ``online`` (add the measured delay from Admit to the engine's scheduler,
             ``predictor.ingress``, to TTFT and E2E predictions; needs the plugin's ``arrivals``) or ``off`` (the
             default: the delay is measured and reported only).
+        tls: TLS (mutual when it names a client CA) of the gRPC server (``astrolabe.tls``); None = plaintext.
     """
 
     backend: str
@@ -116,6 +118,7 @@ class SidecarConfig:
     metrics_listen: str | None = None
     model_config: str | None = None
     ingress_delay: str = "off"
+    tls: ServerTls | None = None
 
 
 def resolve_batch_time_model(batch_time_model: str | None, model_config: str | None) -> str:
@@ -568,7 +571,7 @@ class Sidecar:
 
             self._metrics_server, self.metrics_port = start_metrics_server(self, self.config.metrics_listen)
             logger.info("metrics on http://%s/metrics (port %d)", self.config.metrics_listen, self.metrics_port)
-        self.port = self._server.add_insecure_port(self.config.listen)
+        self.port = add_port(self._server, self.config.listen, self.config.tls)
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {self.config.listen}")
         await self._server.start()
@@ -657,7 +660,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-listen", default=None,
                         help="host:port of a Prometheus /metrics endpoint (calibration, prediction error); "
                              "default: off")
+    parser.add_argument("--tls-cert-file", default=None,
+                        help="PEM certificate chain of the gRPC server (TLS; with --tls-key-file), re-read when it "
+                             "changes; default: plaintext")
+    parser.add_argument("--tls-key-file", default=None,
+                        help="PEM private key of --tls-cert-file; default: none (plaintext)")
+    parser.add_argument("--tls-client-ca-file", default=None,
+                        help="PEM CA bundle that verifies client certificates: mutual TLS, the extproc must present a "
+                             "certificate it signed (needs --tls-cert-file); default: server-only TLS")
     add_log_arguments(parser)
+
+
+def tls_from_args(args: argparse.Namespace) -> ServerTls | None:
+    """The server TLS that the ``--tls-*`` flags ask for, its files checked; None when none is given.
+
+    Raises:
+        TlsError: a certificate without its key (or the reverse), a client CA without a certificate, or a file
+            that cannot be used.
+    """
+    cert, key, client_ca = args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file
+    if cert is None and key is None and client_ca is None:
+        return None
+    if cert is None or key is None:
+        raise TlsError("--tls-cert-file and --tls-key-file are given together"
+                       + (" (--tls-client-ca-file needs them)" if client_ca else ""))
+    tls = ServerTls(cert_file=cert, key_file=key, client_ca_file=client_ca)
+    server_credentials(tls)  # reads every file once, so that a bad one is an error at start
+    return tls
 
 
 def run(args: argparse.Namespace) -> int:
@@ -674,7 +703,8 @@ def run(args: argparse.Namespace) -> int:
                                length_errors=args.length_errors, calibration=args.calibration,
                                calibration_min_samples=args.calibration_min_samples,
                                bias_correction=args.bias_correction, metrics_listen=args.metrics_listen,
-                               model_config=args.model_config, ingress_delay=args.ingress_delay)
+                               model_config=args.model_config, ingress_delay=args.ingress_delay,
+                               tls=tls_from_args(args))
         # Resolved once here (the cold start reads the model config and logs its choice once).
         config = dataclasses.replace(config, batch_time_model=resolve_batch_time_model(config.batch_time_model,
                                                                                        config.model_config))

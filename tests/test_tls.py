@@ -1,0 +1,244 @@
+"""TLS and mutual TLS of the gRPC servers and clients (astrolabe/tls.py), with certificates made by trustme.
+
+Real gRPC servers on loopback: the standard health service over `add_port`, the extproc (`ExtprocServer`) and a
+real predictor sidecar process beside a real emulator, dialled by the extproc's `PredictorClient`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import trustme
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from astrolabe.tls import ClientTls, ServerTls, TlsError, add_port, channel_credentials, channel_options, \
+    server_credentials
+from bench.procs import ProcessGroup, free_port
+from extproc.config import ConfigError, load_config, parse_config
+from extproc.server import ExtprocServer
+from predictor.server import add_arguments, tls_from_args
+from tests.extproc.test_stream import body_msg, headers_msg
+
+PY = sys.executable
+
+
+class Certs:
+    """A CA, a server certificate for localhost / 127.0.0.1 and a client certificate, as PEM files in ``root``;
+    ``other_*``: a second CA's, which the first does not trust."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.ca = trustme.CA()
+        self.other = trustme.CA()
+        self.ca_file = self._write("ca.crt", self.ca.cert_pem.bytes())
+        self.other_ca_file = self._write("other-ca.crt", self.other.cert_pem.bytes())
+        self.cert_file, self.key_file = self.issue(self.ca, "server", "localhost", "127.0.0.1")
+        self.client_cert_file, self.client_key_file = self.issue(self.ca, "client", "astrolabe-extproc")
+        self.other_client_cert_file, self.other_client_key_file = self.issue(self.other, "other-client", "intruder")
+
+    def _write(self, name: str, data: bytes) -> str:
+        path = self.root / name
+        path.write_bytes(data)
+        return str(path)
+
+    def issue(self, ca: trustme.CA, name: str, *identities: str) -> tuple[str, str]:
+        cert = ca.issue_cert(*identities)
+        return (self._write(f"{name}.crt", b"".join(blob.bytes() for blob in cert.cert_chain_pems)),
+                self._write(f"{name}.key", cert.private_key_pem.bytes()))
+
+
+@pytest.fixture
+def certs(tmp_path) -> Certs:
+    return Certs(tmp_path)
+
+
+async def _health_server(tls: ServerTls | None):
+    server = grpc.aio.server()
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = add_port(server, "127.0.0.1:0", tls)
+    await server.start()
+    return server, port
+
+
+async def _check(port: int, tls: ClientTls | None) -> bool:
+    """True when a Check call over a new channel succeeds; False when the connection (handshake) fails."""
+    address = f"127.0.0.1:{port}"
+    channel = (grpc.aio.insecure_channel(address) if tls is None else
+               grpc.aio.secure_channel(address, channel_credentials(tls), options=channel_options(tls)))
+    try:
+        await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return True
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+        return False
+    finally:
+        await channel.close()
+
+
+async def test_tls_server_verifies_and_refuses_plaintext(certs):
+    server, port = await _health_server(ServerTls(certs.cert_file, certs.key_file))
+    try:
+        assert await _check(port, ClientTls(ca_file=certs.ca_file))
+        assert not await _check(port, None)  # plaintext to a TLS port
+        assert not await _check(port, ClientTls(ca_file=certs.other_ca_file))  # a CA that did not sign it
+        # The certificate names localhost and 127.0.0.1: another name fails verification ...
+        assert not await _check(port, ClientTls(ca_file=certs.ca_file, server_name="vllm.example"))
+        # ... and the override is how a client dialling an IP checks a Service name
+        assert await _check(port, ClientTls(ca_file=certs.ca_file, server_name="localhost"))
+    finally:
+        await server.stop(0)
+
+
+async def test_mutual_tls_requires_a_client_certificate_the_ca_signed(certs):
+    server, port = await _health_server(ServerTls(certs.cert_file, certs.key_file, client_ca_file=certs.ca_file))
+    try:
+        assert await _check(port, ClientTls(certs.ca_file, certs.client_cert_file, certs.client_key_file))
+        assert not await _check(port, ClientTls(ca_file=certs.ca_file))  # no client certificate
+        assert not await _check(port, ClientTls(certs.ca_file, certs.other_client_cert_file,
+                                                certs.other_client_key_file))  # signed by a CA it does not trust
+    finally:
+        await server.stop(0)
+
+
+async def test_renewed_certificate_files_apply_to_new_connections(certs):
+    """A renewed Secret (new files in place) is served at the next handshake without a restart."""
+    server, port = await _health_server(ServerTls(certs.cert_file, certs.key_file))
+    try:
+        assert await _check(port, ClientTls(ca_file=certs.ca_file))
+        renewed = certs.other.issue_cert("localhost", "127.0.0.1")  # now signed by the other CA
+        Path(certs.key_file).write_bytes(renewed.private_key_pem.bytes())
+        Path(certs.cert_file).write_bytes(b"".join(blob.bytes() for blob in renewed.cert_chain_pems))
+        os.utime(certs.cert_file, ns=(1, 1))  # a distinct stamp even within the file system's time resolution
+        assert await _check(port, ClientTls(ca_file=certs.other_ca_file))
+        assert not await _check(port, ClientTls(ca_file=certs.ca_file))
+        Path(certs.cert_file).write_text("half-written")  # a broken renewal keeps the certificate in use
+        os.utime(certs.cert_file, ns=(2, 2))
+        assert await _check(port, ClientTls(ca_file=certs.other_ca_file))
+    finally:
+        await server.stop(0)
+
+
+def test_tls_errors_name_the_file_and_its_role(certs, tmp_path):
+    with pytest.raises(TlsError, match=r"server certificate .*missing\.crt: No such file"):
+        server_credentials(ServerTls(str(tmp_path / "missing.crt"), certs.key_file))
+    (tmp_path / "junk.key").write_text("not a key")
+    with pytest.raises(TlsError, match=r"server private key .*junk\.key: not a PEM file"):
+        server_credentials(ServerTls(certs.cert_file, str(tmp_path / "junk.key")))
+    with pytest.raises(TlsError, match="client CA"):
+        server_credentials(ServerTls(certs.cert_file, certs.key_file, str(tmp_path / "none.crt")))
+    with pytest.raises(TlsError, match="cert_file and key_file are set together"):
+        ClientTls(ca_file=certs.ca_file, cert_file=certs.client_cert_file)
+
+
+def test_config_tls_sections_name_the_key(certs, monkeypatch):
+    endpoints = [{"address": "127.0.0.1:8000"}]
+    with pytest.raises(ConfigError, match=r"^tls\.key_file: required"):
+        parse_config({"endpoints": endpoints, "tls": {"cert_file": certs.cert_file}})
+    with pytest.raises(ConfigError, match=r"^predictor_tls\.key_file: cert_file and key_file are set together"):
+        parse_config({"endpoints": endpoints, "predictor_tls": {"cert_file": certs.client_cert_file}})
+    with pytest.raises(ConfigError, match=r"^tls: unknown key\(s\) \['client_cfile'\]"):
+        parse_config({"endpoints": endpoints, "tls": {"cert_file": "a", "key_file": "b", "client_cfile": "c"}})
+    config = parse_config({"endpoints": endpoints})
+    assert config.tls is None and config.predictor_tls is None
+
+
+def test_tls_environment_overrides(certs, tmp_path):
+    path = tmp_path / "extproc.yaml"
+    path.write_text(json.dumps({"endpoints": [{"address": "127.0.0.1:8000"}]}))
+    config = load_config(path, {"ASTROLABE_EXTPROC_TLS__CERT_FILE": certs.cert_file,
+                                "ASTROLABE_EXTPROC_TLS__KEY_FILE": certs.key_file,
+                                "ASTROLABE_EXTPROC_PREDICTOR_TLS__CA_FILE": certs.ca_file})
+    assert (config.tls.cert_file, config.tls.key_file, config.tls.client_ca_file) == (certs.cert_file,
+                                                                                       certs.key_file, None)
+    assert config.predictor_tls.ca_file == certs.ca_file
+
+
+def test_extproc_refuses_to_start_on_an_unusable_tls_file(certs, tmp_path):
+    endpoints = [{"address": "127.0.0.1:8000"}]
+    with pytest.raises(ConfigError, match=r"^tls: server certificate .*gone\.crt"):
+        ExtprocServer(parse_config({"endpoints": endpoints,
+                                    "tls": {"cert_file": str(tmp_path / "gone.crt"), "key_file": certs.key_file}}))
+    with pytest.raises(ConfigError, match=r"^predictor_tls: CA .*gone-ca\.crt"):
+        ExtprocServer(parse_config({"endpoints": endpoints, "predictor_tls": {"ca_file": str(tmp_path / "gone-ca.crt")}}))
+
+
+def _sidecar_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--backend", "127.0.0.1:1", *argv])
+
+
+def test_sidecar_tls_flags(certs):
+    assert tls_from_args(_sidecar_args()) is None
+    tls = tls_from_args(_sidecar_args("--tls-cert-file", certs.cert_file, "--tls-key-file", certs.key_file,
+                                      "--tls-client-ca-file", certs.ca_file))
+    assert tls == ServerTls(certs.cert_file, certs.key_file, certs.ca_file)
+    with pytest.raises(TlsError, match="--tls-client-ca-file needs them"):
+        tls_from_args(_sidecar_args("--tls-client-ca-file", certs.ca_file))
+    with pytest.raises(TlsError, match="given together"):
+        tls_from_args(_sidecar_args("--tls-cert-file", certs.cert_file))
+
+
+@pytest.fixture
+def tls_sidecar(certs, tmp_path):
+    """A real emulator and its real sidecar serving mutual TLS: (backend, sidecar) addresses."""
+    with ProcessGroup() as procs:
+        port, sidecar_port = free_port(), free_port()
+        emulator = procs.start([PY, "-m", "astrolabe", "emulator", "--port", str(port)], name="emulator",
+                               log_path=tmp_path / "emulator.log")
+        emulator.wait_http(f"http://127.0.0.1:{port}/health", timeout_s=30)
+        sidecar = procs.start([PY, "-m", "astrolabe", "predictor", "serve", "--backend", f"127.0.0.1:{port}",
+                               "--listen", f"127.0.0.1:{sidecar_port}", "--tls-cert-file", certs.cert_file,
+                               "--tls-key-file", certs.key_file, "--tls-client-ca-file", certs.ca_file],
+                              name="sidecar", log_path=tmp_path / "sidecar.log")
+        sidecar.wait_tcp("127.0.0.1", sidecar_port, timeout_s=30)
+        yield f"127.0.0.1:{port}", f"127.0.0.1:{sidecar_port}"
+
+
+async def _route_once(srv: ExtprocServer, port: int, certs: Certs) -> None:
+    """One buffered completion through the extproc's mTLS port; asserts it was routed."""
+    credentials = channel_credentials(ClientTls(certs.ca_file, certs.client_cert_file, certs.client_key_file))
+    async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+        call = ext_grpc.ExternalProcessorStub(channel).Process()
+        await call.write(headers_msg())
+        await call.read()
+        await call.write(body_msg(json.dumps({"model": "m", "prompt": "hello there", "max_tokens": 4}).encode()))
+        answer = await call.read()
+        await call.done_writing()
+        assert answer.WhichOneof("response") == "request_body", answer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("client_side", ["mutual", "no-client-cert", "plaintext"])
+async def test_extproc_predicts_over_mutual_tls(certs, tls_sidecar, client_side):
+    """The extproc serves mTLS to Envoy's side and asks a mTLS sidecar; without the client certificate (or TLS)
+    the sidecar refuses, and the request is still routed (a sidecar that cannot be asked is a failed probe)."""
+    backend, sidecar = tls_sidecar
+    predictor_tls = {"mutual": {"ca_file": certs.ca_file, "cert_file": certs.client_cert_file,
+                                "key_file": certs.client_key_file},
+                     "no-client-cert": {"ca_file": certs.ca_file}, "plaintext": None}[client_side]
+    srv = ExtprocServer(parse_config({
+        "listen": "127.0.0.1:0", "policy": "astrolabe", "policy_params": {"k": 1}, "seed": 0,
+        "health_check": {"enabled": False}, "output_length": {"source": "fixed"},
+        "predictor_client": {"predict_timeout_s": 2.0},
+        "tls": {"cert_file": certs.cert_file, "key_file": certs.key_file, "client_ca_file": certs.ca_file},
+        "predictor_tls": predictor_tls, "endpoints": [{"address": backend, "predictor": sidecar}]}))
+    port = await srv.start()
+    try:
+        assert not await _check(port, ClientTls(ca_file=certs.ca_file))  # Envoy's side is mutual TLS too
+        await _route_once(srv, port, certs)
+        outcomes = srv.predictors.outcomes[sidecar]
+        if client_side == "mutual":
+            assert outcomes["ok"] == 1, outcomes
+        else:
+            assert outcomes["ok"] == 0 and outcomes["down"] == 1, outcomes
+    finally:
+        await srv.stop()
