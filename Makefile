@@ -11,7 +11,8 @@ GOOGLEAPIS_VERSION   := 1.76.0
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# setup.py and fast_predict.py: the compiled predictor (mypyc) is rebuilt when its source changes.
+$(STAMP): pyproject.toml Makefile setup.py predictor/sim/fast_predict.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'

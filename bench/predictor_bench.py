@@ -4,7 +4,9 @@ For each size (requests waiting + running on the instance) it builds realistic i
 many times (`time.perf_counter`) and `predict_by_stepping` fewer times as the baseline in the same run, and
 prints a table: size, p50 / p99 milliseconds, mean simulated steps, for both, the p50 speed-up, and p50 / p99 of
 `predict`'s CPU time (`time.thread_time`; on a shared machine wall-clock percentiles include time spent waiting
-for a core, CPU time does not). Every baseline call is checked to give the same result as `predict`.
+for a core, CPU time does not). Every baseline call is checked to give the same result as `predict`. The first
+line names the `predictor.sim.fast_predict` that ran ("mypyc" where the compiled module is built, else "python");
+`--python` times the pure-Python one even where the compiled one is loaded.
 
 States: a Llama-2-7B (H200 profile) instance with the paper's limits (max_num_seqs 48, max_num_batched_tokens
 512, block size 16) and a 2,048-block KV cache (32 k tokens, so long requests also contend for blocks), driven in
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 from astrolabe.cli import HelpFormatter
 from predictor.sim.batch_time import LinearBatchTimeModel
 from predictor.sim.engine import Engine
-from predictor.sim.predict import Prediction, predict, predict_by_stepping
+from predictor.sim.predict import FAST_PREDICT_IMPLEMENTATION, Prediction, predict, predict_by_stepping
 from predictor.sim.request import SimRequest
 from predictor.sim.scheduler import EngineConfig
 from predictor.sim.snapshot import InstanceSnapshot, RequestState
@@ -172,9 +174,15 @@ def run_size(
     lengths: Sequence[tuple[int, int]],
     rng: random.Random,
     model: LinearBatchTimeModel,
+    compiled: bool = True,
 ) -> SizeResult:
-    """Time `predict` num_predictions times and `predict_by_stepping` num_baseline times over num_states states."""
+    """Time `predict` num_predictions times and `predict_by_stepping` num_baseline times over num_states states
+    (`compiled`: passed on to `predict`)."""
     states = [build_state(num_requests, lengths, rng, model) for _ in range(num_states)]
+
+    def fast_predict(snapshot: InstanceSnapshot, target: RequestState, model: LinearBatchTimeModel) -> Prediction:
+        return predict(snapshot, target, model, compiled=compiled)
+
     predict_ms: list[float] = []
     predict_cpu_ms: list[float] = []
     predict_steps: list[int] = []
@@ -184,7 +192,7 @@ def run_size(
         snapshot = states[i % num_states]
         num_prompt_tokens, num_output_tokens = rng.choice(lengths)
         target = RequestState(f"new{i}", num_prompt_tokens, num_output_tokens, snapshot.now_s)
-        latency_ms, cpu_ms, prediction = _timed_cpu(predict, snapshot, target, model)
+        latency_ms, cpu_ms, prediction = _timed_cpu(fast_predict, snapshot, target, model)
         predict_ms.append(latency_ms)
         predict_cpu_ms.append(cpu_ms)
         predict_steps.append(prediction.num_steps_simulated)
@@ -240,6 +248,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seeds the states and the log-normal lengths")
     parser.add_argument("--lognormal", action="store_true", help="log-normal lengths even if ShareGPT is cached")
     parser.add_argument("--quick", action="store_true", help="few states and calls (a smoke run)")
+    parser.add_argument("--python", action="store_true",
+                        help="time the pure-Python fast_predict even where the compiled one is loaded")
     args = parser.parse_args(argv)
     if args.quick:
         args.states, args.predictions, args.baseline = 2, 6, 2
@@ -257,9 +267,11 @@ def main(argv: list[str]) -> int:
             lengths=lengths,
             rng=rng,
             model=model,
+            compiled=not args.python,
         )
         for size in args.sizes
     ]
-    print(f"predictor latency, {args.model}, {BENCH_CONFIG}")
+    implementation = "python" if args.python else FAST_PREDICT_IMPLEMENTATION
+    print(f"predictor latency, {args.model}, {BENCH_CONFIG}, fast_predict: {implementation}")
     print(format_table(results))
     return 0

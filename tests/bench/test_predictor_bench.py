@@ -22,6 +22,15 @@ def test_quick_run_prints_a_row_per_size(capsys: pytest.CaptureFixture[str]) -> 
         assert 0 < p50_ms <= p99_ms and steps >= 1
 
 
+def test_header_names_the_fast_predict_that_ran(capsys: pytest.CaptureFixture[str]) -> None:
+    from predictor.sim.predict import FAST_PREDICT_IMPLEMENTATION
+
+    assert bench_main(["predictor", "--quick", "--lognormal", "--sizes", "16"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith(f"fast_predict: {FAST_PREDICT_IMPLEMENTATION}")
+    assert bench_main(["predictor", "--quick", "--lognormal", "--sizes", "16", "--python"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith("fast_predict: python")
+
+
 def test_state_holds_the_requested_mix() -> None:
     rng = random.Random(3)
     lengths = load_lengths(rng, use_sharegpt=False)

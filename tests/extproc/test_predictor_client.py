@@ -17,6 +17,9 @@ from extproc.predictor_client import OUTCOMES, PredictorClient, PredictorClientC
 from predictor.api import pb, pb_grpc
 
 DEADLINE_S = 0.05
+SLACK_DEADLINE_S = 5.0
+"""Deadline for tests about what an answer holds, not when it comes (a first call on a busy machine can take
+longer than DEADLINE_S, and would count as late)."""
 MIN_BACKOFF_S = 0.2
 
 
@@ -335,7 +338,7 @@ class NonsensePredictor(pb_grpc.PredictorServicer):
                          ids=["nan", "inf", "negative", "e2e-before-ttft"])
 async def test_nonsense_answers_are_no_prediction_and_no_backoff(sidecars, make_client, ttft_s, e2e_s):
     _, port = await sidecars(NonsensePredictor(ttft_s, e2e_s))
-    client = make_client()
+    client = make_client(predict_timeout_s=SLACK_DEADLINE_S)  # about answers, not lateness: a loaded machine is fine
     address = f"127.0.0.1:{port}"
     assert await ask(client, address) is None and await ask(client, address, 1) is None
     assert client.outcomes[address]["invalid"] == 2 and not client.is_backing_off(address)
@@ -344,7 +347,7 @@ async def test_nonsense_answers_are_no_prediction_and_no_backoff(sidecars, make_
 async def test_counts_beyond_uint32_are_cut_not_fatal(sidecars, make_client):
     servicer = NonsensePredictor(0.1, 1.0)
     _, port = await sidecars(servicer)
-    client = make_client()
+    client = make_client(predict_timeout_s=SLACK_DEADLINE_S)
     address = f"127.0.0.1:{port}"
     assert await client.predict(address, "r", 2**40, 2**40, max_tokens=2**40) is not None
     (sent,) = servicer.requests

@@ -127,3 +127,14 @@ def test_empty_batch_takes_no_time_and_more_decode_context_costs_more() -> None:
     short = ScheduledBatch({"a": 1}, num_decode_seqs=1, decode_context_tokens=100)
     long = ScheduledBatch({"a": 1}, num_decode_seqs=1, decode_context_tokens=10_000)
     assert 0 < model.step_time_s(short) < model.step_time_s(long)
+
+
+def test_step_and_decode_run_times_are_the_formula_by_hand() -> None:
+    """Pins each term (the fast predictor and stepping share the formula: they agree even if it is wrong)."""
+    model = LinearBatchTimeModel("m", c0_s=1e-3, c1_s_per_token=1e-5, c2_s_per_token2=1e-8, c3_s_per_token=1e-6,
+                                 c4_s_per_seq=1e-4)
+    # 1 ms + 100 tokens x 10 us + 1,000 tokens^2 x 10 ns + 500 context tokens x 1 us + 4 seqs x 100 us
+    assert model.step_time_from_counts_s(100, 1000, 500, 4) == pytest.approx(0.00291, rel=1e-12)
+    # 3 decode steps of 4 seqs from 500 context tokens: 3 x (1 ms + 4 x 10 us + 500 x 1 us + 4 x 100 us) plus
+    # the context growth, 1 us x 4 seqs x (0 + 1 + 2) steps
+    assert model.decode_run_time_from_counts_s(4, 500, 3) == pytest.approx(3 * 0.00194 + 12e-6, rel=1e-12)

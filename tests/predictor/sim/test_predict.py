@@ -2,13 +2,21 @@
 
 The guard of the fast path: `predict` (event-driven re-implementation of the scheduler in
 `predictor.sim.fast_predict`) must equal `predict_by_stepping` (the real `Scheduler`, one step at a time) on
-every generated state; snapshots are copies.
+every generated state; snapshots are copies. Where `fast_predict` is compiled (mypyc), the pure-Python source
+must give identical predictions (==) as well.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
@@ -22,7 +30,9 @@ from predictor.sim.request import RequestStatus, SimRequest
 from predictor.sim.scheduler import EngineConfig, ScheduledBatch, Scheduler
 from predictor.sim.snapshot import NUM_EXTRA_OUTPUT_TOKENS_WHEN_OVERDUE, InstanceSnapshot, RequestState
 
+predict_module = importlib.import_module("predictor.sim.predict")  # the package re-exports the function as `predict`
 LLAMA = LinearBatchTimeModel.default("llama-2-7b")
+COMPILED = predict_module.FAST_PREDICT_IMPLEMENTATION == "mypyc"
 MARGIN_TOKENS = NUM_EXTRA_OUTPUT_TOKENS_WHEN_OVERDUE  # room for the overdue rule's extra tokens
 
 
@@ -191,6 +201,8 @@ def test_predict_equals_stepping_and_leaves_state_unchanged(case: tuple[Instance
     fast = predict(snapshot, target, LLAMA)
     slow = predict_by_stepping(snapshot, target, LLAMA)
     _assert_same(fast, slow)
+    if COMPILED:
+        assert predict(snapshot, target, LLAMA, compiled=False) == fast
     assert snapshot == before
     event(f"preemptions: {min(slow.num_preemptions, 3)}")
     event(f"skipped: {fast.num_steps_simulated < fast.num_steps}")
@@ -410,3 +422,87 @@ def test_queue_delay_is_zero_on_an_idle_instance_and_grows_with_a_queue():
     busy = predict(full, new, model)
     delay = queue_delay_s(full, new, model, busy.ttft_s)  # both slots taken: it waits ~199 decode steps
     assert delay > 0.5 * busy.ttft_s and delay == pytest.approx(busy.ttft_s - predict(idle, new, model).ttft_s)
+
+
+# ---- instances of the benchmark's size, the compiled module, the pricing ----------------------------------------
+
+
+def _bench_like_snapshot(num_requests: int, seed: int) -> InstanceSnapshot:
+    """An instance as `astrolabe bench predictor` builds it: its limits, `num_requests` always on it (finished ones
+    replaced at once), log-normal lengths, taken after a seeded number of steps."""
+    rng = random.Random(seed)
+    config = EngineConfig(max_num_seqs=48, max_num_batched_tokens=512, block_size=16, num_gpu_blocks=2048)
+    engine = Engine(config, LLAMA)
+    scheduler = engine.scheduler
+    num_added = 0
+    for _ in range(rng.randint(100, 400)):
+        while len(scheduler.waiting) + len(scheduler.running) < num_requests:
+            num_prompt_tokens = min(max(1, round(rng.lognormvariate(math.log(160), 1.0))), 2048)
+            num_output_tokens = min(max(1, round(rng.lognormvariate(math.log(200), 1.0))), 2048)
+            engine.add_request(SimRequest(f"r{num_added}", num_prompt_tokens, num_output_tokens, engine.now_s))
+            num_added += 1
+        engine.step()
+    return InstanceSnapshot.from_scheduler(scheduler, engine.now_s)
+
+
+@pytest.mark.parametrize(("num_requests", "seed"), [(16, 0), (64, 1), (256, 2)], ids=["16", "64", "256"])
+def test_bench_sized_instances_equal_stepping(num_requests: int, seed: int) -> None:
+    snapshot = _bench_like_snapshot(num_requests, seed)
+    assert len(snapshot.running) + len(snapshot.waiting) == num_requests
+    for i, (num_prompt_tokens, num_output_tokens) in enumerate([(1, 1), (150, 120), (900, 40)]):
+        target = RequestState(f"t{i}", num_prompt_tokens, num_output_tokens, snapshot.now_s)
+        slow = predict_by_stepping(snapshot, target, LLAMA)
+        predictions = [predict(snapshot, target, LLAMA), predict(snapshot, target, LLAMA, compiled=False)]
+        _assert_same(predictions[0], slow)
+        assert predictions[1] == predictions[0]  # the .py and the compiled module (where built) alike
+        if num_requests > LLAMA_BENCH_MAX_NUM_SEQS:
+            assert slow.num_steps > 100 and predictions[0].num_steps_simulated < slow.num_steps
+
+
+LLAMA_BENCH_MAX_NUM_SEQS = 48
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _DoubledPrefill(LinearBatchTimeModel):
+    """A subclass that reprices steps: the fast path must call it, not evaluate the base formula itself."""
+
+    def step_time_from_counts_s(
+        self, num_tokens: int, prefill_attention_work: int, decode_context_tokens: int, num_seqs: int
+    ) -> float:
+        # (zero-argument super() fails in a slotted dataclass)
+        return LinearBatchTimeModel.step_time_from_counts_s(
+            self, num_tokens, 2 * prefill_attention_work, decode_context_tokens, num_seqs
+        )
+
+
+def test_a_subclass_of_the_linear_model_is_priced_by_its_own_methods() -> None:
+    model = _DoubledPrefill(**{f.name: getattr(LLAMA, f.name) for f in dataclasses.fields(LLAMA)})
+    snapshot = _busy_snapshot(30, 150, 4)
+    target = RequestState("t", 300, 50)
+    fast = predict(snapshot, target, model)
+    _assert_same(fast, predict_by_stepping(snapshot, target, model))
+    assert fast.ttft_s != predict(snapshot, target, LLAMA).ttft_s
+
+
+def test_a_compiled_module_older_than_its_source_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = tmp_path / "fast_predict.py"
+    source.write_text(Path(predict_module.__file__).with_name("fast_predict.py").read_text())
+    extension = tmp_path / "fast_predict.cpython-311-x86_64-linux-gnu.so"
+    extension.write_bytes(b"")  # never imported: only its name and age are read
+    compiled = ModuleType("predictor.sim.fast_predict")
+    compiled.__file__ = str(extension)
+    monkeypatch.delitem(sys.modules, predict_module._PYTHON_FAST_PREDICT, raising=False)
+    try:
+        os.utime(extension, (time.time() - 60, time.time() - 60))
+        module, implementation = predict_module._choose_fast_predict(compiled)
+        assert implementation.startswith("python") and module.__file__ == str(source)
+        assert "older than" in caplog.text
+        assert module.simulate_until_finished(_TIGHT, RequestState("t", 3, 4), LLAMA).num_steps == (
+            predict_by_stepping(_TIGHT, RequestState("t", 3, 4), LLAMA).num_steps
+        )
+        os.utime(extension, (time.time() + 60, time.time() + 60))
+        assert predict_module._choose_fast_predict(compiled) == (compiled, "mypyc")
+    finally:
+        sys.modules.pop(predict_module._PYTHON_FAST_PREDICT, None)
