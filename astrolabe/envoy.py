@@ -65,6 +65,20 @@ DEFAULT_BUFFER_LIMIT_BYTES = 16 * 1024 * 1024
 DEFAULT_STREAM_IDLE_TIMEOUT_S = 900.0
 """A stream with no bytes either way for this long is reset (a silent non-streamed completion)."""
 
+DEFAULT_PER_TRY_IDLE_TIMEOUT_S = 300.0
+"""Seconds one try at a backend may send no byte (route ``retry_policy.per_try_idle_timeout``): before the response
+started Envoy answers 504, after it resets the stream. A stream that is slow but moving is never cut (every SSE event
+resets the timer); what it ends is a backend that froze (SIGSTOP, a hung engine) with requests on it, which the HCM's
+``stream_idle_timeout`` would hold for 15 minutes. It also bounds a NON-streamed completion, which sends its first
+byte only when it is done (vLLM: headers and body at the end), and a streamed request's wait in the engine's queue
+before its first token: 5 minutes is a 4,096-token reply at 14 tokens/s. 0 = off."""
+
+DEFAULT_PER_TRY_TIMEOUT_S = 0.0
+"""Seconds one try may take until Envoy starts the response (route ``retry_policy.per_try_timeout``; Envoy ignores it
+once the response started downstream: ``UpstreamRequest::onPerTryTimeout``, Envoy 1.40): a first-byte deadline. Off
+(0) by default: a non-streamed completion's response starts only when it is done, so any value short enough to catch
+a frozen backend early would cut long non-streamed replies; ``--per-try-idle-timeout-s`` ends frozen tries instead."""
+
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 """TCP connect timeout to a backend or to the processor."""
 
@@ -316,6 +330,21 @@ def _tracing_values(tracing: EnvoyTracing | None) -> dict[str, str]:
     return {"tracing": hcm, "tracing_cluster": cluster, "tracing_runtime": runtime}
 
 
+def _timeout_values(per_try_timeout_s: float, per_try_idle_timeout_s: float) -> dict[str, str]:
+    """Template values of the route's per-try deadlines (seconds, 0 = off: Envoy arms neither timer at 0).
+
+    Raises:
+        ValueError: a value that is not a number in [0, `MAX_MESSAGE_TIMEOUT_S`].
+    """
+    values = {}
+    for name, value in (("per_try_timeout_s", per_try_timeout_s), ("per_try_idle_timeout_s", per_try_idle_timeout_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_MESSAGE_TIMEOUT_S:
+            raise ValueError(f"{name} must be a number of seconds in [0, {MAX_MESSAGE_TIMEOUT_S:g}] (0 = off), "
+                             f"got {value!r}")
+        values[name] = f"{value:.3f}"
+    return values
+
+
 def _lb_endpoints(endpoints: list[tuple[str, int]]) -> str:
     """The ``lb_endpoints`` items of a cluster, one flow-style line each, for the templates."""
     lines = [f'- endpoint: {{ address: {{ socket_address: {{ address: "{host}", port_value: {port} }} }} }}'
@@ -392,6 +421,8 @@ def render_config(
     tracing: EnvoyTracing | None = None,
     pool_addresses: str | Sequence[str] | None = None,
     failure_mode: str = "closed",
+    per_try_timeout_s: float = DEFAULT_PER_TRY_TIMEOUT_S,
+    per_try_idle_timeout_s: float = DEFAULT_PER_TRY_IDLE_TIMEOUT_S,
 ) -> str:
     """Fill the Envoy config template of ``mode``.
 
@@ -421,14 +452,18 @@ def render_config(
             None = ORIGINAL_DST on the header (one endpoint per request, any ip:port).
         failure_mode: ext_proc modes: ``closed`` (FailClose: no answer from the picker = 503) or ``open``
             (FailOpen: the request goes on without a destination).
+        per_try_timeout_s: any mode: seconds one try at a backend may take until the response starts (then 504);
+            0 = off (`DEFAULT_PER_TRY_TIMEOUT_S` says why that is the default).
+        per_try_idle_timeout_s: any mode: seconds one try may go without a byte from the backend (504 before the
+            response started, a reset stream after); 0 = off (`DEFAULT_PER_TRY_IDLE_TIMEOUT_S`).
 
     Returns:
         The rendered YAML text.
 
     Raises:
         ValueError: unknown mode, an address missing, malformed, duplicated or not allowed in ``mode``,
-            port out of range, non-positive timeout/limit, bad health-check path, bad tracing settings
-            (`EnvoyTracing`).
+            port out of range, non-positive timeout/limit, a per-try timeout outside [0, 3600] s, bad
+            health-check path, bad tracing settings (`EnvoyTracing`).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -451,6 +486,7 @@ def render_config(
         stream_idle_timeout_s=f"{DEFAULT_STREAM_IDLE_TIMEOUT_S:.3f}",
         connect_timeout_s=f"{DEFAULT_CONNECT_TIMEOUT_S:.3f}",
         max_upstream_requests=DEFAULT_MAX_UPSTREAM_REQUESTS,
+        **_timeout_values(per_try_timeout_s, per_try_idle_timeout_s),
         **values,
         **_tracing_values(tracing),
     )
@@ -524,6 +560,13 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                              "(FailOpen: the request goes on without a destination, which only --pool can route: "
                              "Envoy's least-request picks; and in full-duplex mode Envoy 1.40 fails open only "
                              "requests without a body) (default closed)")
+    parser.add_argument("--per-try-timeout-s", type=float, default=DEFAULT_PER_TRY_TIMEOUT_S,
+                        help="seconds one try at a backend may take until the response starts, then 504 (a "
+                             "first-byte deadline; a non-streamed completion starts only when done); 0 = off")
+    parser.add_argument("--per-try-idle-timeout-s", type=float, default=DEFAULT_PER_TRY_IDLE_TIMEOUT_S,
+                        help="seconds one try may go without a byte from the backend: 504 before the response "
+                             "started, a reset stream after (ends requests on a frozen backend; a slow but moving "
+                             "stream is never cut; it bounds a non-streamed completion's duration); 0 = off")
     parser.add_argument("--backend-health-check-path", default=None,
                         help=f"least-request mode: HTTP path of the backends' active health check "
                              f"(default {DEFAULT_BACKEND_HEALTH_CHECK_PATH})")
@@ -569,7 +612,7 @@ def _render_from_args(args: argparse.Namespace) -> str:
             args.mode, listen_address=args.listen_address, listen_port=args.listen_port,
             admin_port=args.admin_port, backend_addresses=args.backends,
             backend_health_check_path=args.backend_health_check_path or DEFAULT_BACKEND_HEALTH_CHECK_PATH,
-            tracing=tracing,
+            tracing=tracing, per_try_timeout_s=args.per_try_timeout_s, per_try_idle_timeout_s=args.per_try_idle_timeout_s,
         )
     for flag, value in (("--backends", args.backends),
                         ("--backend-health-check-path", args.backend_health_check_path)):
@@ -593,7 +636,7 @@ def _render_from_args(args: argparse.Namespace) -> str:
         failure_mode=args.failure_mode or "closed",
         message_timeout_s=(DEFAULT_MESSAGE_TIMEOUT_S if args.message_timeout_s is None
                            else args.message_timeout_s),
-        tracing=tracing,
+        tracing=tracing, per_try_timeout_s=args.per_try_timeout_s, per_try_idle_timeout_s=args.per_try_idle_timeout_s,
     )
 
 

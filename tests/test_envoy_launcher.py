@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -105,10 +107,13 @@ def test_config_folder_is_not_a_python_package() -> None:
         ("least-request", {"tracing": launcher.EnvoyTracing("[::1]:4317")}),
         ("full-duplex", {"pool_addresses": "10.0.0.5:8000,[fd00::5]:8000", "failure_mode": "open"}),
         ("buffered", {"pool_addresses": ["vllm.astrolabe.svc.cluster.local:8000"]}),
+        ("full-duplex", {"per_try_timeout_s": 30.0, "per_try_idle_timeout_s": 2.5}),
+        ("least-request", {"per_try_timeout_s": 0.0, "per_try_idle_timeout_s": 0.0}),
     ],
     ids=["buffered", "full-duplex", "buffered-3-extprocs", "full-duplex-dns-extprocs", "least-request",
          "least-request-v6-path", "buffered-traced", "full-duplex-traced-dns", "least-request-traced",
-         "full-duplex-pool-fail-open", "buffered-dns-pool"],
+         "full-duplex-pool-fail-open", "buffered-dns-pool", "full-duplex-per-try-deadlines",
+         "least-request-per-try-deadlines-off"],
 )
 def test_rendered_config_passes_envoy_validate(mode: str, overrides: dict, tmp_path: Path) -> None:
     config_path = tmp_path / "envoy.yaml"
@@ -618,3 +623,55 @@ def test_a_stream_refused_by_a_dead_replica_is_retried_at_once_on_another(mode: 
     assert retry["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
     breaker = _clusters(config)["extproc"]["circuit_breakers"]["thresholds"][0]
     assert breaker["max_retries"] == launcher.DEFAULT_MAX_UPSTREAM_REQUESTS
+
+
+@pytest.mark.parametrize("mode", launcher.MODES)
+def test_every_mode_renders_the_per_try_deadlines(mode: str, capsys: pytest.CaptureFixture) -> None:
+    """Defaults: the idle deadline on (300 s), the first-byte one off (0 s: Envoy arms no timer); the flags set
+    both, in every mode (the least-request baseline keeps the same deadlines)."""
+    retry = _route(yaml.safe_load(_render(mode)))["retry_policy"]
+    assert (retry["per_try_timeout"], retry["per_try_idle_timeout"]) == ("0.000s", "300.000s")
+    retry = _route(yaml.safe_load(_render(mode, per_try_timeout_s=45, per_try_idle_timeout_s=2.5)))["retry_policy"]
+    assert (retry["per_try_timeout"], retry["per_try_idle_timeout"]) == ("45.000s", "2.500s")
+    argv = ["--mode", mode, "--per-try-timeout-s", "12", "--per-try-idle-timeout-s", "0", "--print-config"]
+    if mode == launcher.LEAST_REQUEST_MODE:
+        argv += ["--backends", "127.0.0.1:8001"]
+    assert launcher.main(argv) == 0
+    retry = _route(yaml.safe_load(capsys.readouterr().out))["retry_policy"]
+    assert (retry["per_try_timeout"], retry["per_try_idle_timeout"]) == ("12.000s", "0.000s")
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"per_try_timeout_s": -1.0}, "per_try_timeout_s must be"),
+    ({"per_try_idle_timeout_s": 3601.0}, "per_try_idle_timeout_s must be"),
+    ({"per_try_idle_timeout_s": float("nan")}, "per_try_idle_timeout_s must be"),
+    ({"per_try_timeout_s": True}, "per_try_timeout_s must be"),
+], ids=["negative", "over-an-hour", "nan", "bool"])
+def test_bad_per_try_deadlines_are_refused(overrides: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _render("full-duplex", **overrides)
+    assert launcher.main(["--mode", "full-duplex", "--per-try-idle-timeout-s", "-2", "--print-config"]) == 2
+
+
+def test_the_per_try_idle_deadline_ends_a_request_to_a_backend_that_never_answers(tmp_path: Path) -> None:
+    """A backend whose kernel accepts the connection but that never answers (a frozen process): with
+    ``--per-try-idle-timeout-s 1`` Envoy answers 504 after about a second; with 0 (off) the request is still open at
+    the client's 3 s deadline. Least-request mode: no processor needed, the route is the same."""
+    with socket.socket() as frozen:
+        frozen.bind(("127.0.0.1", 0))
+        frozen.listen(16)  # never accept(): the kernel completes the handshakes, nobody reads
+        backend = f"127.0.0.1:{frozen.getsockname()[1]}"
+        with ProcessGroup() as procs:
+            urls = {}
+            for idle_s in ("1", "0"):
+                listen_port, admin_port = free_port(), free_port()
+                proc = procs.start([sys.executable, "-m", "astrolabe", "envoy", "--mode", "least-request",
+                                    "--backends", backend, "--per-try-idle-timeout-s", idle_s, "--listen-port",
+                                    str(listen_port), "--admin-port", str(admin_port), "--concurrency", "1"],
+                                   name=f"envoy-idle-{idle_s}", cwd=_REPO_ROOT, log_path=tmp_path / f"{idle_s}.log")
+                proc.wait_http(f"http://127.0.0.1:{admin_port}/ready", timeout_s=60)
+                urls[idle_s] = f"http://127.0.0.1:{listen_port}/v1/completions"
+            reply = httpx.post(urls["1"], json={"model": "m", "prompt": "hi"}, timeout=10)
+            assert reply.status_code == 504 and "upstream request timeout" in reply.text
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(urls["0"], json={"model": "m", "prompt": "hi"}, timeout=3)

@@ -26,6 +26,9 @@ params to report, and an aborted request's span carries ``error.type`` = ``abort
 
 Logs (``astrolabe.logs``, ``--log-level``, ``--log-format``): a line logged while a request is handled carries its
 ``x-request-id`` (else the engine's id) and, traced, the trace of its ``traceparent``.
+
+Fault hook (tests): SIGUSR1 freezes ``/metrics`` (every later scrape gets the text rendered at that moment, as a
+backend whose metrics exporter hung would serve), the next SIGUSR1 thaws it; serving goes on either way.
 """
 
 from __future__ import annotations
@@ -47,20 +50,35 @@ import prometheus_client
 from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
+from prometheus_client import CONTENT_TYPE_LATEST
+
 from astrolabe.cli import HelpFormatter
-from astrolabe.logs import add_arguments as add_log_arguments, request_context, setup_logging, trace_id_hex
-from astrolabe.tracing import (Tracing, TracingConfig, TracingConfigError, context_from, normalize_endpoint,
-                               setup_tracing)
+from astrolabe.logs import add_arguments as add_log_arguments
+from astrolabe.logs import request_context, setup_logging, trace_id_hex
+from astrolabe.tracing import (
+    Tracing,
+    TracingConfig,
+    TracingConfigError,
+    context_from,
+    normalize_endpoint,
+    setup_tracing,
+)
+from bench.emulator.engine_loop import EngineLoop, RequestHandle
+from bench.emulator.metrics import EmulatorMetrics
+from bench.emulator.openai_api import (
+    SSE_DONE,
+    ApiError,
+    ParsedRequest,
+    ResponseShaper,
+    context_length_error,
+    generated_text,
+    parse_request,
+    usage_json,
+)
 from predictor.engine_flags import add_engine_arguments, engine_from_args
 from predictor.sim import EngineConfig, LinearBatchTimeModel, Scheduler
 from predictor.vllm_plugin import DEFAULT_MIN_INTERVAL_S
-from prometheus_client import CONTENT_TYPE_LATEST
 from tagger.tokenizer import TOKENIZER_NAME, count_tokens
-
-from bench.emulator.engine_loop import EngineLoop, RequestHandle
-from bench.emulator.metrics import EmulatorMetrics
-from bench.emulator.openai_api import SSE_DONE, ApiError, ParsedRequest, ResponseShaper, context_length_error
-from bench.emulator.openai_api import generated_text, parse_request, usage_json
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +170,16 @@ class _Instance:
         self._output_rng = random.Random(config.seed)
         self._ids = itertools.count()
         self.instance_name = f"{config.host}:{config.port}"
+        self.frozen_metrics: bytes | None = None  # what /metrics serves while frozen (`toggle_metrics_freeze`)
+
+    def toggle_metrics_freeze(self) -> None:
+        """Freezes ``/metrics`` at its current text, or thaws it if frozen (the SIGUSR1 fault hook)."""
+        if self.frozen_metrics is None:
+            self.frozen_metrics = self.metrics.render()
+            logger.warning("/metrics frozen (SIGUSR1): scrapes get this moment's text until the next SIGUSR1")
+        else:
+            self.frozen_metrics = None
+            logger.warning("/metrics live again (SIGUSR1)")
 
     def next_request_ids(self, is_chat: bool, x_request_id: str | None) -> tuple[str, str]:
         """(engine request id, response ``id``) of a new request (shapes in the module docstring)."""
@@ -365,7 +393,8 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    body = request.app[_INSTANCE].metrics.render()
+    instance = request.app[_INSTANCE]
+    body = instance.frozen_metrics if instance.frozen_metrics is not None else instance.metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -412,6 +441,10 @@ class RunningEmulator:
     host: str
     port: int
     runner: web.AppRunner
+
+    def toggle_metrics_freeze(self) -> None:
+        """Freezes or thaws ``/metrics`` (`_Instance.toggle_metrics_freeze`)."""
+        self.runner.app[_INSTANCE].toggle_metrics_freeze()
 
     @property
     def base_url(self) -> str:
@@ -492,6 +525,7 @@ async def _serve(config: EmulatorConfig, tracing: Tracing) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, server.toggle_metrics_freeze)
     logger.info("emulated vLLM %r listening on %s (time scale %.3g: each step takes %.3g x the modelled H200 time; "
                 "all reported times are emulator wall-clock seconds; tokenizer: %s)", config.served_model_name,
                 server.base_url, config.time_scale, config.time_scale, TOKENIZER_NAME)

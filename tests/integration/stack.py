@@ -3,17 +3,48 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
 from bench.procs import ManagedProcess, ProcessGroup, free_port
 
 PY = sys.executable
+T = TypeVar("T")
+
+
+def poll_until(check: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.05) -> T:
+    """Calls ``check`` until it returns a truthy value and returns that value (a condition another process
+    reaches offers no event to wait on).
+
+    Raises:
+        TimeoutError: ``check`` stayed falsy for ``timeout_s`` seconds; the message names ``what``.
+    """
+    deadline_s = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline_s:
+            raise TimeoutError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(interval_s)
+
+
+def signal_process(proc: ManagedProcess, sig: signal.Signals) -> None:
+    """Sends ``sig`` to ``proc``'s whole process group, by its PID (SIGKILL, SIGSTOP, SIGCONT: a fault; the
+    ``ProcessGroup`` still reaps it). A group that is gone already is not an error."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 @dataclass
@@ -40,8 +71,10 @@ class Stack:
         self.backends[f"127.0.0.1:{port}"] = proc
         return f"127.0.0.1:{port}"
 
-    def start_emulator(self, *extra: str) -> str:
-        port = free_port()
+    def start_emulator(self, *extra: str, port: int | None = None) -> str:
+        """Starts an emulated vLLM instance (``extra``: more ``astrolabe emulator`` flags) on ``port`` (None: a free
+        one; a fixed one restarts an instance where it was); returns its ``ip:port`` once ``/health`` answers."""
+        port = port or free_port()
         proc = self.procs.start([PY, "-m", "astrolabe", "emulator", "--port", str(port), *extra],
                                 name=f"emulator-{port}", log_path=self.tmp / f"emulator-{port}.log", env=self.env)
         proc.wait_http(f"http://127.0.0.1:{port}/health", timeout_s=30)
@@ -74,16 +107,18 @@ class Stack:
         self.extproc.wait_tcp("127.0.0.1", self.extproc_port, timeout_s=20)
         self.extproc.wait_http(self.metrics_url, timeout_s=20)
 
-    def start_envoy(self, *extra: str) -> str:
+    def start_envoy(self, *extra: str, wait_routable: bool = True) -> str:
         """Starts an Envoy in front of the extproc (``extra``: more ``astrolabe envoy`` flags); returns its URL,
-        also kept in ``envoy_url``."""
+        also kept in ``envoy_url``, once its admin interface is ready and (``wait_routable``) a GET got through
+        the extproc."""
         port, admin = free_port(), free_port()
         proc = self.procs.start([PY, "-m", "astrolabe", "envoy", "--mode", self.mode, "--listen-port", str(port),
                                  "--admin-port", str(admin), "--extproc", f"127.0.0.1:{self.extproc_port}", *extra],
                                 name=f"envoy-{port}", log_path=self.tmp / f"envoy-{port}.log")
         proc.wait_http(f"http://127.0.0.1:{admin}/ready", timeout_s=20)
         self.envoy_url = f"http://127.0.0.1:{port}"
-        self.wait_routable()
+        if wait_routable:
+            self.wait_routable()
         return self.envoy_url
 
     def wait_routable(self, timeout_s: float = 20.0) -> None:
@@ -99,16 +134,21 @@ class Stack:
                 raise TimeoutError("Envoy never routed a request through the extproc")
             time.sleep(0.1)
 
-    def metric(self, series: str) -> float:
-        """The sum of the extproc's /metrics samples named as ``series`` that carry at least its labels, e.g.
-        ``astrolabe_extproc_requests_total{outcome="routed"}`` (every policy). Raises KeyError if none does."""
+    def samples(self) -> list:
+        """One scrape of the extproc's /metrics: its samples (``prometheus_client`` ``Sample``s), to read several
+        series at the same moment with `metric`."""
         from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
 
+        return [sample for family in text_string_to_metric_families(httpx.get(self.metrics_url, timeout=2).text)
+                for sample in family.samples]
+
+    def metric(self, series: str, samples: list | None = None) -> float:
+        """The sum of the extproc's /metrics samples named as ``series`` that carry at least its labels, e.g.
+        ``astrolabe_extproc_requests_total{outcome="routed"}`` (every policy); from ``samples`` (`samples`) if
+        given, else from a new scrape. Raises KeyError if none does."""
         name, _, labels_text = series.partition("{")
         wanted = dict(re.findall(r'(\w+)="([^"]*)"', labels_text))
-        values = [sample.value
-                  for family in text_string_to_metric_families(httpx.get(self.metrics_url, timeout=2).text)
-                  for sample in family.samples
+        values = [sample.value for sample in (self.samples() if samples is None else samples)
                   if sample.name == name and wanted.items() <= sample.labels.items()]
         if not values:
             raise KeyError(series)
@@ -117,3 +157,19 @@ class Stack:
     def in_flight(self, endpoint: str) -> float:
         """The extproc's own in-flight count for ``endpoint`` (from its /metrics)."""
         return self.metric(f'astrolabe_extproc_in_flight_requests{{endpoint="{endpoint}"}}')
+
+
+def sidecar_state(address: str, timeout_s: float = 2.0) -> dict:
+    """A predictor sidecar's view of its instance (its ``State`` RPC, JSON: ``running``, ``waiting``,
+    ``state_age_s``, ``reconcile`` ...).
+
+    Raises:
+        grpc.RpcError: the sidecar did not answer within ``timeout_s`` seconds.
+    """
+    import grpc
+
+    from predictor import predictor_pb2, predictor_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        reply = predictor_pb2_grpc.PredictorStub(channel).State(predictor_pb2.StateRequest(), timeout=timeout_s)
+    return json.loads(reply.state_json)
