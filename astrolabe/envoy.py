@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import ipaddress
+import json
 import logging
 import re
 import shutil
@@ -146,6 +147,8 @@ _SERVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 # in a host would change the rendered config instead of naming an endpoint.
 _HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
                         r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+_DNS_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_SERVER_NAME = re.compile(rf"(?=.{{1,253}}$){_DNS_LABEL}(\.{_DNS_LABEL})*")
 _HTTP_PATH = re.compile(r"/[A-Za-z0-9._~!$&'()*+,;=:@%/-]*")
 # Column of the ``- endpoint:`` items under ``lb_endpoints:`` in the templates.
 _ENDPOINT_INDENT = " " * 8
@@ -362,6 +365,89 @@ def _backends_discovery(pool_addresses: str | Sequence[str] | None) -> str:
         lb_endpoints=_lb_endpoints(pool))
 
 
+@dataclass(frozen=True)
+class EnvoyTls:
+    """TLS of Envoy's upstream connections: to the external processor (mutual when it has a certificate) and to
+    the backends. PEM files, read by Envoy when it starts (a renewed certificate needs an Envoy restart, or SDS).
+
+    Attributes:
+        extproc_ca_file: CA bundle that verifies the extproc's certificate; None = plaintext to the extproc.
+        extproc_cert_file: certificate chain Envoy presents to the extproc (mutual TLS: the extproc's
+            ``tls.client_ca_file``); None = none. Set with extproc_key_file.
+        extproc_key_file: its private key.
+        extproc_server_name: SNI and the DNS name the extproc's certificate must carry; None = SNI off, the chain
+            alone is verified.
+        backend_ca_file: CA bundle that verifies the backends' certificates; None = plaintext to the backends.
+        backend_server_name: SNI and the DNS name the backends' certificates must carry (a pod IP is dialled; its
+            certificate usually names the Service); None = the chain alone is verified.
+    """
+
+    extproc_ca_file: str | None = None
+    extproc_cert_file: str | None = None
+    extproc_key_file: str | None = None
+    extproc_server_name: str | None = None
+    backend_ca_file: str | None = None
+    backend_server_name: str | None = None
+
+
+def _readable(path: str, what: str) -> str:
+    """``path`` made absolute (Envoy's working directory may differ), after checking it is a readable file."""
+    resolved = Path(path).expanduser().resolve()
+    try:
+        with resolved.open("rb"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{what} {path}: {exc.strerror or exc}") from None
+    return str(resolved)
+
+
+def _transport_socket(indent: int, ca_file: str, cert_file: str | None, key_file: str | None,
+                      server_name: str | None, alpn: str, what: str) -> str:
+    """An ``envoy.transport_sockets.tls`` block (UpstreamTlsContext) at ``indent`` spaces."""
+    context = {"common_tls_context": {
+        "alpn_protocols": [alpn],
+        "validation_context": {"trusted_ca": {"filename": _readable(ca_file, f"{what} CA")}},
+    }}
+    if server_name:
+        if not _SERVER_NAME.fullmatch(server_name):
+            raise ValueError(f"{what} server name must be a DNS name, got {server_name!r}")
+        context["sni"] = server_name
+        context["common_tls_context"]["validation_context"]["match_typed_subject_alt_names"] = [
+            {"san_type": "DNS", "matcher": {"exact": server_name}}]
+    if cert_file:
+        context["common_tls_context"]["tls_certificates"] = [{
+            "certificate_chain": {"filename": _readable(cert_file, f"{what} client certificate")},
+            "private_key": {"filename": _readable(key_file or "", f"{what} client key")}}]
+    socket = {"name": "envoy.transport_sockets.tls", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext", **context}}
+    return f"{' ' * indent}transport_socket: {json.dumps(socket)}"  # JSON is YAML: one flow mapping, one line
+
+
+def _tls_values(tls: EnvoyTls | None) -> dict[str, str]:
+    """Template values of the upstream TLS blocks (empty = plaintext), one for the extproc cluster and one for
+    the backends cluster.
+
+    Raises:
+        ValueError: a certificate without its key (or the reverse), a client certificate or server name without
+            ``extproc_ca_file``, a backend server name without ``backend_ca_file``, a file that cannot be read, or
+            a server name that is not a DNS name.
+    """
+    tls = tls or EnvoyTls()
+    if (tls.extproc_cert_file is None) != (tls.extproc_key_file is None):
+        raise ValueError("the extproc client certificate and its key are given together")
+    if tls.extproc_ca_file is None and (tls.extproc_cert_file or tls.extproc_server_name):
+        raise ValueError("a client certificate or server name for the extproc needs its CA (TLS to the extproc)")
+    if tls.backend_ca_file is None and tls.backend_server_name:
+        raise ValueError("a backend server name needs the backends' CA (TLS to the backends)")
+    return {
+        "extproc_transport_socket": "" if tls.extproc_ca_file is None else _transport_socket(
+            4, tls.extproc_ca_file, tls.extproc_cert_file, tls.extproc_key_file, tls.extproc_server_name, "h2",
+            "extproc"),
+        "backends_transport_socket": "" if tls.backend_ca_file is None else _transport_socket(
+            4, tls.backend_ca_file, None, None, tls.backend_server_name, "http/1.1", "backend"),
+    }
+
+
 def _extproc_values(extproc_address: str | Sequence[str] | None, backend_addresses: object,
                     message_timeout_s: float, buffer_limit_bytes: int,
                     pool_addresses: str | Sequence[str] | None = None,
@@ -423,6 +509,7 @@ def render_config(
     failure_mode: str = "closed",
     per_try_timeout_s: float = DEFAULT_PER_TRY_TIMEOUT_S,
     per_try_idle_timeout_s: float = DEFAULT_PER_TRY_IDLE_TIMEOUT_S,
+    tls: EnvoyTls | None = None,
 ) -> str:
     """Fill the Envoy config template of ``mode``.
 
@@ -456,6 +543,7 @@ def render_config(
             0 = off (`DEFAULT_PER_TRY_TIMEOUT_S` says why that is the default).
         per_try_idle_timeout_s: any mode: seconds one try may go without a byte from the backend (504 before the
             response started, a reset stream after); 0 = off (`DEFAULT_PER_TRY_IDLE_TIMEOUT_S`).
+        tls: TLS to the extproc (ext_proc modes) and to the backends (any mode); None = plaintext to both.
 
     Returns:
         The rendered YAML text.
@@ -487,6 +575,7 @@ def render_config(
         connect_timeout_s=f"{DEFAULT_CONNECT_TIMEOUT_S:.3f}",
         max_upstream_requests=DEFAULT_MAX_UPSTREAM_REQUESTS,
         **_timeout_values(per_try_timeout_s, per_try_idle_timeout_s),
+        **_tls_values(tls),
         **values,
         **_tracing_values(tracing),
     )
@@ -567,6 +656,22 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                         help="seconds one try may go without a byte from the backend: 504 before the response "
                              "started, a reset stream after (ends requests on a frozen backend; a slow but moving "
                              "stream is never cut; it bounds a non-streamed completion's duration); 0 = off")
+    parser.add_argument("--extproc-tls-ca", default=None,
+                        help="ext_proc modes: PEM CA bundle that verifies the extproc's certificate: TLS to the "
+                             "extproc (its `tls` config section); default: plaintext")
+    parser.add_argument("--extproc-tls-cert", default=None,
+                        help="with --extproc-tls-ca: PEM certificate chain Envoy presents to the extproc (mutual TLS: "
+                             "the extproc's tls.client_ca_file signed it); default: none")
+    parser.add_argument("--extproc-tls-key", default=None, help="PEM private key of --extproc-tls-cert; default: none")
+    parser.add_argument("--extproc-tls-server-name", default=None,
+                        help="with --extproc-tls-ca: SNI and the DNS name the extproc's certificate must carry; "
+                             "default: the CA's signature alone is checked")
+    parser.add_argument("--backend-tls-ca", default=None,
+                        help="PEM CA bundle that verifies the backends' certificates: TLS (HTTP/1.1) to the "
+                             "backends; default: plaintext")
+    parser.add_argument("--backend-tls-server-name", default=None,
+                        help="with --backend-tls-ca: SNI and the DNS name the backends' certificates must carry; "
+                             "default: the CA's signature alone is checked")
     parser.add_argument("--backend-health-check-path", default=None,
                         help=f"least-request mode: HTTP path of the backends' active health check "
                              f"(default {DEFAULT_BACKEND_HEALTH_CHECK_PATH})")
@@ -600,9 +705,14 @@ def _render_from_args(args: argparse.Namespace) -> str:
             ``--otlp-endpoint``, or a bad value.
     """
     tracing = _tracing_from_args(args)
+    tls = EnvoyTls(args.extproc_tls_ca, args.extproc_tls_cert, args.extproc_tls_key, args.extproc_tls_server_name,
+                   args.backend_tls_ca, args.backend_tls_server_name)
     if args.mode == LEAST_REQUEST_MODE:
         for flag, value in (("--extproc", args.extproc), ("--message-timeout-s", args.message_timeout_s),
-                            ("--pool", args.pool), ("--failure-mode", args.failure_mode)):
+                            ("--pool", args.pool), ("--failure-mode", args.failure_mode),
+                            ("--extproc-tls-ca", args.extproc_tls_ca), ("--extproc-tls-cert", args.extproc_tls_cert),
+                            ("--extproc-tls-key", args.extproc_tls_key),
+                            ("--extproc-tls-server-name", args.extproc_tls_server_name)):
             if value is not None:
                 raise ValueError(f"{flag} has no use in --mode {LEAST_REQUEST_MODE} (there is no ext_proc filter)")
         if args.backends is None:
@@ -613,6 +723,7 @@ def _render_from_args(args: argparse.Namespace) -> str:
             admin_port=args.admin_port, backend_addresses=args.backends,
             backend_health_check_path=args.backend_health_check_path or DEFAULT_BACKEND_HEALTH_CHECK_PATH,
             tracing=tracing, per_try_timeout_s=args.per_try_timeout_s, per_try_idle_timeout_s=args.per_try_idle_timeout_s,
+            tls=tls,
         )
     for flag, value in (("--backends", args.backends),
                         ("--backend-health-check-path", args.backend_health_check_path)):
@@ -637,6 +748,7 @@ def _render_from_args(args: argparse.Namespace) -> str:
         message_timeout_s=(DEFAULT_MESSAGE_TIMEOUT_S if args.message_timeout_s is None
                            else args.message_timeout_s),
         tracing=tracing, per_try_timeout_s=args.per_try_timeout_s, per_try_idle_timeout_s=args.per_try_idle_timeout_s,
+        tls=tls,
     )
 
 

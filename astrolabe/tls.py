@@ -1,4 +1,5 @@
-"""TLS and mutual TLS for Astrolabe's gRPC servers (the extproc, the predictor sidecar) and their clients.
+"""TLS and mutual TLS for Astrolabe's gRPC servers (the extproc, the predictor sidecar) and their clients, and
+HTTPS to the backends (the extproc's health checks and metrics scrapes, the sidecar's /metrics scrape).
 
 Certificates are PEM files, as Kubernetes Secrets of type ``kubernetes.io/tls`` (cert-manager's) mount them:
 ``tls.crt`` (the certificate chain, leaf first), ``tls.key`` (its private key) and ``ca.crt`` (the CA that
@@ -19,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import ssl
 from pathlib import Path
 
 import grpc
@@ -173,3 +175,51 @@ def add_port(server: grpc.aio.Server, address: str, tls: ServerTls | None) -> in
     if tls is None:
         return server.add_insecure_port(address)
     return server.add_secure_port(address, server_credentials(tls))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BackendTls:
+    """HTTPS to a backend (a vLLM server started with ``--ssl-certfile``), as Envoy's ``--backend-tls-ca``.
+
+    Attributes:
+        ca_file: PEM CA bundle that verifies the backend's certificate.
+        server_name: the DNS name its certificate must carry (and the SNI sent); None = the CA's signature alone
+            is checked (a pod is dialled by IP; its certificate usually names a Service), as Envoy does without
+            ``--backend-tls-server-name``.
+    """
+
+    ca_file: str
+    server_name: str | None = None
+
+
+def https_context(tls: BackendTls) -> ssl.SSLContext:
+    """An ``ssl.SSLContext`` for aiohttp requests to a backend: verifies the chain against ``tls.ca_file``, and
+    the host name only when ``tls.server_name`` is set (pass it as aiohttp's ``server_hostname``).
+
+    Raises:
+        TlsError: the CA file cannot be read or is not PEM.
+    """
+    read_pem(tls.ca_file, "backend CA")
+    try:
+        context = ssl.create_default_context(cafile=tls.ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise TlsError(f"backend CA {tls.ca_file}: {exc}") from None
+    context.check_hostname = tls.server_name is not None
+    return context
+
+
+def backend_url(address: str, path: str, tls: BackendTls | None) -> str:
+    """``http(s)://address/path``: https when ``tls`` is set. ``address`` is ``host:port``; ``path`` starts with /."""
+    return f"{'https' if tls is not None else 'http'}://{address}{path}"
+
+
+def https_request_options(tls: BackendTls | None) -> dict[str, object]:
+    """Keyword arguments of an aiohttp request to a backend: none for plaintext, else ``ssl`` (`https_context`,
+    built once here: call this once and reuse the result) and ``server_hostname``.
+
+    Raises:
+        TlsError: the CA file cannot be used.
+    """
+    if tls is None:
+        return {}
+    return {"ssl": https_context(tls), "server_hostname": tls.server_name}

@@ -39,6 +39,9 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
     #   cert_file: null             # client certificate (mutual TLS), with key_file
     #   key_file: null
     #   server_name: null           # name the sidecars' certificates carry, if not their IP
+    backend_tls: null               # HTTPS for health checks and /metrics scrapes; null = HTTP, else:
+    #   ca_file: /etc/astrolabe/tls/ca.crt      # verifies the backends
+    #   server_name: null           # name their certificates must carry (null = the CA's signature alone)
     decision_log_path: null         # JSON lines, one record per routing decision (null = off)
     log_level: INFO                 # DEBUG | INFO | WARNING | ERROR | CRITICAL (the --log-level flag wins)
     log_format: text                # text | json: one JSON object per line (the --log-format flag wins)
@@ -81,7 +84,7 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
 Environment overrides (``load_config`` only; ``parse_config`` is pure): ``ASTROLABE_EXTPROC_<KEY>`` replaces a
 root key and ``ASTROLABE_EXTPROC_<SECTION>__<KEY>`` one key of a section (``health_check``, ``output_length``,
 ``predictor_client``, ``policy_params``, ``tokenizers``, ``tracing``, ``discovery``, ``tls``,
-``predictor_tls``); the key is the name's lower-case tail, e.g.
+``predictor_tls``, ``backend_tls``); the key is the name's lower-case tail, e.g.
 ``ASTROLABE_EXTPROC_PREDICTOR_CLIENT__PREDICT_TIMEOUT_S=0.05`` or ``ASTROLABE_EXTPROC_TLS__CERT_FILE=/tls/tls.crt``. A value is read as one YAML scalar (``0.05``,
 ``true``, ``null``; empty = null); text that YAML reads as a list or mapping, or cannot parse, stays a string
 (so ``[::]:9002`` works). ``endpoints``, ``policy_params`` and whole sections take YAML or JSON text, e.g.
@@ -533,6 +536,17 @@ class ClientTlsConfig:
             raise _Located((missing,), "cert_file and key_file are set together (a client certificate and its key)")
 
 
+@dataclass(frozen=True, slots=True, config=_config("BackendTlsConfig"))
+class BackendTlsConfig:
+    """HTTPS to the backends for the extproc's own requests to them (health checks, /metrics scrapes); Envoy's
+    side is ``astrolabe envoy --backend-tls-ca`` (``astrolabe.tls.BackendTls``)."""
+
+    ca_file: _NonEmptyStr = Field(description="PEM CA bundle that verifies the backends' certificates.")
+    server_name: _NonEmptyStr | None = Field(
+        None, description="DNS name the backends' certificates must carry (sent as SNI); null = the CA's signature "
+                          "alone is checked (backends are dialled by IP), as Envoy without --backend-tls-server-name.")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The root
 
@@ -594,6 +608,9 @@ class ExtprocConfig:
     predictor_tls: ClientTlsConfig | None = Field(
         None, description="TLS of the calls to the predictor sidecars (their `astrolabe predictor serve --tls-*` "
                           "flags); null = plaintext.")
+    backend_tls: BackendTlsConfig | None = Field(
+        None, description="HTTPS to the backends for health checks and /metrics scrapes (the backends serve TLS); "
+                          "null = plain HTTP.")
     decision_log_path: _NonEmptyStr | None = Field(
         None, description="File that receives JSON lines, one record per routing decision; null = off.")
     log_level: Annotated[Literal[LOG_LEVELS], BeforeValidator(_log_level)] = Field(  # type: ignore[valid-type]
@@ -632,10 +649,10 @@ _CLASS_AT: dict[tuple[str, ...], type] = {
     (): ExtprocConfig, ("endpoints",): EndpointConfig, ("health_check",): HealthCheckConfig,
     ("output_length",): OutputLengthSection, ("predictor_client",): PredictorClientSection,
     ("tracing",): TracingSection, ("discovery",): DiscoveryConfig, ("tls",): ServerTlsConfig,
-    ("predictor_tls",): ClientTlsConfig,
+    ("predictor_tls",): ClientTlsConfig, ("backend_tls",): BackendTlsConfig,
 }
 _MAPPING_KEYS = ("health_check", "output_length", "predictor_client", "policy_params", "tokenizers", "tracing",
-                 "discovery", "tls", "predictor_tls")
+                 "discovery", "tls", "predictor_tls", "backend_tls")
 """Root keys whose own keys an ``<SECTION>__<KEY>`` override may set."""
 
 

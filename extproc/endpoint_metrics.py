@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import aiohttp
 
+from astrolabe.tls import BackendTls, backend_url, https_request_options
 from extproc.policies.base import EndpointMetrics
 from extproc.pool import EndpointPool
 from predictor.backend_metrics import MetricsFormatError, parse_vllm_metrics
@@ -55,13 +56,16 @@ class MetricsScraper:
         staleness_s: a scrape older than this many seconds reads as None (> 0).
         timeout_s: deadline of one scrape, seconds; default: ``staleness_s``.
         clock: monotonic clock in seconds (injected for tests).
+        backend_tls: HTTPS to the endpoints (``astrolabe.tls.BackendTls``); None = plain HTTP.
 
     Raises:
         ValueError: a non-positive interval, staleness or timeout.
+        astrolabe.tls.TlsError: the CA file of ``backend_tls`` cannot be used (a ValueError too).
     """
 
     def __init__(self, pool: EndpointPool, interval_s: float = 0.05, staleness_s: float = 2.0,
-                 timeout_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 timeout_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 backend_tls: BackendTls | None = None) -> None:
         timeout_s = staleness_s if timeout_s is None else timeout_s
         if not (interval_s > 0 and staleness_s > 0 and timeout_s > 0):
             raise ValueError("interval_s, staleness_s and timeout_s must be > 0")
@@ -72,6 +76,8 @@ class MetricsScraper:
         self._clock = clock
         self._last: dict[str, tuple[float, BackendObservation]] = {}
         self.num_failures = 0
+        self._tls = backend_tls
+        self._request_options = https_request_options(backend_tls)
 
     def get(self, address: str) -> EndpointMetrics | None:
         """The last good scrape of ``address`` if younger than ``staleness_s``, else None."""
@@ -85,7 +91,7 @@ class MetricsScraper:
 
     async def _scrape(self, session: aiohttp.ClientSession, address: str) -> None:
         try:
-            async with session.get(f"http://{address}/metrics") as response:
+            async with session.get(backend_url(address, "/metrics", self._tls), **self._request_options) as response:
                 if response.status != 200:
                     raise MetricsFormatError(f"HTTP {response.status}")
                 text = await response.text()

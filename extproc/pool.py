@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import aiohttp
 
+from astrolabe.tls import BackendTls, backend_url, https_request_options
 from extproc.config import EndpointConfig, HealthCheckConfig
 
 logger = logging.getLogger(__name__)
@@ -114,17 +115,23 @@ checked in one burst would otherwise time out waiting for connections and the ev
 
 
 class HealthChecker:
-    """Polls ``GET http://<address><path>`` on every endpoint; ``unhealthy_threshold`` consecutive failures
+    """Polls ``GET http(s)://<address><path>`` on every endpoint; ``unhealthy_threshold`` consecutive failures
     (non-200 or timeout) mark it unhealthy, one success marks it healthy again.
 
     Args:
         pool: the pool whose health it maintains.
         config: path, interval, timeout and threshold.
+        backend_tls: HTTPS to the endpoints (``astrolabe.tls.BackendTls``); None = plain HTTP.
+
+    Raises:
+        astrolabe.tls.TlsError: the CA file of ``backend_tls`` cannot be used.
     """
 
-    def __init__(self, pool: EndpointPool, config: HealthCheckConfig) -> None:
+    def __init__(self, pool: EndpointPool, config: HealthCheckConfig, backend_tls: BackendTls | None = None) -> None:
         self._pool = pool
         self._config = config
+        self._tls = backend_tls
+        self._request_options = https_request_options(backend_tls)
         self._failures: dict[str, int] = {}
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(MAX_CONCURRENT_CHECKS)
@@ -139,7 +146,8 @@ class HealthChecker:
         async with self._slots:  # the deadline counts from here: time spent queued is not the endpoint's fault
             try:
                 async with asyncio.timeout(self._config.timeout_s):
-                    async with session.get(f"http://{address}{self._config.path}") as response:
+                    async with session.get(backend_url(address, self._config.path, self._tls),
+                                           **self._request_options) as response:
                         ok = response.status == 200
             except (aiohttp.ClientError, TimeoutError, OSError):
                 ok = False

@@ -40,7 +40,7 @@ from astrolabe.envoy import DEFAULT_BUFFER_LIMIT_BYTES as ENVOY_BUFFER_LIMIT_BYT
 from astrolabe.cli import HelpFormatter
 from astrolabe.lifecycle import settle_heap, wait_for_termination
 from astrolabe.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, add_arguments as add_log_arguments, setup_logging
-from astrolabe.tls import ClientTls, ServerTls, TlsError, server_credentials
+from astrolabe.tls import BackendTls, ClientTls, ServerTls, TlsError, server_credentials
 from astrolabe.tracing import Tracing, TracingConfigError, setup_tracing
 from extproc import wire
 from extproc.config import LIVE_KEYS, ConfigError, ExtprocConfig, changed_keys, load_config, replace_config
@@ -245,9 +245,16 @@ class ExtprocServer:
             self.predictors = PredictorClient(config.predictor_client, tracer=tracer, tls=client_tls)
         except TlsError as exc:
             raise ConfigError(f"predictor_tls: {exc}") from None
+        backend_tls = BackendTls(**dataclasses.asdict(config.backend_tls)) if config.backend_tls else None
         # Only load-based policies read engine metrics; the others never scrape the backends.
-        self.endpoint_metrics = (MetricsScraper(self.pool, config.metrics_interval_s, config.metrics_staleness_s)
-                                 if policy.needs_metrics else None)
+        try:
+            self.endpoint_metrics = (MetricsScraper(self.pool, config.metrics_interval_s, config.metrics_staleness_s,
+                                                    backend_tls=backend_tls)
+                                     if policy.needs_metrics else None)
+            self._checker = (HealthChecker(self.pool, config.health_check, backend_tls)
+                             if config.health_check.enabled else None)
+        except TlsError as exc:
+            raise ConfigError(f"backend_tls: {exc}") from None
         self.metrics.watch_predictors(self.predictors)
         self.decision_log = None
         if config.decision_log_path:
@@ -279,7 +286,6 @@ class ExtprocServer:
                            "falls back to least-requests", config.policy)
         self._metrics_server = None
         self.health = health.aio.HealthServicer()
-        self._checker = HealthChecker(self.pool, config.health_check) if config.health_check.enabled else None
         self._watcher = ConfigWatcher(config_path, config, self.pool, overrides) if config_path else None
         self._tasks: list[asyncio.Task] = []
         # Above Envoy's buffered-mode limit too, so that an oversized body gets our 413, not a gRPC error (503).

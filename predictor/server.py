@@ -41,7 +41,8 @@ from prometheus_client import Histogram
 
 from astrolabe.lifecycle import settle_heap, wait_for_termination
 from astrolabe.logs import add_arguments as add_log_arguments, request_context, setup_logging
-from astrolabe.tls import ServerTls, TlsError, add_port, server_credentials
+from astrolabe.tls import BackendTls, ServerTls, TlsError, add_port, backend_url, https_context, \
+    https_request_options, server_credentials
 from astrolabe.tracing import (ADMIT_ID, NUM_PREDICTED_OUTPUT_TOKENS, NUM_PROMPT_TOKENS, PREDICTED_E2E_S,
                                PREDICTED_TTFT_S, STATE_AGE_S, Tracing, TracingConfigError, setup_tracing)
 from predictor.api import pb, pb_grpc
@@ -96,6 +97,7 @@ class SidecarConfig:
             ``predictor.ingress``, to TTFT and E2E predictions; needs the plugin's ``arrivals``) or ``off`` (the
             default: the delay is measured and reported only).
         tls: TLS (mutual when it names a client CA) of the gRPC server (``astrolabe.tls``); None = plaintext.
+        backend_tls: HTTPS to the backend's /metrics (``astrolabe.tls.BackendTls``); None = plain HTTP.
     """
 
     backend: str
@@ -119,6 +121,7 @@ class SidecarConfig:
     model_config: str | None = None
     ingress_delay: str = "off"
     tls: ServerTls | None = None
+    backend_tls: BackendTls | None = None
 
 
 def resolve_batch_time_model(batch_time_model: str | None, model_config: str | None) -> str:
@@ -311,6 +314,7 @@ class Sidecar:
                                         pending_grace_s=config.visibility_grace_s, residual=self.residual)
         self.last_reconciled_s: float | None = None
         self.health = health.aio.HealthServicer()
+        self._backend_request_options = https_request_options(config.backend_tls)
         # With tracing on, Predict and Admit continue the extproc's trace from the call's metadata.
         self._server = grpc.aio.server(interceptors=self.tracing.server_interceptors(TRACED_METHODS))
         tracer = self.tracing.tracer("astrolabe.predictor") if self.tracing.enabled else None
@@ -494,7 +498,8 @@ class Sidecar:
                 "num_free_blocks": scheduler.num_free_blocks, "reconcile": dataclasses.asdict(self.ledger.stats)}
 
     async def _scrape(self, session: aiohttp.ClientSession):
-        async with session.get(f"http://{self.config.backend}/metrics") as response:
+        async with session.get(backend_url(self.config.backend, "/metrics", self.config.backend_tls),
+                               **self._backend_request_options) as response:
             response.raise_for_status()
             return parse_vllm_metrics(await response.text())
 
@@ -660,6 +665,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-listen", default=None,
                         help="host:port of a Prometheus /metrics endpoint (calibration, prediction error); "
                              "default: off")
+    parser.add_argument("--backend-tls-ca-file", default=None,
+                        help="PEM CA bundle that verifies the backend's certificate: its /metrics over HTTPS (a vLLM "
+                             "started with --ssl-certfile); default: plain HTTP")
+    parser.add_argument("--backend-tls-server-name", default=None,
+                        help="with --backend-tls-ca-file: the DNS name the backend's certificate must carry; "
+                             "default: the CA's signature alone is checked")
     parser.add_argument("--tls-cert-file", default=None,
                         help="PEM certificate chain of the gRPC server (TLS; with --tls-key-file), re-read when it "
                              "changes; default: plaintext")
@@ -689,6 +700,21 @@ def tls_from_args(args: argparse.Namespace) -> ServerTls | None:
     return tls
 
 
+def backend_tls_from_args(args: argparse.Namespace) -> BackendTls | None:
+    """The HTTPS to the backend that ``--backend-tls-*`` ask for, its CA checked; None when not asked.
+
+    Raises:
+        TlsError: a server name without the CA, or a CA file that cannot be used.
+    """
+    if args.backend_tls_ca_file is None:
+        if args.backend_tls_server_name is not None:
+            raise TlsError("--backend-tls-server-name needs --backend-tls-ca-file")
+        return None
+    tls = BackendTls(args.backend_tls_ca_file, args.backend_tls_server_name)
+    https_context(tls)
+    return tls
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, args.log_format)
     try:
@@ -704,7 +730,7 @@ def run(args: argparse.Namespace) -> int:
                                calibration_min_samples=args.calibration_min_samples,
                                bias_correction=args.bias_correction, metrics_listen=args.metrics_listen,
                                model_config=args.model_config, ingress_delay=args.ingress_delay,
-                               tls=tls_from_args(args))
+                               tls=tls_from_args(args), backend_tls=backend_tls_from_args(args))
         # Resolved once here (the cold start reads the model config and logs its choice once).
         config = dataclasses.replace(config, batch_time_model=resolve_batch_time_model(config.batch_time_model,
                                                                                        config.model_config))

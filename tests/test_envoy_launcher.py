@@ -675,3 +675,79 @@ def test_the_per_try_idle_deadline_ends_a_request_to_a_backend_that_never_answer
             assert reply.status_code == 504 and "upstream request timeout" in reply.text
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(urls["0"], json={"model": "m", "prompt": "hi"}, timeout=3)
+
+
+@pytest.fixture
+def pem_files(tmp_path: Path) -> dict[str, str]:
+    """A CA and a client certificate as PEM files (trustme)."""
+    import trustme  # noqa: PLC0415
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("astrolabe-envoy")
+    paths = {"ca": tmp_path / "ca.crt", "cert": tmp_path / "tls.crt", "key": tmp_path / "tls.key"}
+    ca.cert_pem.write_to_path(paths["ca"])
+    cert.cert_chain_pems[0].write_to_path(paths["cert"])
+    cert.private_key_pem.write_to_path(paths["key"])
+    return {name: str(path) for name, path in paths.items()}
+
+
+def _tls_context(cluster: dict) -> dict:
+    socket_ = cluster["transport_socket"]
+    assert socket_["name"] == "envoy.transport_sockets.tls"
+    return socket_["typed_config"]
+
+
+@pytest.mark.parametrize("mode", launcher.MODES)
+def test_tls_to_the_extproc_and_the_backends_renders_and_validates(mode: str, pem_files: dict, tmp_path: Path
+                                                                   ) -> None:
+    extproc_tls = {} if mode == launcher.LEAST_REQUEST_MODE else {
+        "extproc_ca_file": pem_files["ca"], "extproc_cert_file": pem_files["cert"],
+        "extproc_key_file": pem_files["key"], "extproc_server_name": "astrolabe-extproc.astrolabe.svc"}
+    text = _render(mode, tls=launcher.EnvoyTls(**extproc_tls, backend_ca_file=pem_files["ca"],
+                                               backend_server_name="vllm.astrolabe.svc"))
+    clusters = _clusters(yaml.safe_load(text))
+    backends = _tls_context(clusters["backends"])
+    assert backends["sni"] == "vllm.astrolabe.svc"
+    assert backends["common_tls_context"]["alpn_protocols"] == ["http/1.1"]
+    validation = backends["common_tls_context"]["validation_context"]
+    assert validation["trusted_ca"]["filename"] == pem_files["ca"]
+    assert validation["match_typed_subject_alt_names"] == [{"san_type": "DNS",
+                                                            "matcher": {"exact": "vllm.astrolabe.svc"}}]
+    if extproc_tls:
+        extproc = _tls_context(clusters["extproc"])["common_tls_context"]
+        assert extproc["alpn_protocols"] == ["h2"]  # gRPC
+        (certificate,) = extproc["tls_certificates"]
+        assert certificate == {"certificate_chain": {"filename": pem_files["cert"]},
+                               "private_key": {"filename": pem_files["key"]}}
+    else:
+        assert "extproc" not in clusters
+    path = tmp_path / "envoy.yaml"
+    path.write_text(text)
+    result = launcher.validate_config(path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_no_tls_renders_no_transport_socket() -> None:
+    for mode in launcher.MODES:
+        assert all("transport_socket" not in c for c in _clusters(yaml.safe_load(_render(mode))).values()), mode
+
+
+@pytest.mark.parametrize("tls, match", [
+    ({"extproc_ca_file": "{ca}", "extproc_cert_file": "{cert}"}, "given together"),
+    ({"extproc_cert_file": "{cert}", "extproc_key_file": "{key}"}, "needs its CA"),
+    ({"backend_server_name": "vllm"}, "needs the backends' CA"),
+    ({"backend_ca_file": "/nonexistent/ca.crt"}, r"backend CA /nonexistent/ca.crt: No such file"),
+    ({"extproc_ca_file": "{ca}", "extproc_server_name": "not a name"}, "must be a DNS name"),
+], ids=["cert-without-key", "cert-without-ca", "name-without-ca", "missing-file", "bad-name"])
+def test_bad_tls_settings_are_refused(tls: dict, match: str, pem_files: dict) -> None:
+    tls = {key: value.format(**pem_files) for key, value in tls.items()}
+    with pytest.raises(ValueError, match=match):
+        _render("full-duplex", tls=launcher.EnvoyTls(**tls))
+
+
+def test_extproc_tls_flags_have_no_use_in_least_request_mode(pem_files: dict, caplog: pytest.LogCaptureFixture
+                                                             ) -> None:
+    argv = ["--mode", "least-request", "--backends", "127.0.0.1:8001", "--extproc-tls-ca", pem_files["ca"],
+            "--print-config"]
+    assert launcher.main(argv) == 2
+    assert "--extproc-tls-ca has no use" in caplog.text

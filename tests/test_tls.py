@@ -7,23 +7,30 @@ real predictor sidecar process beside a real emulator, dialled by the extproc's 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import ssl
 import sys
+import time
 from pathlib import Path
 
+import aiohttp
 import grpc
 import pytest
 import trustme
+from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from astrolabe.tls import ClientTls, ServerTls, TlsError, add_port, channel_credentials, channel_options, \
+from astrolabe.tls import BackendTls, ClientTls, ServerTls, TlsError, add_port, channel_credentials, channel_options, \
     server_credentials
 from bench.procs import ProcessGroup, free_port
-from extproc.config import ConfigError, load_config, parse_config
+from extproc.config import ConfigError, EndpointConfig, HealthCheckConfig, load_config, parse_config
+from extproc.pool import EndpointPool, HealthChecker
 from extproc.server import ExtprocServer
-from predictor.server import add_arguments, tls_from_args
+from predictor.server import Sidecar, SidecarConfig, add_arguments, backend_tls_from_args, tls_from_args
+from predictor.sim import EngineConfig
 from tests.extproc.test_stream import body_msg, headers_msg
 
 PY = sys.executable
@@ -185,6 +192,10 @@ def test_sidecar_tls_flags(certs):
         tls_from_args(_sidecar_args("--tls-client-ca-file", certs.ca_file))
     with pytest.raises(TlsError, match="given together"):
         tls_from_args(_sidecar_args("--tls-cert-file", certs.cert_file))
+    assert backend_tls_from_args(_sidecar_args()) is None
+    assert backend_tls_from_args(_sidecar_args("--backend-tls-ca-file", certs.ca_file)) == BackendTls(certs.ca_file)
+    with pytest.raises(TlsError, match="needs --backend-tls-ca-file"):
+        backend_tls_from_args(_sidecar_args("--backend-tls-server-name", "vllm"))
 
 
 @pytest.fixture
@@ -242,3 +253,64 @@ async def test_extproc_predicts_over_mutual_tls(certs, tls_sidecar, client_side)
             assert outcomes["ok"] == 0 and outcomes["down"] == 1, outcomes
     finally:
         await srv.stop()
+
+
+METRICS_TEXT = ('vllm:num_requests_running{model_name="m"} 0\nvllm:num_requests_waiting{model_name="m"} 0\n'
+                'vllm:kv_cache_usage_perc{model_name="m"} 0.0\n'
+                'vllm:cache_config_info{block_size="16",num_gpu_blocks="777"} 1.0\n')
+
+
+@pytest.fixture
+async def https_backend(certs):
+    """An HTTPS server with vLLM's /metrics (777 KV blocks): its address."""
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(text=METRICS_TEXT)
+
+    async def healthy(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", healthy)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(certs.cert_file, certs.key_file)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context)
+    await site.start()
+    yield f"127.0.0.1:{runner.addresses[0][1]}"
+    await runner.cleanup()
+
+
+@pytest.mark.parametrize("tls", ["verified", "plaintext"])
+async def test_sidecar_scrapes_an_https_backend(certs, https_backend, tls):
+    backend_tls = BackendTls(certs.ca_file, "localhost") if tls == "verified" else None
+    sidecar = Sidecar(SidecarConfig(backend=https_backend, listen="127.0.0.1:0", backend_tls=backend_tls,
+                                    engine=EngineConfig(num_gpu_blocks=100)))
+    await sidecar.start()
+    try:
+        if tls == "verified":  # the KV cache comes from the backend's /metrics, read over HTTPS
+            await _until(lambda: sidecar.last_reconciled_s is not None)
+            assert sidecar.ledger.scheduler.config.num_gpu_blocks == 777
+        else:  # plain HTTP to an HTTPS port reads nothing: the flags' KV cache stays
+            await asyncio.sleep(0.5)
+            assert sidecar.last_reconciled_s is None and sidecar.ledger.scheduler.config.num_gpu_blocks == 100
+    finally:
+        await sidecar.stop()
+
+
+async def test_extproc_health_checks_an_https_backend(certs, https_backend):
+    for tls, healthy in ((BackendTls(certs.ca_file, "localhost"), True), (None, False),
+                         (BackendTls(certs.other_ca_file), False), (BackendTls(certs.ca_file, "vllm.other"), False)):
+        pool = EndpointPool([EndpointConfig(address=https_backend)], new_endpoints_healthy=not healthy)
+        checker = HealthChecker(pool, HealthCheckConfig(unhealthy_threshold=1), tls)
+        async with aiohttp.ClientSession() as session:
+            await checker.run_once(session)
+        assert pool.is_healthy(https_backend) is healthy, tls
+
+
+async def _until(condition, timeout_s: float = 10.0) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline_s, "condition not reached"
+        await asyncio.sleep(0.05)

@@ -6,6 +6,7 @@ can assert, at the backend, which endpoint served a request and what the proxy f
 
 import argparse
 import hashlib
+import ssl
 
 from aiohttp import web
 
@@ -35,8 +36,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--tls-cert", help="PEM certificate chain: serve HTTPS (with --tls-key)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     args = parser.parse_args()
-    web.run_app(make_app(f"{args.host}:{args.port}"), host=args.host, port=args.port, print=None)
+    context = None
+    if args.tls_cert:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(args.tls_cert, args.tls_key)
+    web.run_app(make_app(f"{args.host}:{args.port}"), host=args.host, port=args.port, print=None,
+                ssl_context=context)
 
 
 if __name__ == "__main__":
