@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "plugin-overhead": ("bench.plugin_overhead", "cost of the vLLM state plugin: per publish, and throughput A/B"),
     "accuracy": ("bench.accuracy", "predicted vs actual E2E and Po2 hindsight agreement on 2 real vLLM servers"),
     "tracing": ("bench.tracing_cost", "cost of OpenTelemetry tracing per routing decision: off vs on, same run"),
+    "extproc": ("bench.extproc_bench", "the extproc's own cost: decisions/s per core, latency added through Envoy, profile"),
     "replicas": ("bench.replicas", "1 vs 2 extproc replicas behind one Envoy: P99 TTFT, herding, a replica killed"),
 }
 

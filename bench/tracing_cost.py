@@ -19,11 +19,8 @@ moving-block bootstrap interval (`bench.stats`). Last, the cost of the tracing h
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
-import random
-import sys
 import tempfile
 import time
 import timeit
@@ -37,16 +34,13 @@ from astrolabe.cli import HelpFormatter
 from astrolabe.logs import setup_logging
 from bench import otlp_receiver
 from bench.decisions import read_decisions
-from bench.demo_fleet import cpu_seconds, wait_grpc_ready
-from bench.procs import ManagedProcess, ProcessGroup, free_port
+from bench.demo_fleet import cpu_seconds
+from bench.extproc_drive import (MODEL, START_TIMEOUT_S, drive_block, prompts,  # noqa: F401 (MODEL: re-exported)
+                                 start_extproc, start_fleet)
+from bench.procs import ProcessGroup
 from bench.stats import p50, p99, paired_ratio_ci
 
 logger = logging.getLogger(__name__)
-
-MODEL = "llama-2-7b"
-_WORDS = ("the", "model", "router", "trace", "span", "token", "request", "latency", "queue", "instance", "explain",
-          "why", "how", "write", "story", "about", "a", "long", "short", "list")
-_START_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,112 +58,6 @@ class ModeResult:
     routing_s: list[float]
     cpu_s: float
     num_spans: int
-
-
-def prompts(num_requests: int, seed: int) -> list[bytes]:
-    """``num_requests`` chat bodies of 40-200 words (seeded), ``max_tokens`` 256."""
-    rng = random.Random(seed)
-    bodies = []
-    for _ in range(num_requests):
-        text = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(40, 200)))
-        bodies.append(json.dumps({"model": MODEL, "messages": [{"role": "user", "content": text}],
-                                  "max_tokens": 256}).encode())
-    return bodies
-
-
-def _messages(request_id: str, body: bytes):
-    from envoy.config.core.v3 import base_pb2  # noqa: PLC0415 (Envoy's protos load only when the bench runs)
-    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2  # noqa: PLC0415
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: PLC0415
-
-    headers = [(":method", "POST"), (":path", "/v1/chat/completions"), ("x-request-id", request_id),
-               ("content-type", "application/json")]
-    return (pb.ProcessingRequest(
-        request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
-            base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers])),
-        protocol_config=pb.ProtocolConfiguration(
-            request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED)),
-        pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
-
-
-async def _decide(stub, request_id: str, body: bytes) -> float:
-    """One ext_proc stream as Envoy drives it; returns headers-sent to routing-answer, seconds.
-
-    Raises:
-        RuntimeError: the extproc answered with an error instead of a route.
-    """
-    headers, body_message = _messages(request_id, body)
-    call = stub.Process()
-    start_s = time.perf_counter()
-    await call.write(headers)
-    await call.read()
-    await call.write(body_message)
-    answer = await call.read()
-    latency_s = time.perf_counter() - start_s
-    await call.done_writing()
-    await call.read()
-    if answer.WhichOneof("response") != "request_body":
-        raise RuntimeError(f"not routed: {answer}")
-    return latency_s
-
-
-async def _block(address: str, bodies: list[bytes], tag: str, concurrency: int) -> list[float]:
-    import grpc  # noqa: PLC0415
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc  # noqa: PLC0415
-
-    latencies = [0.0] * len(bodies)
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.ExternalProcessorStub(channel)
-        next_index = iter(range(len(bodies)))
-
-        async def worker() -> None:
-            for i in next_index:
-                latencies[i] = await _decide(stub, f"{tag}-{i}", bodies[i])
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return latencies
-
-
-def _start_fleet(procs: ProcessGroup, tmp: Path,
-                 otlp_endpoint: str | None) -> tuple[dict[str, str], list[ManagedProcess]]:
-    """2 emulators and their sidecars (tracing on, following the caller's sampling, unless ``otlp_endpoint`` is
-    None): backend -> sidecar, and the sidecar processes."""
-    sidecar_env = ({"OTEL_EXPORTER_OTLP_ENDPOINT": "", "OTEL_TRACES_EXPORTER": ""} if otlp_endpoint is None else
-                   {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint, "OTEL_TRACES_SAMPLER": "parentbased_always_off"})
-    fleet, sidecars = {}, []
-    for i in range(2):
-        port, sidecar_port = free_port(), free_port()
-        emulator = procs.start([sys.executable, "-m", "astrolabe", "emulator", "--port", str(port),
-                                "--time-scale", "2"], name=f"emulator-{i}", log_path=tmp / f"emulator-{i}.log")
-        emulator.wait_http(f"http://127.0.0.1:{port}/health", _START_TIMEOUT_S)
-        sidecar = procs.start([sys.executable, "-m", "astrolabe", "predictor", "serve", "--backend",
-                               f"127.0.0.1:{port}", "--listen", f"127.0.0.1:{sidecar_port}", "--time-scale", "2"],
-                              name=f"sidecar-{i}", log_path=tmp / f"sidecar-{i}.log", env=sidecar_env)
-        sidecar.wait_tcp("127.0.0.1", sidecar_port, _START_TIMEOUT_S)
-        fleet[f"127.0.0.1:{port}"] = f"127.0.0.1:{sidecar_port}"
-        sidecars.append(sidecar)
-    return fleet, sidecars
-
-
-def _start_extproc(procs: ProcessGroup, tmp: Path, name: str, fleet: dict[str, str],
-                   tracing: dict | None) -> tuple[ManagedProcess, str, Path]:
-    port = free_port()
-    log = tmp / f"{name}-decisions.jsonl"
-    config = {"listen": f"127.0.0.1:{port}", "policy": "astrolabe", "policy_params": {"k": 2}, "seed": 0,
-              "decision_log_path": str(log), "health_check": {"interval_s": 0.5}, "drain_delay_s": 0,
-              "predictor_client": {"predict_timeout_s": 0.2},
-              "endpoints": [{"address": a, "models": [MODEL], "predictor": p} for a, p in fleet.items()]}
-    if tracing is not None:
-        config["tracing"] = tracing
-    path = tmp / f"{name}.yaml"
-    path.write_text(json.dumps(config))
-    # No OTEL_* variables reach the extprocs: their config file alone decides (the bench's own env is cleared).
-    proc = procs.start([sys.executable, "-m", "astrolabe", "extproc", "--config", str(path),
-                        "--log-level", "WARNING"],
-                       name=name, log_path=tmp / f"{name}.log",
-                       env={"OTEL_EXPORTER_OTLP_ENDPOINT": "", "OTEL_TRACES_EXPORTER": ""})
-    wait_grpc_ready(proc, f"127.0.0.1:{port}", _START_TIMEOUT_S)
-    return proc, f"127.0.0.1:{port}", log
 
 
 def spans_per_mode(spans_file: Path) -> Counter:
@@ -195,20 +83,20 @@ def run(num_requests: int, num_rounds: int, concurrency: int, seed: int, trace_s
     with tempfile.TemporaryDirectory(prefix="astrolabe-tracing-cost-") as folder, ProcessGroup() as procs:
         tmp = Path(folder)
         spans_file = tmp / "spans.jsonl"
-        endpoint = "http://" + otlp_receiver.start_process(procs, spans_file, tmp / "receiver.log", _START_TIMEOUT_S)
-        fleet, sidecars = _start_fleet(procs, tmp, endpoint if trace_sidecars else None)
-        extprocs = {"off": _start_extproc(procs, tmp, "extproc-off", fleet, None),
-                    "on": _start_extproc(procs, tmp, "extproc-on", fleet,
-                                         None if control else {"endpoint": endpoint, "sampler_ratio": sampler_ratio})}
-        asyncio.run(_block(extprocs["off"][1], bodies[:8], "warm-off", 1))  # connections, tokenizer, first refit
-        asyncio.run(_block(extprocs["on"][1], bodies[:8], "warm-on", 1))
+        endpoint = "http://" + otlp_receiver.start_process(procs, spans_file, tmp / "receiver.log", START_TIMEOUT_S)
+        fleet, sidecars = start_fleet(procs, tmp, endpoint if trace_sidecars else None)
+        tracing = None if control else {"tracing": {"endpoint": endpoint, "sampler_ratio": sampler_ratio}}
+        extprocs = {"off": start_extproc(procs, tmp, "extproc-off", fleet),
+                    "on": start_extproc(procs, tmp, "extproc-on", fleet, tracing)}
+        drive_block(extprocs["off"][1], bodies[:8], "warm-off", 1)  # connections, tokenizer, first refit
+        drive_block(extprocs["on"][1], bodies[:8], "warm-on", 1)
         latency = {"off": [], "on": []}
         cpu_s = {"off": 0.0, "on": 0.0}
         for round_index in range(num_rounds):
             for mode in ("off", "on"):
                 proc, address, _ = extprocs[mode]
                 cpu_before_s = cpu_seconds(proc.pid)
-                latency[mode] += asyncio.run(_block(address, bodies, f"{mode}-{round_index}", concurrency))
+                latency[mode] += drive_block(address, bodies, f"{mode}-{round_index}", concurrency)
                 cpu_s[mode] += cpu_seconds(proc.pid) - cpu_before_s
         for proc in [p for p, _, _ in extprocs.values()] + sidecars:
             proc.stop()  # SIGTERM: decision logs flushed, queued spans exported
