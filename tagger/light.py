@@ -106,8 +106,12 @@ class LightTagger:
 
     def __init__(self, sparse_weights: np.ndarray, dense_weights: np.ndarray, dense_mean: np.ndarray,
                  dense_std: np.ndarray, intercept: float, alpha: float) -> None:
-        self.sparse_weights = np.asarray(sparse_weights, dtype=np.float64)
-        self.dense_weights = np.asarray(dense_weights, dtype=np.float64)
+        # One vector [sparse | dense] built once (views keep the two names): concatenating the 2^18 weights per
+        # request cost ~0.17 ms of the ~0.37 ms a prediction took (astrolabe bench extproc's profile).
+        self._weights = np.concatenate([np.asarray(sparse_weights, dtype=np.float64),
+                                        np.asarray(dense_weights, dtype=np.float64)])
+        self.sparse_weights = self._weights[:len(sparse_weights)]
+        self.dense_weights = self._weights[len(sparse_weights):]
         self.dense_mean = np.asarray(dense_mean, dtype=np.float64)
         self.dense_std = np.asarray(dense_std, dtype=np.float64)
         self.intercept = float(intercept)
@@ -139,7 +143,7 @@ class LightTagger:
     def predict_features(self, batch: FeatureBatch) -> np.ndarray:
         """Predicted ``log1p(tokens)`` for featurised prompts; float64 ``(batch.num_rows,)``."""
         design = _Design(batch, self.dense_mean, self.dense_std)
-        return design.dot(np.concatenate([self.sparse_weights, self.dense_weights])) + self.intercept
+        return design.dot(self._weights) + self.intercept
 
     def predict_log1p(self, prompts: Sequence[str]) -> np.ndarray:
         """Predicted ``log1p(num_output_tokens)`` per prompt; float64 ``(len(prompts),)``."""
