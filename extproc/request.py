@@ -11,6 +11,10 @@ Accepted shapes (OpenAI API, as vLLM serves it — vllm/entrypoints/openai/proto
 A list of prompts is routed as one request (one backend serves the whole batch): its texts are joined with
 newlines and its token ids concatenated.
 
+The strings routing reads (``model``, the prompt, message roles and texts) must be valid Unicode: a lone
+surrogate, which JSON's ``\\uXXXX`` escapes can write, is refused (it could not be encoded into a span, a log line
+or a tokenizer's input).
+
 Raises ``RoutingError(BAD_REQUEST)`` for every malformed body; nothing else escapes.
 """
 
@@ -164,6 +168,8 @@ def _parse_messages(messages: object) -> tuple[str, str | None, tuple[tuple[str,
             raise _bad(f"'messages[{i}]' must be an object", f"messages[{i}]")
         if not isinstance(message.get("role"), str):
             raise _bad(f"'messages[{i}].role' must be a string", f"messages[{i}].role")
+        if not _is_encodable(message["role"]):  # the role is rendered into the prompt, as the content is
+            raise _bad(f"'messages[{i}].role' contains a lone surrogate (invalid Unicode)", f"messages[{i}].role")
         texts.append(_content_text(message.get("content"), i))
         roles.append(message["role"])
         if message["role"] == "user":
@@ -189,9 +195,22 @@ MAX_DECODED_FACTOR = 4
 def decode_body(body: bytes, content_encoding: str | None, max_decoded_bytes: int) -> bytes:
     """``body`` decoded per its ``content-encoding`` (RFC 9110 8.4: a comma-separated list, applied in order).
 
+    A gzip body may hold several members, decoded one after another (RFC 1952 2.2, as ``gzip.decompress`` reads
+    them); bytes after the end of a deflate stream, or after the last gzip member, are an error, and so is data
+    that ends before its stream does (truncated). Memory: each coding holds at most its input plus
+    ``max_decoded_bytes + 1`` decoded bytes (zlib's ``max_length``), never the inflated size of a bomb.
+
+    Args:
+        body: the body as received, bytes.
+        content_encoding: the ``content-encoding`` header (None or empty: not encoded).
+        max_decoded_bytes: the largest body any decoding step may produce, bytes.
+
+    Returns:
+        The decoded body.
+
     Raises:
-        RoutingError: BAD_REQUEST for an encoding other than `CONTENT_ENCODINGS`, data that does not decode, or a
-            decoded body over ``max_decoded_bytes``.
+        RoutingError: BAD_REQUEST for an encoding other than `CONTENT_ENCODINGS`, data that does not decode, is
+            truncated or has trailing bytes, or a decoded body over ``max_decoded_bytes``.
     """
     codings = [c.strip().lower() for c in (content_encoding or "").split(",") if c.strip()]
     for coding in reversed(codings):  # the last applied comes off first
@@ -199,15 +218,39 @@ def decode_body(body: bytes, content_encoding: str | None, max_decoded_bytes: in
             continue
         if coding not in CONTENT_ENCODINGS:
             raise _bad(f"unsupported content-encoding {coding!r} (supported: {', '.join(CONTENT_ENCODINGS)})")
-        decoder = zlib.decompressobj(zlib.MAX_WBITS | 16 if coding in ("gzip", "x-gzip") else zlib.MAX_WBITS)
-        try:
-            decoded = decoder.decompress(body, max_decoded_bytes + 1)
-        except zlib.error as exc:
-            raise _bad(f"request body is not valid {coding} data: {exc}") from None
-        if len(decoded) > max_decoded_bytes or decoder.unconsumed_tail:
-            raise _bad(f"request body decodes to more than {max_decoded_bytes} bytes")
-        body = decoded
+        body = _inflate(body, coding, max_decoded_bytes)
     return body
+
+
+_INFLATE_CHUNK_BYTES = 64 * 1024
+"""Compressed input is fed to zlib this much at a time, so that what is left after a gzip member (zlib's
+``unused_data``, a copy) is at most this long: a body of many tiny members decodes in linear time."""
+
+
+def _inflate(data: bytes, coding: str, max_decoded_bytes: int) -> bytes:
+    """One gzip (every member) or deflate layer of `decode_body`."""
+    gzip_coding = coding in ("gzip", "x-gzip")
+    wbits = zlib.MAX_WBITS | 16 if gzip_coding else zlib.MAX_WBITS
+    decoded = bytearray()
+    decoder = zlib.decompressobj(wbits)
+    view = memoryview(data)
+    for offset in range(0, len(data), _INFLATE_CHUNK_BYTES):
+        pending: bytes | memoryview = view[offset:offset + _INFLATE_CHUNK_BYTES]
+        while pending:
+            if decoder.eof:  # the stream ended, yet bytes follow: the next gzip member, or trailing garbage
+                if not gzip_coding:
+                    raise _bad(f"request body is not valid {coding} data: bytes after the end of the stream")
+                decoder = zlib.decompressobj(wbits)
+            try:
+                decoded += decoder.decompress(pending, max_decoded_bytes + 1 - len(decoded))
+            except zlib.error as exc:
+                raise _bad(f"request body is not valid {coding} data: {exc}") from None
+            if len(decoded) > max_decoded_bytes or decoder.unconsumed_tail:
+                raise _bad(f"request body decodes to more than {max_decoded_bytes} bytes")
+            pending = decoder.unused_data
+    if not decoder.eof:
+        raise _bad(f"request body is not valid {coding} data: truncated")
+    return bytes(decoded)
 
 
 def parse_body(request_id: str, method: str, path: str, body: bytes, content_encoding: str | None = None,
@@ -226,8 +269,8 @@ def parse_body(request_id: str, method: str, path: str, body: bytes, content_enc
         The routing view of the request (``num_body_bytes``: the body as received).
 
     Raises:
-        RoutingError: BAD_REQUEST if the body does not decode, is not a JSON object, or a field has the wrong type
-            or is missing.
+        RoutingError: BAD_REQUEST if the body does not decode, is not a JSON object, or a field has the wrong type,
+            is missing or holds a lone surrogate.
     """
     path = urllib.parse.unquote(path.split("?", 1)[0])  # /v1/%63ompletions is /v1/completions to the backend
     received_bytes = len(body)
@@ -262,11 +305,14 @@ def parse_body(request_id: str, method: str, path: str, body: bytes, content_enc
     if text is not None and not _is_encodable(text):
         raise _bad("the prompt contains a lone surrogate (invalid Unicode)", "messages" if path ==
                    CHAT_COMPLETIONS_PATH else "prompt")
+    model = _optional_str(parsed, "model")
+    if model is not None and not _is_encodable(model):  # it reaches span attributes, logs and error bodies
+        raise _bad("'model' contains a lone surrogate (invalid Unicode)", "model")
     return RoutingRequest(
         request_id=request_id,
         method=method,
         path=path,
-        model=_optional_str(parsed, "model"),
+        model=model,
         prompt_text=text,
         prompt_token_ids=ids,
         max_tokens=max_tokens,

@@ -44,6 +44,8 @@ CANDIDATE_EVENT = "astrolabe.candidate"
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
 GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
 GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+MAX_INT64 = 2**63 - 1
+"""Largest integer attribute value OTLP encodes (int64)."""
 ERROR_TYPE = "error.type"
 REQUEST_ID = "astrolabe.request_id"            # the client's x-request-id (or the generated one)
 POLICY = "astrolabe.policy"                    # the policy that decided (least-requests on a fallback)
@@ -148,7 +150,8 @@ class RequestSpan:
         if request.model is not None:
             span.set_attribute(GEN_AI_REQUEST_MODEL, clip_text(request.model))
         if request.max_tokens is not None:
-            span.set_attribute(GEN_AI_REQUEST_MAX_TOKENS, request.max_tokens)
+            # OTLP carries int64: a larger cap (vLLM accepts any int) would be dropped with an error per export.
+            span.set_attribute(GEN_AI_REQUEST_MAX_TOKENS, min(request.max_tokens, MAX_INT64))
 
     def decision(self, decision: Decision, chosen_policy: str) -> None:
         """Records the decision (policy, basis, tokens, every candidate, the destination) and ends the span.
