@@ -472,7 +472,6 @@ def _extproc_values(extproc_address: str | Sequence[str] | None, backend_address
         "message_timeout_s": f"{message_timeout_s:.3f}",
         "buffer_limit_bytes": buffer_limit_bytes,
         "backends_discovery": _backends_discovery(pool_addresses),
-        "response_header_mode": "SKIP" if pool_addresses is None else "SEND",
         # With --pool a retry goes down the picker's list (up to 7 fallbacks, extproc fallback_endpoints).
         "num_retries": 1 if pool_addresses is None else POOL_RETRIES,
         "failure_mode_allow": "true" if failure_mode == "open" else "false",

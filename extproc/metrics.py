@@ -21,6 +21,9 @@
   (``extproc.predictor_client.OUTCOMES``: ok, late, down, invalid, skipped_backoff, stale_state), read from the
   client at scrape time; ``astrolabe_extproc_predictor_late_excused_total``: late calls blamed on this
   replica's own event-loop lag.
+- ``astrolabe_extproc_served_elsewhere_total``: requests the gateway reported served by another endpoint than the
+  chosen one; ``astrolabe_extproc_connect_failures_total``: requests whose endpoint refused the connection (the
+  gateway's local 503), each taking the endpoint out of the pool until its next passing health check.
 - Label values come only from configuration (policy, endpoint and sidecar addresses) and fixed sets (outcomes,
   error codes, reasons, metrics), never from request fields (model, headers): a client cannot grow the series.
 - ``astrolabe_extproc_in_flight_requests{endpoint}``: this replica's in-flight count per endpoint (read live
@@ -106,6 +109,10 @@ class ExtprocMetrics:
         self.served_elsewhere = Counter(
             "astrolabe_extproc_served_elsewhere", "Requests the gateway reported served by a fallback endpoint, not "
             "the chosen one (x-gateway-destination-endpoint-served)", registry=self.registry)
+        self.connect_failures = Counter(
+            "astrolabe_extproc_connect_failures", "Requests the gateway could not connect to their endpoint for "
+            "(passive failure detection: the endpoint leaves the pool until its next passing health check)",
+            registry=self.registry)
         self.registry.register(_PoolCollector(pool))
 
     def forget_endpoint(self, address: str, predictor: str | None) -> None:

@@ -284,6 +284,20 @@ class Router:
         return replace(decision, destination=address, predictor=predictor if decision.predictor else None,
                        candidates=(), served_elsewhere=True)
 
+    def connect_failed(self, decision: Decision, address: str) -> None:
+        """The gateway reports that it could not connect to ``address`` for the request ``decision`` routed (its
+        local 503 after the retries: ``response.code_details`` ``upstream_reset_before_response_started{...
+        connection_failure...}``, Envoy's `ResponseCodeDetails`). With ``passive_ejection`` that endpoint leaves the
+        pool until its next passing active health check, so that the requests after this one avoid it (without
+        this a dead backend attracts traffic: its in-flight count falls to 0). An address outside the pool, or
+        already unhealthy, changes nothing."""
+        if not self._passive_ejection or not self.pool.has(address) or not self.pool.is_healthy(address):
+            return
+        logger.warning("endpoint %s refused the connection for request %s: out of the pool until its next passing "
+                       "health check", address, decision.request_id)
+        self.pool.set_healthy(address, False)
+        self.metrics.connect_failures.inc()
+
     def release(self, decision: Decision) -> None:
         """The request routed by ``decision`` has ended (its ext_proc stream closed): its in-flight count drops,
         its sidecar is told, and the prediction that decided it (the chosen endpoint's, if it answered) is

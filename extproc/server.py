@@ -33,6 +33,7 @@ from typing import Any
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
@@ -106,6 +107,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         except asyncio.CancelledError:
             logger.debug("stream of %s cancelled", handler.request_id)
             raise
+        except DecodeError as exc:  # bytes that are no ProcessingRequest: the caller's error, not ours
+            logger.warning("stream of %s: a message does not decode (%s): INVALID_ARGUMENT", handler.request_id, exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ProcessingRequest does not decode: {exc}")
         finally:
             handler.close()
 
@@ -113,12 +117,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         """The next message, or None when the stream ends or shutdown asks routed streams to close."""
         read = asyncio.ensure_future(_next(messages))
         drain = asyncio.ensure_future(self.draining.wait())
-        await asyncio.wait((read, drain), return_when=asyncio.FIRST_COMPLETED)
-        drain.cancel()
-        if read.done():
-            return read.result()
-        read.cancel()
-        return None
+        try:
+            await asyncio.wait((read, drain), return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when the stream is cancelled meanwhile (Envoy ends it): else both tasks outlive it, leaked
+            drain.cancel()
+            if not read.done():
+                read.cancel()
+        return read.result() if read.done() and not read.cancelled() else None
 
 
 async def _next(messages):
@@ -399,9 +404,10 @@ class ExtprocServer:
         """Stops the gRPC server (streams get ``grace_s``), the metrics server and the background tasks, and closes
         the sidecar channels, the decision log and the tagger; then raises the first error a background task
         ended with, if any."""
+        # The metrics server's shutdown waits for its serve_forever poll (0.5 s): in a thread, beside the rest.
+        metrics_stopped = (asyncio.ensure_future(asyncio.to_thread(self._metrics_server.shutdown))
+                           if self._metrics_server is not None else None)
         await self._server.stop(grace_s)
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
         for task in self._tasks:
             task.cancel()
         results = await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -410,6 +416,8 @@ class ExtprocServer:
             self.decision_log.close()
         if self.router.lengths.tagger is not None:
             self.router.lengths.tagger.close()
+        if metrics_stopped is not None:
+            await metrics_stopped
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:
             raise errors[0]

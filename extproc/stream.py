@@ -78,6 +78,7 @@ class StreamHandler:
         self._arrival_time_s = 0.0
         self._span = span
         self._allowed: frozenset[str] | None = None
+        self._num_messages = 0
         self.decision: Decision | None = None
 
     async def on_message(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -116,12 +117,16 @@ class StreamHandler:
     def _reject(self, error: RoutingError) -> list[pb.ProcessingResponse]:
         logger.debug("request %s rejected: %s %s", self._request_id, error.http_status, error.message)
         self._phase = Phase.REJECTED
+        self._body = bytearray()  # Envoy ends the stream; nothing more is read
         self._router.metrics.count_request(self._router.policy.TYPE, error.code.value)
         self._span.rejected(error)
         return [messages.immediate_error(error)]
 
     async def _dispatch(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
-        if message.HasField("protocol_config"):
+        self._num_messages += 1
+        # Envoy sends protocol_config on the first message only; a later one must not switch the body mode under
+        # answers already sent (a BUFFERED stream would get a second headers answer and re-sent chunks).
+        if self._num_messages == 1 and message.HasField("protocol_config"):
             self._body_mode = message.protocol_config.request_body_mode
             self._response_body_mode = message.protocol_config.response_body_mode
         kind = message.WhichOneof("request")
@@ -136,6 +141,9 @@ class StreamHandler:
             served = _served_endpoint(message)
             if served is not None:
                 self.decision = self._router.served(self.decision, served)
+            refused = _refused_endpoint(message, self.decision.destination)
+            if refused is not None:
+                self._router.connect_failed(self.decision, refused)
         if kind == "request_body":
             return await self._on_body(message.request_body)
         if kind == "request_trailers":
@@ -152,7 +160,10 @@ class StreamHandler:
         values = {h.key.lower(): (h.raw_value or h.value.encode()).decode("latin-1") for h in headers.headers.headers}
         self._method = values.get(":method", "")
         self._path = values.get(":path", "")
-        self._content_encoding = values.get("content-encoding")
+        # Repeated content-encoding lines are one list, in order (RFC 9110 5.3): each coding applies.
+        encodings = [h for h in headers.headers.headers if h.key.lower() == "content-encoding"]
+        self._content_encoding = ", ".join((h.raw_value or h.value.encode()).decode("latin-1")
+                                           for h in encodings) if encodings else None
         self._request_id = values.get(wire.REQUEST_ID_HEADER) or uuid.uuid4().hex
         self._span.start(values, self._request_id)
         bind_request(self._request_id, self._span.trace_id)
@@ -186,7 +197,8 @@ class StreamHandler:
     async def _full_duplex_answers(self, *, had_trailers: bool) -> list[pb.ProcessingResponse]:
         decision = await self._route_body()
         answers = [messages.headers_route(decision.destination_value, self._span.upstream_headers())]
-        answers += messages.streamed_body(bytes(self._body), end_of_stream=not had_trailers)
+        body, self._body = bytes(self._body), bytearray()
+        answers += messages.streamed_body(body, end_of_stream=not had_trailers)
         if had_trailers:
             answers.append(messages.trailers_continue())
         return answers
@@ -194,6 +206,9 @@ class StreamHandler:
     async def _route_body(self) -> Decision:
         request = parse_body(self._request_id, self._method, self._path, bytes(self._body), self._content_encoding,
                              MAX_DECODED_FACTOR * self._max_body_bytes)
+        if self._body_mode == _BodyMode.BUFFERED:
+            # A routed stream lives as long as its HTTP request: it must not hold the body meanwhile.
+            self._body = bytearray()
         return await self._route(request)
 
     async def _route(self, request: RoutingRequest) -> Decision:
@@ -239,6 +254,32 @@ def _subset_hint(message: pb.ProcessingRequest) -> frozenset[str] | None:
             except ValueError:
                 logger.debug("subset hint entry %r is neither ip:port nor ip; not eligible", entry[:100])
     return frozenset(allowed)
+
+
+EXT_PROC_ATTRIBUTES = "envoy.filters.http.ext_proc"
+"""Namespace of the attributes Envoy sends with a message (the filter config's ``response_attributes``)."""
+CONNECT_FAILURE_DETAILS = ("upstream_reset_before_response_started", "connection_failure")
+"""``response.code_details`` of Envoy's own 503 when the upstream refused or never accepted the connection: it
+starts with the first and contains the second (e.g. ``upstream_reset_before_response_started{
+remote_connection_failure|delayed_connect_error:_Connection_refused}``, Envoy 1.40's ``ResponseCodeDetails``)."""
+
+
+def _refused_endpoint(message: pb.ProcessingRequest, destination: str) -> str | None:
+    """The endpoint that refused the connection, when these response headers are Envoy's own reply to a connection
+    failure (``response.code_details``): its ``upstream.address`` (normalised), else ``destination``; None for
+    any other response."""
+    attributes = message.attributes.get(EXT_PROC_ATTRIBUTES)
+    if attributes is None or "response.code_details" not in attributes.fields:
+        return None
+    details = attributes.fields["response.code_details"].string_value
+    prefix, marker = CONNECT_FAILURE_DETAILS
+    if not (details.startswith(prefix) and marker in details):
+        return None
+    upstream = attributes.fields["upstream.address"].string_value if "upstream.address" in attributes.fields else ""
+    try:
+        return parse_ip_port(upstream, "upstream.address") if upstream else destination
+    except ConfigError:
+        return destination
 
 
 def _served_endpoint(message: pb.ProcessingRequest) -> str | None:

@@ -24,12 +24,12 @@ _DESTINATION_HEADER = "x-gateway-destination-endpoint"
 _EXPECTED_MODES = {
     "buffered": {
         "request_header_mode": "SEND", "request_body_mode": "BUFFERED", "request_trailer_mode": "SKIP",
-        "response_header_mode": "SKIP", "response_body_mode": "NONE", "response_trailer_mode": "SEND",
+        "response_header_mode": "SEND", "response_body_mode": "NONE", "response_trailer_mode": "SEND",
     },
     "full-duplex": {
         "request_header_mode": "SEND", "request_body_mode": "FULL_DUPLEX_STREAMED",
         "request_trailer_mode": "SEND",
-        "response_header_mode": "SKIP", "response_body_mode": "NONE", "response_trailer_mode": "SEND",
+        "response_header_mode": "SEND", "response_body_mode": "NONE", "response_trailer_mode": "SEND",
     },
 }
 
@@ -476,6 +476,8 @@ class _FixedDestinationProcessor:
                 yield pb.ProcessingResponse(request_body=pb.BodyResponse())
             elif phase == "request_trailers":
                 yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+            elif phase == "response_headers":
+                yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 
 
 @pytest.mark.parametrize("mode", launcher.EXTPROC_MODES)
@@ -576,7 +578,7 @@ def test_the_pool_routes_with_override_host_and_reports_the_served_endpoint(mode
     default = yaml.safe_load(_render(mode))
     assert _clusters(default)["backends"]["type"] == "ORIGINAL_DST"
     ext_proc = next(f for f in _http_filters(default) if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
-    assert ext_proc["processing_mode"]["response_header_mode"] == "SKIP" and ext_proc["failure_mode_allow"] is False
+    assert ext_proc["processing_mode"]["response_header_mode"] == "SEND" and ext_proc["failure_mode_allow"] is False
     assert ext_proc["metadata_options"]["forwarding_namespaces"]["untyped"] == ["envoy.lb", "envoy.lb.subset_hint"]
     assert _route(default)["retry_policy"]["num_retries"] == 1
 

@@ -888,7 +888,8 @@ def test_envoyfilter_matches_our_envoy_config_and_the_istio_objects():
     envoyfilter = _envoyfilter(objects)
     ext_proc = _patch(envoyfilter, "HTTP_FILTER", "envoy.filters.http.ext_proc")["patch"]["value"]
     template_ext_proc, template_backends = _rendered_template_filters()
-    for key in ("processing_mode", "failure_mode_allow", "status_on_error", "allow_mode_override"):
+    for key in ("processing_mode", "failure_mode_allow", "status_on_error", "allow_mode_override",
+                "response_attributes"):
         assert ext_proc["typed_config"][key] == template_ext_proc["typed_config"][key], key
     # The ext_proc cluster is Istio's outbound cluster of the picker Service.
     service = find(objects, "Service", "astrolabe-extproc")

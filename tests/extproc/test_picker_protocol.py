@@ -174,3 +174,57 @@ async def test_a_fallback_serving_ejects_the_chosen_endpoint_only_with_active_ch
     router.served(decision, decision.fallbacks[0])
     assert router.pool.is_healthy(decision.destination) is not passive
     await router.predictors.close()
+
+
+def _response_headers(code_details: str, upstream: str | None = None) -> pb.ProcessingRequest:
+    """Response headers with the attributes Envoy sends (the filter's ``response_attributes``)."""
+    message = pb.ProcessingRequest(response_headers=pb.HttpHeaders())
+    attributes = message.attributes["envoy.filters.http.ext_proc"]
+    attributes.fields["response.code_details"].string_value = code_details
+    if upstream is not None:
+        attributes.fields["upstream.address"].string_value = upstream
+    return message
+
+
+REFUSED = "upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}"
+
+
+@pytest.mark.parametrize("code_details, upstream, ejected", [
+    (REFUSED, "{chosen}", True),  # Envoy's 503 after the endpoint refused the connection
+    (REFUSED, None, True),  # no upstream.address: the chosen endpoint
+    (REFUSED, "10.9.9.9:80", False),  # an address outside the pool
+    ("via_upstream", "{chosen}", False),  # the backend answered (whatever its status)
+    ("upstream_reset_before_response_started{connection_termination}", "{chosen}", False),  # reset, not refused
+    ("upstream_per_try_idle_timeout", "{chosen}", False),
+], ids=["refused", "refused-no-address", "refused-outside", "answered", "terminated", "idle-timeout"])
+async def test_a_refused_connection_ejects_the_endpoint(code_details, upstream, ejected):
+    """Passive failure detection without --pool (ORIGINAL_DST: no outlier detection, no served endpoint)."""
+    async with running_server({"policy": "round-robin", "drain_delay_s": 0, "health_check": {"interval_s": 60},
+                               "endpoints": ENDPOINTS}) as (server, stub):
+        for e in ENDPOINTS:
+            server.pool.set_healthy(e["address"], True)
+        call = stub.Process()
+        await call.write(headers_msg())
+        await call.read()
+        await call.write(body_msg(BODY))
+        answer = await call.read()
+        chosen = next(h.header.raw_value.decode() for h in answer.request_body.response.header_mutation.set_headers
+                      if h.header.key == wire.DESTINATION_HEADER)
+        await call.write(_response_headers(code_details, upstream and upstream.format(chosen=chosen)))
+        await call.read()
+        await call.done_writing()
+        assert server.pool.is_healthy(chosen) is not ejected
+        assert sum(server.pool.is_healthy(e["address"]) for e in ENDPOINTS) == len(ENDPOINTS) - ejected
+        assert server.metrics.connect_failures._value.get() == ejected
+        if ejected:  # the next requests avoid it
+            for _ in range(6):
+                assert chosen not in str(await _route(stub, headers_msg()))
+
+
+async def test_a_refused_connection_ejects_nothing_without_active_checks():
+    """With health checks off nothing would bring an ejected endpoint back: the report is ignored."""
+    router = make_router([None, None], policy="least-requests")
+    decision = await router.route(request())
+    router.connect_failed(decision, decision.destination)
+    assert router.pool.is_healthy(decision.destination)
+    await router.predictors.close()

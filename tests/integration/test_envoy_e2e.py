@@ -185,3 +185,13 @@ def test_extproc_restart_while_envoy_runs_recovers(stack):
             break
         time.sleep(0.2)
     assert reply.status_code == 200 and reply.json()["served_by"] in stack.echoes
+
+
+def test_a_body_far_over_the_limit_gets_413_not_a_reset(stack):
+    """42 MB, still being sent when the answer comes (an issue-14 report saw a connection reset in full-duplex
+    mode): a 413. Full-duplex: the extproc's OpenAI-style JSON. Buffered: Envoy's own 413 (plain text), since the
+    body is over Envoy's buffer limit (16 MiB) before the extproc sees it."""
+    reply = post(stack, "/v1/completions", {"model": MODEL, "prompt": "x" * (7 * MAX_BODY_BYTES)})
+    assert reply.status_code == 413, reply.text[:200]
+    if stack.mode == "full-duplex":
+        assert reply.json()["error"]["code"] == 413
