@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "tracing": ("bench.tracing_cost", "cost of OpenTelemetry tracing per routing decision: off vs on, same run"),
     "extproc": ("bench.extproc_bench", "the extproc's own cost: decisions/s per core, latency added through Envoy, profile"),
     "replicas": ("bench.replicas", "1 vs 2 extproc replicas behind one Envoy: P99 TTFT, herding, a replica killed"),
+    "streams": ("bench.streams", "thousands of open streams through Envoy + one extproc: memory per stream, long quiet ones"),
 }
 
 COMMANDS: dict[str, str] = {name: help_ for name, (_, help_) in BENCHMARKS.items()}
