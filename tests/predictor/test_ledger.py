@@ -104,6 +104,19 @@ def test_reconcile_removes_phantoms_first():
     assert ids == {"real"}
 
 
+def test_phantoms_leave_before_a_request_past_its_prediction():
+    """The phantoms-first rule on its own: "real" is 13 tokens past its predicted length, the one the overdue rule
+    alone would remove first (test_reconcile_removes_the_most_overdue_first); phantoms (length 245, none generated) go
+    first anyway, since they stand for nothing the extproc admitted."""
+    led = ledger(visibility_grace_s=0.0)
+    led.admit("real", 50, 40, now_s=0.0)
+    led.advance(0.3)  # 53 tokens generated of the 40 predicted
+    led.reconcile(BackendObservation(num_running=3, num_waiting=0), now_s=0.3)
+    assert led.num_unfinished() == 3
+    led.reconcile(BackendObservation(num_running=1, num_waiting=0), now_s=0.31)
+    assert {r.request_id for r in (*led.scheduler.running, *led.scheduler.waiting)} == {"real"}
+
+
 def test_reconcile_agreeing_changes_nothing():
     led = ledger()
     led.admit("a", 50, 400, now_s=0.0)

@@ -81,3 +81,24 @@ async def test_estimate_continues_the_callers_trace():
     assert estimate.parent.span_id == server_span.context.span_id
     assert estimate.attributes["astrolabe.num_predicted_output_tokens"] == num_tokens
     assert estimate.attributes["astrolabe.tagger_kind"] == "light"
+
+
+async def test_estimates_over_grpc_are_the_taggers_own():
+    """The gRPC answer is the model's estimate of that very prompt (a constant or a mixed-up field would pass the
+    bounds checks above): equal to the in-process service's, and different for prompts the model tells apart."""
+    service = load_service(None)
+    server, port = await start_server(service, "127.0.0.1:0")
+    client = TaggerClient(f"127.0.0.1:{port}", timeout_s=5.0)
+    prompts = ["hi", "Write a long essay about the moon, its phases and its history.",
+               "Translate 'cat' into French.", "List every prime below 1000 with a proof for each."]
+    try:
+        over_grpc = [await client.estimate(p) for p in prompts]
+        reference = load_service(None)
+        in_process = [await reference.estimate(p) for p in prompts]
+        reference.close()
+        assert over_grpc == in_process
+        assert len(set(over_grpc)) > 1
+    finally:
+        await client.close()
+        await server.stop(None)
+        service.close()
