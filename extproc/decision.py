@@ -37,6 +37,8 @@ class Decision:
             (``fallback_endpoints`` in the config; empty by default).
         served_elsewhere: the gateway reported that a fallback served the request: ``destination`` and
             ``predictor`` are now that endpoint's (moved by ``Router.served``).
+        num_sequences: engine requests the HTTP request becomes (``RoutingRequest.num_sequences``): what it adds
+            to the destination's in-flight count.
     """
 
     destination: str
@@ -54,6 +56,7 @@ class Decision:
     decided_at_s: float = 0.0
     fallbacks: tuple[str, ...] = ()
     served_elsewhere: bool = False
+    num_sequences: int = 1
 
     @property
     def destination_value(self) -> str:

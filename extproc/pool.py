@@ -75,14 +75,17 @@ class EndpointPool:
         return self._healthy.get(address, False)
 
     def in_flight(self, address: str) -> int:
-        """Requests routed to ``address`` by this replica that have not ended."""
+        """Engine requests routed to ``address`` by this replica that have not ended (a request with ``n`` choices,
+        or several prompts, counts as that many: ``RoutingRequest.num_sequences``)."""
         return self._in_flight.get(address, 0)
 
-    def acquire(self, address: str) -> None:
-        self._in_flight[address] = self._in_flight.get(address, 0) + 1
+    def acquire(self, address: str, count: int = 1) -> None:
+        """``count`` more engine requests in flight on ``address``."""
+        self._in_flight[address] = self._in_flight.get(address, 0) + count
 
-    def release(self, address: str) -> None:
-        remaining = self._in_flight.get(address, 0) - 1
+    def release(self, address: str, count: int = 1) -> None:
+        """``count`` engine requests on ``address`` ended (never below 0)."""
+        remaining = self._in_flight.get(address, 0) - count
         if remaining > 0 or address in self._addresses:
             self._in_flight[address] = max(remaining, 0)
         else:

@@ -53,6 +53,9 @@ class RoutingRequest:
             cluster simulation's virtual clock there); 0.0 when unknown. Routing overhead is measured from it.
         allowed_endpoints: the gateway's subset hint (``extproc.wire.DESTINATION_SUBSET_HEADER``): normalised
             ``ip:port`` the request may go to, or a bare IP for any port of it; None = any endpoint of the pool.
+        num_sequences: engine requests this HTTP request becomes, >= 1: ``n`` (choices per prompt) times the
+            prompts of a completions request (a list of prompts is one engine request each; vLLM's serving_completion
+            fans them out, and its engine runs each of the ``n`` choices as a request of its own).
     """
 
     request_id: str
@@ -68,6 +71,11 @@ class RoutingRequest:
     arrival_time_s: float = 0.0
     chat_messages: tuple[tuple[str, str], ...] | None = None
     allowed_endpoints: frozenset[str] | None = None
+    num_sequences: int = 1
+
+
+MAX_CHOICES = 128
+"""Largest ``n`` counted in the load (a larger one counts as this many): a bound on what one request can add."""
 
 
 def _bad(message: str, param: str | None = None) -> RoutingError:
@@ -111,6 +119,23 @@ def _optional_count(body: dict, key: str) -> int | None:
     if count < 0:
         raise _bad(f"'{key}' must be a non-negative integer", key)
     return count
+
+
+def _num_choices(body: dict) -> int:
+    """``n``: choices per prompt, read as vLLM reads it (lax ``int``, default 1, at least 1)."""
+    n = _optional_count(body, "n")
+    if n is None:
+        return 1
+    if n < 1:
+        raise _bad("'n' must be at least 1", "n")
+    return min(n, MAX_CHOICES)
+
+
+def _num_prompts(prompt: object) -> int:
+    """Prompts of a completions request's valid ``prompt``: a list of strings or of token-id lists holds several."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return len(prompt)
+    return 1
 
 
 def _token_ids(values: list, param: str) -> tuple[int, ...]:
@@ -290,15 +315,18 @@ def parse_body(request_id: str, method: str, path: str, body: bytes, content_enc
     ids: tuple[int, ...] | None = None
     max_tokens: int | None = None
     chat: tuple[tuple[str, str], ...] | None = None
+    num_sequences = 1
     if path == COMPLETIONS_PATH:
         if "prompt" not in parsed:
             raise _bad("'prompt' is required", "prompt")
         text, ids = _parse_prompt(parsed["prompt"])
         max_tokens = _optional_count(parsed, "max_tokens")
+        num_sequences = _num_choices(parsed) * _num_prompts(parsed["prompt"])
     elif path == CHAT_COMPLETIONS_PATH:
         if "messages" not in parsed:
             raise _bad("'messages' is required", "messages")
         text, last_user, chat = _parse_messages(parsed["messages"])
+        num_sequences = _num_choices(parsed)
         max_tokens = _optional_count(parsed, "max_completion_tokens")
         legacy = _optional_count(parsed, "max_tokens")
         max_tokens = legacy if max_tokens is None else max_tokens
@@ -320,4 +348,5 @@ def parse_body(request_id: str, method: str, path: str, body: bytes, content_enc
         num_body_bytes=received_bytes,
         last_user_message=last_user,
         chat_messages=chat,
+        num_sequences=num_sequences,
     )

@@ -159,8 +159,8 @@ class Router:
         if self._num_fallbacks:
             decision = replace(decision, fallbacks=self._fallback_list(decision, views))
         end_s = self._clock()
-        decision = replace(decision, routing_s=end_s - request.arrival_time_s)
-        self.pool.acquire(decision.destination)
+        decision = replace(decision, routing_s=end_s - request.arrival_time_s, num_sequences=request.num_sequences)
+        self.pool.acquire(decision.destination, decision.num_sequences)
         self.pool.record_dispatch(decision.destination, end_s)
         self.metrics.routing_seconds.observe(end_s - start_s)
         decision = replace(decision, decided_at_s=end_s)
@@ -264,8 +264,8 @@ class Router:
         """
         if address == decision.destination or not self.pool.has(address):
             return decision
-        self.pool.release(decision.destination)
-        self.pool.acquire(address)
+        self.pool.release(decision.destination, decision.num_sequences)
+        self.pool.acquire(address, decision.num_sequences)
         self.metrics.served_elsewhere.inc()
         if self._passive_ejection and address in decision.fallbacks and self.pool.is_healthy(decision.destination):
             # The gateway went down the list: the chosen endpoint refused or reset the connection. A dead backend
@@ -302,7 +302,7 @@ class Router:
         """The request routed by ``decision`` has ended (its ext_proc stream closed): its in-flight count drops,
         its sidecar is told, and the prediction that decided it (the chosen endpoint's, if it answered) is
         compared with the E2E observed since the decision (``astrolabe_extproc_prediction_ratio``)."""
-        self.pool.release(decision.destination)
+        self.pool.release(decision.destination, decision.num_sequences)
         if not self.pool.has(decision.destination):
             return  # the endpoint left the pool (discovery) while this request ran: its series and sidecar are gone
         predicted = next((p for address, p in decision.candidates if address == decision.destination), None)

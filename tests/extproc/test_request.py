@@ -146,3 +146,25 @@ def test_compressed_bodies_are_read_and_bombs_refused():
     bomb = gzip.compress(b" " * 10_000_000)
     with pytest.raises(RoutingError, match="decodes to more than 1000000 bytes"):
         parse_body("r", "POST", "/v1/completions", bomb, "gzip", max_decoded_bytes=1_000_000)
+
+
+@pytest.mark.parametrize("path, body, sequences", [
+    ("/v1/completions", {"prompt": "x"}, 1),
+    ("/v1/completions", {"prompt": "x", "n": 4}, 4),
+    ("/v1/completions", {"prompt": "x", "n": 4.0}, 4),  # read as vLLM reads it (lax int)
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2}, 6),  # each prompt is an engine request, n each
+    ("/v1/completions", {"prompt": [[1, 2], [3]]}, 2),
+    ("/v1/completions", {"prompt": [1, 2, 3]}, 1),  # one token-id prompt
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 3),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": None}, 1),
+    ("/v1/completions", {"prompt": "x", "n": 10**6}, 128),  # counted up to MAX_CHOICES
+])
+def test_choices_and_prompts_count_as_engine_requests(path, body, sequences):
+    assert _parse(path, {"model": "m", **body}).num_sequences == sequences
+
+
+@pytest.mark.parametrize("n", [0, -1, "many", 1.5, [2]])
+def test_bad_n_is_400(n):
+    with pytest.raises(RoutingError) as caught:
+        _parse("/v1/completions", {"model": "m", "prompt": "x", "n": n})
+    assert caught.value.code is ErrorCode.BAD_REQUEST and caught.value.param == "n"

@@ -360,3 +360,21 @@ async def test_what_the_extproc_asks_a_sidecar():
     finally:
         await router.predictors.close()
         await server.stop(0)
+
+
+async def test_a_request_with_n_choices_weighs_n_in_the_load():
+    """n = 4 is four engine requests (vLLM runs each choice as one): least-requests sends the next three single
+    requests elsewhere, and the count drops by four at its end."""
+    router = make_router([None, None], policy="least-requests")
+    try:
+        wide = await router.route(RoutingRequest("wide", "POST", "/v1/completions", prompt_text="x", num_sequences=4))
+        assert router.pool.in_flight(wide.destination) == 4
+        others = [await router.route(request(i)) for i in range(3)]
+        assert all(d.destination != wide.destination for d in others)
+        router.release(wide)
+        assert router.pool.in_flight(wide.destination) == 0
+        other = next(e.address for e in router.pool.endpoints if e.address != wide.destination)
+        router.served(others[0], wide.destination)  # the gateway served one elsewhere: its weight moves
+        assert (router.pool.in_flight(wide.destination), router.pool.in_flight(other)) == (1, 2)
+    finally:
+        await router.predictors.close()
