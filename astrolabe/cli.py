@@ -104,6 +104,12 @@ def _propagators_problem(value: str | None) -> str | None:
             f"{', '.join(sorted(installed))}; e.g. b3 needs opentelemetry-propagator-b3)")
 
 
+GRPC_VERBOSITY = "ERROR"
+"""gRPC core's log level unless ``GRPC_VERBOSITY`` says otherwise: its INFO lines (a failed TLS handshake, once per
+Envoy health check) bypass our log format and would break ``--log-format json``; its errors still show."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Dispatch ``argv`` (default ``sys.argv[1:]``) to a subcommand; returns its exit status."""
+    os.environ.setdefault("GRPC_VERBOSITY", GRPC_VERBOSITY)  # before any subcommand imports grpc
     return dispatch("astrolabe", SUBCOMMANDS, sys.argv[1:] if argv is None else argv)

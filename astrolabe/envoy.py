@@ -434,7 +434,7 @@ def _tls_values(tls: EnvoyTls | None) -> dict[str, str]:
     """
     tls = tls or EnvoyTls()
     if (tls.extproc_cert_file is None) != (tls.extproc_key_file is None):
-        raise ValueError("the extproc client certificate and its key are given together")
+        raise ValueError("the extproc client certificate and its key must be given together")
     if tls.extproc_ca_file is None and (tls.extproc_cert_file or tls.extproc_server_name):
         raise ValueError("a client certificate or server name for the extproc needs its CA (TLS to the extproc)")
     if tls.backend_ca_file is None and tls.backend_server_name:

@@ -68,7 +68,7 @@ class ClientTls:
     def __post_init__(self) -> None:
         if (self.cert_file is None) != (self.key_file is None):
             raise TlsError("a client certificate needs its key and a key its certificate (cert_file and key_file "
-                           "are set together)")
+                           "must be set together)")
 
 
 def read_pem(path: str, role: str) -> bytes:
@@ -88,6 +88,22 @@ def read_pem(path: str, role: str) -> bytes:
     if b"-----BEGIN " not in data:
         raise TlsError(f"{role} {path}: not a PEM file (no '-----BEGIN' line)")
     return data
+
+
+def check_pair(cert_file: str, key_file: str, role: str) -> None:
+    """Checks that ``key_file`` is the private key of the leaf of ``cert_file`` (gRPC would only fail to bind, or
+    fail each handshake, without saying why).
+
+    Raises:
+        TlsError: the pair does not load together (mismatched key, a CSR or other non-certificate, a wrong order).
+    """
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_file, key_file)
+    except ssl.SSLError as exc:
+        raise TlsError(f"{role} {cert_file} and its key {key_file} do not load together ({exc.reason or exc}): "
+                       "is the key the certificate's, and the certificate first?") from None
+    except OSError as exc:
+        raise TlsError(f"{role} {cert_file} / {key_file}: {exc.strerror or exc}") from None
 
 
 def _stamp(paths: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
@@ -116,6 +132,7 @@ class _RotatingServerCertificate:
         tls = self.tls
         key = read_pem(tls.key_file, "server private key")
         chain = read_pem(tls.cert_file, "server certificate")
+        check_pair(tls.cert_file, tls.key_file, "server certificate")
         client_ca = read_pem(tls.client_ca_file, "client CA") if tls.client_ca_file else None
         return grpc.ssl_server_certificate_configuration([(key, chain)], root_certificates=client_ca)
 
@@ -153,6 +170,10 @@ def channel_credentials(tls: ClientTls) -> grpc.ChannelCredentials:
     Raises:
         TlsError: a file cannot be used.
     """
+    if tls.cert_file and tls.key_file:
+        read_pem(tls.cert_file, "client certificate")
+        read_pem(tls.key_file, "client private key")
+        check_pair(tls.cert_file, tls.key_file, "client certificate")
     return grpc.ssl_channel_credentials(
         root_certificates=read_pem(tls.ca_file, "CA") if tls.ca_file else None,
         private_key=read_pem(tls.key_file, "client private key") if tls.key_file else None,

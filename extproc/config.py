@@ -533,7 +533,7 @@ class ClientTlsConfig:
     def __post_init__(self) -> None:
         if (self.cert_file is None) != (self.key_file is None):
             missing = "key_file" if self.key_file is None else "cert_file"
-            raise _Located((missing,), "cert_file and key_file are set together (a client certificate and its key)")
+            raise _Located((missing,), "cert_file and key_file must be set together (a client certificate and its key)")
 
 
 @dataclass(frozen=True, slots=True, config=_config("BackendTlsConfig"))
@@ -835,13 +835,19 @@ def changed_keys(old: ExtprocConfig, new: ExtprocConfig) -> list[str]:
 
 def _env_value(name: str, path: tuple[str, ...], text: str, structured: bool) -> object:
     """An override's value: YAML for ``structured`` keys, else one YAML scalar or the text itself."""
+    too_deep = False
     try:
         value = yaml.safe_load(text)
+    except RecursionError:  # raised again below, outside the handler (see load_config)
+        too_deep = True
+        value = None
     except yaml.YAMLError as exc:
         if structured:
             raise ConfigError(f"{_dotted(path)}: invalid YAML (set by {name}): {' '.join(str(exc).split())}") \
                 from None
         return text
+    if too_deep:
+        raise ConfigError(f"{_dotted(path)}: invalid YAML (set by {name}): nested too deeply")
     if not structured and isinstance(value, (list, dict)):
         return text
     return value
@@ -892,14 +898,27 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> E
     """
     environ = os.environ if environ is None else environ
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text: {exc}") from None
+    # A RecursionError is raised again as ConfigError outside its handler: chained to it, the error would keep its
+    # ~1,000-frame traceback (and the half-built nesting) alive for as long as a log record holds the error.
+    too_deep = False
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    except RecursionError:
+        too_deep = True
+    if too_deep:
+        raise ConfigError(f"{path}: invalid YAML: nested too deeply")
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{ROOT}: expected a mapping")
-    merged, sources = _with_env_overrides(raw, environ)
-    return _parse(merged, sources)
+    try:
+        merged, sources = _with_env_overrides(raw, environ)
+        return _parse(merged, sources)
+    except RecursionError:  # a value nested thousands deep (from the file or an override)
+        pass
+    raise ConfigError(f"{ROOT}: a value is nested too deeply")

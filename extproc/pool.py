@@ -147,13 +147,23 @@ class HealthChecker:
 
     async def _check(self, session: aiohttp.ClientSession, address: str) -> None:
         async with self._slots:  # the deadline counts from here: time spent queued is not the endpoint's fault
+            problem = ""
             try:
                 async with asyncio.timeout(self._config.timeout_s):
                     async with session.get(backend_url(address, self._config.path, self._tls),
                                            **self._request_options) as response:
                         ok = response.status == 200
-            except (aiohttp.ClientError, TimeoutError, OSError):
-                ok = False
+                        problem = "" if ok else f"HTTP {response.status}"
+            except TimeoutError:
+                ok, problem = False, f"no answer within {self._config.timeout_s:g} s"
+            except (aiohttp.ClientError, OSError) as exc:
+                ok, problem = False, f"{type(exc).__name__}: {exc}"
+        if not ok and address not in self._checked and not self._pool.is_healthy(address):
+            # Its first check failed: it has not served yet and would never say why (only changes are logged).
+            logger.warning("endpoint %s fails its health check (GET %s): %s; it serves after its first passing "
+                           "check", address, backend_url(address, self._config.path, self._tls), problem)
+        elif not ok:
+            logger.debug("endpoint %s: health check failed: %s", address, problem)
         self._checked.add(address)
         failures = 0 if ok else self._failures.get(address, 0) + 1
         self._failures[address] = failures

@@ -170,6 +170,9 @@ class ConfigWatcher:
         except ConfigError as exc:
             logger.error("config reload rejected, keeping the previous endpoints: %s", exc)
             return False
+        except Exception:  # noqa: BLE001 (a bug here must not end live reload for good: logged, next change retried)
+            logger.exception("config reload failed, keeping the previous endpoints")
+            return False
         changed = changed_keys(self._config, new)
         restart = [key for key in changed if key.split(".")[0] not in LIVE_KEYS]
         if restart:
@@ -298,6 +301,9 @@ class ExtprocServer:
         self._server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            # gRPC binds with SO_REUSEPORT by default: a second extproc on the same port would start and share the
+            # connections silently; off, it fails to bind ("cannot listen on ...").
+            ("grpc.so_reuseport", 0),
         ])
         self._processor = ExternalProcessor(self.router, config.max_body_bytes, tracer)
         pb_grpc.add_ExternalProcessorServicer_to_server(self._processor, self._server)
@@ -316,10 +322,13 @@ class ExtprocServer:
         Raises:
             ConfigError: the listen or metrics address cannot be bound.
         """
-        if self._credentials is None:
-            self.port = self._server.add_insecure_port(self.config.listen)
-        else:
-            self.port = self._server.add_secure_port(self.config.listen, self._credentials)
+        try:
+            if self._credentials is None:
+                self.port = self._server.add_insecure_port(self.config.listen)
+            else:
+                self.port = self._server.add_secure_port(self.config.listen, self._credentials)
+        except RuntimeError:  # gRPC's "Failed to bind": in use (SO_REUSEPORT is off), or not an address here
+            self.port = 0
         if self.port == 0:
             raise ConfigError(f"listen: cannot listen on {self.config.listen}")
         if self.config.metrics_listen:  # before the gRPC server starts, so that a busy port leaves nothing running
@@ -358,9 +367,11 @@ class ExtprocServer:
         settle_heap()
         await self._set_serving(True)
         params = getattr(self.router.policy, "params", None)
-        logger.info("extproc listening on %s (port %d), policy %s %s, %d endpoints", self.config.listen, self.port,
-                    self.config.policy, params if params is not None else dict(self.config.policy_params),
-                    len(self.pool.endpoints))
+        tls = ("plaintext" if self.config.tls is None else
+               "mutual TLS" if self.config.tls.client_ca_file else "TLS")
+        logger.info("extproc listening on %s (port %d, %s), policy %s %s, endpoints: %d", self.config.listen,
+                    self.port, tls, self.config.policy,
+                    params if params is not None else dict(self.config.policy_params), len(self.pool.endpoints))
         return self.port
 
     def _publish(self, endpoints) -> None:

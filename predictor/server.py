@@ -316,7 +316,9 @@ class Sidecar:
         self.health = health.aio.HealthServicer()
         self._backend_request_options = https_request_options(config.backend_tls)
         # With tracing on, Predict and Admit continue the extproc's trace from the call's metadata.
-        self._server = grpc.aio.server(interceptors=self.tracing.server_interceptors(TRACED_METHODS))
+        # No SO_REUSEPORT (gRPC's default): a second sidecar on a port in use must fail, not share its Predicts.
+        self._server = grpc.aio.server(interceptors=self.tracing.server_interceptors(TRACED_METHODS),
+                                       options=[("grpc.so_reuseport", 0)])
         tracer = self.tracing.tracer("astrolabe.predictor") if self.tracing.enabled else None
         pb_grpc.add_PredictorServicer_to_server(PredictorServicer(self, tracer), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
@@ -585,7 +587,9 @@ class Sidecar:
         settle_heap()
         for name in ("", "liveness", "readiness", "astrolabe.predictor.v1.Predictor"):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        logger.info("predictor for %s listening on %s (port %d)", self.config.backend, self.config.listen, self.port)
+        tls = "plaintext" if self.config.tls is None else "mutual TLS" if self.config.tls.client_ca_file else "TLS"
+        logger.info("predictor for %s listening on %s (port %d, %s)", self.config.backend, self.config.listen,
+                    self.port, tls)
         return self.port
 
     async def stop(self, grace_s: float = 2.0) -> None:
@@ -693,7 +697,7 @@ def tls_from_args(args: argparse.Namespace) -> ServerTls | None:
     if cert is None and key is None and client_ca is None:
         return None
     if cert is None or key is None:
-        raise TlsError("--tls-cert-file and --tls-key-file are given together"
+        raise TlsError("--tls-cert-file and --tls-key-file must be given together"
                        + (" (--tls-client-ca-file needs them)" if client_ca else ""))
     tls = ServerTls(cert_file=cert, key_file=key, client_ca_file=client_ca)
     server_credentials(tls)  # reads every file once, so that a bad one is an error at start

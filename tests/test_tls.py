@@ -141,7 +141,7 @@ def test_tls_errors_name_the_file_and_its_role(certs, tmp_path):
         server_credentials(ServerTls(certs.cert_file, str(tmp_path / "junk.key")))
     with pytest.raises(TlsError, match="client CA"):
         server_credentials(ServerTls(certs.cert_file, certs.key_file, str(tmp_path / "none.crt")))
-    with pytest.raises(TlsError, match="cert_file and key_file are set together"):
+    with pytest.raises(TlsError, match="cert_file and key_file must be set together"):
         ClientTls(ca_file=certs.ca_file, cert_file=certs.client_cert_file)
 
 
@@ -149,7 +149,7 @@ def test_config_tls_sections_name_the_key(certs, monkeypatch):
     endpoints = [{"address": "127.0.0.1:8000"}]
     with pytest.raises(ConfigError, match=r"^tls\.key_file: required"):
         parse_config({"endpoints": endpoints, "tls": {"cert_file": certs.cert_file}})
-    with pytest.raises(ConfigError, match=r"^predictor_tls\.key_file: cert_file and key_file are set together"):
+    with pytest.raises(ConfigError, match=r"^predictor_tls\.key_file: cert_file and key_file must be set together"):
         parse_config({"endpoints": endpoints, "predictor_tls": {"cert_file": certs.client_cert_file}})
     with pytest.raises(ConfigError, match=r"^tls: unknown key\(s\) \['client_cfile'\]"):
         parse_config({"endpoints": endpoints, "tls": {"cert_file": "a", "key_file": "b", "client_cfile": "c"}})
@@ -314,3 +314,30 @@ async def _until(condition, timeout_s: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline_s, "condition not reached"
         await asyncio.sleep(0.05)
+
+
+def test_a_key_that_is_not_the_certificates_is_named(certs):
+    """A mismatched pair would otherwise surface as gRPC's "Failed to bind" (or each handshake failing)."""
+    with pytest.raises(TlsError, match=r"server certificate .*server\.crt and its key .*client\.key do not load"):
+        server_credentials(ServerTls(certs.cert_file, certs.client_key_file))
+    with pytest.raises(TlsError, match=r"client certificate .*client\.crt and its key .*server\.key do not load"):
+        channel_credentials(ClientTls(certs.ca_file, certs.client_cert_file, certs.key_file))
+    with pytest.raises(ConfigError, match=r"^tls: server certificate .* do not load together"):
+        ExtprocServer(parse_config({"endpoints": [{"address": "127.0.0.1:8000"}],
+                                    "tls": {"cert_file": certs.cert_file, "key_file": certs.client_key_file}}))
+
+
+async def test_a_port_in_use_is_refused_not_shared():
+    """gRPC's default SO_REUSEPORT would let a second extproc start on a port in use and split its connections."""
+    first = ExtprocServer(parse_config({"listen": "127.0.0.1:0", "policy": "least-requests", "drain_delay_s": 0,
+                                        "health_check": {"enabled": False},
+                                        "endpoints": [{"address": "127.0.0.1:8000"}]}))
+    port = await first.start()
+    try:
+        second = ExtprocServer(parse_config({"listen": f"127.0.0.1:{port}", "policy": "least-requests",
+                                             "health_check": {"enabled": False},
+                                             "endpoints": [{"address": "127.0.0.1:8000"}]}))
+        with pytest.raises(ConfigError, match=f"^listen: cannot listen on 127.0.0.1:{port}"):
+            await second.start()
+    finally:
+        await first.stop()

@@ -499,3 +499,20 @@ def test_nameservers_are_parsed_in_every_documented_form(text, parsed):
     from extproc.config import parse_nameserver  # noqa: PLC0415
 
     assert parse_nameserver(text) == parsed
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe endpoints: []", b"[" * 20000, b"endpoints: " + b"[" * 20000],
+                         ids=["not-utf8", "deep-list", "deep-value"])
+def test_an_unreadable_or_deeply_nested_file_is_a_config_error(tmp_path, content):
+    """They ended live reload for good (its watcher caught ConfigError only) and started with a traceback."""
+    path = tmp_path / "extproc.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=r"not UTF-8|nested too deeply"):
+        load_config(path, {})
+
+
+def test_a_deeply_nested_override_is_a_config_error(tmp_path):
+    path = tmp_path / "extproc.yaml"
+    path.write_text("endpoints: [{address: 127.0.0.1:8000}]")
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config(path, {"ASTROLABE_EXTPROC_ENDPOINTS": "[" * 20000})

@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import logging
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -87,3 +88,15 @@ async def _running(checker):
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_an_endpoint_that_never_passes_says_why(caplog):
+    """An endpoint that starts unhealthy and never passes would otherwise never be logged (only changes are)."""
+    pool = EndpointPool([EndpointConfig(address="127.0.0.1:9")], new_endpoints_healthy=False)
+    checker = HealthChecker(pool, HealthCheckConfig(timeout_s=1.0))
+    async with aiohttp.ClientSession() as session:
+        await checker.run_once(session)
+        await checker.run_once(session)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "127.0.0.1:9 fails its health check (GET http://127.0.0.1:9/health)" in warnings[0]
+    assert "ClientConnectorError" in warnings[0]

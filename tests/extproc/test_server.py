@@ -222,3 +222,18 @@ async def test_discovered_endpoints_that_leave_take_their_series_and_sidecar_cha
         assert server.pool.in_flight(first.address) == 0
     finally:
         await server.predictors.close()
+
+
+@pytest.mark.parametrize("broken", [b"\xff\xfe not utf-8", b"[" * 20000], ids=["not-utf8", "deep"])
+async def test_a_broken_reload_is_rejected_and_the_next_one_applies(tmp_path, caplog, broken):
+    """The watcher caught ConfigError only: these ended live reload for good, silently (a break-it pass)."""
+    path = tmp_path / "extproc.yaml"
+    _write(path, ["127.0.0.1:18001"])
+    server = ExtprocServer(load_config(path), path)
+    watcher = ConfigWatcher(path, server.config, server.pool)
+    path.write_bytes(broken)
+    assert not watcher.poll()
+    assert "config reload rejected, keeping the previous endpoints" in caplog.text
+    _write(path, ["127.0.0.1:18002"])
+    assert watcher.poll()
+    assert [e.address for e in server.pool.endpoints] == ["127.0.0.1:18002"]
