@@ -113,6 +113,9 @@ class ExtprocMetrics:
             "astrolabe_extproc_connect_failures", "Requests the gateway could not connect to their endpoint for "
             "(passive failure detection: the endpoint leaves the pool until its next passing health check)",
             registry=self.registry)
+        self.consecutive_5xx_ejections = Counter(
+            "astrolabe_extproc_consecutive_5xx_ejections", "Endpoints taken out of the pool after 5 answers in a "
+            "row with 5xx, until their next passing health check", registry=self.registry)
         self.registry.register(_PoolCollector(pool))
 
     def forget_endpoint(self, address: str, predictor: str | None) -> None:

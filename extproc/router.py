@@ -55,6 +55,8 @@ FALLBACK_NO_METRICS = "no_metrics"
 """A metrics policy found no endpoint with a fresh scrape."""
 FALLBACK_UNDECIDED = "policy_undecided"
 """Any other policy that could not decide."""
+CONSECUTIVE_5XX = 5
+"""5xx answers in a row that eject an endpoint (passive; Envoy's outlier detection default ``consecutive_5xx``)."""
 FALLBACK_REASONS = (FALLBACK_NO_SIDECAR, FALLBACK_NO_PREDICTION, FALLBACK_NO_METRICS, FALLBACK_UNDECIDED)
 """Every ``Decision.fallback_reason`` but "" (a bounded set: fit for metric labels)."""
 
@@ -105,6 +107,7 @@ class Router:
         self._tracer = tracer
         self._num_fallbacks = num_fallbacks
         self._passive_ejection = passive_ejection
+        self._consecutive_5xx: dict[str, int] = {}
 
     def _healthy_views(self, request: RoutingRequest) -> list[EndpointView]:
         if not self.pool.endpoints:
@@ -283,6 +286,26 @@ class Router:
         logger.debug("request %s served by %s (chosen %s)", decision.request_id, address, decision.destination)
         return replace(decision, destination=address, predictor=predictor if decision.predictor else None,
                        candidates=(), served_elsewhere=True)
+
+    def answered(self, decision: Decision, status: int) -> None:
+        """The endpoint that served ``decision`` answered with HTTP ``status`` (its own answer, not Envoy's). With
+        ``passive_ejection``, `CONSECUTIVE_5XX` 5xx answers in a row from one endpoint take it out of the pool until
+        its next passing active health check (Envoy's outlier detection default, ``consecutive_5xx``: a backend
+        that fails fast would otherwise attract traffic, its in-flight count always lowest); any other status
+        resets its count."""
+        address = decision.destination
+        if status < 500:
+            self._consecutive_5xx.pop(address, None)
+            return
+        count = self._consecutive_5xx.get(address, 0) + 1
+        self._consecutive_5xx[address] = count
+        if count >= CONSECUTIVE_5XX and self._passive_ejection and self.pool.has(address) \
+                and self.pool.is_healthy(address):
+            logger.warning("endpoint %s answered %d requests in a row with 5xx (last %d): out of the pool until its "
+                           "next passing health check", address, count, status)
+            self.pool.set_healthy(address, False)
+            self._consecutive_5xx.pop(address, None)
+            self.metrics.consecutive_5xx_ejections.inc()
 
     def connect_failed(self, decision: Decision, address: str) -> None:
         """The gateway reports that it could not connect to ``address`` for the request ``decision`` routed (its

@@ -144,6 +144,9 @@ class StreamHandler:
             refused = _refused_endpoint(message, self.decision.destination)
             if refused is not None:
                 self._router.connect_failed(self.decision, refused)
+            status = _upstream_status(message)
+            if status is not None:
+                self._router.answered(self.decision, status)
         if kind == "request_body":
             return await self._on_body(message.request_body)
         if kind == "request_trailers":
@@ -280,6 +283,20 @@ def _refused_endpoint(message: pb.ProcessingRequest, destination: str) -> str | 
         return parse_ip_port(upstream, "upstream.address") if upstream else destination
     except ConfigError:
         return destination
+
+
+def _upstream_status(message: pb.ProcessingRequest) -> int | None:
+    """The backend's own HTTP status in these response headers (``response.code_details`` ``via_upstream``), or
+    None when Envoy answered itself or did not say."""
+    attributes = message.attributes.get(EXT_PROC_ATTRIBUTES)
+    if attributes is None or "response.code_details" not in attributes.fields \
+            or attributes.fields["response.code_details"].string_value != "via_upstream":
+        return None
+    for header in message.response_headers.headers.headers:
+        if header.key == ":status":
+            value = (header.raw_value or header.value.encode()).decode("latin-1")
+            return int(value) if value.isdigit() else None
+    return None
 
 
 def _served_endpoint(message: pb.ProcessingRequest) -> str | None:

@@ -228,3 +228,53 @@ async def test_a_refused_connection_ejects_nothing_without_active_checks():
     router.connect_failed(decision, decision.destination)
     assert router.pool.is_healthy(decision.destination)
     await router.predictors.close()
+
+
+def _answered(status: int, code_details: str = "via_upstream") -> pb.ProcessingRequest:
+    message = _response_headers(code_details)
+    message.response_headers.headers.headers.add(key=":status", raw_value=str(status).encode())
+    return message
+
+
+@pytest.mark.parametrize("statuses, ejected", [
+    ([500] * 5, True),  # five 5xx answers in a row (Envoy's consecutive_5xx default)
+    ([503, 500, 502, 500], False),  # four
+    ([500, 500, 200, 500, 500, 500], False),  # a success resets the count
+    ([429] * 6, False),  # 4xx is the client's (or a rate limit), not a sick backend
+], ids=["five-5xx", "four-5xx", "reset-by-200", "4xx"])
+async def test_an_endpoint_answering_5xx_in_a_row_is_ejected(statuses, ejected):
+    """A backend that fails fast attracts least-loaded traffic (its in-flight count stays lowest) while its health
+    endpoint answers 200 (a break-it pass: 32 of 60 requests)."""
+    async with running_server({"policy": "round-robin", "drain_delay_s": 0, "health_check": {"interval_s": 60},
+                               "endpoints": ENDPOINTS[:1]}) as (server, stub):
+        (address,) = [e["address"] for e in ENDPOINTS[:1]]
+        server.pool.set_healthy(address, True)
+        for status in statuses:
+            call = stub.Process()
+            await call.write(headers_msg())
+            await call.read()
+            await call.write(body_msg(BODY))
+            await call.read()
+            await call.write(_answered(status))
+            await call.read()
+            await call.done_writing()
+        assert server.pool.is_healthy(address) is not ejected
+        assert server.metrics.consecutive_5xx_ejections._value.get() == ejected
+
+
+async def test_envoys_own_503_is_not_a_backend_answer():
+    """Envoy's local replies (no healthy upstream, a timeout) are not the backend's 5xx: they do not count."""
+    async with running_server({"policy": "round-robin", "drain_delay_s": 0, "health_check": {"interval_s": 60},
+                               "endpoints": ENDPOINTS[:1]}) as (server, stub):
+        address = ENDPOINTS[0]["address"]
+        server.pool.set_healthy(address, True)
+        for _ in range(6):
+            call = stub.Process()
+            await call.write(headers_msg())
+            await call.read()
+            await call.write(body_msg(BODY))
+            await call.read()
+            await call.write(_answered(504, "upstream_per_try_idle_timeout"))
+            await call.read()
+            await call.done_writing()
+        assert server.pool.is_healthy(address)
