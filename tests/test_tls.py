@@ -239,7 +239,8 @@ async def test_extproc_predicts_over_mutual_tls(certs, tls_sidecar, client_side)
     srv = ExtprocServer(parse_config({
         "listen": "127.0.0.1:0", "policy": "astrolabe", "policy_params": {"k": 1}, "seed": 0,
         "health_check": {"enabled": False}, "output_length": {"source": "fixed"},
-        "predictor_client": {"predict_timeout_s": 2.0},
+        # any answer counts (a sidecar just started on a loaded machine may not have scraped its backend yet)
+        "predictor_client": {"predict_timeout_s": 2.0, "max_state_age_s": 3600.0},
         "tls": {"cert_file": certs.cert_file, "key_file": certs.key_file, "client_ca_file": certs.ca_file},
         "predictor_tls": predictor_tls, "endpoints": [{"address": backend, "predictor": sidecar}]}))
     port = await srv.start()
