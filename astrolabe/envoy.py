@@ -810,6 +810,8 @@ def main(argv: list[str]) -> int:
                 sys.stdout.write(result.stdout)
                 sys.stderr.write(result.stderr)
                 return result.returncode
+            logger.info("envoy: %s mode, listening on %s:%d, admin on 127.0.0.1:%d", args.mode, args.listen_address,
+                        args.listen_port, args.admin_port)
             return _run_foreground(envoy_command(
                 config_path, concurrency=args.concurrency, log_level=args.log_level))
     except (ValueError, EnvoyNotFoundError) as exc:

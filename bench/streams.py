@@ -550,7 +550,8 @@ def format_report(result: ScaleResult) -> str:
         for i, rnd in enumerate(result.rounds):
             cells += [_mib(getattr(m, f"{role}_bytes") if m else None) for m in (rnd.open, rnd.after)]
             cells.append(f"{result.kib_per_stream(role, i):.1f}")
-        cells.append(f"{result.growth_kib_per_stream(role):.2f}")
+        growth = result.growth_kib_per_stream(role)
+        cells.append("- (needs 2 rounds)" if math.isnan(growth) else f"{growth:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("RSS = VmRSS summed over the process group (envoy: the astrolabe envoy launcher + Envoy); idle after "
                  "the warm-up; per open stream = (all open - idle) / streams open; left = (after the last round - "
