@@ -19,7 +19,7 @@ import sys
 import httpx
 import pytest
 
-from bench.procs import ProcessGroup, free_port
+from bench.procs import ProcessGroup, ProcessStartError, free_port
 from tests.integration.stack import Stack
 
 pytestmark = [pytest.mark.envoy, pytest.mark.slow]
@@ -43,19 +43,31 @@ def fleet(tmp_path_factory):
         stack.write_config([{"address": pool[0], "models": [MODEL]}], policy="round-robin")
         stack.start_extproc()
         dead_extproc = f"127.0.0.1:{free_port()}"
-        envoys, starting = {}, []
-        for cluster, mode, failure, extproc in COMBINATIONS:
+        envoys = {}
+
+        def start(combination, attempt):
+            cluster, mode, failure, extproc = combination
             port, admin = free_port(), free_port()
             args = [PY, "-m", "astrolabe", "envoy", "--mode", mode, "--listen-port", str(port), "--admin-port",
                     str(admin), "--failure-mode", failure, "--extproc",
                     f"127.0.0.1:{stack.extproc_port}" if extproc == "up" else dead_extproc]
             if cluster == "pool":
                 args += ["--pool", ",".join(pool)]
-            name = f"envoy-{cluster}-{mode}-{failure}-{extproc}"
-            starting.append((procs.start(args, name=name, log_path=tmp / f"{name}.log"), admin))
-            envoys[cluster, mode, failure, extproc] = f"http://127.0.0.1:{port}"
-        for proc, admin in starting:
-            proc.wait_http(f"http://127.0.0.1:{admin}/ready", timeout_s=60)
+            name = f"envoy-{'-'.join(combination)}-{attempt}"
+            envoys[combination] = f"http://127.0.0.1:{port}"
+            return procs.start(args, name=name, log_path=tmp / f"{name}.log"), admin
+
+        # All at once; one whose free port was taken meanwhile (16 start together) is started again on others.
+        starting = {combination: start(combination, 0) for combination in COMBINATIONS}
+        for combination, (proc, admin) in starting.items():
+            for attempt in range(1, 4):
+                try:
+                    proc.wait_http(f"http://127.0.0.1:{admin}/ready", timeout_s=60)
+                    break
+                except ProcessStartError:
+                    if attempt == 3:
+                        raise
+                    proc, admin = start(combination, attempt)
         for key, url in envoys.items():
             if key[3] == "up":
                 Stack(procs, tmp, key[1], envoy_url=url).wait_routable(timeout_s=30)

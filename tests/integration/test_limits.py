@@ -90,7 +90,7 @@ def test_headers_over_envoys_limit_are_refused(stack):
                            content=json.dumps({"model": MODEL, "prompt": "hi"}),
                            headers={"content-type": "application/json", "x-padding": "p" * (80 * 1024)})
         assert reply.status_code == 431
-    except httpx.RemoteProtocolError:  # closed without the 431 (docstring)
+    except (httpx.RemoteProtocolError, httpx.ReadError):  # closed (or reset) without the 431 (docstring)
         pass
     assert stack.metric("astrolabe_extproc_requests_total") == routed  # the extproc never saw it
     reply = httpx.post(f"{stack.envoy_url}/v1/completions", timeout=20,
