@@ -155,30 +155,6 @@ def _seq_of(rec: _Rec) -> int:
     return rec.seq
 
 
-class _Pricing:
-    """Step prices from any `CountsBatchTimeModel` (a call into the model's methods per step)."""
-
-    def __init__(self, batch_time: CountsBatchTimeModel) -> None:
-        self.batch_time = batch_time
-
-    def step_time_s(self, num_tokens: int, prefill_attention_work: int, decode_context_tokens: int,
-                    num_seqs: int) -> float:
-        """`CountsBatchTimeModel.step_time_from_counts_s`, seconds."""
-        return self.batch_time.step_time_from_counts_s(num_tokens, prefill_attention_work, decode_context_tokens,
-                                                       num_seqs)
-
-    def decode_run_time_s(self, num_decode_seqs: int, decode_context_tokens: int, num_steps: int) -> float:
-        """`CountsBatchTimeModel.decode_run_time_from_counts_s`, seconds."""
-        return self.batch_time.decode_run_time_from_counts_s(num_decode_seqs, decode_context_tokens, num_steps)
-
-
-def pricing_for(batch_time: CountsBatchTimeModel) -> _Pricing:
-    """The pricing the simulation uses for `batch_time`: calls into the model's own methods, so the formula has
-    one place (`LinearBatchTimeModel.step_time_from_counts_s`); compiled, those calls cost ~30% of a prediction
-    (measured), a price paid for not keeping a second copy of the formula here."""
-    return _Pricing(batch_time)
-
-
 class _FastScheduler:
     """The scheduler state of one prediction; see the module docstring. Not reusable."""
 
@@ -189,10 +165,11 @@ class _FastScheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.threshold = config.long_prefill_token_threshold
         self.chunked = config.enable_chunked_prefill
-        self.pricing = pricing_for(batch_time)
+        self.step_time = batch_time.step_time_from_counts_s
+        self.run_time = batch_time.decode_run_time_from_counts_s
         # If more context never makes a step faster, a decode run's last step is its slowest and its first
         # its fastest, so checking the first step's time is enough (else the last one is checked too).
-        self.check_last_run_step = self.pricing.step_time_s(1, 0, 2, 1) < self.pricing.step_time_s(1, 0, 1, 1)
+        self.check_last_run_step = self.step_time(1, 0, 2, 1) < self.step_time(1, 0, 1, 1)
         self.running: list[_Rec] = []
         self.prefills: list[_Rec] = []
         self.waiting: deque[_Rec | RequestState] = deque()
@@ -353,19 +330,18 @@ class _FastScheduler:
         """If no prefill is running and the next step admits the first waiting request, simulate that step
         (decodes plus admissions) and return True; else change nothing and return False.
 
-        The common event of a busy instance: a completion freed a slot and the queue head takes it. Precondition
-        (checked by the caller): no prefill runs, the queue is not empty and a sequence slot is free.
+        The common event of a busy instance: a completion freed a slot and the queue head takes it.
         """
         waiting = self.waiting
-        running = self.running
+        if not waiting or len(self.running) >= self.max_num_seqs:
+            return False
         num_decodes = self.num_decodes
         budget = self.max_num_batched_tokens - num_decodes  # > 0: decodes < max_num_seqs <= the budget
         head = waiting[0]
         if not isinstance(head, _Rec):
             head = _waiting_rec(self.config, head)
             waiting[0] = head
-        num_prefill_tokens = head.num_prompt_tokens + head.num_generated_tokens  # its whole (re)computation
-        num_new_tokens = num_prefill_tokens
+        num_new_tokens = head.num_prompt_tokens + head.num_generated_tokens
         threshold = self.threshold
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
@@ -374,10 +350,9 @@ class _FastScheduler:
                 return False
             num_new_tokens = budget
         step = self.step
-        block_size = self.block_size
         # Decodes reserve first; irregular decodes never need a block within block_size steps.
-        num_free = self.num_free_blocks - self.phase_counts[(step + 1) % block_size]
-        num_new_blocks = -(-num_new_tokens // block_size)
+        num_free = self.num_free_blocks - self.phase_counts[(step + 1) % self.block_size]
+        num_new_blocks = -(-num_new_tokens // self.block_size)
         if num_new_blocks > num_free:
             return False
         # Admit the head (as `admit` would), then any more that fit.
@@ -386,56 +361,25 @@ class _FastScheduler:
         head.seq = self.next_seq
         self.next_seq += 1
         head.num_blocks_held = num_new_blocks
-        running.append(head)
+        head.chunk = num_new_tokens
+        self.running.append(head)
+        self.prefills.append(head)
+        num_tokens = num_new_tokens
+        attention_work = num_new_tokens * num_new_tokens
         budget -= num_new_tokens
-        context = self.sum_computed_minus_anchor + num_decodes * (step + 1)
-        if budget > 0 and waiting and len(running) < self.max_num_seqs:
-            head.chunk = num_new_tokens
-            self.prefills.append(head)
+        if budget > 0 and waiting and len(self.running) < self.max_num_seqs:
             num_more_tokens, more_work = self.admit(budget)
-            num_seqs = num_decodes + len(self.prefills)
-            duration_s = self.pricing.step_time_s(
-                num_decodes + num_new_tokens + num_more_tokens,
-                num_new_tokens * num_new_tokens + more_work,
-                context,
-                num_seqs,
-            )
-            if not (duration_s > 0 and duration_s != _INF):
-                raise ValueError(f"batch-time model returned {duration_s!r} s for a batch of {num_seqs} seqs")
-            self.elapsed_s += duration_s
-            self.num_steps += 1
-            self.num_steps_simulated += 1
-            self.apply_step(_NONE)
-            return True
-        # The head alone was admitted: `apply_step` for one prefill, inlined (the hot path of a busy instance).
-        duration_s = self.pricing.step_time_s(
-            num_decodes + num_new_tokens, num_new_tokens * num_new_tokens, context, num_decodes + 1
-        )
+            num_tokens += num_more_tokens
+            attention_work += more_work
+        context = self.sum_computed_minus_anchor + num_decodes * (step + 1)
+        num_seqs = num_decodes + len(self.prefills)
+        duration_s = self.step_time(num_decodes + num_tokens, attention_work, context, num_seqs)
         if not (duration_s > 0 and duration_s != _INF):
-            raise ValueError(f"batch-time model returned {duration_s!r} s for a batch of {num_decodes + 1} seqs")
-        elapsed_s = self.elapsed_s + duration_s
-        self.elapsed_s = elapsed_s
+            raise ValueError(f"batch-time model returned {duration_s!r} s for a batch of {num_seqs} seqs")
+        self.elapsed_s += duration_s
         self.num_steps += 1
         self.num_steps_simulated += 1
-        step += 1
-        self.step = step
-        head.num_computed_tokens = num_new_tokens  # a waiting request has no computed tokens
-        if num_new_tokens == num_prefill_tokens:
-            num_generated = head.num_generated_tokens + 1
-            head.num_generated_tokens = num_generated
-            if head.is_target and num_generated == 1:
-                self.ttft_s = elapsed_s
-            if num_generated >= head.num_output_tokens:
-                self.finish(head)
-            else:
-                self.enter_decode(head)
-        elif num_new_tokens == num_prefill_tokens - 1 and head.num_generated_tokens:
-            self.enter_decode(head)  # a recomputation with one token left is a decode from now on
-        else:
-            self.prefills.append(head)
-        heap = self.finish_heap
-        if heap and heap[0][0] <= step:
-            self.finish_decodes()
+        self.apply_step(_NONE)
         return True
 
     def run_decodes(self) -> bool:
@@ -446,27 +390,11 @@ class _FastScheduler:
         until a completion (budget, sequence cap and queue head are fixed, free blocks only shrink).
         """
         heap = self.finish_heap
-        top = heap[0]
-        while top[2].heap_id != top[1]:
+        while heap[0][2].heap_id != heap[0][1]:
             heapq.heappop(heap)  # stale: its rec left decode mode or was re-anchored
-            top = heap[0]
         step = self.step
-        num_limit = top[0] - step
-        block_size = self.block_size
-        if self.irregular:
-            demand = self.block_demand(num_limit)
-        else:
-            # `block_demand`, inlined for the common case of no irregular decodes.
-            demand = self.num_regular * (num_limit // block_size)
-            num_rest = num_limit % block_size
-            if num_rest:
-                start = (step + 1) % block_size
-                end = start + num_rest
-                counts = self.phase_counts
-                if end <= block_size:
-                    demand += sum(counts[start:end])
-                else:
-                    demand += sum(counts[start:]) + sum(counts[: end - block_size])
+        num_limit = heap[0][0] - step
+        demand = self.block_demand(num_limit)
         num_steps = num_limit
         if demand > self.num_free_blocks:
             num_steps = self.max_run_steps(num_limit)
@@ -475,16 +403,15 @@ class _FastScheduler:
             demand = self.block_demand(num_steps)
         num_decodes = self.num_decodes
         context = self.sum_computed_minus_anchor + num_decodes * (step + 1)
-        duration_s = self.pricing.decode_run_time_s(num_decodes, context, num_steps)
+        duration_s = self.run_time(num_decodes, context, num_steps)
         if self.check_last_run_step:
-            last_s = self.pricing.step_time_s(num_decodes, 0, context + num_decodes * (num_steps - 1), num_decodes)
+            last_s = self.step_time(num_decodes, 0, context + num_decodes * (num_steps - 1), num_decodes)
         else:
             last_s = duration_s
         if not (duration_s > 0 and last_s > 0 and duration_s != _INF):
             raise ValueError(f"batch-time model returned {duration_s!r} s for a decode run of {num_decodes} seqs")
         self.num_free_blocks -= demand
-        step += num_steps
-        self.step = step
+        self.step = step + num_steps
         self.num_steps += num_steps
         self.num_steps_simulated += 1
         self.elapsed_s += duration_s
@@ -493,36 +420,17 @@ class _FastScheduler:
         return True
 
     def finish_decodes(self) -> None:
-        """Finish every decode whose last token was sampled in step `self.step`.
-
-        `leave_decode` is inlined, less the counters a finished request no longer needs.
-        """
+        """Finish every decode whose last token was sampled in step `self.step`."""
         heap = self.finish_heap
         step = self.step
-        running = self.running
-        block_size = self.block_size
-        heappop = heapq.heappop
         while heap and heap[0][0] <= step:
-            _, heap_id, rec = heappop(heap)
+            _, heap_id, rec = heapq.heappop(heap)
             if rec.heap_id != heap_id:
                 continue  # stale: the rec left decode mode or was re-anchored
             assert rec.finish_step == step
-            self.num_decodes -= 1
-            self.sum_computed_minus_anchor -= rec.num_computed_tokens - rec.anchor
-            num_held = rec.num_blocks_held
-            boundary = rec.boundary
-            if boundary <= step:
-                num_held += (step - boundary) // block_size + 1
-            phase = rec.phase
-            if phase >= 0:
-                self.phase_counts[phase] -= 1
-                self.num_regular -= 1
-            else:
-                self.irregular.remove(rec)
-            rec.is_decode = False
-            rec.heap_id = -1
-            running.remove(rec)
-            self.num_free_blocks += num_held
+            self.leave_decode(rec)
+            self.running.remove(rec)
+            self.num_free_blocks += rec.num_blocks_held
             if rec.is_target:
                 self.e2e_s = self.elapsed_s
 
@@ -695,7 +603,7 @@ class _FastScheduler:
             num_tokens += num_admitted_tokens
             attention_work += admitted_work
         assert num_seqs, "scheduler made no progress with unfinished requests"
-        duration_s = self.pricing.step_time_s(num_tokens, attention_work, context, num_seqs)
+        duration_s = self.step_time(num_tokens, attention_work, context, num_seqs)
         if not (duration_s > 0 and duration_s != _INF):
             raise ValueError(f"batch-time model returned {duration_s!r} s for a batch of {num_seqs} seqs")
         self.elapsed_s += duration_s
@@ -815,21 +723,14 @@ def simulate_until_finished(
     """
     sim = _FastScheduler(snapshot.config, batch_time)
     sim.load(snapshot, request)
-    # The queues are mutated in place (never rebound) except `prefills`, which is read from sim each time.
-    waiting = sim.waiting
-    running = sim.running
-    irregular = sim.irregular
-    max_num_seqs = sim.max_num_seqs
-    decode_admit_step = sim.decode_admit_step
-    run_decodes = sim.run_decodes
-    step_exact = sim.step_exact
     while sim.e2e_s is None:
-        if irregular:
+        if sim.irregular:
             sim.promote_irregular()
         if not sim.prefills and (
-            (waiting and len(running) < max_num_seqs and decode_admit_step()) or (running and run_decodes())
+            (sim.waiting and len(sim.running) < sim.max_num_seqs and sim.decode_admit_step())
+            or (sim.running and sim.run_decodes())
         ):
             continue
-        step_exact()
+        sim.step_exact()
     assert sim.ttft_s is not None
     return SimulationResult(sim.ttft_s, sim.e2e_s, sim.num_steps, sim.num_steps_simulated, sim.num_preemptions)

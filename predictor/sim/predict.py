@@ -14,7 +14,7 @@ library and `predictor.sim`.
 - other models use `_predict_with_scheduler`: the real `Scheduler`, skipping pure-decode runs.
 
 `predictor.sim.fast_predict` may be compiled with mypyc (the same source, a C extension beside the .py, built by
-`pip install`; about 3.5x faster at 256 requests). The .py stays the reference: `predict(..., compiled=False)`
+`pip install`; about 2.5x faster at 256 requests). The .py stays the reference: `predict(..., compiled=False)`
 runs it even when the extension is loaded, the tests check that both give identical predictions, and an
 extension older than its source is not used (`FAST_PREDICT_IMPLEMENTATION` says which one runs).
 
@@ -167,7 +167,7 @@ def predict(
     Gives the same times as `predict_by_stepping` up to float rounding and the same step and preemption
     counts (the property test checks this). With `LinearBatchTimeModel` it costs O(1)-O(log n) per event
     (completion, admission, prefill chunk, preemption); about 1 ms for a 256-request instance in pure
-    Python, 0.3 ms compiled (`astrolabe bench predictor`).
+    Python, 0.46 ms compiled (`astrolabe bench predictor`).
 
     Args:
         snapshot: Instance state; not modified.
