@@ -833,20 +833,34 @@ def changed_keys(old: ExtprocConfig, new: ExtprocConfig) -> list[str]:
     return keys
 
 
+_TOO_DEEP = object()
+"""What `_safe_load` returns for YAML nested past Python's recursion limit."""
+
+
+def _safe_load(text: str) -> object:
+    """``yaml.safe_load(text)``, or `_TOO_DEEP` when it nests past the recursion limit. Returned, not raised: a
+    ConfigError chained to the RecursionError would keep its ~1,000-frame traceback (and the half-built nesting)
+    alive as long as a log record holds the error.
+
+    Raises:
+        yaml.YAMLError: the text is not YAML.
+    """
+    try:
+        return yaml.safe_load(text)
+    except RecursionError:
+        return _TOO_DEEP
+
+
 def _env_value(name: str, path: tuple[str, ...], text: str, structured: bool) -> object:
     """An override's value: YAML for ``structured`` keys, else one YAML scalar or the text itself."""
-    too_deep = False
     try:
-        value = yaml.safe_load(text)
-    except RecursionError:  # raised again below, outside the handler (see load_config)
-        too_deep = True
-        value = None
+        value = _safe_load(text)
     except yaml.YAMLError as exc:
         if structured:
             raise ConfigError(f"{_dotted(path)}: invalid YAML (set by {name}): {' '.join(str(exc).split())}") \
                 from None
         return text
-    if too_deep:
+    if value is _TOO_DEEP:
         raise ConfigError(f"{_dotted(path)}: invalid YAML (set by {name}): nested too deeply")
     if not structured and isinstance(value, (list, dict)):
         return text
@@ -903,16 +917,11 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> E
         raise ConfigError(f"{path}: cannot read: {exc}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text: {exc}") from None
-    # A RecursionError is raised again as ConfigError outside its handler: chained to it, the error would keep its
-    # ~1,000-frame traceback (and the half-built nesting) alive for as long as a log record holds the error.
-    too_deep = False
     try:
-        raw = yaml.safe_load(text)
+        raw = _safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from None
-    except RecursionError:
-        too_deep = True
-    if too_deep:
+    if raw is _TOO_DEEP:
         raise ConfigError(f"{path}: invalid YAML: nested too deeply")
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{ROOT}: expected a mapping")
