@@ -50,6 +50,8 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
     reload_interval_s: 1.0          # how often the file is checked for changes (endpoints reload live)
     metrics_interval_s: 0.05        # endpoint /metrics scrape interval (only for infaas | llumnix | gie)
     metrics_staleness_s: 2.0        # an older scrape counts as missing (GIE's default)
+    metrics_format: auto            # auto | vllm | sglang: the endpoints' /metrics names (auto: read each scrape
+                                    # by the gauges it carries)
     tracing:                        # OpenTelemetry traces (astrolabe/tracing.py); OTEL_* variables win per key
       endpoint: null                # OTLP receiver, host:port or http(s):// URL (null = off unless OTEL_* say)
       protocol: grpc                # grpc | http/protobuf
@@ -118,6 +120,7 @@ from astrolabe.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, L
 from astrolabe.tracing import PROTOCOLS, TracingConfig, TracingConfigError, normalize_endpoint
 from extproc.lengths import SOURCES, OutputLengthConfig
 from extproc.policies.registry import POLICY_NAMES, build_policy
+from predictor.backend_metrics import METRICS_FORMATS
 from extproc.predictor_client import PredictorClientConfig
 
 # NOTE: invariants.
@@ -589,6 +592,9 @@ class ExtprocConfig:
         0.05, description="Interval between scrapes of each endpoint's /metrics, seconds (infaas, llumnix, gie).")
     metrics_staleness_s: _PositiveSeconds = Field(
         2.0, description="A scrape older than this counts as missing, seconds (GIE's default).")
+    metrics_format: Literal[METRICS_FORMATS] = Field(  # type: ignore[valid-type]
+        "auto", description="Which server's /metrics names the endpoints export: vllm, sglang, or auto (read each "
+                            "scrape by the gauges it carries: a mixed pool works).")
     health_check: Annotated[HealthCheckConfig, BeforeValidator(_none_as(dict),
                                                                json_schema_input_type=HealthCheckConfig | None)] = \
         Field(default_factory=HealthCheckConfig, description="Active HTTP health checks of the endpoints.")

@@ -1,16 +1,18 @@
-"""Scrapes every endpoint's vLLM ``/metrics`` at an interval, for the policies that read engine load.
+"""Scrapes every endpoint's ``/metrics`` (vLLM or SGLang) at an interval, for the policies that read engine load.
 
 Owns ``MetricsScraper``: one background task that GETs ``http://<address>/metrics`` of every configured endpoint
 every ``interval_s`` (GIE's default refresh is 50 ms), parses it with ``predictor.backend_metrics`` (the
-project's only vLLM /metrics parser) and keeps the last good scrape per endpoint with its ``time.monotonic()``
-time. ``get(address)`` returns it as an ``EndpointMetrics`` only while it is younger than ``staleness_s``
-(GIE: 2 s); otherwise None, and the policies treat that endpoint as unknown.
+project's only backend /metrics reader: vLLM's names, SGLang's, or either by what the text carries,
+``metrics_format``) and keeps the last good scrape per endpoint with its ``time.monotonic()`` time.
+``get(address)`` returns it as an ``EndpointMetrics`` only while it is younger than ``staleness_s`` (GIE: 2 s);
+otherwise None, and the policies treat that endpoint as unknown.
 Started by ``extproc.server`` only when the configured policy sets ``needs_metrics``.
 
 NOTE: derived fields. ``num_free_blocks = floor((1 - kv_cache_usage_frac) * num_gpu_blocks)`` with
-``num_gpu_blocks`` from ``vllm:cache_config_info`` (0 when the backend does not export it, so free blocks read
-0). ``num_waiting_prompt_blocks`` is always None: vLLM exports no per-request queue detail, and the router's
-own dispatch records cannot tell which of its requests are still waiting; ``llumnix`` then counts it as 0.
+``num_gpu_blocks`` from ``vllm:cache_config_info`` (SGLang: the pages of ``sglang:cache_config_info``; 0 when the
+backend does not export it, so free blocks read 0). ``num_waiting_prompt_blocks`` is always None: neither vLLM
+nor SGLang exports per-request queue detail, and the router's own dispatch records cannot tell which of its
+requests are still waiting; ``llumnix`` then counts it as 0.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import aiohttp
 from astrolabe.tls import BackendTls, backend_url, https_request_options
 from extproc.policies.base import EndpointMetrics
 from extproc.pool import EndpointPool
-from predictor.backend_metrics import MetricsFormatError, parse_vllm_metrics
+from predictor.backend_metrics import AUTO, METRICS_FORMATS, MetricsFormatError, parse_backend_metrics
 from predictor.ledger import BackendObservation
 
 logger = logging.getLogger(__name__)
@@ -57,18 +59,22 @@ class MetricsScraper:
         timeout_s: deadline of one scrape, seconds; default: ``staleness_s``.
         clock: monotonic clock in seconds (injected for tests).
         backend_tls: HTTPS to the endpoints (``astrolabe.tls.BackendTls``); None = plain HTTP.
+        metrics_format: ``auto`` | ``vllm`` | ``sglang`` (``predictor.backend_metrics.parse_backend_metrics``).
 
     Raises:
-        ValueError: a non-positive interval, staleness or timeout.
+        ValueError: a non-positive interval, staleness or timeout; an unknown ``metrics_format``.
         astrolabe.tls.TlsError: the CA file of ``backend_tls`` cannot be used (a ValueError too).
     """
 
     def __init__(self, pool: EndpointPool, interval_s: float = 0.05, staleness_s: float = 2.0,
                  timeout_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-                 backend_tls: BackendTls | None = None) -> None:
+                 backend_tls: BackendTls | None = None, metrics_format: str = AUTO) -> None:
         timeout_s = staleness_s if timeout_s is None else timeout_s
         if not (interval_s > 0 and staleness_s > 0 and timeout_s > 0):
             raise ValueError("interval_s, staleness_s and timeout_s must be > 0")
+        if metrics_format not in METRICS_FORMATS:
+            raise ValueError(f"unknown metrics format {metrics_format!r}; known: {', '.join(METRICS_FORMATS)}")
+        self.metrics_format = metrics_format
         self._pool = pool
         self.interval_s = interval_s
         self.staleness_s = staleness_s
@@ -95,7 +101,7 @@ class MetricsScraper:
                 if response.status != 200:
                     raise MetricsFormatError(f"HTTP {response.status}")
                 text = await response.text()
-            self._last[address] = (self._clock(), parse_vllm_metrics(text))
+            self._last[address] = (self._clock(), parse_backend_metrics(text, self.metrics_format))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, MetricsFormatError) as exc:
             # The previous scrape stays until it goes stale; failures are counted, not raised.
             self.num_failures += 1

@@ -20,6 +20,12 @@ from extproc.config import EndpointConfig, HealthCheckConfig
 
 logger = logging.getLogger(__name__)
 
+SGLANG_HEALTH_PATHS = ("/health", "/health_generate")
+SGLANG_HEALTH_S = 1.0
+"""SGLang's ``/health`` (= ``/health_generate``) queues a one-token request and polls for its answer once a second
+(python/sglang/srt/entrypoints/http_server.py ``health_generate``), so it answers after about 1 s: a check with a
+timeout of 1 s or less fails against SGLang, and the first failure's warning says so."""
+
 
 class EndpointPool:
     """Endpoints with health state and in-flight counters.
@@ -156,6 +162,9 @@ class HealthChecker:
                         problem = "" if ok else f"HTTP {response.status}"
             except TimeoutError:
                 ok, problem = False, f"no answer within {self._config.timeout_s:g} s"
+                if self._config.path in SGLANG_HEALTH_PATHS and self._config.timeout_s <= SGLANG_HEALTH_S:
+                    problem += (f" (an SGLang server's {self._config.path} answers after about {SGLANG_HEALTH_S:g} s: "
+                                "give health_check.timeout_s 3)")
             except (aiohttp.ClientError, OSError) as exc:
                 ok, problem = False, f"{type(exc).__name__}: {exc}"
         if not ok and address not in self._checked and not self._pool.is_healthy(address):

@@ -7,6 +7,10 @@ Accepted shapes (OpenAI API, as vLLM serves it — vllm/entrypoints/openai/proto
   string, null (assistant turns with tool calls), or a list of content parts (``{"type": "text", "text": str}``;
   other part types such as images are accepted and carry no text); ``max_completion_tokens`` wins over the
   deprecated ``max_tokens``.
+- ``/generate`` (SGLang's native API, python/sglang/srt/managers/io_struct.py ``GenerateReqInput``): exactly one
+  of ``text`` (a string or a list of strings) and ``input_ids`` (token ids or a list of token-id lists);
+  ``sampling_params`` (an object, or one per prompt) with ``max_new_tokens`` (SGLang's default 128 when absent,
+  python/sglang/srt/sampling/sampling_params.py) and ``n``; ``stream``. Its ``model`` is absent (any endpoint).
 - any other path: the body must be a JSON object; only ``model`` and ``stream`` are read.
 A list of prompts is routed as one request (one backend serves the whole batch): its texts are joined with
 newlines and its token ids concatenated.
@@ -31,6 +35,11 @@ from extproc.errors import ErrorCode, RoutingError
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+GENERATE_PATH = "/generate"
+"""SGLang's native generation route."""
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
+"""``max_new_tokens`` of a ``/generate`` request that sets none: SGLang's ``SamplingParams`` default
+(python/sglang/srt/sampling/sampling_params.py), the cap the engine applies, so routing caps predictions with it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,24 +153,56 @@ def _token_ids(values: list, param: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _parse_prompt(prompt: object) -> tuple[str | None, tuple[int, ...] | None]:
-    """Returns (text, token_ids); exactly one is not None."""
+def _parse_prompt(prompt: object, param: str = "prompt") -> tuple[str | None, tuple[int, ...] | None]:
+    """Returns (text, token_ids); exactly one is not None (``param``: the field's name in error messages)."""
     if isinstance(prompt, str):
         return prompt, None
     if not isinstance(prompt, list) or not prompt:
-        raise _bad("'prompt' must be a string, a non-empty list of strings or of token ids, or a list of such lists",
-                   "prompt")
+        raise _bad(f"'{param}' must be a string, a non-empty list of strings or of token ids, or a list of such "
+                   "lists", param)
     if all(isinstance(p, str) for p in prompt):
         return "\n".join(prompt), None
     if all(_is_int(p) for p in prompt):
-        return None, _token_ids(prompt, "prompt")
+        return None, _token_ids(prompt, param)
     if all(isinstance(p, list) and p for p in prompt):
         ids: list[int] = []
         for p in prompt:
-            ids.extend(_token_ids(p, "prompt"))
+            ids.extend(_token_ids(p, param))
         return None, tuple(ids)
-    raise _bad("'prompt' mixes types: use one string, a list of strings, a list of token ids, "
-               "or a list of non-empty token-id lists", "prompt")
+    raise _bad(f"'{param}' mixes types: use one string, a list of strings, a list of token ids, "
+               "or a list of non-empty token-id lists", param)
+
+
+def _parse_generate(body: dict) -> tuple[str | None, tuple[int, ...] | None, int, int]:
+    """An SGLang ``/generate`` body (module docstring): (text, token ids, max_tokens, engine requests).
+
+    ``max_tokens`` is the largest ``max_new_tokens`` over the prompts' sampling params (default
+    `SGLANG_DEFAULT_MAX_NEW_TOKENS`); engine requests = prompts x ``n``.
+    """
+    has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
+    if has_text == has_ids:
+        raise _bad("exactly one of 'text' and 'input_ids' is required", "text")
+    param = "text" if has_text else "input_ids"
+    text, ids = _parse_prompt(body[param], param)
+    if (text is None) == has_text:
+        raise _bad("'text' must be a string or a list of strings" if has_text else
+                   "'input_ids' must be token ids or a list of token-id lists", param)
+    params = body.get("sampling_params")
+    if params is None:
+        params = [{}]
+    elif isinstance(params, dict):
+        params = [params]
+    elif not (isinstance(params, list) and params and all(isinstance(p, dict) for p in params)):
+        raise _bad("'sampling_params' must be an object or a non-empty list of objects", "sampling_params")
+    max_tokens, num_choices = 0, 1
+    for p in params:
+        try:
+            count = _optional_count(p, "max_new_tokens")
+            num_choices = max(num_choices, _num_choices(p))
+        except RoutingError as exc:
+            raise _bad(f"sampling_params: {exc.message}", f"sampling_params.{exc.param}") from None
+        max_tokens = max(max_tokens, SGLANG_DEFAULT_MAX_NEW_TOKENS if count is None else count)
+    return text, ids, max_tokens, min(_num_prompts(body[param]) * num_choices, MAX_CHOICES)
 
 
 def _content_text(content: object, index: int) -> str:
@@ -330,9 +371,11 @@ def parse_body(request_id: str, method: str, path: str, body: bytes, content_enc
         max_tokens = _optional_count(parsed, "max_completion_tokens")
         legacy = _optional_count(parsed, "max_tokens")
         max_tokens = legacy if max_tokens is None else max_tokens
+    elif path == GENERATE_PATH:
+        text, ids, max_tokens, num_sequences = _parse_generate(parsed)
     if text is not None and not _is_encodable(text):
-        raise _bad("the prompt contains a lone surrogate (invalid Unicode)", "messages" if path ==
-                   CHAT_COMPLETIONS_PATH else "prompt")
+        raise _bad("the prompt contains a lone surrogate (invalid Unicode)",
+                   {CHAT_COMPLETIONS_PATH: "messages", GENERATE_PATH: "text"}.get(path, "prompt"))
     model = _optional_str(parsed, "model")
     if model is not None and not _is_encodable(model):  # it reaches span attributes, logs and error bodies
         raise _bad("'model' contains a lone surrogate (invalid Unicode)", "model")

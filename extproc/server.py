@@ -262,7 +262,7 @@ class ExtprocServer:
         # Only load-based policies read engine metrics; the others never scrape the backends.
         try:
             self.endpoint_metrics = (MetricsScraper(self.pool, config.metrics_interval_s, config.metrics_staleness_s,
-                                                    backend_tls=backend_tls)
+                                                    backend_tls=backend_tls, metrics_format=config.metrics_format)
                                      if policy.needs_metrics else None)
             self._checker = (HealthChecker(self.pool, config.health_check, backend_tls)
                              if config.health_check.enabled else None)

@@ -34,7 +34,7 @@ from astrolabe.tracing import (ADMIT_ID, NUM_PREDICTED_OUTPUT_TOKENS, NUM_PROMPT
                                context_from, inject_headers)
 from extproc.decision import Decision
 from extproc.errors import RoutingError
-from extproc.request import CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, RoutingRequest
+from extproc.request import CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, GENERATE_PATH, RoutingRequest
 from predictor.residual_rules import LENGTH_SOURCE_EXACT, LENGTH_SOURCE_FIXED, LENGTH_SOURCE_TAGGER
 
 SPAN_NAME = "astrolabe.route"
@@ -69,7 +69,7 @@ MAX_REQUEST_TEXT_CHARS = 256
 """Longest value taken from the request (model, path, request id) into an attribute: a client must not be able to
 push megabytes through the trace pipeline (the excess is cut, with a trailing "...")."""
 
-_OPERATIONS = {CHAT_COMPLETIONS_PATH: "chat", COMPLETIONS_PATH: "text_completion"}
+_OPERATIONS = {CHAT_COMPLETIONS_PATH: "chat", COMPLETIONS_PATH: "text_completion", GENERATE_PATH: "text_completion"}
 LENGTH_SOURCE_LABELS = {LENGTH_SOURCE_TAGGER: "tagger", LENGTH_SOURCE_FIXED: "fixed", LENGTH_SOURCE_EXACT: "exact"}
 """``predictor.residual_rules.LENGTH_SOURCE_*`` -> the value of ``astrolabe.length_source`` (else ``unspecified``)."""
 

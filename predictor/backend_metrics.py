@@ -1,9 +1,23 @@
-"""Reads a vLLM server's Prometheus text into a ``BackendObservation``; the only vLLM /metrics parser.
+"""Reads an inference server's Prometheus text into a ``BackendObservation``: the only backend /metrics parser.
 
-Names (vLLM V1; FACTS.md): gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
-``vllm:kv_cache_usage_perc`` (older releases: ``vllm:gpu_cache_usage_perc``), info gauge
-``vllm:cache_config_info`` (labels ``block_size``, ``num_gpu_blocks``), counter ``vllm:num_preemptions``
-(exposed as ``vllm:num_preemptions_total``). Series of several engines or models are summed (usage: averaged).
+Two formats, one reader each (`parse_vllm_metrics`, `parse_sglang_metrics`), and `parse_backend_metrics`, which
+takes a format name or detects it from the gauges the text carries (``auto``). Series of several engines, models
+or data-parallel ranks are summed (usage fractions: averaged).
+
+vLLM (V1; FACTS.md; vllm/v1/metrics/loggers.py): gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc`` (older releases: ``vllm:gpu_cache_usage_perc``), info gauge ``vllm:cache_config_info``
+(labels ``block_size``, ``num_gpu_blocks``), counter ``vllm:num_preemptions`` (exposed as
+``vllm:num_preemptions_total``).
+
+SGLang (python/sglang/srt/metrics/collector.py ``SchedulerMetricsCollector``): gauges ``sglang:num_running_reqs``,
+``sglang:num_queue_reqs``, ``sglang:token_usage`` (used / total KV tokens, a fraction 0..1); the KV cache size as
+the info gauge ``sglang:cache_config_info`` (labels ``page_size``, ``num_pages``; the names the Inference
+Extension's model-server protocol reads), else the gauges ``sglang:page_size`` and ``sglang:num_pages``
+(releases from v0.5.11 on), else ``sglang:max_total_num_tokens`` (tokens, i.e. pages of one token, SGLang's
+default ``page_size``); counter ``sglang:num_retracted_requests_total`` (decode-time retractions: SGLang's
+preemptions). SGLang counts KV in pages of ``page_size`` tokens: they are this project's KV blocks
+(``block_size`` = ``page_size``, ``num_gpu_blocks`` = pages).
+
 ``histogram_totals`` reads the sum and count of any histogram (the profiler's iteration times).
 """
 
@@ -13,14 +27,92 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from predictor.ledger import BackendObservation
 
+VLLM = "vllm"
+SGLANG = "sglang"
+AUTO = "auto"
+METRICS_FORMATS = (AUTO, VLLM, SGLANG)
+"""Accepted format names: ``auto`` detects the engine from the text."""
+
+_VLLM_RUNNING, _VLLM_WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
+_SGLANG_RUNNING, _SGLANG_WAITING = "sglang:num_running_reqs", "sglang:num_queue_reqs"
+_INFO_GAUGES = ("vllm:cache_config_info", "sglang:cache_config_info")
+
 
 class MetricsFormatError(ValueError):
-    """The text is not Prometheus exposition format or lacks the running/waiting gauges."""
+    """The text is not Prometheus exposition format or lacks the running/waiting gauges of its format."""
 
 
 def _label_int(labels: dict[str, str], key: str) -> int | None:
     value = labels.get(key, "")
-    return int(value) if value.isdigit() else None
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def _positive_int(value: float | None) -> int | None:
+    return int(value) if value is not None and value >= 1 else None
+
+
+class _Samples:
+    """Every sample of one scrape: sums and counts per name, and the labels of the cache info gauges."""
+
+    def __init__(self, text: str) -> None:
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.info: dict[str, dict[str, str]] = {}
+        try:
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    name = sample.name
+                    if name in _INFO_GAUGES:
+                        self.info[name] = dict(sample.labels)
+                        continue
+                    self.sums[name] = self.sums.get(name, 0.0) + sample.value
+                    self.counts[name] = self.counts.get(name, 0) + 1
+        except ValueError as exc:
+            raise MetricsFormatError(f"not Prometheus text: {exc}") from None
+
+    def has(self, name: str) -> bool:
+        return name in self.sums
+
+    def mean(self, name: str) -> float:
+        return self.sums.get(name, 0.0) / max(self.counts.get(name, 1), 1)
+
+
+def _vllm(samples: _Samples) -> BackendObservation:
+    if not (samples.has(_VLLM_RUNNING) and samples.has(_VLLM_WAITING)):
+        raise MetricsFormatError(f"no {_VLLM_RUNNING} / {_VLLM_WAITING} gauges")
+    usage_name = "vllm:kv_cache_usage_perc" if samples.has("vllm:kv_cache_usage_perc") else "vllm:gpu_cache_usage_perc"
+    cache = samples.info.get("vllm:cache_config_info", {})
+    return BackendObservation(
+        num_running=int(samples.sums[_VLLM_RUNNING]),
+        num_waiting=int(samples.sums[_VLLM_WAITING]),
+        kv_cache_usage_frac=samples.mean(usage_name),
+        num_preemptions_total=int(samples.sums.get("vllm:num_preemptions_total", 0)),
+        num_gpu_blocks=_label_int(cache, "num_gpu_blocks"),
+        block_size=_label_int(cache, "block_size"),
+        engine=VLLM,
+    )
+
+
+def _sglang(samples: _Samples) -> BackendObservation:
+    if not (samples.has(_SGLANG_RUNNING) and samples.has(_SGLANG_WAITING)):
+        raise MetricsFormatError(f"no {_SGLANG_RUNNING} / {_SGLANG_WAITING} gauges")
+    cache = samples.info.get("sglang:cache_config_info", {})
+    page_size, num_pages = _label_int(cache, "page_size"), _label_int(cache, "num_pages")
+    if page_size is None or num_pages is None:
+        page_size = _positive_int(samples.sums.get("sglang:page_size"))
+        num_pages = _positive_int(samples.sums.get("sglang:num_pages"))
+    if page_size is None or num_pages is None:
+        num_pages = _positive_int(samples.sums.get("sglang:max_total_num_tokens"))
+        page_size = 1 if num_pages is not None else None
+    return BackendObservation(
+        num_running=int(samples.sums[_SGLANG_RUNNING]),
+        num_waiting=int(samples.sums[_SGLANG_WAITING]),
+        kv_cache_usage_frac=samples.mean("sglang:token_usage"),
+        num_preemptions_total=int(samples.sums.get("sglang:num_retracted_requests_total", 0)),
+        num_gpu_blocks=num_pages,
+        block_size=page_size,
+        engine=SGLANG,
+    )
 
 
 def parse_vllm_metrics(text: str) -> BackendObservation:
@@ -29,32 +121,41 @@ def parse_vllm_metrics(text: str) -> BackendObservation:
     Raises:
         MetricsFormatError: unparsable text, or no ``vllm:num_requests_running`` / ``_waiting`` gauge.
     """
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    cache_labels: dict[str, str] = {}
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                name = sample.name
-                if name == "vllm:cache_config_info":
-                    cache_labels = dict(sample.labels)
-                    continue
-                sums[name] = sums.get(name, 0.0) + sample.value
-                counts[name] = counts.get(name, 0) + 1
-    except ValueError as exc:
-        raise MetricsFormatError(f"not Prometheus text: {exc}") from None
-    if "vllm:num_requests_running" not in sums or "vllm:num_requests_waiting" not in sums:
-        raise MetricsFormatError("no vllm:num_requests_running / vllm:num_requests_waiting gauges")
-    usage_name = "vllm:kv_cache_usage_perc" if "vllm:kv_cache_usage_perc" in sums else "vllm:gpu_cache_usage_perc"
-    usage = sums.get(usage_name, 0.0) / max(counts.get(usage_name, 1), 1)
-    return BackendObservation(
-        num_running=int(sums["vllm:num_requests_running"]),
-        num_waiting=int(sums["vllm:num_requests_waiting"]),
-        kv_cache_usage_frac=usage,
-        num_preemptions_total=int(sums.get("vllm:num_preemptions_total", 0)),
-        num_gpu_blocks=_label_int(cache_labels, "num_gpu_blocks"),
-        block_size=_label_int(cache_labels, "block_size"),
-    )
+    return _vllm(_Samples(text))
+
+
+def parse_sglang_metrics(text: str) -> BackendObservation:
+    """Parses SGLang's /metrics text (a server started with ``--enable-metrics``).
+
+    Raises:
+        MetricsFormatError: unparsable text, or no ``sglang:num_running_reqs`` / ``sglang:num_queue_reqs`` gauge.
+    """
+    return _sglang(_Samples(text))
+
+
+def parse_backend_metrics(text: str, metrics_format: str = AUTO) -> BackendObservation:
+    """Parses /metrics text of the named format; ``auto``: vLLM's when its gauges are there, else SGLang's.
+
+    Returns:
+        The observation; its ``engine`` says which reader read it.
+
+    Raises:
+        MetricsFormatError: unparsable text, or the gauges of the format (``auto``: of neither) are missing.
+        ValueError: an unknown ``metrics_format`` (not in `METRICS_FORMATS`).
+    """
+    if metrics_format not in METRICS_FORMATS:
+        raise ValueError(f"unknown metrics format {metrics_format!r}; known: {', '.join(METRICS_FORMATS)}")
+    samples = _Samples(text)
+    if metrics_format == VLLM:
+        return _vllm(samples)
+    if metrics_format == SGLANG:
+        return _sglang(samples)
+    if samples.has(_VLLM_RUNNING):
+        return _vllm(samples)
+    if samples.has(_SGLANG_RUNNING):
+        return _sglang(samples)
+    raise MetricsFormatError(f"neither vLLM's ({_VLLM_RUNNING}, {_VLLM_WAITING}) nor SGLang's ({_SGLANG_RUNNING}, "
+                             f"{_SGLANG_WAITING}) running/waiting gauges")
 
 
 def histogram_totals(text: str, name: str) -> tuple[float, float]:

@@ -43,15 +43,16 @@ _EMA_WEIGHT = 0.05
 
 @dataclass(frozen=True, slots=True)
 class BackendObservation:
-    """What the backend's /metrics said (vLLM gauge names in the comments).
+    """What the backend's /metrics said (vLLM names; SGLang's in ``predictor.backend_metrics``).
 
     Attributes:
-        num_running: ``vllm:num_requests_running``.
-        num_waiting: ``vllm:num_requests_waiting``.
-        kv_cache_usage_frac: ``vllm:kv_cache_usage_perc`` (a fraction 0..1).
-        num_preemptions_total: ``vllm:num_preemptions_total``.
-        num_gpu_blocks: from ``vllm:cache_config_info``, or None.
-        block_size: from ``vllm:cache_config_info``, or None.
+        num_running: ``vllm:num_requests_running`` (SGLang ``sglang:num_running_reqs``).
+        num_waiting: ``vllm:num_requests_waiting`` (``sglang:num_queue_reqs``).
+        kv_cache_usage_frac: ``vllm:kv_cache_usage_perc`` (``sglang:token_usage``), a fraction 0..1.
+        num_preemptions_total: ``vllm:num_preemptions_total`` (``sglang:num_retracted_requests_total``).
+        num_gpu_blocks: from ``vllm:cache_config_info`` (SGLang: pages), or None.
+        block_size: from ``vllm:cache_config_info`` (SGLang: ``page_size``), tokens, or None.
+        engine: the format that was read: ``vllm`` or ``sglang``.
     """
 
     num_running: int
@@ -60,6 +61,7 @@ class BackendObservation:
     num_preemptions_total: int = 0
     num_gpu_blocks: int | None = None
     block_size: int | None = None
+    engine: str = "vllm"
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,12 @@ It keeps a ``Ledger`` of the requests the extproc admitted here, answers Predict
 forward from the ledger's state with the new request added (``predictor.sim.predict``), and every
 ``reconcile_interval_s`` scrapes the backend's /metrics to correct the ledger. ``state_age_s`` in every answer is
 the time since the last successful reconciliation (a dead or slow backend makes it grow).
-At start it reads ``block_size`` and ``num_gpu_blocks`` from the backend's ``vllm:cache_config_info`` when the
-flags leave them unset.
+At start it reads the KV cache (``block_size``, ``num_gpu_blocks``) from the backend's /metrics
+(``vllm:cache_config_info``; SGLang: ``sglang:cache_config_info`` pages, ``predictor.backend_metrics``), and, beside
+an SGLang server, its engine limits from ``GET /get_server_info`` (``max_running_requests`` -> max_num_seqs,
+``chunked_prefill_size`` -> max_num_batched_tokens, ``page_size`` and ``max_total_num_tokens`` -> the KV cache;
+python/sglang/srt/entrypoints/http_server.py ``get_server_info``). ``--backend-engine`` says which server it is
+(``auto``: read from the metric names of each scrape).
 
 With the plugin's (or the emulator's) state file it also refits its step-time model from the engine's measured
 steps (``predictor.calibration``, ``--calibration online``, the default) and observes each request's first token;
@@ -46,7 +50,7 @@ from astrolabe.tls import BackendTls, ServerTls, TlsError, add_port, backend_url
 from astrolabe.tracing import (ADMIT_ID, NUM_PREDICTED_OUTPUT_TOKENS, NUM_PROMPT_TOKENS, PREDICTED_E2E_S,
                                PREDICTED_TTFT_S, STATE_AGE_S, Tracing, TracingConfigError, setup_tracing)
 from predictor.api import pb, pb_grpc
-from predictor.backend_metrics import MetricsFormatError, parse_vllm_metrics
+from predictor.backend_metrics import METRICS_FORMATS, SGLANG, MetricsFormatError, parse_backend_metrics
 from predictor.calibration import CalibrationStatus, StepTimeCalibrator
 from predictor.engine_flags import add_engine_arguments, engine_from_args
 from predictor.ledger import Ledger
@@ -98,6 +102,11 @@ class SidecarConfig:
             default: the delay is measured and reported only).
         tls: TLS (mutual when it names a client CA) of the gRPC server (``astrolabe.tls``); None = plaintext.
         backend_tls: HTTPS to the backend's /metrics (``astrolabe.tls.BackendTls``); None = plain HTTP.
+        backend_engine: ``auto`` | ``vllm`` | ``sglang``: whose /metrics names (and, SGLang, ``/get_server_info``)
+            the backend serves; ``auto`` reads each scrape by the gauges it carries.
+        discover_engine_limits: beside SGLang, take max_num_seqs, max_num_batched_tokens and the KV cache from
+            ``/get_server_info`` at start (vLLM publishes no such endpoint: its limits come from the flags or the
+            plugin's state file).
     """
 
     backend: str
@@ -122,6 +131,8 @@ class SidecarConfig:
     ingress_delay: str = "off"
     tls: ServerTls | None = None
     backend_tls: BackendTls | None = None
+    backend_engine: str = "auto"
+    discover_engine_limits: bool = True
 
 
 def resolve_batch_time_model(batch_time_model: str | None, model_config: str | None) -> str:
@@ -159,6 +170,42 @@ def load_batch_time(name_or_path: str, time_scale: float = 1.0) -> LinearBatchTi
 
 CALIBRATION_MODES = ("online", "off")
 INGRESS_DELAY_MODES = ("online", "off")
+
+
+def _positive(info: dict, key: str) -> int | None:
+    value = info.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def sglang_engine_limits(info: dict, engine: EngineConfig) -> EngineConfig:
+    """``engine`` with the limits an SGLang server's ``/get_server_info`` object states (missing ones kept).
+
+    Mapping (python/sglang/srt/server_args.py names): ``max_running_requests`` -> max_num_seqs;
+    ``chunked_prefill_size`` -> max_num_batched_tokens (-1 or null: chunked prefill off, the budget then
+    ``max_prefill_tokens``); ``page_size`` -> block_size; ``max_total_num_tokens`` (the KV pool, tokens; top level
+    or in ``internal_states[0]``) // page_size -> num_gpu_blocks.
+
+    Raises:
+        ValueError: ``info`` is not an object, or the limits it states make an invalid ``EngineConfig``.
+    """
+    if not isinstance(info, dict):
+        raise ValueError(f"/get_server_info answered {type(info).__name__}, not an object")
+    states = info.get("internal_states")
+    state = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
+    changes: dict = {}
+    if (max_running := _positive(info, "max_running_requests")) is not None:
+        changes["max_num_seqs"] = max_running
+    chunk = info.get("chunked_prefill_size")
+    if (size := _positive(info, "chunked_prefill_size")) is not None:
+        changes["max_num_batched_tokens"] = size
+    elif chunk is None or chunk == -1:
+        if (prefill := _positive(info, "max_prefill_tokens")) is not None:
+            changes.update(enable_chunked_prefill=False, max_num_batched_tokens=prefill)
+    page_size = _positive(info, "page_size") or 1
+    total = _positive(info, "max_total_num_tokens") or _positive(state, "max_total_num_tokens")
+    if total is not None and total >= page_size:
+        changes.update(block_size=page_size, num_gpu_blocks=total // page_size)
+    return dataclasses.replace(engine, **changes)
 
 
 def _check_host_port(value: str, flag: str) -> None:
@@ -293,6 +340,9 @@ class Sidecar:
         self.tracing = tracing or Tracing.off()
         if config.calibration not in CALIBRATION_MODES:
             raise ValueError(f"calibration must be one of {', '.join(CALIBRATION_MODES)}, got {config.calibration!r}")
+        if config.backend_engine not in METRICS_FORMATS:
+            raise ValueError(f"backend_engine must be one of {', '.join(METRICS_FORMATS)}, got "
+                             f"{config.backend_engine!r}")
         if config.ingress_delay not in INGRESS_DELAY_MODES:
             raise ValueError(f"ingress_delay must be one of {', '.join(INGRESS_DELAY_MODES)}, "
                              f"got {config.ingress_delay!r}")
@@ -503,27 +553,56 @@ class Sidecar:
         async with session.get(backend_url(self.config.backend, "/metrics", self.config.backend_tls),
                                **self._backend_request_options) as response:
             response.raise_for_status()
-            return parse_vllm_metrics(await response.text())
+            return parse_backend_metrics(await response.text(), self.config.backend_engine)
 
-    async def _discover_kv_cache(self, session: aiohttp.ClientSession) -> str:
-        """Takes the backend's KV cache (``vllm:cache_config_info``) into the ledger; returns where the KV
-        figures in use came from, for `_log_discovered`."""
-        if not self.config.discover_kv_cache:
-            return "the flags (--no-discover-kv-cache)"
+    async def _discover_kv_cache(self, session: aiohttp.ClientSession) -> tuple[str, str]:
+        """Takes the backend's KV cache (its /metrics) and, SGLang, its engine limits (``/get_server_info``) into the
+        ledger; returns where the KV figures and the limits in use came from, for `_log_discovered`."""
+        limits_source = "the flags"
+        if not (self.config.discover_kv_cache or self.config.discover_engine_limits):
+            return "the flags (--no-discover-kv-cache)", limits_source
         try:
             observed = await self._scrape(session)
         except (aiohttp.ClientError, asyncio.TimeoutError, MetricsFormatError) as exc:
             logger.warning("cannot read the backend's KV cache config yet (%s); using the flags", exc)
-            return "the flags (the backend's /metrics not readable yet)"
-        if not (observed.num_gpu_blocks and observed.block_size):
-            return "the flags (the backend's /metrics has no vllm:cache_config_info)"
-        engine = dataclasses.replace(self.config.engine, num_gpu_blocks=observed.num_gpu_blocks,
-                                     block_size=observed.block_size)
+            return "the flags (the backend's /metrics not readable yet)", limits_source
+        info_name = "sglang:cache_config_info" if observed.engine == SGLANG else "vllm:cache_config_info"
+        engine = self.config.engine
+        if observed.engine == SGLANG and self.config.discover_engine_limits:
+            discovered, limits_source = await self._discover_sglang_limits(session, engine)
+            engine = dataclasses.replace(discovered, block_size=engine.block_size,
+                                         num_gpu_blocks=engine.num_gpu_blocks) if not self.config.discover_kv_cache \
+                else discovered
+        if not self.config.discover_kv_cache:
+            kv_source = "the flags (--no-discover-kv-cache)"
+        elif not (observed.num_gpu_blocks and observed.block_size):
+            kv_source = f"the flags (the backend's /metrics has no {info_name})"
+            if (limits_source == "the backend's /get_server_info"
+                    and engine.num_gpu_blocks != self.config.engine.num_gpu_blocks):
+                kv_source = "the backend's /get_server_info (max_total_num_tokens, page_size)"
+        else:
+            engine = dataclasses.replace(engine, num_gpu_blocks=observed.num_gpu_blocks,
+                                         block_size=observed.block_size)
+            kv_source = f"the backend's {info_name}"
         if engine != self.ledger.scheduler.config:
             self.ledger = self._new_ledger(engine)
-        return "the backend's vllm:cache_config_info"
+        return kv_source, limits_source
 
-    def _log_discovered(self, kv_source: str) -> None:
+    async def _discover_sglang_limits(self, session: aiohttp.ClientSession,
+                                      engine: EngineConfig) -> tuple[EngineConfig, str]:
+        """``engine`` with SGLang's limits from ``/get_server_info`` and where they came from; the flags' on a
+        failure (logged)."""
+        url = backend_url(self.config.backend, "/get_server_info", self.config.backend_tls)
+        try:
+            async with session.get(url, **self._backend_request_options) as response:
+                response.raise_for_status()
+                info = await response.json(content_type=None)
+            return sglang_engine_limits(info, engine), "the backend's /get_server_info"
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            logger.warning("cannot read the SGLang backend's limits from /get_server_info (%s); using the flags", exc)
+            return engine, "the flags (/get_server_info not readable)"
+
+    def _log_discovered(self, kv_source: str, limits_source: str = "the flags") -> None:
         """One INFO line at start: the engine limits and KV cache in use and where each came from, the state
         source and the step-time model."""
         state = self.plugin.reader.read(time.monotonic()) if self.plugin.reader is not None else None
@@ -532,7 +611,6 @@ class Sidecar:
             kv_source = limits_source = f"the plugin's state file {self.plugin.reader.path}"
             source = f"vllm-plugin (--state-source {self.config.state_source})"
         else:
-            limits_source = "the flags"
             source = "ledger" if self.plugin.reader is None else \
                 f"ledger until the plugin's state file is readable ({self.plugin.reader.last_error}; " \
                 f"--state-source {self.config.state_source})"
@@ -546,7 +624,7 @@ class Sidecar:
     async def _reconcile_loop(self) -> None:
         timeout = aiohttp.ClientTimeout(total=max(self.config.reconcile_interval_s * 5, 1.0))
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            self._log_discovered(await self._discover_kv_cache(session))
+            self._log_discovered(*await self._discover_kv_cache(session))
             while True:
                 try:
                     observed = await self._scrape(session)
@@ -614,7 +692,15 @@ async def serve(config: SidecarConfig, tracing: Tracing | None = None) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The sidecar's flags (``astrolabe predictor serve``): one per `SidecarConfig` field, with its default and unit."""
     defaults = SidecarConfig(backend="")
-    parser.add_argument("--backend", required=True, help="host:port of the vLLM server (its /metrics is scraped)")
+    parser.add_argument("--backend", required=True,
+                        help="host:port of the vLLM or SGLang server (its /metrics is scraped)")
+    parser.add_argument("--backend-engine", choices=METRICS_FORMATS, default=defaults.backend_engine,
+                        help="which server --backend is: vllm or sglang (its /metrics names; SGLang's limits from "
+                             "/get_server_info), or auto (read from the metric names)")
+    parser.add_argument("--discover-engine-limits", action=argparse.BooleanOptionalAction,
+                        default=defaults.discover_engine_limits,
+                        help="beside SGLang, take max_num_seqs, max_num_batched_tokens and the KV cache from its "
+                             "/get_server_info at start; --no-discover-engine-limits keeps the flags")
     parser.add_argument("--listen", default=defaults.listen, help="host:port of the gRPC server (port 0: any free)")
     parser.add_argument("--batch-time-model", default=None,
                         help="shipped step-time model name (predictor/sim/*.json) or a JSON path; default: the "
@@ -734,7 +820,9 @@ def run(args: argparse.Namespace) -> int:
                                calibration_min_samples=args.calibration_min_samples,
                                bias_correction=args.bias_correction, metrics_listen=args.metrics_listen,
                                model_config=args.model_config, ingress_delay=args.ingress_delay,
-                               tls=tls_from_args(args), backend_tls=backend_tls_from_args(args))
+                               tls=tls_from_args(args), backend_tls=backend_tls_from_args(args),
+                               backend_engine=args.backend_engine,
+                               discover_engine_limits=args.discover_engine_limits)
         # Resolved once here (the cold start reads the model config and logs its choice once).
         config = dataclasses.replace(config, batch_time_model=resolve_batch_time_model(config.batch_time_model,
                                                                                        config.model_config))

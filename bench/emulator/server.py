@@ -1,4 +1,11 @@
-"""HTTP server of one emulated vLLM instance (OpenAI-compatible API, ``/health``, ``/metrics``) and its CLI.
+"""HTTP server of one emulated vLLM or SGLang instance (OpenAI-compatible API, ``/health``, ``/metrics``) and its CLI.
+
+``--api sglang`` presents the instance as an SGLang server (``bench.emulator.sglang_api``): ``/metrics`` under
+SGLang's names, its native ``/generate`` (one JSON answer, or SSE events each carrying the whole text so far),
+``/get_server_info`` (the engine limits: ``max_running_requests``, ``chunked_prefill_size``, ``page_size``,
+``max_total_num_tokens``), ``/get_model_info``, and ``/health`` = ``/health_generate`` that answer after
+``sglang_api.HEALTH_POLL_S`` (1 s) as SGLang's do; the OpenAI routes stay. Its scheduling is the engine flags'
+(``--scheduling``).
 
 Owns the aiohttp application, request admission (prompt counting, context-length check, output-length draw)
 and the ``astrolabe emulator`` entry point :func:`main`. Scheduling and step timing live in
@@ -64,7 +71,8 @@ from astrolabe.tracing import (
     setup_tracing,
 )
 from bench.emulator.engine_loop import EngineLoop, RequestHandle
-from bench.emulator.metrics import EmulatorMetrics
+from bench.emulator import sglang_api
+from bench.emulator.metrics import APIS, EmulatorMetrics
 from bench.emulator.openai_api import (
     SSE_DONE,
     ApiError,
@@ -110,6 +118,7 @@ class EmulatorConfig:
             (the plugin's ``ASTROLABE_VLLM_STATE_MIN_INTERVAL_S`` and its default; 0 = after every step).
         otlp_traces_endpoint: OTLP receiver of the ``llm_request`` spans (vLLM's ``--otlp-traces-endpoint``;
             ``host:port`` or a URL); None = the ``OTEL_*`` variables decide (off when none is set).
+        api: ``vllm`` or ``sglang``: which server the instance presents itself as (module docstring).
     """
 
     engine: EngineConfig = EngineConfig()
@@ -127,8 +136,11 @@ class EmulatorConfig:
     state_path: str | None = None
     state_interval_s: float = DEFAULT_MIN_INTERVAL_S
     otlp_traces_endpoint: str | None = None
+    api: str = "vllm"
 
     def __post_init__(self) -> None:
+        if self.api not in APIS:
+            raise ValueError(f"api must be one of {', '.join(APIS)}, got {self.api!r}")
         checks = {"max_model_len": self.max_model_len >= 2, "stream_interval": self.stream_interval >= 1,
                   "time_scale": self.time_scale > 0, "step_noise_frac": self.step_noise_frac >= 0,
                   "output_len_median_tokens": self.output_len_median_tokens >= 1,
@@ -160,9 +172,13 @@ class _Instance:
         self.config = config
         self.tracer = tracer
         self.scheduler = Scheduler(config.engine)
-        cache_info = {"block_size": str(config.engine.block_size), "num_gpu_blocks": str(config.engine.num_gpu_blocks),
-                      "cache_dtype": "auto", "enable_prefix_caching": "False"}
-        self.metrics = EmulatorMetrics(self.scheduler, config.served_model_name, cache_info)
+        if config.api == "sglang":
+            cache_info = {"page_size": str(config.engine.block_size), "num_pages": str(config.engine.num_gpu_blocks)}
+        else:
+            cache_info = {"block_size": str(config.engine.block_size),
+                          "num_gpu_blocks": str(config.engine.num_gpu_blocks), "cache_dtype": "auto",
+                          "enable_prefix_caching": "False"}
+        self.metrics = EmulatorMetrics(self.scheduler, config.served_model_name, cache_info, config.api)
         self.engine = EngineLoop(self.scheduler, load_batch_time_model(config.batch_time_model), self.metrics,
                                  time_scale=config.time_scale, step_noise_frac=config.step_noise_frac,
                                  rng=random.Random(config.seed + 1), state_path=config.state_path,
@@ -298,7 +314,8 @@ def _record_span(instance: _Instance, request: web.Request, handle: RequestHandl
     span.end(end_time=_monotonic_to_unix_ns(end_s))
 
 
-async def _generate(request: web.Request, is_chat: bool) -> web.StreamResponse:
+async def _generate(request: web.Request, is_chat: bool, native: bool = False) -> web.StreamResponse:
+    """Handles a completion, chat or (``native``) SGLang ``/generate`` request."""
     instance = request.app[_INSTANCE]
     x_request_id = _latin1_header(request, REQUEST_ID_HEADER)
     request_id, response_id = instance.next_request_ids(is_chat, x_request_id)
@@ -306,21 +323,69 @@ async def _generate(request: web.Request, is_chat: bool) -> web.StreamResponse:
     parent = context_from(request.headers) if instance.tracer is not None else None
     trace_id = trace_id_hex(trace.get_current_span(parent).get_span_context()) if parent is not None else None
     with request_context(x_request_id or request_id, trace_id):
-        return await _generate_admitted(request, instance, request_id, response_id, is_chat)
+        return await _generate_admitted(request, instance, request_id, response_id, is_chat, native)
 
 
 async def _generate_admitted(request: web.Request, instance: _Instance, request_id: str, response_id: str,
-                             is_chat: bool) -> web.StreamResponse:
+                             is_chat: bool, native: bool = False) -> web.StreamResponse:
     try:
-        parsed = parse_request(await request.read(), is_chat)
+        if native:
+            parsed, rid = sglang_api.parse_generate(await request.read())
+            response_id = rid or request_id
+        else:
+            parsed = parse_request(await request.read(), is_chat)
         handle = instance.admit(parsed, request_id, _reply_tokens_hint(request.headers.get(OUTPUT_TOKENS_HEADER)))
     except ApiError as exc:
-        return _error_response(exc)
+        return web.json_response(sglang_api.error_json(exc.message), status=exc.status) if native else \
+            _error_response(exc)
     try:
+        if native:
+            return await _answer_native(request, instance, parsed, handle, request_id, response_id)
         return await _answer(request, instance, parsed, handle, request_id, response_id, is_chat)
     finally:
         if instance.tracer is not None:
             _record_span(instance, request, handle, request_id)
+
+
+def _native_json(handle: RequestHandle, rid: str, num_tokens: int, finish_reason: str | None) -> dict:
+    return sglang_api.generate_json(rid, generated_text(0, num_tokens), finish_reason, handle.sim.num_prompt_tokens,
+                                    num_tokens, time.monotonic() - handle.sim.arrival_time_s)
+
+
+async def _answer_native(request: web.Request, instance: _Instance, parsed: ParsedRequest, handle: RequestHandle,
+                         request_id: str, rid: str) -> web.StreamResponse:
+    """The answer to an admitted ``/generate`` request; aborts it when the client goes away."""
+    try:
+        if not parsed.stream:
+            while handle.finish_reason is None:
+                await handle.wait_progress(0)
+            if handle.finish_reason == "abort":
+                return web.json_response(sglang_api.error_json("the server is shutting down"), status=503)
+            return web.json_response(_native_json(handle, rid, handle.num_generated_tokens, handle.finish_reason))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        num_sent = 0
+        try:
+            while True:
+                await handle.wait_progress(num_sent)
+                reason = handle.finish_reason
+                if reason == "abort":
+                    break
+                num_generated = handle.num_generated_tokens
+                if reason is not None or num_generated > num_sent:
+                    # SGLang streams the whole text so far in every event, the finish reason in the last.
+                    await response.write(sglang_api.sse(_native_json(handle, rid, num_generated, reason)))
+                    num_sent = num_generated
+                if reason is not None:
+                    await response.write(SSE_DONE)
+                    break
+            await response.write_eof()
+        except ConnectionError:
+            logger.debug("client of %s went away", handle.sim.request_id)
+        return response
+    finally:
+        if handle.finish_reason is None:
+            instance.engine.abort(request_id)
 
 
 async def _answer(request: web.Request, instance: _Instance, parsed: ParsedRequest, handle: RequestHandle,
@@ -381,9 +446,30 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, is_chat=True)
 
 
+async def _native_generate(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, is_chat=False, native=True)
+
+
+async def _server_info(request: web.Request) -> web.Response:
+    cfg = request.app[_INSTANCE].config
+    engine = cfg.engine
+    return web.json_response(sglang_api.server_info(cfg.served_model_name, engine.max_num_seqs,
+                                                    engine.max_num_batched_tokens, engine.block_size,
+                                                    engine.num_gpu_blocks, cfg.max_model_len))
+
+
+async def _model_info(request: web.Request) -> web.Response:
+    return web.json_response(sglang_api.model_info(request.app[_INSTANCE].config.served_model_name))
+
+
+async def _sglang_health(request: web.Request) -> web.Response:
+    await asyncio.sleep(sglang_api.HEALTH_POLL_S)
+    return web.Response(status=200)
+
+
 async def _models(request: web.Request) -> web.Response:
     cfg = request.app[_INSTANCE].config
-    card = {"id": cfg.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+    card = {"id": cfg.served_model_name, "object": "model", "created": int(time.time()), "owned_by": cfg.api,
             "root": cfg.served_model_name, "parent": None, "max_model_len": cfg.max_model_len}
     return web.json_response({"object": "list", "data": [card]})
 
@@ -419,8 +505,16 @@ def build_app(config: EmulatorConfig, tracing: Tracing | None = None) -> web.App
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
-    app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    if config.api == "sglang":
+        app.router.add_route("POST", "/generate", _native_generate)
+        app.router.add_route("PUT", "/generate", _native_generate)
+        app.router.add_get("/get_server_info", _server_info)
+        app.router.add_get("/get_model_info", _model_info)
+        app.router.add_get("/health", _sglang_health)
+        app.router.add_get("/health_generate", _sglang_health)
+    else:
+        app.router.add_get("/health", _health)
     app.on_response_prepare.append(_add_instance_header)
 
     async def _start_engine(_: web.Application) -> None:
@@ -475,8 +569,11 @@ async def start_emulator(config: EmulatorConfig, tracing: Tracing | None = None)
 
 def _parse_args(argv: Sequence[str]) -> tuple[EmulatorConfig, argparse.Namespace]:
     d = EmulatorConfig()
-    p = argparse.ArgumentParser(prog="astrolabe emulator", description="Run one emulated vLLM OpenAI server.",
+    p = argparse.ArgumentParser(prog="astrolabe emulator", description="Run one emulated vLLM (or SGLang) server.",
                                 formatter_class=HelpFormatter)
+    p.add_argument("--api", choices=APIS, default=d.api,
+                   help="the server it presents itself as: vllm (OpenAI routes, vllm: metrics) or sglang (also "
+                        "/generate, /get_server_info, sglang: metrics, a 1 s /health)")
     p.add_argument("--host", default=d.host, help="listen address (vLLM's --host)")
     p.add_argument("--port", type=int, default=d.port, help="listen port; 0 picks a free port (logged at startup)")
     p.add_argument("--served-model-name", default=d.served_model_name,
@@ -513,7 +610,7 @@ def _parse_args(argv: Sequence[str]) -> tuple[EmulatorConfig, argparse.Namespace
             host=a.host, port=a.port, seed=a.seed, max_model_len=a.max_model_len, stream_interval=a.stream_interval,
             time_scale=a.time_scale, step_noise_frac=a.step_noise, output_len_median_tokens=a.output_len_median,
             output_len_sigma=a.output_len_sigma, state_path=a.state_path, state_interval_s=a.state_interval_s,
-            otlp_traces_endpoint=a.otlp_traces_endpoint)
+            otlp_traces_endpoint=a.otlp_traces_endpoint, api=a.api)
     except ValueError as exc:
         p.error(str(exc))
     return config, a
@@ -526,8 +623,9 @@ async def _serve(config: EmulatorConfig, tracing: Tracing) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, server.toggle_metrics_freeze)
-    logger.info("emulated vLLM %r listening on %s (time scale %.3g: each step takes %.3g x the modelled H200 time; "
-                "all reported times are emulator wall-clock seconds; tokenizer: %s)", config.served_model_name,
+    logger.info("emulated %s %r listening on %s (time scale %.3g: each step takes %.3g x the modelled H200 time; "
+                "all reported times are emulator wall-clock seconds; tokenizer: %s)",
+                "SGLang" if config.api == "sglang" else "vLLM", config.served_model_name,
                 server.base_url, config.time_scale, config.time_scale, TOKENIZER_NAME)
     try:
         await stop.wait()

@@ -100,3 +100,24 @@ async def test_an_endpoint_that_never_passes_says_why(caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "127.0.0.1:9 fails its health check (GET http://127.0.0.1:9/health)" in warnings[0]
     assert "ClientConnectorError" in warnings[0]
+
+
+async def test_a_check_that_times_out_on_health_says_what_sglang_needs(caplog):
+    """SGLang's /health answers after ~1 s: the default 1 s timeout fails it, and the warning says what to set."""
+    async def slow(_request):
+        await asyncio.sleep(0.5)
+        return web.Response(status=200)
+
+    async with health_backend(slow) as (address,):
+        pool = EndpointPool([EndpointConfig(address=address)], new_endpoints_healthy=False)
+        checker = HealthChecker(pool, HealthCheckConfig(timeout_s=0.2))
+        async with aiohttp.ClientSession() as session:
+            await checker.run_once(session)
+        assert not pool.is_healthy(address)
+        checker = HealthChecker(pool, HealthCheckConfig(timeout_s=3.0))
+        async with aiohttp.ClientSession() as session:
+            await checker.run_once(session)
+        assert pool.is_healthy(address)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "no answer within 0.2 s (an SGLang server's /health answers after about 1 s: give " \
+           "health_check.timeout_s 3)" in warning

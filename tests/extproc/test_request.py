@@ -168,3 +168,36 @@ def test_bad_n_is_400(n):
     with pytest.raises(RoutingError) as caught:
         _parse("/v1/completions", {"model": "m", "prompt": "x", "n": n})
     assert caught.value.code is ErrorCode.BAD_REQUEST and caught.value.param == "n"
+
+
+@pytest.mark.parametrize("body, text, ids, max_tokens, sequences", [
+    ({"text": "hello world"}, "hello world", None, 128, 1),  # SGLang's default max_new_tokens
+    ({"text": ["a", "b"], "sampling_params": {"max_new_tokens": 7, "n": 2}}, "a\nb", None, 7, 4),
+    ({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": "9"}}, None, (1, 2, 3), 9, 1),
+    ({"input_ids": [[1, 2], [3]], "sampling_params": [{"max_new_tokens": 3}, {}]}, None, (1, 2, 3), 128, 2),
+    ({"text": "x", "sampling_params": None, "stream": True}, "x", None, 128, 1),
+])
+def test_sglang_generate_bodies(body, text, ids, max_tokens, sequences):
+    request = parse_body("r1", "POST", "/generate", json.dumps(body).encode())
+    assert (request.prompt_text, request.prompt_token_ids, request.max_tokens, request.num_sequences) == \
+        (text, ids, max_tokens, sequences)
+    assert request.model is None and request.stream is bool(body.get("stream"))
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "text"),
+    ({"text": "x", "input_ids": [1]}, "text"),
+    ({"text": [1, 2]}, "text"),
+    ({"input_ids": "abc"}, "input_ids"),
+    ({"input_ids": [-1]}, "input_ids"),
+    ({"text": "x", "sampling_params": 3}, "sampling_params"),
+    ({"text": "x", "sampling_params": []}, "sampling_params"),
+    ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
+    ({"text": "x", "sampling_params": {"max_new_tokens": 1.5}}, "sampling_params.max_new_tokens"),
+    ({"text": "x", "sampling_params": {"n": 0}}, "sampling_params.n"),
+    ({"text": "\ud800"}, "text"),
+])
+def test_malformed_generate_bodies_are_400_naming_the_field(body, param):
+    with pytest.raises(RoutingError) as err:
+        parse_body("r1", "POST", "/generate", json.dumps(body).encode())
+    assert err.value.code == ErrorCode.BAD_REQUEST and err.value.param == param

@@ -1,6 +1,6 @@
 import pytest
 
-from predictor.backend_metrics import MetricsFormatError, parse_vllm_metrics
+from predictor.backend_metrics import MetricsFormatError, parse_backend_metrics, parse_sglang_metrics, parse_vllm_metrics
 
 VLLM_TEXT = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -34,3 +34,67 @@ def test_older_gpu_cache_name():
 def test_rejects_text_without_the_gauges(text):
     with pytest.raises(MetricsFormatError):
         parse_vllm_metrics(text)
+
+
+# The shape of SGLang's /metrics (python/sglang/srt/metrics/collector.py; docs/references/production_metrics.md):
+# label model_name, two data-parallel ranks here (dp_rank), the KV pool as cache_config_info pages.
+SGLANG_TEXT = """# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{dp_rank="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 12.0
+sglang:num_running_reqs{dp_rank="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 4.0
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{dp_rank="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 3.0
+sglang:num_queue_reqs{dp_rank="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+# TYPE sglang:token_usage gauge
+sglang:token_usage{dp_rank="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.28
+sglang:token_usage{dp_rank="1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.12
+# TYPE sglang:max_total_num_tokens gauge
+sglang:max_total_num_tokens{dp_rank="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 161721.0
+# TYPE sglang:cache_config_info gauge
+sglang:cache_config_info{model_name="meta-llama/Llama-3.1-8B-Instruct",num_pages="10000",page_size="16"} 1.0
+# TYPE sglang:num_retracted_requests counter
+sglang:num_retracted_requests_total{model_name="meta-llama/Llama-3.1-8B-Instruct"} 6.0
+# TYPE sglang:gen_throughput gauge
+sglang:gen_throughput{model_name="meta-llama/Llama-3.1-8B-Instruct"} 912.5
+"""
+
+
+def test_parses_sglang_names_and_sums_ranks():
+    obs = parse_sglang_metrics(SGLANG_TEXT)
+    assert (obs.num_running, obs.num_waiting, obs.num_preemptions_total) == (16, 3, 6)
+    assert obs.kv_cache_usage_frac == pytest.approx(0.20)
+    assert (obs.num_gpu_blocks, obs.block_size, obs.engine) == (10000, 16, "sglang")
+
+
+def test_sglang_kv_cache_from_page_gauges_then_from_the_token_pool():
+    without_info = "\n".join(line for line in SGLANG_TEXT.splitlines() if "cache_config_info" not in line) + "\n"
+    gauges = without_info + "# TYPE sglang:page_size gauge\nsglang:page_size 64\n" \
+                            "# TYPE sglang:num_pages gauge\nsglang:num_pages 2500\n"
+    assert (parse_sglang_metrics(gauges).num_gpu_blocks, parse_sglang_metrics(gauges).block_size) == (2500, 64)
+    obs = parse_sglang_metrics(without_info)  # page size 1: the pool's tokens are its pages
+    assert (obs.num_gpu_blocks, obs.block_size) == (161721, 1)
+    bare = "\n".join(line for line in without_info.splitlines() if "max_total_num_tokens" not in line) + "\n"
+    assert (parse_sglang_metrics(bare).num_gpu_blocks, parse_sglang_metrics(bare).block_size) == (None, None)
+
+
+def test_auto_reads_each_format_by_its_gauges():
+    assert parse_backend_metrics(VLLM_TEXT).engine == "vllm"
+    assert parse_backend_metrics(SGLANG_TEXT).engine == "sglang"
+    assert parse_backend_metrics(SGLANG_TEXT, "sglang").num_running == 16
+    assert parse_backend_metrics(VLLM_TEXT, "vllm").num_running == 5
+
+
+@pytest.mark.parametrize(("text", "metrics_format", "names"), [
+    ("up 1\n", "auto", "neither vLLM's"),
+    (SGLANG_TEXT, "vllm", "vllm:num_requests_running"),
+    (VLLM_TEXT, "sglang", "sglang:num_running_reqs"),
+    ("sglang:num_running_reqs 1\n", "sglang", "sglang:num_queue_reqs"),
+])
+def test_a_format_without_its_gauges_is_refused_with_their_names(text, metrics_format, names):
+    with pytest.raises(MetricsFormatError, match=names):
+        parse_backend_metrics(text, metrics_format)
+
+
+def test_an_unknown_format_name_is_a_value_error():
+    with pytest.raises(ValueError, match="unknown metrics format 'tgi'"):
+        parse_backend_metrics(VLLM_TEXT, "tgi")

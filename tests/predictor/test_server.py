@@ -206,3 +206,62 @@ async def test_a_line_logged_while_a_call_is_handled_names_its_request_and_trace
     (line,) = [json.loads(text) for text in buffer.getvalue().splitlines()]
     assert line["message"].startswith("state source: ledger") and line["level"] == "WARNING"
     assert (line["request_id"], line["trace_id"]) == ("abc/1", TRACE_ID)
+
+
+async def test_beside_sglang_the_sidecar_reads_its_limits_and_reconciles_from_its_metrics(caplog):
+    caplog.set_level("INFO", logger="predictor.server")
+    emu = await start_emulator(EmulatorConfig(port=0, engine=ENGINE, time_scale=20.0, api="sglang"))
+    backend = f"127.0.0.1:{emu.port}"
+    flags = EngineConfig(max_num_seqs=48, max_num_batched_tokens=512, block_size=16, num_gpu_blocks=100)
+    sidecar = Sidecar(SidecarConfig(backend=backend, listen="127.0.0.1:0", engine=flags, visibility_grace_s=0.3,
+                                    time_scale=20.0))
+    await sidecar.start()
+    try:
+        await _wait(lambda: sidecar.last_reconciled_s is not None)
+        assert sidecar.ledger.scheduler.config == ENGINE  # limits from /get_server_info, KV from /metrics
+        assert _start_line(caplog).startswith(
+            f"backend {backend}: KV cache 512 blocks x 16 tokens (from the backend's sglang:cache_config_info); "
+            "engine limits max_num_seqs 8, max_num_batched_tokens 256, chunked prefill on (from the backend's "
+            "/get_server_info)")
+        async with aiohttp.ClientSession() as session:
+            body = {"text": "hi", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+            tasks = [asyncio.create_task(session.post(f"{emu.base_url}/generate", json=body)) for _ in range(5)]
+            await _wait(lambda: sidecar.ledger.num_unfinished() >= 5)  # phantoms from sglang:num_running_reqs
+            for task in tasks:
+                task.cancel()
+    finally:
+        await sidecar.stop()
+        await emu.stop()
+
+
+async def test_a_vllm_backend_named_sglang_is_never_reconciled(emulator):
+    sidecar, channel, stub = await start_sidecar(f"127.0.0.1:{emulator.port}", backend_engine="sglang")
+    try:
+        await asyncio.sleep(0.5)
+        assert sidecar.last_reconciled_s is None  # every scrape lacks SGLang's gauges
+        reply = await stub.Predict(pb.PredictRequest(num_prompt_tokens=10, num_predicted_output_tokens=10), timeout=5)
+        assert reply.e2e_s > 0  # the ledger still answers
+    finally:
+        await channel.close()
+        await sidecar.stop()
+
+
+@pytest.mark.parametrize(("info", "expected"), [
+    ({"max_running_requests": 8, "chunked_prefill_size": 256, "page_size": 16, "max_total_num_tokens": 1600},
+     EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, block_size=16, num_gpu_blocks=100)),
+    ({"max_running_requests": None, "chunked_prefill_size": -1, "max_prefill_tokens": 16384, "page_size": 1,
+      "internal_states": [{"max_total_num_tokens": 5000}]},
+     EngineConfig(max_num_batched_tokens=16384, enable_chunked_prefill=False, block_size=1, num_gpu_blocks=5000)),
+    ({"unrelated": True}, EngineConfig()),
+])
+def test_sglang_server_info_maps_onto_the_engine_limits(info, expected):
+    from predictor.server import sglang_engine_limits
+    assert sglang_engine_limits(info, EngineConfig()) == expected
+
+
+def test_server_info_that_is_not_an_object_or_makes_bad_limits_is_a_value_error():
+    from predictor.server import sglang_engine_limits
+    with pytest.raises(ValueError, match="not an object"):
+        sglang_engine_limits([1], EngineConfig())
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        sglang_engine_limits({"max_running_requests": 1024, "chunked_prefill_size": 512}, EngineConfig())
