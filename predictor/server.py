@@ -180,7 +180,9 @@ def _positive(info: dict, key: str) -> int | None:
 def sglang_engine_limits(info: dict, engine: EngineConfig) -> EngineConfig:
     """``engine`` with the limits an SGLang server's ``/get_server_info`` object states (missing ones kept).
 
-    Mapping (python/sglang/srt/server_args.py names): ``max_running_requests`` -> max_num_seqs;
+    Mapping (python/sglang/srt/server_args.py names): ``max_running_requests`` (null unless set: then
+    ``internal_states[0].effective_max_running_requests_per_dp``, what the scheduler chose; SGLang 0.5.23) ->
+    max_num_seqs;
     ``chunked_prefill_size`` -> max_num_batched_tokens (-1 or null: chunked prefill off, the budget then
     ``max_prefill_tokens``); ``page_size`` -> block_size; ``max_total_num_tokens`` (the KV pool, tokens; top level
     or in ``internal_states[0]``) // page_size -> num_gpu_blocks.
@@ -193,7 +195,8 @@ def sglang_engine_limits(info: dict, engine: EngineConfig) -> EngineConfig:
     states = info.get("internal_states")
     state = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
     changes: dict = {}
-    if (max_running := _positive(info, "max_running_requests")) is not None:
+    max_running = _positive(info, "max_running_requests") or _positive(state, "effective_max_running_requests_per_dp")
+    if max_running is not None:
         changes["max_num_seqs"] = max_running
     chunk = info.get("chunked_prefill_size")
     if (size := _positive(info, "chunked_prefill_size")) is not None:
@@ -566,7 +569,7 @@ class Sidecar:
         except (aiohttp.ClientError, asyncio.TimeoutError, MetricsFormatError) as exc:
             logger.warning("cannot read the backend's KV cache config yet (%s); using the flags", exc)
             return "the flags (the backend's /metrics not readable yet)", limits_source
-        info_name = "sglang:cache_config_info" if observed.engine == SGLANG else "vllm:cache_config_info"
+        info_name = "SGLang KV pool gauges" if observed.engine == SGLANG else "vllm:cache_config_info"
         engine = self.config.engine
         if observed.engine == SGLANG and self.config.discover_engine_limits:
             discovered, limits_source = await self._discover_sglang_limits(session, engine)

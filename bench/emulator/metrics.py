@@ -8,11 +8,13 @@ own wall-clock seconds (``time.monotonic()``), i.e. already multiplied by the ti
 Must not import aiohttp. Source: vllm/v1/metrics/loggers.py PrometheusStatLogger (vLLM 0.x) for names, labels
 and histogram buckets; python/sglang/srt/metrics/collector.py (``SchedulerMetricsCollector``,
 ``TokenizerMetricsCollector``) for SGLang's: gauges ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
-``sglang:num_used_tokens``, ``sglang:token_usage``, ``sglang:max_total_num_tokens``, the info gauge
-``sglang:cache_config_info`` (``page_size``, ``num_pages``: the emulator's KV blocks), the counters
+``sglang:num_used_tokens``, ``sglang:token_usage``, ``sglang:max_total_num_tokens``, ``sglang:page_size`` and
+``sglang:num_pages`` (the emulator's KV blocks; as SGLang 0.5.23 exports them, seen on a real server here), the
+counters
 ``sglang:num_retracted_requests_total`` (the emulator's preemptions), ``sglang:prompt_tokens_total``,
 ``sglang:generation_tokens_total``, ``sglang:num_requests_total`` and the latency histograms (label
-``model_name``). Known differences: no prefix-cache, spec-decode or LoRA metrics; ``server.main`` turns off
+``model_name``; the real server adds ``engine_type``, ``tp_rank``, ``pp_rank``, ``moe_ep_rank``).
+Known differences: no prefix-cache, spec-decode or LoRA metrics; ``server.main`` turns off
 ``_created`` series process-wide; the ``iteration_tokens_total`` buckets are a fixed list, not derived from
 cudagraph sizes; SGLang mode has no per-phase (queue/prefill/decode) request histograms but its queue time.
 """
@@ -88,10 +90,9 @@ class _SchedulerCollector(Collector):
         yield self._gauge("sglang:token_usage", "The token usage.", float(sched.kv_cache_usage_frac))
         yield self._gauge("sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.",
                           float(config.num_gpu_blocks * config.block_size))
-        info = GaugeMetricFamily("sglang:cache_config_info", "Cache configuration info.",
-                                 labels=[*self._label_names, *self._cache_info])
-        info.add_metric([*self._labels, *self._cache_info.values()], 1.0)
-        yield info
+        # SGLang 0.5.23 states its KV pool as these gauges (older releases: labels of sglang:cache_config_info).
+        yield self._gauge("sglang:page_size", "The page size of the KV cache.", float(config.block_size))
+        yield self._gauge("sglang:num_pages", "The number of pages in the KV cache.", float(config.num_gpu_blocks))
         retracted = CounterMetricFamily("sglang:num_retracted_requests", "Total number of retracted requests.",
                                         labels=self._label_names)
         retracted.add_metric(self._labels, float(sched.num_preemptions_total))
@@ -104,8 +105,8 @@ class EmulatorMetrics:
     Args:
         scheduler: the instance's ``predictor.sim.Scheduler`` (read at scrape time).
         model_name: served model name, the ``model_name`` label.
-        cache_info: labels of ``vllm:cache_config_info`` (e.g. block_size, num_gpu_blocks) or, SGLang mode, of
-            ``sglang:cache_config_info`` (page_size, num_pages), values as strings.
+        cache_info: labels of ``vllm:cache_config_info`` (e.g. block_size, num_gpu_blocks), values as strings
+            (unused in SGLang mode: its KV pool is the page gauges).
         api: ``vllm`` or ``sglang``: whose metric names (module docstring).
 
     Raises:

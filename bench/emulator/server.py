@@ -172,12 +172,9 @@ class _Instance:
         self.config = config
         self.tracer = tracer
         self.scheduler = Scheduler(config.engine)
-        if config.api == "sglang":
-            cache_info = {"page_size": str(config.engine.block_size), "num_pages": str(config.engine.num_gpu_blocks)}
-        else:
-            cache_info = {"block_size": str(config.engine.block_size),
-                          "num_gpu_blocks": str(config.engine.num_gpu_blocks), "cache_dtype": "auto",
-                          "enable_prefix_caching": "False"}
+        cache_info = {"block_size": str(config.engine.block_size),
+                      "num_gpu_blocks": str(config.engine.num_gpu_blocks), "cache_dtype": "auto",
+                      "enable_prefix_caching": "False"}  # vllm:cache_config_info (SGLang mode: gauges instead)
         self.metrics = EmulatorMetrics(self.scheduler, config.served_model_name, cache_info, config.api)
         self.engine = EngineLoop(self.scheduler, load_batch_time_model(config.batch_time_model), self.metrics,
                                  time_scale=config.time_scale, step_noise_frac=config.step_noise_frac,

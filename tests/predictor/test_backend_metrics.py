@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from predictor.backend_metrics import MetricsFormatError, parse_backend_metrics, parse_sglang_metrics, parse_vllm_metrics
@@ -98,3 +100,12 @@ def test_a_format_without_its_gauges_is_refused_with_their_names(text, metrics_f
 def test_an_unknown_format_name_is_a_value_error():
     with pytest.raises(ValueError, match="unknown metrics format 'tgi'"):
         parse_backend_metrics(VLLM_TEXT, "tgi")
+
+
+def test_a_real_sglang_0_5_23_scrape():
+    """Captured from a real SGLang 0.5.23 server on this CPU (bench/README-sglang.md): no cache_config_info, the KV
+    pool as sglang:page_size / sglang:num_pages gauges, labels engine_type, tp_rank, pp_rank, moe_ep_rank."""
+    text = (Path(__file__).parent / "data" / "sglang-0.5.23-metrics.txt").read_text()
+    obs = parse_backend_metrics(text)
+    assert (obs.engine, obs.num_running, obs.num_waiting, obs.num_gpu_blocks, obs.block_size) == \
+        ("sglang", 0, 0, 4096, 1)

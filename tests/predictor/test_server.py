@@ -220,7 +220,7 @@ async def test_beside_sglang_the_sidecar_reads_its_limits_and_reconciles_from_it
         await _wait(lambda: sidecar.last_reconciled_s is not None)
         assert sidecar.ledger.scheduler.config == ENGINE  # limits from /get_server_info, KV from /metrics
         assert _start_line(caplog).startswith(
-            f"backend {backend}: KV cache 512 blocks x 16 tokens (from the backend's sglang:cache_config_info); "
+            f"backend {backend}: KV cache 512 blocks x 16 tokens (from the backend's SGLang KV pool gauges); "
             "engine limits max_num_seqs 8, max_num_batched_tokens 256, chunked prefill on (from the backend's "
             "/get_server_info)")
         async with aiohttp.ClientSession() as session:
@@ -265,3 +265,14 @@ def test_server_info_that_is_not_an_object_or_makes_bad_limits_is_a_value_error(
         sglang_engine_limits([1], EngineConfig())
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         sglang_engine_limits({"max_running_requests": 1024, "chunked_prefill_size": 512}, EngineConfig())
+
+
+def test_a_real_sglang_0_5_23_server_info_gives_its_limits():
+    """Captured from a real SGLang 0.5.23 (bench/README-sglang.md): max_running_requests null, the scheduler's
+    choice in internal_states."""
+    from pathlib import Path
+
+    from predictor.server import sglang_engine_limits
+    info = json.loads((Path(__file__).parent / "data" / "sglang-0.5.23-server-info.json").read_text())
+    assert sglang_engine_limits(info, EngineConfig()) == EngineConfig(
+        max_num_seqs=2048, max_num_batched_tokens=4096, block_size=1, num_gpu_blocks=4096)
