@@ -4,9 +4,12 @@ No Kubernetes API server runs here. What is checked instead:
 
 - Rendering: every kustomization is built with kustomize (``kustomize build`` or ``kubectl kustomize``, whichever
   is on PATH) and, independently, by a minimal resolver in this file (resources, components, namespace,
-  configMapGenerator, images, strategic-merge patches from files: the only features the manifests use); the two
-  must agree. Without a kustomize
+  configMapGenerator, images, strategic-merge patches from files with null deleting a key and ``$patch: delete``
+  removing a named list item: the only features the manifests use); the two must agree. Without a kustomize
   binary the resolver's output is what the other tests check, and the agreement test is skipped.
+- Engines: every overlay also renders with components/sglang (SGLang model servers): overlays/sglang-standalone-envoy
+  ships that way, and each other overlay is composed with the component in a temporary kustomization
+  (``<overlay>+sglang``), so each check below that takes an overlay runs on the SGLang variants too.
 - Schemas: built-in kinds against the Kubernetes OpenAPI schemas (the ``kubernetes-validate`` package, strict:
   unknown fields are errors) at the oldest and newest versions the README claims; InferencePool, HTTPRoute and
   Gateway against the openAPIV3Schema of their CRDs at the versions the README pins (tests/deploy/crd_schemas/,
@@ -36,9 +39,18 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
 SCHEMAS = Path(__file__).resolve().parent / "crd_schemas"
-OVERLAYS = ("base", "overlays/inference-extension", "overlays/istio", "overlays/istio-envoyfilter",
-            "overlays/standalone-envoy")
-ROUTED = OVERLAYS[1:]
+VLLM_OVERLAYS = ("base", "overlays/inference-extension", "overlays/istio", "overlays/istio-envoyfilter",
+                 "overlays/standalone-envoy")
+SGLANG_COMPONENT = "components/sglang"
+SGLANG_OVERLAYS = {"overlays/sglang-standalone-envoy": "overlays/standalone-envoy"}
+"""Shipped overlays that add components/sglang, and the vLLM overlay each one builds on."""
+COMPOSED_SUFFIX = "+sglang"
+SGLANG_VARIANTS = tuple(SGLANG_OVERLAYS) + tuple(o + COMPOSED_SUFFIX for o in VLLM_OVERLAYS
+                                                 if o not in SGLANG_OVERLAYS.values())
+"""Every vLLM overlay with SGLang servers: a shipped overlay where there is one, else ``<overlay>+sglang``, the
+overlay and the component composed in a temporary kustomization (`overlay_dir`)."""
+OVERLAYS = VLLM_OVERLAYS + SGLANG_VARIANTS
+ROUTED = tuple(o for o in OVERLAYS if o not in ("base", "base" + COMPOSED_SUFFIX))
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
 """Oldest (native sidecars, the preStop sleep action) and newest Kubernetes the manifests are checked against."""
 
@@ -111,24 +123,34 @@ def _set_image(image: str, rules: list[dict]) -> str:
 
 def _strategic_merge(target: object, patch: object) -> object:
     """``patch`` merged into ``target`` as a strategic merge patch does for the fields the manifests patch: maps
-    recursively, lists of named items (containers, env, volumes, ports with names) by ``name``, anything else
-    replaced. Directives (``$patch``, ``$setElementOrder``...) are not supported."""
+    recursively (a null value deletes the key), lists of named items (containers, env, volumes, ports with names)
+    by ``name``, anything else replaced. A merged list holds the patch's items in the patch's order (each merged
+    into the target's item of its name, if any), then the target's other items in their order, as kustomize
+    writes it; an item ``{name: X, $patch: delete}`` removes X. Other directives (``$patch: replace``,
+    ``$setElementOrder``...) are not supported."""
     if isinstance(target, dict) and isinstance(patch, dict):
         assert not any(k.startswith("$") for k in patch), f"unsupported directive in {patch}"
         merged = dict(target)
         for key, value in patch.items():
-            merged[key] = _strategic_merge(target[key], value) if key in target else copy.deepcopy(value)
+            if value is None:
+                merged.pop(key, None)
+            else:
+                merged[key] = _strategic_merge(target[key], value) if key in target else copy.deepcopy(value)
         return merged
     if (isinstance(target, list) and isinstance(patch, list)
             and all(isinstance(i, dict) and "name" in i for i in target + patch)):
-        merged = list(target)
+        existing = {item["name"]: item for item in target}
+        merged = []
         for item in patch:
-            at = [n for n, existing in enumerate(merged) if existing["name"] == item["name"]]
-            if at:
-                merged[at[0]] = _strategic_merge(merged[at[0]], item)
+            if "$patch" in item:
+                assert item == {"name": item["name"], "$patch": "delete"}, f"unsupported directive in {item}"
+                assert item["name"] in existing, f"$patch: delete of {item['name']!r}, which is not there"
+            elif item["name"] in existing:
+                merged.append(_strategic_merge(existing[item["name"]], item))
             else:
                 merged.append(copy.deepcopy(item))
-        return merged
+        named = {item["name"] for item in patch}
+        return merged + [copy.deepcopy(item) for item in target if item["name"] not in named]
     return copy.deepcopy(patch)
 
 
@@ -200,12 +222,41 @@ def _unhash(objects: list[dict]) -> list[dict]:
     return [walk(o) for o in objects]
 
 
+def gateway_overlay(overlay: str) -> str:
+    """The vLLM overlay ``overlay`` is, or adds SGLang servers to (its gateway, discovery and fallback list)."""
+    return SGLANG_OVERLAYS.get(overlay, overlay.removesuffix(COMPOSED_SUFFIX))
+
+
+def engine_of(overlay: str) -> str:
+    """``vllm`` or ``sglang``: the model servers ``overlay`` renders."""
+    return "sglang" if overlay in SGLANG_VARIANTS else "vllm"
+
+
+@functools.cache
+def overlay_dir(overlay: str) -> Path:
+    """The kustomization directory of ``overlay``; for ``<overlay>+sglang`` a temporary one that takes the overlay
+    and adds components/sglang, as a user's own overlay would (paths relative: kustomize's load restrictions)."""
+    if not overlay.endswith(COMPOSED_SUFFIX):
+        return K8S / overlay
+    import atexit
+    import os
+    import tempfile
+
+    directory = Path(tempfile.mkdtemp(prefix="astrolabe-kustomize-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    relative = functools.partial(os.path.relpath, start=directory)
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [relative(K8S / gateway_overlay(overlay))], "components": [relative(K8S / SGLANG_COMPONENT)]}))
+    return directory
+
+
 @functools.cache
 def _build_cached(overlay: str) -> str:
     command = _kustomize_command()
     if command is None:
-        return json.dumps(resolve(K8S / overlay))
-    out = subprocess.run([*command, str(K8S / overlay)], check=True, capture_output=True, text=True).stdout
+        return json.dumps(resolve(overlay_dir(overlay)))
+    out = subprocess.run([*command, str(overlay_dir(overlay))], check=True, capture_output=True, text=True).stdout
     return json.dumps(_unhash([o for o in yaml.safe_load_all(out) if o]))
 
 
@@ -224,6 +275,13 @@ def find(objects: list[dict], kind: str, name: str, api_version: str | None = No
 def container_of(objects: list[dict], deployment: str, container: str) -> dict:
     (match,) = [c for c in _pod_containers(find(objects, "Deployment", deployment)) if c["name"] == container]
     return match
+
+
+def model_server(objects: list[dict]) -> dict:
+    """The model server's container in the astrolabe-vllm pods (their one regular container: vllm, or sglang with
+    components/sglang; the predictor sidecar is an init container)."""
+    (container,) = find(objects, "Deployment", "astrolabe-vllm")["spec"]["template"]["spec"]["containers"]
+    return container
 
 
 def _pod_labels(deployment: dict) -> dict[str, str]:
@@ -302,7 +360,7 @@ def test_kustomize_and_the_resolver_agree(overlay):
         return (o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"])
 
     rendered = {key(o): o for o in build(overlay)}
-    resolved = {key(o): o for o in resolve(K8S / overlay)}
+    resolved = {key(o): o for o in resolve(overlay_dir(overlay))}
     assert rendered.keys() == resolved.keys()
     for k, obj in resolved.items():
         assert rendered[k] == obj, k
@@ -513,16 +571,17 @@ def _extproc_config(objects: list[dict], tmp_dir: Path | None = None):
         return load_config(path, environ=environ), container, deployment
 
 
-def test_extproc_config_parses_and_matches_the_pod():
-    objects = build("base")
+@pytest.mark.parametrize("overlay", ("base", "base" + COMPOSED_SUFFIX))
+def test_extproc_config_parses_and_matches_the_pod(overlay):
+    objects = build(overlay)
     config, container, deployment = _extproc_config(objects)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert config.listen.rpartition(":") == ("0.0.0.0", ":", str(ports["grpc-ext-proc"]))
     assert config.metrics_listen.rpartition(":") == ("0.0.0.0", ":", str(ports["http-metrics"]))
     grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace > config.drain_delay_s + config.grace_period_s
-    vllm_probe = container_of(objects, "astrolabe-vllm", "vllm")["readinessProbe"]
-    assert config.health_check.path == vllm_probe["httpGet"]["path"]
+    server_probe = model_server(objects)["readinessProbe"]
+    assert config.health_check.path == server_probe["httpGet"]["path"]
     assert "endpoints" not in yaml.safe_load(_extproc_config_file(objects)[0])  # discovered, not listed
 
 
@@ -581,7 +640,7 @@ def test_picker_discovers_the_vllm_pods(overlay):
     config, _, _ = _extproc_config(objects)
     discovery = config.discovery
     assert discovery.source == "kubernetes" and config.endpoints == ()
-    by = DISCOVERY_BY[overlay]
+    by = DISCOVERY_BY[gateway_overlay(overlay)]
     assert (discovery.label_selector is not None, discovery.inference_pool is not None) == (
         by == "label_selector", by == "inference_pool"), discovery
     if by == "inference_pool":  # the pool this overlay creates, the one its HTTPRoute sends traffic to
@@ -593,7 +652,8 @@ def test_picker_discovers_the_vllm_pods(overlay):
     namespace, selector, ports = _discovered_pods(objects, config)
     selected = _selected_deployments(objects, namespace, selector)
     assert [d["metadata"]["name"] for d in selected] == ["astrolabe-vllm"]
-    vllm = container_of(objects, "astrolabe-vllm", "vllm")
+    vllm = model_server(objects)
+    assert vllm["name"] == engine_of(overlay)
     assert ports == discovery.target_ports  # the same ports with or without the pool
     for port in ports:
         assert _port_number(vllm, port) == port
@@ -630,7 +690,7 @@ def test_fallback_lists_only_for_a_gateway_that_takes_one(overlay):
     gateways were not tried with a list."""
     objects = build(overlay)
     config, _, _ = _extproc_config(objects)
-    if overlay != "overlays/standalone-envoy":
+    if gateway_overlay(overlay) != "overlays/standalone-envoy":
         assert config.fallback_endpoints == 0
         return
     envoy = yaml.safe_load(_configmap_data(objects, "astrolabe-envoy-config")["envoy.yaml"])
@@ -718,7 +778,7 @@ def test_the_readmes_dns_discovery_variant_resolves_the_headless_vllm_service():
     assert service["spec"]["clusterIP"] == "None" and not service["spec"].get("publishNotReadyAddresses", False)
     (vllm_deployment,) = _selected_deployments(objects, namespace, service["spec"]["selector"])
     assert vllm_deployment["metadata"]["name"] == "astrolabe-vllm"
-    vllm = container_of(objects, "astrolabe-vllm", "vllm")
+    vllm = model_server(objects)
     assert _port_number(vllm, discovery.target_ports[0]) == discovery.target_ports[0]
     assert isinstance(discovery.predictor_port, int)
     _resolved_predictor_port(objects, discovery.predictor_port)
@@ -776,59 +836,162 @@ def test_sidecar_and_vllm_share_the_memory_backed_dev_shm():
     assert f"--vllm-state-path={state_path}" in args and "--state-source=vllm-plugin" in args
 
 
-def test_predictor_is_a_native_sidecar():
-    predictor = container_of(build("base"), "astrolabe-vllm", "predictor")
-    pod = find(build("base"), "Deployment", "astrolabe-vllm")["spec"]["template"]["spec"]
+@pytest.mark.parametrize("overlay", ("base", "base" + COMPOSED_SUFFIX))
+def test_predictor_is_a_native_sidecar(overlay):
+    predictor = container_of(build(overlay), "astrolabe-vllm", "predictor")
+    pod = find(build(overlay), "Deployment", "astrolabe-vllm")["spec"]["template"]["spec"]
     assert predictor in pod["initContainers"] and predictor["restartPolicy"] == "Always"
 
 
-def test_engine_limits_are_given_once_and_read_by_both_containers():
-    objects = build("base")
-    vllm = container_of(objects, "astrolabe-vllm", "vllm")
-    predictor = container_of(objects, "astrolabe-vllm", "predictor")
-    engine = _configmap_data(objects, "astrolabe-engine")
-    for flag, key in (("--max-num-seqs", "MAX_NUM_SEQS"), ("--max-num-batched-tokens", "MAX_NUM_BATCHED_TOKENS"),
-                      ("--block-size", "BLOCK_SIZE")):
-        assert int(engine[key]) > 0
-        for container in (vllm, predictor):
-            given = [a for a in container["args"] if a.startswith(flag + "=") or a == flag]
-            assert given == [f"{flag}=$({key})"], (container["name"], flag, given)
-    # The sidecar's flags, expanded as the kubelet does, parse with the sidecar's own parser.
+ENGINE_FLAGS = {
+    "vllm": {"MAX_NUM_SEQS": "--max-num-seqs", "MAX_NUM_BATCHED_TOKENS": "--max-num-batched-tokens",
+             "BLOCK_SIZE": "--block-size", "MAX_MODEL_LEN": "--max-model-len"},
+    "sglang": {"MAX_NUM_SEQS": "--max-running-requests", "MAX_NUM_BATCHED_TOKENS": "--chunked-prefill-size",
+               "BLOCK_SIZE": "--page-size", "MAX_MODEL_LEN": "--context-length"},
+}
+"""engine.env's limits (vLLM's names and meanings) on each server's flags: vLLM's own; SGLang's for the same limits
+(python/sglang/srt/server_args.py; its /get_server_info reports them under the flags' field names)."""
+SIDECAR_FLAGS = {"MAX_NUM_SEQS": "--max-num-seqs", "MAX_NUM_BATCHED_TOKENS": "--max-num-batched-tokens",
+                 "BLOCK_SIZE": "--block-size"}
+SERVER_COMMANDS = {"vllm": ["vllm", "serve"], "sglang": ["python3", "-m", "sglang.launch_server"]}
+
+
+def _sidecar_args(objects: list[dict]):
+    """The sidecar's flags, expanded as the kubelet does, parsed by the sidecar's own parser."""
     from predictor.cli import _parser
 
-    args = _parser().parse_args(["serve", *[_expand(a, _env_of(objects, predictor)) for a in predictor["args"]]])
+    predictor = container_of(objects, "astrolabe-vllm", "predictor")
+    return _parser().parse_args(["serve", *[_expand(a, _env_of(objects, predictor)) for a in predictor["args"]]])
+
+
+@pytest.mark.parametrize("overlay", ("base", "base" + COMPOSED_SUFFIX))
+def test_engine_limits_are_given_once_and_read_by_both_containers(overlay):
+    objects = build(overlay)
+    engine_name = engine_of(overlay)
+    server = model_server(objects)
+    assert server["name"] == engine_name and server["command"] == SERVER_COMMANDS[engine_name]
+    predictor = container_of(objects, "astrolabe-vllm", "predictor")
+    engine = _configmap_data(objects, "astrolabe-engine")
+    for container, flags in ((server, ENGINE_FLAGS[engine_name]), (predictor, SIDECAR_FLAGS)):
+        for key, flag in flags.items():
+            assert int(engine[key]) > 0
+            given = [a for a in container["args"] if a.startswith(flag + "=") or a == flag]
+            assert given == [f"{flag}=$({key})"], (container["name"], flag, given)
+    args = _sidecar_args(objects)
     assert (args.max_num_seqs, args.max_num_batched_tokens, args.block_size) == (
         int(engine["MAX_NUM_SEQS"]), int(engine["MAX_NUM_BATCHED_TOKENS"]), int(engine["BLOCK_SIZE"]))
-    assert args.backend == f"127.0.0.1:{_port_number(vllm, 'http')}"
+    assert args.backend == f"127.0.0.1:{_port_number(server, 'http')}"
+    assert args.backend_engine in (engine_name, "auto")  # auto: read from the metric names
     assert args.listen.endswith(f":{_port_number(predictor, 'grpc-predictor')}")
     assert args.metrics_listen.endswith(f":{_port_number(predictor, 'http-metrics')}")
     from predictor.server import load_batch_time
 
     load_batch_time(args.batch_time_model, 1.0)  # the shipped model the ConfigMap names exists
-    # vLLM serves the model under the name the picker's endpoints list.
-    expanded = [_expand(a, _env_of(objects, vllm)) for a in vllm["args"]]
+    # The server serves the model under the name the picker's endpoints list.
+    expanded = [_expand(a, _env_of(objects, server)) for a in server["args"]]
     assert f"--served-model-name={engine['SERVED_MODEL_NAME']}" in expanded
-    assert expanded[0] == engine["MODEL"] and vllm["command"] == ["vllm", "serve"]
+    if engine_name == "vllm":
+        assert expanded[0] == engine["MODEL"]
+    else:
+        assert f"--model-path={engine['MODEL']}" in expanded
 
 
-def test_vllm_pod_requests_a_gpu():
-    vllm = container_of(build("base"), "astrolabe-vllm", "vllm")
-    assert int(vllm["resources"]["limits"]["nvidia.com/gpu"]) >= 1
-    assert vllm["resources"]["requests"]["nvidia.com/gpu"] == vllm["resources"]["limits"]["nvidia.com/gpu"]
+@pytest.mark.parametrize("overlay", SGLANG_VARIANTS)
+def test_sglang_sidecar_reads_sglang_on_its_ledger(overlay):
+    """Beside SGLang the sidecar reads SGLang (its /metrics names, its /get_server_info limits) and predicts from its
+    ledger: no plugin flag, no state file in the pod; SGLang serves /metrics and has no prefix cache; and the
+    limits SGLang reports back, under its flags' names, are the ones the sidecar was given."""
+    from predictor.engine_flags import engine_from_args
+    from predictor.server import sglang_engine_limits
+    from predictor.state_source import STATE_SOURCE_LEDGER, PluginStateSource
+    from predictor.vllm_plugin import ENV_STATE_PATH
+
+    objects = build(overlay)
+    server = model_server(objects)
+    predictor = container_of(objects, "astrolabe-vllm", "predictor")
+    assert ENV_STATE_PATH not in _configmap_data(objects, "astrolabe-engine")
+    for container in (server, predictor):
+        assert ENV_STATE_PATH not in _env_of(objects, container), container["name"]
+    assert not [a for a in predictor["args"] if a.startswith(("--vllm-state-path", "--state-source=vllm-plugin"))]
+    args = _sidecar_args(objects)
+    assert args.backend_engine == "sglang" and args.discover_engine_limits
+    assert args.state_source == STATE_SOURCE_LEDGER and args.vllm_state_path is None
+    PluginStateSource(args.state_source, args.vllm_state_path)  # as `predictor serve` checks them at start
+    assert {"--enable-metrics", "--disable-radix-cache"} <= set(server["args"])
+    engine = _configmap_data(objects, "astrolabe-engine")
+    given = engine_from_args(args)
+    info = {flag.removeprefix("--").replace("-", "_"): int(engine[key])
+            for key, flag in ENGINE_FLAGS["sglang"].items()}
+    info["max_total_num_tokens"] = 4096 * info["page_size"]
+    discovered = sglang_engine_limits(info, given)
+    assert (discovered.max_num_seqs, discovered.max_num_batched_tokens, discovered.block_size) == (
+        given.max_num_seqs, given.max_num_batched_tokens, given.block_size)
+
+
+@pytest.mark.parametrize("overlay", SGLANG_VARIANTS)
+def test_sglang_health_checks_wait_for_its_slow_health(overlay):
+    """SGLang's /health answers after about a second: the kubelet's probes and the picker's health checks give it
+    3 s or more (the kubelet's default timeout is 1 s, the picker's 1.0 s), and the picker reads SGLang's metrics."""
+    from extproc.pool import SGLANG_HEALTH_PATHS, SGLANG_HEALTH_S
+
+    objects = build(overlay)
+    server = model_server(objects)
+    for name in ("startupProbe", "livenessProbe", "readinessProbe"):
+        probe = server[name]
+        assert probe["httpGet"]["path"] in SGLANG_HEALTH_PATHS, name
+        assert probe.get("timeoutSeconds", 1) >= 3 * SGLANG_HEALTH_S, name
+        assert probe.get("periodSeconds", 10) > probe["timeoutSeconds"], name
+    config, _, _ = _extproc_config(objects)
+    assert config.health_check.path == server["readinessProbe"]["httpGet"]["path"]
+    assert config.health_check.timeout_s >= 3 * SGLANG_HEALTH_S
+    assert config.metrics_format == "sglang"
+
+
+def test_sglang_image_is_the_official_one_pinned_and_named_in_the_readme():
+    image = model_server(build("overlays/sglang-standalone-envoy"))["image"]
+    name, _, tag = image.rpartition(":")
+    assert name == "lmsysorg/sglang" and re.fullmatch(r"v[0-9]+\.[0-9]+\.[0-9]+(\.post[0-9]+)?", tag), image
+    assert image in (K8S / "README.md").read_text()
+
+
+def test_the_resolvers_deletions_are_kustomizes():
+    """The resolver's two directives, as kustomize applies them (the agreement test checks them against kustomize
+    where it is installed): a null deletes a key, ``$patch: delete`` removes a named item, and a deletion of an
+    item that is not there is an error."""
+    target = {"data": {"A": "1", "B": "2"}, "env": [{"name": "A", "value": "1"}, {"name": "C", "value": "1"}],
+              "containers": [{"name": "vllm", "image": "x"}, {"name": "other"}]}
+    patch = {"data": {"A": None}, "env": [{"name": "C", "value": "2"}, {"name": "B", "value": "2"}],
+             "containers": [{"name": "vllm", "$patch": "delete"}, {"name": "sglang"}]}
+    assert _strategic_merge(target, patch) == {  # as kustomize 5.5.0 (kubectl kustomize) writes them
+        "data": {"B": "2"},
+        "env": [{"name": "C", "value": "2"}, {"name": "B", "value": "2"}, {"name": "A", "value": "1"}],
+        "containers": [{"name": "sglang"}, {"name": "other"}]}
+    with pytest.raises(AssertionError):
+        _strategic_merge(target, {"containers": [{"name": "absent", "$patch": "delete"}]})
+    with pytest.raises(AssertionError):
+        _strategic_merge(target, {"containers": [{"name": "vllm", "$patch": "replace"}]})
+
+
+@pytest.mark.parametrize("overlay", ("base", "base" + COMPOSED_SUFFIX))
+def test_model_server_requests_a_gpu(overlay):
+    server = model_server(build(overlay))
+    assert int(server["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    assert server["resources"]["requests"]["nvidia.com/gpu"] == server["resources"]["limits"]["nvidia.com/gpu"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Inference Extension and Istio
 
 
-@pytest.mark.parametrize("overlay", ("overlays/inference-extension", "overlays/istio"))
+@pytest.mark.parametrize("overlay", [o for o in OVERLAYS if gateway_overlay(o) in (
+    "overlays/inference-extension", "overlays/istio")])
 def test_inference_pool_references_resolve(overlay):
     objects = build(overlay)
     pool = find(objects, "InferencePool", "astrolabe-vllm")
     namespace = pool["metadata"]["namespace"]
     (vllm,) = _selected_deployments(objects, namespace, pool["spec"]["selector"]["matchLabels"])
     assert vllm["metadata"]["name"] == "astrolabe-vllm"
-    model_container = container_of(objects, "astrolabe-vllm", "vllm")
+    model_container = model_server(objects)
     for port in pool["spec"]["targetPorts"]:
         assert _port_number(model_container, port["number"]) == port["number"]
     ref = pool["spec"]["endpointPickerRef"]
@@ -1016,7 +1179,7 @@ def _check_standalone_backends(objects: list[dict], backends: dict, listener: di
     _, selector, ports = _discovered_pods(objects, config)
     assert selector.items() <= _pod_labels(selected).items()
     assert [address["port_value"]] == list(ports)
-    assert _port_number(container_of(objects, "astrolabe-vllm", "vllm"), address["port_value"]) is not None
+    assert _port_number(model_server(objects), address["port_value"]) is not None
     (policy,) = backends["load_balancing_policy"]["policies"]
     override = policy["typed_extension_config"]
     assert override["name"] == "envoy.load_balancing_policies.override_host"
@@ -1049,8 +1212,9 @@ def test_standalone_envoy_backends_check_fails_on_a_mismatch():
         _check_standalone_backends(objects, clusters["backends"], listener)
 
 
-def test_standalone_envoy_wiring():
-    objects = build("overlays/standalone-envoy")
+@pytest.mark.parametrize("overlay", [o for o in OVERLAYS if gateway_overlay(o) == "overlays/standalone-envoy"])
+def test_standalone_envoy_wiring(overlay):
+    objects = build(overlay)
     envoy_text = _configmap_data(objects, "astrolabe-envoy-config")["envoy.yaml"]
     config = yaml.safe_load(envoy_text)
     deployment = find(objects, "Deployment", "astrolabe-envoy")
