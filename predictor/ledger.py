@@ -180,8 +180,10 @@ class Ledger:
         config = self.scheduler.config
         # Open-ended: as long as the KV cache could ever hold, so that only Release ends it.
         num_open_ended_tokens = max(config.num_gpu_blocks * config.block_size - num_prompt_tokens, num_output_tokens)
+        # max_new_tokens: SGLang's admission reserves KV by each request's cap (predictor.sim.scheduler).
         self.engine.add_request(SimRequest(request_id, num_prompt_tokens, num_open_ended_tokens,
-                                           arrival_time_s=max(now_s, self.engine.now_s)))
+                                           arrival_time_s=max(now_s, self.engine.now_s),
+                                           max_new_tokens=max_tokens or None))
         self._admitted_at_s[request_id] = now_s
         self._admitted[request_id] = _Admitted(num_output_tokens, max_tokens or None, length_source)
         self._mean_prompt_tokens += _EMA_WEIGHT * (num_prompt_tokens - self._mean_prompt_tokens)

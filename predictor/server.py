@@ -107,6 +107,9 @@ class SidecarConfig:
         discover_engine_limits: beside SGLang, take max_num_seqs, max_num_batched_tokens and the KV cache from
             ``/get_server_info`` at start (vLLM publishes no such endpoint: its limits come from the flags or the
             plugin's state file).
+        follow_backend_scheduling: model the backend's scheduler rules: ``sglang`` (``predictor.sim.scheduler``)
+            once the backend shows itself as SGLang, else ``engine.scheduling``; False = ``engine.scheduling``
+            always (the CLI: an explicit ``--scheduling``).
     """
 
     backend: str
@@ -133,6 +136,7 @@ class SidecarConfig:
     backend_tls: BackendTls | None = None
     backend_engine: str = "auto"
     discover_engine_limits: bool = True
+    follow_backend_scheduling: bool = True
 
 
 def resolve_batch_time_model(batch_time_model: str | None, model_config: str | None) -> str:
@@ -477,7 +481,8 @@ class Sidecar:
         scheduler = self.ledger.scheduler
         # The ledger's clock may stand at the end of the step in progress, a little ahead of now.
         snapshot = self.ledger.snapshot().fit_to_kv_cache()
-        new = snapshot.fit_request(RequestState("new", num_prompt_tokens, expected_tokens))
+        new = snapshot.fit_request(RequestState("new", num_prompt_tokens, expected_tokens,
+                                                max_new_tokens=max_tokens or None))
         result = predict(snapshot, new, self.batch_time)
         lag_s = self.ledger.engine.now_s - now_s
         return self._corrected(pb.PredictResponse(
@@ -571,6 +576,9 @@ class Sidecar:
             return "the flags (the backend's /metrics not readable yet)", limits_source
         info_name = "SGLang KV pool gauges" if observed.engine == SGLANG else "vllm:cache_config_info"
         engine = self.config.engine
+        if observed.engine == SGLANG and self.config.follow_backend_scheduling:
+            # SGLang's rules predict its TTFT far better than V1's (bench/README.md "SGLang's scheduler").
+            engine = dataclasses.replace(engine, scheduling="sglang")
         if observed.engine == SGLANG and self.config.discover_engine_limits:
             discovered, limits_source = await self._discover_sglang_limits(session, engine)
             engine = dataclasses.replace(discovered, block_size=engine.block_size,
@@ -618,10 +626,10 @@ class Sidecar:
                 f"ledger until the plugin's state file is readable ({self.plugin.reader.last_error}; " \
                 f"--state-source {self.config.state_source})"
         logger.info("backend %s: KV cache %d blocks x %d tokens (from %s); engine limits max_num_seqs %d, "
-                    "max_num_batched_tokens %d, chunked prefill %s (from %s); state source %s; step-time model %s "
-                    "(calibration %s)", self.config.backend, engine.num_gpu_blocks, engine.block_size, kv_source,
-                    engine.max_num_seqs, engine.max_num_batched_tokens,
-                    "on" if engine.enable_chunked_prefill else "off", limits_source, source,
+                    "max_num_batched_tokens %d, chunked prefill %s (from %s); scheduler rules %s; state source %s; "
+                    "step-time model %s (calibration %s)", self.config.backend, engine.num_gpu_blocks,
+                    engine.block_size, kv_source, engine.max_num_seqs, engine.max_num_batched_tokens,
+                    "on" if engine.enable_chunked_prefill else "off", limits_source, engine.scheduling, source,
                     self.prior_batch_time.model, self.config.calibration)
 
     async def _reconcile_loop(self) -> None:
@@ -715,7 +723,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="factor on every modelled step time: 1.0 for a real GPU, an emulator's --time-scale "
                              "for an emulated backend")
     add_engine_arguments(parser, defaults.engine,
-                         kv_note="; the backend's vllm:cache_config_info replaces it at start (--discover-kv-cache)")
+                         kv_note="; the backend's vllm:cache_config_info replaces it at start (--discover-kv-cache)",
+                         scheduling_note="default: the backend's (sglang beside an SGLang server, else vllm-v1); ")
     parser.add_argument("--discover-kv-cache", action=argparse.BooleanOptionalAction,
                         default=defaults.discover_kv_cache,
                         help="at start, take block_size and num_gpu_blocks from the backend's "
@@ -825,7 +834,8 @@ def run(args: argparse.Namespace) -> int:
                                model_config=args.model_config, ingress_delay=args.ingress_delay,
                                tls=tls_from_args(args), backend_tls=backend_tls_from_args(args),
                                backend_engine=args.backend_engine,
-                               discover_engine_limits=args.discover_engine_limits)
+                               discover_engine_limits=args.discover_engine_limits,
+                               follow_backend_scheduling=args.scheduling is None)
         # Resolved once here (the cold start reads the model config and logs its choice once).
         config = dataclasses.replace(config, batch_time_model=resolve_batch_time_model(config.batch_time_model,
                                                                                        config.model_config))

@@ -167,7 +167,8 @@ class EngineLoop:
             ValueError: the scheduler refuses it (duplicate id, or it could never fit in the KV cache).
         """
         sim = SimRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
-                         num_output_tokens=num_output_tokens, arrival_time_s=time.monotonic())
+                         num_output_tokens=num_output_tokens, arrival_time_s=time.monotonic(),
+                         max_new_tokens=max_tokens)
         self.scheduler.add_request(sim)
         handle = RequestHandle(sim=sim, planned_finish_reason=planned_finish_reason, stream_interval=stream_interval,
                                next_notify_tokens=1 if stream_interval else _NEVER, max_tokens=max_tokens)

@@ -4,8 +4,8 @@
 SGLang's names, its native ``/generate`` (one JSON answer, or SSE events each carrying the whole text so far),
 ``/get_server_info`` (the engine limits: ``max_running_requests``, ``chunked_prefill_size``, ``page_size``,
 ``max_total_num_tokens``), ``/get_model_info``, and ``/health`` = ``/health_generate`` that answer after
-``sglang_api.HEALTH_POLL_S`` (1 s) as SGLang's do; the OpenAI routes stay. Its scheduling is the engine flags'
-(``--scheduling``).
+``sglang_api.HEALTH_POLL_S`` (1 s) as SGLang's do; the OpenAI routes stay. It schedules by SGLang's rules
+(``--scheduling sglang``, the default with ``--api sglang``; ``predictor.sim.scheduler``).
 
 Owns the aiohttp application, request admission (prompt counting, context-length check, output-length draw)
 and the ``astrolabe emulator`` entry point :func:`main`. Scheduling and step timing live in
@@ -578,7 +578,8 @@ def _parse_args(argv: Sequence[str]) -> tuple[EmulatorConfig, argparse.Namespace
     p.add_argument("--seed", type=int, default=d.seed, help="seeds the output lengths and the step-time noise")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="vLLM --max-model-len: context limit, prompt + output tokens")
-    add_engine_arguments(p, d.engine, kv_note="; /metrics reports it in vllm:cache_config_info")
+    add_engine_arguments(p, d.engine, kv_note="; /metrics reports it in vllm:cache_config_info",
+                         scheduling_note="default: sglang with --api sglang, else vllm-v1; ")
     p.add_argument("--batch-time-model", default=d.batch_time_model,
                    help="step-time model: a shipped name (predictor/sim/*.json) or a JSON path")
     p.add_argument("--stream-interval", type=int, default=d.stream_interval,
@@ -601,6 +602,8 @@ def _parse_args(argv: Sequence[str]) -> tuple[EmulatorConfig, argparse.Namespace
                         "OTEL_* variables decide, off when none is set")
     add_log_arguments(p)
     a = p.parse_args(list(argv))
+    if a.scheduling is None:
+        a.scheduling = "sglang" if a.api == "sglang" else "vllm-v1"
     try:
         config = EmulatorConfig(
             engine=engine_from_args(a), batch_time_model=a.batch_time_model, served_model_name=a.served_model_name,

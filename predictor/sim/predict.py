@@ -6,12 +6,16 @@ snapshot's time and simulate until that request finishes. Pure and synchronous: 
 library and `predictor.sim`.
 
 `predict` has two paths:
-- batch-time models that price a step from its counts (`LinearBatchTimeModel`: `step_time_from_counts_s`,
-  `decode_run_time_from_counts_s`) use `predictor.sim.fast_predict`, an event-driven re-implementation of the
-  scheduler's rules doing O(1)-O(log n) work per event. It is VERIFIED against `Scheduler` by the Hypothesis
-  test `tests/predictor/sim/test_predict.py::test_predict_equals_stepping_and_leaves_state_unchanged`
-  (>= 1000 generated states and configs: same TTFT/E2E up to float rounding, same step and preemption counts);
-- other models use `_predict_with_scheduler`: the real `Scheduler`, skipping pure-decode runs.
+- vLLM V1 rules (`EngineConfig.scheduling` "vllm-v1") with batch-time models that price a step from its counts
+  (`LinearBatchTimeModel`: `step_time_from_counts_s`, `decode_run_time_from_counts_s`) use
+  `predictor.sim.fast_predict`, an event-driven re-implementation of the V1 rules doing O(1)-O(log n) work per
+  event. It is VERIFIED against `Scheduler` by the Hypothesis test
+  `tests/predictor/sim/test_predict.py::test_predict_equals_stepping_and_leaves_state_unchanged` (>= 1000
+  generated states and configs: same TTFT/E2E up to float rounding, same step and preemption counts);
+- the SGLang rules ("sglang"; fast_predict does not know them) and other models use `_predict_with_scheduler`:
+  the real `Scheduler`, skipping pure-decode runs (verified for SGLang by
+  `tests/predictor/sim/test_sglang_scheduler.py::test_sglang_predict_equals_stepping`). It costs O(running
+  requests) per simulated step, far more than the event-driven path (`astrolabe bench sglang-model` measures it).
 
 `predictor.sim.fast_predict` may be compiled with mypyc (the same source, a C extension beside the .py, built by
 `pip install`; about 2.5x faster at 256 requests). The .py stays the reference: `predict(..., compiled=False)`
@@ -25,6 +29,16 @@ blocks cannot cover (a preemption would follow). A waiting request cannot become
 the sequence cap, the token budget and the head-of-queue request stay fixed and free blocks only shrink, so
 admission can only change after a completion. The first token of the new request is never inside a run (it is
 sampled by a prefill step). So a run is applied at once and priced in closed form (`decode_run_time_s`).
+
+Under the SGLang rules the same holds for a different reason. There admission COULD become possible inside a
+run, since the reservations shrink as requests generate (each running request reserves ratio x its remaining
+cap) and the ratio decays every decode step; but SGLang does not look: a decode step with requests waiting
+happens only after an admission was refused (for KV or the request cap), which marks the running batch full
+(`batch_is_full`), and no admission is tried again until a request leaves the running batch (a completion, seen
+one decode step later when the batch is filtered, or a retraction). So a run is skipped only while that mark is
+set or nothing waits (`_num_skippable_steps`), it still ends before the first completion and before the first
+step whose new KV pages exceed the free ones (where SGLang retracts), and the skipped steps' ratio decays are
+applied one by one (`Scheduler.advance_decodes`).
 """
 
 from __future__ import annotations
@@ -165,16 +179,17 @@ def predict(
     """Fast prediction: the same result as `predict_by_stepping`, far cheaper (see the module docstring).
 
     Gives the same times as `predict_by_stepping` up to float rounding and the same step and preemption
-    counts (the property test checks this). With `LinearBatchTimeModel` it costs O(1)-O(log n) per event
-    (completion, admission, prefill chunk, preemption); about 1 ms for a 256-request instance in pure
-    Python, 0.46 ms compiled (`astrolabe bench predictor`).
+    counts (the property tests check this). Under the vLLM V1 rules with `LinearBatchTimeModel` it costs
+    O(1)-O(log n) per event (completion, admission, prefill chunk, preemption); about 1 ms for a 256-request
+    instance in pure Python, 0.46 ms compiled (`astrolabe bench predictor`). Under the SGLang rules it steps the
+    `Scheduler` (pure-decode runs skipped), O(running requests) per simulated step.
 
     Args:
         snapshot: Instance state; not modified.
         request: The new request (no progress); its id must not be in the snapshot.
         batch_time: Step execution-time model. With `step_time_from_counts_s` and
-            `decode_run_time_from_counts_s` (as `LinearBatchTimeModel`) the event-driven path
-            (`predictor.sim.fast_predict`) is used; otherwise the `Scheduler` with decode runs skipped.
+            `decode_run_time_from_counts_s` (as `LinearBatchTimeModel`) and the vLLM V1 rules the event-driven
+            path (`predictor.sim.fast_predict`) is used; otherwise the `Scheduler` with decode runs skipped.
         compiled: False runs the pure-Python `fast_predict` even where the compiled one is loaded (the
             reference, for tests and benchmarks); the results are identical.
 
@@ -184,7 +199,11 @@ def predict(
     Raises:
         ValueError: As `predict_by_stepping`, or if the model gives a non-positive step time.
     """
-    if hasattr(batch_time, "step_time_from_counts_s") and hasattr(batch_time, "decode_run_time_from_counts_s"):
+    if (
+        snapshot.config.scheduling == "vllm-v1"
+        and hasattr(batch_time, "step_time_from_counts_s")
+        and hasattr(batch_time, "decode_run_time_from_counts_s")
+    ):
         if request.num_computed_tokens or request.num_generated_tokens:
             raise ValueError(f"new request {request.request_id!r} must have no computed or generated tokens")
         module = _FAST_PREDICT if compiled else _load_python_fast_predict()
@@ -257,10 +276,15 @@ def _num_skippable_steps(scheduler: Scheduler, batch: ScheduledBatch) -> int:
 
     The run ends before the first step that would finish a request (the fewest output tokens left, m) or
     need more new blocks than are free now (cumulative need N(j) = Σ max(0, blocks(c_r + j) - held_r), with
-    c_r the computed tokens before the step and held_r the blocks held after `batch` was reserved).
+    c_r the computed tokens before the step and held_r the blocks held after `batch` was reserved). Under the
+    SGLang rules a run also needs the queue empty or the running batch marked full (see the module docstring's
+    NOTE): otherwise the next step tries an admission.
     """
     running = scheduler.running
     if batch.num_prefill_tokens or batch.preempted_request_ids or batch.num_decode_seqs != len(running):
+        return 0
+    sglang_state = scheduler.sglang_state
+    if sglang_state is not None and scheduler.waiting and not sglang_state.batch_is_full:
         return 0
     num_limit = min(r.num_output_tokens - r.num_generated_tokens for r in running) - 1
     if num_limit < 2:

@@ -1,4 +1,4 @@
-"""One request as the simulated vLLM V1 engine sees it.
+"""One request as the simulated engine (vLLM V1 or SGLang rules) sees it.
 
 Owns `SimRequest` (token counters and timestamps of one request) and its lifecycle enum
 `RequestStatus`. Imports only the standard library; no I/O.
@@ -47,7 +47,11 @@ class SimRequest:
         status: Lifecycle state.
         first_token_time_s: End time of the step that sampled the first output token, seconds; None before.
         finish_time_s: End time of the step that sampled the last output token, seconds; None before.
-        num_preemptions: Times this request was preempted.
+        num_preemptions: Times this request was preempted (vLLM) or retracted (SGLang).
+        max_new_tokens: The request's output cap (OpenAI ``max_tokens``, SGLang ``sampling_params.max_new_tokens``),
+            tokens, >= 1; None = not set by the client. Read only by the SGLang rules, which reserve KV for it
+            (`predictor.sim.scheduler.Scheduler.sglang_max_new_tokens`); it does not stop the request (that is
+            num_output_tokens), and the vLLM V1 rules ignore it.
 
     Raises:
         ValueError: On construction, if a token count is out of range.
@@ -63,6 +67,7 @@ class SimRequest:
     first_token_time_s: float | None = None
     finish_time_s: float | None = None
     num_preemptions: int = 0
+    max_new_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 1:
@@ -74,6 +79,8 @@ class SimRequest:
                 f"request {self.request_id}: num_generated_tokens must be in [0, {self.num_output_tokens}], "
                 f"got {self.num_generated_tokens}"
             )
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"request {self.request_id}: max_new_tokens must be >= 1 or None, got {self.max_new_tokens}")
         if not 0 <= self.num_computed_tokens <= self.num_tokens:
             raise ValueError(
                 f"request {self.request_id}: num_computed_tokens must be in [0, {self.num_tokens}], "

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from predictor.sim.kv_blocks import blocks_for_tokens
 from predictor.sim.request import RequestStatus, SimRequest
-from predictor.sim.scheduler import EngineConfig, Scheduler
+from predictor.sim.scheduler import EngineConfig, Scheduler, SGLangState
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,10 @@ class RequestState:
         num_computed_tokens: Tokens whose KV is cached; 0 for a waiting request.
         num_generated_tokens: Output tokens sampled so far, >= 0.
         num_blocks_held: KV blocks held (running requests only); None = exactly those its computed tokens need.
-        num_preemptions: Times it was preempted; a waiting request with any is restored as PREEMPTED.
+        num_preemptions: Times it was preempted (SGLang: retracted); a waiting request with any is restored as
+            PREEMPTED.
+        max_new_tokens: Its output cap (OpenAI ``max_tokens``), tokens, >= 1; None = not set. Only the SGLang
+            rules read it (`SimRequest.max_new_tokens`).
     """
 
     request_id: str
@@ -53,6 +56,7 @@ class RequestState:
     num_generated_tokens: int = 0
     num_blocks_held: int | None = None
     num_preemptions: int = 0
+    max_new_tokens: int | None = None
 
     @property
     def num_remaining_output_tokens(self) -> int:
@@ -76,6 +80,7 @@ class RequestState:
             num_generated_tokens=self.num_generated_tokens,
             status=status,
             num_preemptions=self.num_preemptions,
+            max_new_tokens=self.max_new_tokens,
         )
 
     @classmethod
@@ -90,6 +95,7 @@ class RequestState:
             num_generated_tokens=request.num_generated_tokens,
             num_blocks_held=num_blocks_held,
             num_preemptions=request.num_preemptions,
+            max_new_tokens=request.max_new_tokens,
         )
 
 
@@ -103,6 +109,8 @@ class InstanceSnapshot:
         waiting: Waiting requests, front first; each with no computed tokens.
         running: Running requests in schedule order; each with computed < prompt + generated tokens.
         num_preemptions_total: Preemptions so far (carried over, informational).
+        sglang: SGLang's admission state (new_token_ratio, batch_is_full, finished requests not yet filtered);
+            None = the state after idle (`SGLangState()`). Read only when `config.scheduling` is "sglang".
     """
 
     config: EngineConfig
@@ -110,6 +118,7 @@ class InstanceSnapshot:
     waiting: tuple[RequestState, ...] = ()
     running: tuple[RequestState, ...] = ()
     num_preemptions_total: int = 0
+    sglang: SGLangState | None = None
 
     @property
     def num_used_blocks(self) -> int:
@@ -170,6 +179,7 @@ class InstanceSnapshot:
                 RequestState.from_sim_request(r, scheduler.num_blocks_held(r.request_id)) for r in scheduler.running
             ),
             num_preemptions_total=scheduler.num_preemptions_total,
+            sglang=scheduler.sglang_state,
         )
 
     def to_scheduler(self) -> Scheduler:
@@ -184,6 +194,8 @@ class InstanceSnapshot:
         """
         scheduler = Scheduler(self.config)
         scheduler.num_preemptions_total = self.num_preemptions_total
+        if self.sglang is not None and self.config.scheduling == "sglang":
+            scheduler.restore_sglang_state(self.sglang)
         for state in self.running:
             request = state.to_sim_request(RequestStatus.RUNNING)
             scheduler.restore_running(request, self._num_blocks_held(state))

@@ -1,6 +1,7 @@
 """The predictor sidecar over real gRPC, reconciling against a real emulated vLLM's /metrics."""
 
 import asyncio
+import dataclasses
 import io
 import json
 import logging
@@ -161,7 +162,7 @@ async def test_the_start_line_says_what_was_discovered_from_the_backend(emulator
         await sidecar.stop()
     assert _start_line(caplog) == (
         f"backend {backend}: {kv}; engine limits max_num_seqs 8, max_num_batched_tokens 256, chunked prefill on "
-        "(from the flags); state source ledger; step-time model llama-2-7b (calibration online)")
+        "(from the flags); scheduler rules vllm-v1; state source ledger; step-time model llama-2-7b (calibration online)")
 
 
 async def test_the_start_line_names_the_plugin_state_file_and_what_it_reports(tmp_path, caplog):
@@ -218,11 +219,12 @@ async def test_beside_sglang_the_sidecar_reads_its_limits_and_reconciles_from_it
     await sidecar.start()
     try:
         await _wait(lambda: sidecar.last_reconciled_s is not None)
-        assert sidecar.ledger.scheduler.config == ENGINE  # limits from /get_server_info, KV from /metrics
+        # Limits from /get_server_info, KV from /metrics, SGLang's scheduler rules (the backend is SGLang)
+        assert sidecar.ledger.scheduler.config == dataclasses.replace(ENGINE, scheduling="sglang")
         assert _start_line(caplog).startswith(
             f"backend {backend}: KV cache 512 blocks x 16 tokens (from the backend's SGLang KV pool gauges); "
             "engine limits max_num_seqs 8, max_num_batched_tokens 256, chunked prefill on (from the backend's "
-            "/get_server_info)")
+            "/get_server_info); scheduler rules sglang")
         async with aiohttp.ClientSession() as session:
             body = {"text": "hi", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
             tasks = [asyncio.create_task(session.post(f"{emu.base_url}/generate", json=body)) for _ in range(5)]
