@@ -11,6 +11,13 @@ at the rates around the knee, astrolabe's P99 TTFT as a ratio to the best baseli
 It writes ``DIR/cluster.csv`` (every pooled point) and ``DIR/p99_ttft.png``. What each policy sees is described
 in ``bench.cluster_sim``.
 
+``llumnix-migrate`` is full Llumnix: the ``llumnix`` dispatch policy plus Llumnix's live KV-cache migration, run
+by the simulation (``bench.migration``: its rules, sources, cost model and defaults); ``llumnix-migrate-bw<X>``
+the same at X GB/s. ``--migration-bandwidths 1,5,25,100,400`` adds one such label per bandwidth (with
+``llumnix`` and ``astrolabe-k2`` if missing) and prints, per bandwidth, capacity, P99 TTFT, mean TPOT and
+migrations per request at the knee rates next to them, each bandwidth's P99 ratio to ``llumnix`` with a paired
+interval, and the bandwidth below which migration stops paying.
+
 Defaults and why (all printed with the results):
 - 4 router replicas (production runs several; each sees only its own in-flight counts and scrapes, while the
   sidecars see every replica's admissions); ``--num-routers 1`` gives the single-router case.
@@ -50,9 +57,12 @@ from bench.cluster_report import (
     capacities,
     crossing_rates,
     format_capacities,
+    format_migration_sweep,
+    format_pair_ratios,
     format_points,
     format_ratios,
     pool_points,
+    sweep_verdicts,
     write_csv,
     write_plot,
 )
@@ -69,11 +79,23 @@ from bench.cluster_sim import (
     oracle_lengths,
     simulate_point_latencies,
 )
-from bench.workloads import REPO_ROOT, SharegptPair, arrival_offsets_s, filter_pairs, load_sharegpt_pairs
+from bench.migration import REQUEST_POLICIES, MigrationParams, with_bandwidth
+from bench.workloads import (
+    REPO_ROOT,
+    SharegptPair,
+    arrival_offsets_s,
+    filter_pairs,
+    load_sharegpt_pairs,
+)
 from extproc.policies.registry import POLICY_NAMES
 from predictor.engine_flags import add_engine_arguments, engine_from_args
 from predictor.sim import EngineConfig
-from predictor.sim.residual import EmpiricalResidual, ExactLengths, FixedExtraTokens, ResidualLengthModel
+from predictor.sim.residual import (
+    EmpiricalResidual,
+    ExactLengths,
+    FixedExtraTokens,
+    ResidualLengthModel,
+)
 from tagger.serve import SHIPPED_LIGHT_DIR
 
 logger = logging.getLogger(__name__)
@@ -85,25 +107,43 @@ DEFAULT_RATES_QPS = (100.0, 110.0, 120.0, 125.0, 130.0, 135.0, 140.0)
 DEFAULT_SEEDS = (0, 1, 2)
 DEFAULT_OUT_DIR = REPO_ROOT / "out" / "cluster"
 _LABEL = re.compile(r"astrolabe-(k(?P<k>\d+)|full|paper)(?P<mods>(-(ttft|e2e|blend|nomem|noextra))*)")
+LLUMNIX_MIGRATE = "llumnix-migrate"
+"""Label of full Llumnix: ``llumnix`` dispatch plus live migration (``bench.migration``)."""
+_MIGRATE_LABEL = re.compile(r"llumnix-migrate(-bw(?P<bw>\d+(\.\d+)?))?")
 
 
-def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthModel | None = None) -> PolicySpec:
+def migrate_label(bandwidth_gbytes_per_s: float) -> str:
+    """``llumnix-migrate-bw<X>``: full Llumnix with a copy bandwidth of X GB/s."""
+    return f"{LLUMNIX_MIGRATE}-bw{bandwidth_gbytes_per_s:g}"
+
+
+def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthModel | None = None,
+                migration: MigrationParams | None = None) -> PolicySpec:
     """Maps a label to a policy.
 
     Labels: a registry name, ``envoy-least-request``, ``astrolabe-k<N>`` (power of N), ``astrolabe-full``
     (k = fleet size), ``astrolabe-paper`` (the reference system: k = 2, E2E, no memory, no second round, the
     "10 more tokens" residual), each astrolabe label optionally followed by ``-ttft``/``-e2e``/``-blend``
-    (metric), ``-nomem`` (no probe of the best recent answer) and ``-noextra`` (no second round of probes).
+    (metric), ``-nomem`` (no probe of the best recent answer) and ``-noextra`` (no second round of probes);
+    ``llumnix-migrate`` (``llumnix`` dispatch + live migration with ``migration``, default `MigrationParams()`)
+    and ``llumnix-migrate-bw<X>`` (the same at X GB/s).
 
     Raises:
         ValueError: unknown label.
     """
     if label == ENVOY_LEAST_REQUEST or label in POLICY_NAMES and label != "astrolabe":
         return PolicySpec(label, label)
+    migrate = _MIGRATE_LABEL.fullmatch(label)
+    if migrate is not None:
+        params = migration or MigrationParams()
+        if migrate.group("bw") is not None:
+            params = with_bandwidth(params, float(migrate.group("bw")))
+        return PolicySpec(label, "llumnix", migration=params)
     match = _LABEL.fullmatch(label)
     if match is None:
         raise ValueError(f"unknown policy {label!r}; known: {', '.join(POLICY_NAMES)}, {ENVOY_LEAST_REQUEST}, "
-                         "astrolabe-k<N>, astrolabe-full, astrolabe-paper (+ -ttft, -e2e, -blend, -nomem)")
+                         "astrolabe-k<N>, astrolabe-full, astrolabe-paper (+ -ttft, -e2e, -blend, -nomem), "
+                         "llumnix-migrate[-bw<GB/s>]")
     params: dict = {}
     residual = None
     if match.group(1) == "full":
@@ -248,6 +288,22 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--prediction-noise", type=float, default=0.0,
                    help="stddev of multiplicative Gaussian noise on predicted latencies (0-1)")
     p.add_argument("--slo-ttft-s", type=float, default=2.0, help="P99 TTFT SLO for capacity, seconds")
+    defaults = MigrationParams()
+    p.add_argument("--migration-bandwidth", type=float, default=defaults.bandwidth_gbytes_per_s,
+                   help="KV copy bandwidth of llumnix-migrate, GB/s (1e9 bytes/s; 0 = no migration)")
+    p.add_argument("--migration-bandwidths", default="",
+                   help="sweep: one llumnix-migrate-bw<X> per bandwidth (GB/s, comma-separated), compared with "
+                        "llumnix and astrolabe-k2 (added if missing)")
+    p.add_argument("--migration-stage-overhead-s", type=float, default=defaults.stage_overhead_s,
+                   help="fixed orchestration time of one migration stage, seconds")
+    p.add_argument("--migration-interference", type=float, default=defaults.copy_interference_frac,
+                   help="while a stage copies, source and destination steps take (1 + this) as long")
+    p.add_argument("--migration-blocking-copy", action="store_true",
+                   help="the copy blocks both engines for the whole stage instead")
+    p.add_argument("--migration-request-policy", choices=REQUEST_POLICIES, default=defaults.request_policy,
+                   help="which running request migrates: last (LCR), shortest (SR) or longest (LR)")
+    p.add_argument("--migration-threshold", type=float, default=defaults.migrate_out_threshold,
+                   help="migrate-out load threshold, -free blocks per request (Llumnix migrate_out_threshold)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR, help="folder of cluster.csv and p99_ttft.png")
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                    help="worker processes (default: 2, at most the CPUs)")
@@ -259,7 +315,39 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error("--num-requests, --num-instances, --num-routers and --workers must be >= 1")
     if not 0 <= args.slow_fraction <= 1 or not args.slow_factor > 0:
         p.error("--slow-fraction must be in [0, 1] and --slow-factor > 0")
+    try:
+        args.migration = MigrationParams(
+            bandwidth_gbytes_per_s=args.migration_bandwidth, stage_overhead_s=args.migration_stage_overhead_s,
+            copy_interference_frac=args.migration_interference, blocking_copy=args.migration_blocking_copy,
+            request_policy=args.migration_request_policy, migrate_out_threshold=args.migration_threshold)
+        args.sweep_bandwidths = [float(b) for b in args.migration_bandwidths.split(",") if b.strip()]
+    except ValueError as exc:
+        p.error(f"migration settings: {exc}")
+    if any(not b > 0 for b in args.sweep_bandwidths):
+        p.error("--migration-bandwidths must list bandwidths > 0 (GB/s)")
     return args
+
+
+def _labels(args: argparse.Namespace) -> list[str]:
+    """The policy labels of the run: --policies, plus the sweep's labels and its references when sweeping."""
+    labels = [label.strip() for label in args.policies.split(",") if label.strip()]
+    if args.sweep_bandwidths:
+        for label in ("llumnix", "astrolabe-k2", *map(migrate_label, args.sweep_bandwidths)):
+            if label not in labels:
+                labels.append(label)
+    return labels
+
+
+def _migration_settings(args: argparse.Namespace, specs: Sequence[PolicySpec], block_size: int) -> str:
+    """The migration part of the settings line ('' when no policy migrates)."""
+    if not any(s.migration is not None for s in specs):
+        return ""
+    m: MigrationParams = args.migration
+    copy = "blocking both engines" if m.blocking_copy else f"beside the steps, slowing them by {m.copy_interference_frac:g}"
+    return (f"; migration (llumnix-migrate): {m.bandwidth_gbytes_per_s:g} GB/s unless -bw<X>, "
+            f"{m.kv_bytes_per_token * block_size / 2**20:g} MiB per {block_size}-token block, {m.stage_overhead_s:g} s per stage, copy "
+            f"{copy}, poll every {m.polling_interval_s:g} s, threshold {m.migrate_out_threshold:g}, "
+            f"{m.request_policy}, last stage <= {m.last_stage_max_blocks} blocks, <= {m.max_stages} stages")
 
 
 def _time_scales(args: argparse.Namespace) -> tuple[float, ...] | None:
@@ -294,7 +382,7 @@ def main(argv: Sequence[str]) -> int:
         max_len = min(args.max_model_len, engine.num_gpu_blocks * engine.block_size)
         pairs = filter_pairs(load_sharegpt_pairs(), max_model_len=max_len)
         sample_predicted_tokens, error_desc, residual = _error_model(args, pairs)
-        specs = [policy_spec(label.strip(), args.num_instances) for label in args.policies.split(",") if label]
+        specs = [policy_spec(label, args.num_instances, migration=args.migration) for label in _labels(args)]
     except ValueError as exc:
         print(f"astrolabe bench cluster: {exc}", file=sys.stderr)
         return 2
@@ -306,7 +394,7 @@ def main(argv: Sequence[str]) -> int:
                            args.prediction_noise, 0, args.num_routers, residual, _time_scales(args))
     requests_by_seed = {seed: build_requests(pairs, args.num_requests, random.Random(seed), args.arrival, args.cv,
                                              sample_predicted_tokens)[1] for seed in seeds}
-    print(f"SIMULATED (virtual time): {_settings(args, engine, error_desc, seeds)}")
+    print(f"SIMULATED (virtual time): {_settings(args, engine, error_desc, seeds)}{_migration_settings(args, specs, engine.block_size)}")
     start_s = time.perf_counter()
     points = run_sweep(specs, rates_qps, requests_by_seed, config, args.workers, progress=not args.no_progress)
     wall_s = time.perf_counter() - start_s
@@ -318,7 +406,13 @@ def main(argv: Sequence[str]) -> int:
              "num_gpu_blocks": engine.num_gpu_blocks, "block_size": engine.block_size,
              "max_num_seqs": engine.max_num_seqs, "max_num_batched_tokens": engine.max_num_batched_tokens,
              "slow_fraction": args.slow_fraction, "slow_factor": args.slow_factor, "length_errors": error_desc,
-             "prediction_noise": args.prediction_noise, "slo_ttft_s": args.slo_ttft_s}
+             "prediction_noise": args.prediction_noise, "slo_ttft_s": args.slo_ttft_s,
+             "migration_bandwidth_gbytes_per_s": args.migration.bandwidth_gbytes_per_s,
+             "migration_stage_overhead_s": args.migration.stage_overhead_s,
+             "migration_interference": args.migration.copy_interference_frac,
+             "migration_blocking_copy": args.migration.blocking_copy,
+             "migration_request_policy": args.migration.request_policy,
+             "migration_threshold": args.migration.migrate_out_threshold}
     csv_path = write_csv(args.out / "cluster.csv", pooled, extra)
     plot_path = write_plot(args.out / "p99_ttft.png", pooled, args.slo_ttft_s,
                            f"simulated: {args.num_instances} instances, {args.num_routers} routers, "
@@ -331,6 +425,18 @@ def main(argv: Sequence[str]) -> int:
     if ratios:
         print()
         print(ratios)
+    astrolabes = [s.label for s in specs if s.label.startswith("astrolabe")]
+    for target, reference in ((LLUMNIX_MIGRATE, "llumnix"), *((a, LLUMNIX_MIGRATE) for a in astrolabes)):
+        pair = format_pair_ratios(points, target, reference)
+        if pair:
+            print()
+            print(pair)
+    if args.sweep_bandwidths:
+        bandwidths = {s.label: s.migration.bandwidth_gbytes_per_s for s in specs
+                      if s.migration is not None and s.migration.enabled}
+        verdicts = sweep_verdicts(points, pooled, bandwidths, "llumnix", args.slo_ttft_s)
+        print()
+        print(format_migration_sweep(pooled, verdicts, "llumnix", ["astrolabe-k2"], args.slo_ttft_s))
     print(f"\nlatencies in seconds (virtual time), pooled over seeds; [low, high] = 95% block-bootstrap interval; "
           f"SLO for capacity: P99 TTFT <= {args.slo_ttft_s:g} s")
     print(f"wrote {csv_path} and {plot_path}")

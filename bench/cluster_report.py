@@ -34,6 +34,10 @@ class PooledPoint:
         predictor_calls_per_request: predictions made / requests routed.
         num_fallbacks: requests the policy could not place (summed over seeds).
         wall_s: wall-clock seconds the seeds took together.
+        num_migrations_started / _completed / _aborted: live migrations summed over seeds (0 without).
+        migrations_per_request: completed migrations / requests.
+        migration_stall_s: seconds migrated requests spent stalled, summed over seeds.
+        engine_time_lost_s: engine seconds lost to copies, summed over instances and seeds.
     """
 
     policy: str
@@ -53,6 +57,12 @@ class PooledPoint:
     num_fallbacks: int
     num_routers: int
     wall_s: float
+    num_migrations_started: int = 0
+    num_migrations_completed: int = 0
+    num_migrations_aborted: int = 0
+    migrations_per_request: float = 0.0
+    migration_stall_s: float = 0.0
+    engine_time_lost_s: float = 0.0
 
 
 def _by_point(points: Sequence[SeedPoint]) -> dict[tuple[str, float], list[SeedPoint]]:
@@ -88,7 +98,13 @@ def pool_points(points: Sequence[SeedPoint]) -> list[PooledPoint]:
             predictor_calls_per_request=sum(r.predictor_calls_per_request * r.num_requests for r in results)
             / max(num_requests, 1),
             num_fallbacks=sum(r.num_fallbacks for r in results), num_routers=results[0].num_routers,
-            wall_s=sum(r.wall_s for r in results)))
+            wall_s=sum(r.wall_s for r in results),
+            num_migrations_started=sum(r.num_migrations_started for r in results),
+            num_migrations_completed=sum(r.num_migrations_completed for r in results),
+            num_migrations_aborted=sum(r.num_migrations_aborted for r in results),
+            migrations_per_request=sum(r.num_migrations_completed for r in results) / max(num_requests, 1),
+            migration_stall_s=sum(r.migration_stall_s for r in results),
+            engine_time_lost_s=sum(r.engine_time_lost_s for r in results)))
     return out
 
 
@@ -171,13 +187,18 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def format_points(results: Sequence[PooledPoint]) -> str:
-    """One row per (policy, rate): TTFT mean, P99 [interval], E2E mean/p99, TPOT mean (s), preemptions, calls."""
+    """One row per (policy, rate): TTFT mean, P99 [interval], E2E mean/p99, TPOT mean (s), preemptions, calls;
+    plus completed migrations per request and aborted / started migrations when any point migrated."""
     header = ["policy", "rate qps", "done", "TTFT mean", "TTFT p99 [95% interval]", "E2E mean", "E2E p99",
               "TPOT mean", "preempt", "pred/req", "fallback"]
     rows = [[r.policy, f"{r.rate_qps:g}", f"{r.num_completed}/{r.num_requests}", _f(r.ttft_mean_s),
              f"{_f(r.ttft_p99_s)} [{_f(r.ttft_p99_low_s)}, {_f(r.ttft_p99_high_s)}]", _f(r.e2e_mean_s),
              _f(r.e2e_p99_s), _f(r.tpot_mean_s, 4), str(r.num_preemptions), _f(r.predictor_calls_per_request, 1),
              str(r.num_fallbacks)] for r in results]
+    if any(r.num_migrations_started for r in results):
+        header += ["migr/req", "aborted/started"]
+        for row, r in zip(rows, results):
+            row += [_f(r.migrations_per_request, 4), f"{r.num_migrations_aborted}/{r.num_migrations_started}"]
     return _table(header, rows)
 
 
@@ -214,6 +235,26 @@ def format_ratios(points: Sequence[SeedPoint], pooled: Sequence[PooledPoint], ta
         return ""
     return (f"{target} / best baseline (lowest pooled P99 TTFT at that rate), 95% paired intervals:\n"
             + _table(["rate qps", "best baseline", "P99 TTFT ratio", "verdict", "mean TTFT ratio", "verdict"], rows))
+
+
+def format_pair_ratios(points: Sequence[SeedPoint], target: str, reference: str) -> str:
+    """Per rate: ``target``'s P99 and mean TTFT over ``reference``'s, with 95% paired block-bootstrap intervals and
+    a verdict; empty when either is missing."""
+    grouped = _by_point(points)
+    rows = []
+    for rate in sorted({rate for policy, rate in grouped if policy == target}):
+        if (reference, rate) not in grouped:
+            continue
+        a, groups = _pooled(grouped[(target, rate)], "ttfts_s")
+        b, _ = _pooled(grouped[(reference, rate)], "ttfts_s")
+        p99 = paired_ratio_ci(a, b, stats.p99, groups=groups, num_resamples=500)
+        mean = paired_ratio_ci(a, b, stats.mean, groups=groups, num_resamples=500)
+        rows.append([f"{rate:g}", f"{p99.value:.2f} [{p99.low:.2f}, {p99.high:.2f}]", verdict(p99),
+                     f"{mean.value:.2f} [{mean.low:.2f}, {mean.high:.2f}]", verdict(mean)])
+    if not rows:
+        return ""
+    return (f"{target} / {reference}, 95% paired intervals:\n"
+            + _table(["rate qps", "P99 TTFT ratio", "verdict", "mean TTFT ratio", "verdict"], rows))
 
 
 def write_csv(path: Path, results: Sequence[PooledPoint], extra: Mapping[str, Any]) -> Path:
@@ -258,3 +299,120 @@ def write_plot(path: Path, results: Sequence[PooledPoint], slo_ttft_s: float, ti
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def knee_rates(results: Sequence[PooledPoint], reference: str, slo_ttft_s: float, max_rates: int = 3) -> list[float]:
+    """The swept rates where migration is judged: from ``reference``'s capacity (its highest rate meeting the SLO)
+    upwards, at most ``max_rates`` of them; the lowest rates when it meets the SLO nowhere, the highest when it
+    meets it everywhere. Empty when ``reference`` is missing."""
+    points = _by_policy(results).get(reference, [])
+    rates = [p.rate_qps for p in points]
+    if not rates:
+        return []
+    (cap,) = capacities(points, slo_ttft_s)
+    if cap.capacity_qps is None:
+        return rates[:max_rates]
+    if cap.at_max_rate:
+        return rates[-max_rates:]
+    start = rates.index(cap.capacity_qps)
+    return rates[start:start + max_rates]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SweepVerdict:
+    """Whether migration paid at one bandwidth, against the policy without it.
+
+    Attributes:
+        label: the migrating policy's label; bandwidth_gbytes_per_s: its bandwidth, GB/s.
+        p99_ratios: per knee rate, (rate qps, P99 TTFT ratio to the reference with its paired 95% interval).
+        crossing_qps / reference_crossing_qps: interpolated rates where P99 TTFT crosses the SLO (None: not swept).
+        capacity_not_worse: its swept capacity is at least the reference's and, where both cross the SLO within
+            the sweep, so is its crossing rate.
+        pays: capacity not worse, and the P99 ratio's interval lies below 1 at some knee rate and above 1 at none.
+    """
+
+    label: str
+    bandwidth_gbytes_per_s: float
+    p99_ratios: tuple[tuple[float, stats.Interval], ...]
+    crossing_qps: float | None
+    reference_crossing_qps: float | None
+    capacity_not_worse: bool
+    pays: bool
+
+
+def sweep_verdicts(points: Sequence[SeedPoint], pooled: Sequence[PooledPoint],
+                   bandwidths: Mapping[str, float], reference: str, slo_ttft_s: float) -> list[SweepVerdict]:
+    """One `SweepVerdict` per migrating label (``bandwidths``: label -> GB/s), ascending bandwidth, judged at
+    `knee_rates` of ``reference`` with paired block-bootstrap intervals over the same requests."""
+    grouped = _by_point(points)
+    rates = knee_rates(pooled, reference, slo_ttft_s)
+    crossings = crossing_rates(pooled, slo_ttft_s)
+    caps = {c.policy: -math.inf if c.capacity_qps is None else c.capacity_qps for c in capacities(pooled, slo_ttft_s)}
+    out = []
+    for label, bandwidth in sorted(bandwidths.items(), key=lambda kv: kv[1]):
+        ratios = []
+        for rate in rates:
+            if (label, rate) not in grouped or (reference, rate) not in grouped:
+                continue
+            a, groups = _pooled(grouped[(label, rate)], "ttfts_s")
+            b, _ = _pooled(grouped[(reference, rate)], "ttfts_s")
+            ratios.append((rate, paired_ratio_ci(a, b, stats.p99, groups=groups, num_resamples=500)))
+        verdicts = [verdict(r) for _, r in ratios]
+        crossing, reference_crossing = crossings.get(label), crossings.get(reference)
+        capacity_ok = caps.get(label, -math.inf) >= caps.get(reference, -math.inf) and (
+            crossing is None or reference_crossing is None or crossing >= reference_crossing)
+        out.append(SweepVerdict(label, bandwidth, tuple(ratios), crossing, reference_crossing, capacity_ok,
+                                capacity_ok and "better" in verdicts and "worse" not in verdicts))
+    return out
+
+
+def format_migration_sweep(pooled: Sequence[PooledPoint], verdicts: Sequence[SweepVerdict], reference: str,
+                           others: Sequence[str], slo_ttft_s: float) -> str:
+    """The bandwidth sweep: per policy (``reference``, ``others``, then each bandwidth) capacity, crossing rate,
+    P99 TTFT, mean TPOT and migrations per request at the knee rates; then each bandwidth's P99 ratio to
+    ``reference`` and the bandwidth below which migration stops paying. Empty without verdicts."""
+    if not verdicts:
+        return ""
+    rates = [rate for rate, _ in verdicts[0].p99_ratios] or knee_rates(pooled, reference, slo_ttft_s)
+    by_point = {(p.policy, p.rate_qps): p for p in pooled}
+    caps = {c.policy: c for c in capacities(pooled, slo_ttft_s)}
+    crossings = crossing_rates(pooled, slo_ttft_s)
+    labels = [(reference, "none"), *((o, "none") for o in others), *((v.label, f"{v.bandwidth_gbytes_per_s:g}")
+                                                                     for v in verdicts)]
+    header = ["policy", "GB/s", "capacity", "crosses at"]
+    header += [f"P99 @{r:g}" for r in rates] + [f"TPOT @{r:g}" for r in rates] + [f"migr/req @{r:g}" for r in rates]
+    rows = []
+    for label, bandwidth in labels:
+        if label not in caps:
+            continue
+        here = [by_point.get((label, r)) for r in rates]
+        rows.append([label, bandwidth, str(caps[label]), _f(crossings.get(label), 1),
+                     *(_f(p.ttft_p99_s) if p else "-" for p in here),
+                     *(_f(p.tpot_mean_s, 4) if p else "-" for p in here),
+                     *(_f(p.migrations_per_request, 4) if p else "-" for p in here)])
+    ratio_rows = [[v.label, f"{v.bandwidth_gbytes_per_s:g}",
+                   *(f"{r.value:.2f} [{r.low:.2f}, {r.high:.2f}] {verdict(r)}" for _, r in v.p99_ratios),
+                   "no worse" if v.capacity_not_worse else "worse", "yes" if v.pays else "no"] for v in verdicts]
+    ratio_table = _table(["policy", "GB/s", *(f"P99 ratio @{r:g}" for r, _ in verdicts[0].p99_ratios), "capacity",
+                          "pays"], ratio_rows)
+    return (f"migration bandwidth sweep (knee rates: {reference}'s capacity and above):\n" + _table(header, rows)
+            + f"\n\nllumnix-migrate / {reference} P99 TTFT, 95% paired intervals ('pays': capacity and crossing rate"
+            " no lower, P99 better at some knee rate and worse at none):\n" + ratio_table + "\n"
+            + stops_paying(verdicts))
+
+
+def stops_paying(verdicts: Sequence[SweepVerdict]) -> str:
+    """One sentence: the bandwidth below which migration stops paying, or that it always / never pays at the swept
+    values (or where it pays when that is not monotone in bandwidth)."""
+    paying = [v.pays for v in verdicts]
+    shown = [f"{v.bandwidth_gbytes_per_s:g}" for v in verdicts]
+    if all(paying):
+        return f"migration pays at every swept bandwidth ({', '.join(shown)} GB/s)."
+    if not any(paying):
+        return f"migration never pays at the swept bandwidths ({', '.join(shown)} GB/s)."
+    first = paying.index(True)
+    if all(paying[first:]):
+        return (f"migration stops paying below {shown[first]} GB/s: no better than without it at "
+                f"{', '.join(shown[:first])} GB/s, better at {', '.join(shown[first:])} GB/s.")
+    return ("migration pays at " + ", ".join(s for s, p in zip(shown, paying) if p) + " GB/s and not at "
+            + ", ".join(s for s, p in zip(shown, paying) if not p) + " GB/s (not monotone in bandwidth).")

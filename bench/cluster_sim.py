@@ -2,8 +2,9 @@
 
 Owns ``ClusterConfig``, ``ClusterRequest``, ``PointResult``, the output-length error models
 (``sample_predicted_tokens``-style callables) and ``simulate_point``. Imports ``predictor.sim`` (one ``Engine``
-per instance: the project's only scheduler model) and ``extproc.policies`` (the policy objects the extproc
-runs, built by ``build_policy``); no I/O, no processes, no real clock except for ``wall_s``.
+per instance: the project's only scheduler model), ``extproc.policies`` (the policy objects the extproc
+runs, built by ``build_policy``) and ``bench.migration`` (Llumnix's live migration, run beside a policy whose
+spec carries ``MigrationParams``: ``llumnix-migrate``); no I/O, no processes, no real clock except for ``wall_s``.
 
 NOTE: what each policy sees, as in production:
 - ``num_in_flight``: the router's own count, dispatched minus finished (a request's finish is known when its
@@ -20,6 +21,11 @@ NOTE: what each policy sees, as in production:
   every request with its TRUE length.
 Sampling an engine at time t completes the step in flight at t (steps are atomic), so a sample may be up to one
 step (~10-40 ms) newer than t.
+
+NOTE: with migration, one controller (Llumnix's global scheduler, not a router replica) polls the engines'
+exact state every ``MigrationParams.polling_interval_s`` and moves running requests with their KV between
+engines (``bench.migration``). A moved request keeps its progress and timestamps; the routers keep counting it
+against the instance they dispatched it to (they never learn of the move); its sidecar state moves with it.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.migration import MigrationController, MigrationParams
 from extproc.policies.base import EndpointMetrics, EndpointView, Policy, Prediction
 from extproc.policies.least_requests import LeastRequestsPolicy
 from extproc.policies.registry import build_policy
@@ -128,12 +135,15 @@ class PolicySpec:
     ``name`` is a registry name of ``extproc.policies`` or `ENVOY_LEAST_REQUEST` (Envoy's own load balancer,
     `EnvoyLeastRequest`, no ext_proc). ``residual`` replaces the fleet's residual-length rule for this policy's
     sidecars (e.g. the reference system's rule for the paper's configuration); None = ``ClusterConfig.residual``.
+    ``migration``: Llumnix's live migration run beside the policy (``bench.migration``); None or a bandwidth of 0
+    = none.
     """
 
     label: str
     name: str
     params: Mapping[str, Any] = field(default_factory=dict)
     residual: ResidualLengthModel | None = None
+    migration: MigrationParams | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +156,11 @@ class PointResult:
         num_fallbacks: requests the policy could not place (returned None) that went to least-requests.
         wall_s: wall-clock seconds the point took.
         num_routers: router replicas of the point.
+        num_migrations_started / num_migrations_completed / num_migrations_aborted: live migrations
+            (``bench.migration.MigrationStats``; 0 without migration).
+        migration_stall_s: seconds migrated requests spent stalled in their last stage, summed.
+        engine_time_lost_s: seconds of engine time lost to copies, summed over instances (steps slowed by the
+            copy's interference plus steps held back by a blocking copy).
     """
 
     policy: str
@@ -162,6 +177,11 @@ class PointResult:
     num_fallbacks: int
     wall_s: float
     num_routers: int = 1
+    num_migrations_started: int = 0
+    num_migrations_completed: int = 0
+    num_migrations_aborted: int = 0
+    migration_stall_s: float = 0.0
+    engine_time_lost_s: float = 0.0
 
 
 ENVOY_LEAST_REQUEST = "envoy-least-request"
@@ -279,36 +299,69 @@ class _Cluster:
         # Zero-padded names keep address order equal to index order (policies see endpoints in address order).
         self.addresses = [f"instance-{i:03d}" for i in range(config.num_instances)]
         self.index = {a: i for i, a in enumerate(self.addresses)}
-        self.router_of: dict[str, int] = {}
+        # request id -> (router replica, instance it dispatched the request to)
+        self.router_of: dict[str, tuple[int, int]] = {}
         self.predicted: list[dict[str, tuple[int, int | None]]] = [{} for _ in range(config.num_instances)]
         self.finished: list[SimRequest] = []
         self.num_predictions = 0
         self.num_fallbacks = 0
+        migration = spec.migration
+        self.migration = (MigrationController(migration, self.engines, self._moved)
+                          if migration is not None and migration.enabled else None)
 
     def _collect(self, i: int, steps: list[StepResult]) -> None:
         for step in steps:
             for request in step.output.finished:
                 self.finished.append(request)
-                self.routers[self.router_of.pop(request.request_id)].in_flight[i] -= 1
+                r, dispatched_to = self.router_of.pop(request.request_id)
+                self.routers[r].in_flight[dispatched_to] -= 1
                 del self.predicted[i][request.request_id]
 
+    def _moved(self, request_id: str, src: int, dst: int) -> None:
+        """A migration moved ``request_id`` from instance ``src`` to ``dst``: its sidecar state follows it."""
+        self.predicted[dst][request_id] = self.predicted[src].pop(request_id)
+
+    def _next_scrape(self, time_s: float) -> tuple[float, _Router] | None:
+        """The earliest replica scrape due at or before ``time_s`` (None: none, or a policy without metrics)."""
+        if not self.policy.needs_metrics:
+            return None
+        interval_s = self.config.metrics_interval_s
+        due = [(r.phase_s + math.floor((time_s - r.phase_s) / interval_s) * interval_s, r) for r in self.routers]
+        due = [(t, r) for t, r in due if t > r.last_sample_s and t <= time_s]
+        return min(due, key=lambda x: x[0]) if due else None
+
+    def _advance_engines(self, time_s: float) -> None:
+        for i, engine in enumerate(self.engines):
+            self._collect(i, engine.advance_to(time_s))
+
     def advance_to(self, time_s: float) -> None:
-        if self.policy.needs_metrics:
-            interval_s = self.config.metrics_interval_s
-            # Every replica's scrapes up to time_s, in time order, each seeing the engines at its own time.
-            while True:
-                due = [(r.phase_s + math.floor((time_s - r.phase_s) / interval_s) * interval_s, r)
-                       for r in self.routers]
-                due = [(t, r) for t, r in due if t > r.last_sample_s and t <= time_s]
-                if not due:
-                    break
-                sample_s, router = min(due, key=lambda x: x[0])
+        # Every replica's scrapes and every migration event up to time_s, in time order (scrapes first on ties),
+        # each seeing the engines at its own time.
+        while True:
+            scrape = self._next_scrape(time_s)
+            migration_s = self.migration.next_event_s() if self.migration is not None else math.inf
+            if scrape is not None and scrape[0] <= migration_s:
+                sample_s, router = scrape
                 for i, engine in enumerate(self.engines):
                     self._collect(i, engine.advance_to(sample_s))
                     router.metrics[i] = _sampled_metrics(engine, sample_s)
                 router.last_sample_s = sample_s
-        for i, engine in enumerate(self.engines):
-            self._collect(i, engine.advance_to(time_s))
+            elif migration_s <= time_s:
+                self._advance_engines(migration_s)
+                self.migration.handle(migration_s)
+            else:
+                break
+        self._advance_engines(time_s)
+
+    def drain(self) -> None:
+        """Runs every engine (and the migrations) until every request has finished."""
+        if self.migration is None:
+            for i, engine in enumerate(self.engines):
+                self._collect(i, engine.run_until_idle())
+            return
+        while self.migration.num_in_flight or any(e.has_work() for e in self.engines):
+            self.advance_to(self.migration.next_event_s())
+        assert not any(e.num_reserved_blocks for e in self.engines), "a migration left blocks reserved"
 
     def views(self, router: _Router, now_s: float) -> list[EndpointView]:
         since_s = now_s - router.policy.recent_window_s
@@ -380,8 +433,18 @@ class _Cluster:
         router = self.routers[r]
         router.in_flight[i] += 1
         router.dispatch_times_s[i].append(request.arrival_time_s)
-        self.router_of[request_id] = r
+        self.router_of[request_id] = (r, i)
         self.predicted[i][request_id] = (request.num_predicted_output_tokens, request.max_tokens)
+
+
+def _migration_fields(cluster: _Cluster) -> dict[str, Any]:
+    """The migration figures of ``PointResult`` (zeros without migration)."""
+    if cluster.migration is None:
+        return {}
+    stats = cluster.migration.stats
+    return {"num_migrations_started": stats.num_started, "num_migrations_completed": stats.num_completed,
+            "num_migrations_aborted": stats.num_aborted, "migration_stall_s": stats.stall_s,
+            "engine_time_lost_s": sum(e.extra_step_time_s + e.stalled_s for e in cluster.engines)}
 
 
 def _mean_p99(values_s: list[float]) -> tuple[float, float]:
@@ -437,9 +500,9 @@ def simulate_point_latencies(spec: PolicySpec, rate_qps: float, requests: Sequen
         cluster.advance_to(request.arrival_time_s)
         request_id = f"r{n}"
         cluster.dispatch(*cluster.route(request_id, request), request_id, request)
-    for i, engine in enumerate(cluster.engines):
-        cluster._collect(i, engine.run_until_idle())
+    cluster.drain()
     done = sorted(cluster.finished, key=lambda r: int(r.request_id[1:]))
+    assert len({r.request_id for r in done}) == len(done), "a request finished twice"
     ttfts_s = np.array([r.first_token_time_s - r.arrival_time_s for r in done])
     e2es_s = np.array([r.finish_time_s - r.arrival_time_s for r in done])
     ttft_mean_s, ttft_p99_s = _mean_p99(list(ttfts_s))
@@ -461,5 +524,6 @@ def simulate_point_latencies(spec: PolicySpec, rate_qps: float, requests: Sequen
         num_fallbacks=cluster.num_fallbacks,
         wall_s=time.perf_counter() - start_s,
         num_routers=config.num_routers,
+        **_migration_fields(cluster),
     )
     return result, PointLatencies(ttfts_s, e2es_s)

@@ -471,6 +471,38 @@ class Scheduler:
         self._requests[request.request_id] = request
         self.running.append(request)
 
+    def hold_blocks(self, holder: str, num_blocks: int) -> bool:
+        """Move ``num_blocks`` KV blocks from the free pool into a holding that no request owns (negative: back).
+
+        A driver's work that occupies KV outside any request (the cluster benchmark's migrations:
+        ``predictor.sim.engine.Engine.reserve_blocks``). Held blocks count as used (``num_free_blocks``,
+        ``kv_cache_usage_frac``) and the invariant "used == sum of holdings" includes them.
+
+        Args:
+            holder: names the holding (a key of its own: it never collides with a request id).
+            num_blocks: blocks to take (> 0) or give back (< 0; at most what ``holder`` holds).
+
+        Returns:
+            True if done; False (nothing changed) if fewer blocks are free than asked.
+
+        Raises:
+            ValueError: giving back more than ``holder`` holds.
+        """
+        key = ("held", holder)
+        held = self._num_blocks_held.get(key, 0)  # type: ignore[call-overload]
+        if num_blocks < 0 and -num_blocks > held:
+            raise ValueError(f"holder {holder!r} holds {held} blocks, cannot give back {-num_blocks}")
+        if num_blocks >= 0:
+            if not self._pool.allocate(num_blocks):
+                return False
+        else:
+            self._pool.free(-num_blocks)
+        if held + num_blocks:
+            self._num_blocks_held[key] = held + num_blocks  # type: ignore[index]
+        else:
+            self._num_blocks_held.pop(key, None)  # type: ignore[call-overload]
+        return True
+
     # ---- one step --------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         """Decide the next step: which requests compute how many tokens, preempting if KV runs out.
