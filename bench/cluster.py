@@ -101,7 +101,7 @@ from tagger.serve import SHIPPED_LIGHT_DIR
 logger = logging.getLogger(__name__)
 
 DEFAULT_POLICIES = ("random", "round-robin", "least-requests", ENVOY_LEAST_REQUEST, "min-qpm", "infaas", "llumnix",
-                    "gie", "astrolabe-paper", "astrolabe-k2-noextra", "astrolabe-k2", "astrolabe-k4-noextra",
+                    "llumnix-migrate", "gie", "astrolabe-paper", "astrolabe-k2-noextra", "astrolabe-k2", "astrolabe-k4-noextra",
                     "astrolabe-full")
 DEFAULT_RATES_QPS = (100.0, 110.0, 120.0, 125.0, 130.0, 135.0, 140.0)
 DEFAULT_SEEDS = (0, 1, 2)
