@@ -59,6 +59,33 @@ $(VLLM_STAMP):
 test-vllm: install-vllm
 	ASTROLABE_VLLM_TESTS=1 $(PY) -m pytest -q -m vllm tests/vllm $(PYTEST_ARGS)
 
+# Real SGLang on CPU (bench/README-sglang.md): its own venv with every package pinned (installed --no-deps: sglang's
+# metadata asks for CUDA pins), a stub for the CUDA-only sgl_kernel and the torchvision fix (deploy/sglang/fixes.py),
+# the tiny model built the vLLM tier's way (deploy/vllm/make_tiny_model.py) with this venv's torch and transformers.
+SGLANG_VENV  ?= .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_MODEL := .cache/sglang/tiny-llama
+
+.PHONY: install-sglang test-sglang
+
+install-sglang: install $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): deploy/sglang/requirements.txt deploy/sglang/sgl_kernel_stub.py deploy/sglang/fixes.py
+	python3 -m venv $(SGLANG_VENV)
+	echo '*' > $(SGLANG_VENV)/.gitignore  # as Python >= 3.13's venv does: git ignores the whole venv
+	$(SGLANG_VENV)/bin/pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/pip install -q --no-deps -r deploy/sglang/requirements.txt
+	$(SGLANG_VENV)/bin/python -m deploy.sglang.fixes
+	$(SGLANG_VENV)/bin/python -c 'import torchvision, sgl_kernel, sglang.srt.entrypoints.http_server'
+	rm -rf $(SGLANG_MODEL)
+	$(SGLANG_VENV)/bin/python -m deploy.vllm.make_tiny_model -o $(SGLANG_MODEL) \
+	    --tokenizer-json "$$($(PY) -c 'from tagger.tokenizer import tokenizer_path; print(tokenizer_path())')"
+	touch $(SGLANG_STAMP)
+
+# The real-SGLang tier (tests/sglang, marker sglang): collected only with ASTROLABE_SGLANG_TESTS=1.
+test-sglang: install-sglang
+	ASTROLABE_SGLANG_TESTS=1 $(PY) -m pytest -q -m sglang tests/sglang $(PYTEST_ARGS)
+
 demo: install
 	$(VENV)/bin/astrolabe demo $(ARGS)
 
@@ -73,4 +100,4 @@ mutation: install
 	GRPC_ENABLE_FORK_SUPPORT=true $(VENV)/bin/mutmut run; $(VENV)/bin/mutmut results
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache mutants
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .cache .pytest_cache mutants

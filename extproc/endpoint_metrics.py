@@ -9,10 +9,10 @@ otherwise None, and the policies treat that endpoint as unknown.
 Started by ``extproc.server`` only when the configured policy sets ``needs_metrics``.
 
 NOTE: derived fields. ``num_free_blocks = floor((1 - kv_cache_usage_frac) * num_gpu_blocks)`` with
-``num_gpu_blocks`` from ``vllm:cache_config_info`` (SGLang: the pages of ``sglang:cache_config_info``; 0 when the
-backend does not export it, so free blocks read 0). ``num_waiting_prompt_blocks`` is always None: neither vLLM
-nor SGLang exports per-request queue detail, and the router's own dispatch records cannot tell which of its
-requests are still waiting; ``llumnix`` then counts it as 0.
+``num_gpu_blocks`` from ``vllm:cache_config_info`` (SGLang: its KV pages, from ``sglang:cache_config_info`` or, as
+SGLang 0.5.23 exports them, the ``sglang:num_pages`` gauge; 0 when the backend exports neither, so free blocks read
+0). ``num_waiting_prompt_blocks`` is always None: neither vLLM nor SGLang exports per-request queue detail, and the
+router's own dispatch records cannot tell which of its requests are still waiting; ``llumnix`` then counts it as 0.
 """
 
 from __future__ import annotations

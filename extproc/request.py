@@ -7,8 +7,9 @@ Accepted shapes (OpenAI API, as vLLM serves it — vllm/entrypoints/openai/proto
   string, null (assistant turns with tool calls), or a list of content parts (``{"type": "text", "text": str}``;
   other part types such as images are accepted and carry no text); ``max_completion_tokens`` wins over the
   deprecated ``max_tokens``.
-- ``/generate`` (SGLang's native API, python/sglang/srt/managers/io_struct.py ``GenerateReqInput``): exactly one
-  of ``text`` (a string or a list of strings) and ``input_ids`` (token ids or a list of token-id lists);
+- ``/generate`` (SGLang's native API, python/sglang/srt/managers/io_struct.py ``GenerateReqInput``): ``text`` (a
+  string or a list of strings) or ``input_ids`` (token ids or a list of token-id lists; with both, the prompt is
+  ``input_ids``, as SGLang 0.5.23 serves it);
   ``sampling_params`` (an object, or one per prompt) with ``max_new_tokens`` (SGLang's default 128 when absent,
   python/sglang/srt/sampling/sampling_params.py) and ``n``; ``stream``. Its ``model`` is absent (any endpoint).
 - any other path: the body must be a JSON object; only ``model`` and ``stream`` are read.
@@ -180,8 +181,9 @@ def _parse_generate(body: dict) -> tuple[str | None, tuple[int, ...] | None, int
     `SGLANG_DEFAULT_MAX_NEW_TOKENS`); engine requests = prompts x ``n``.
     """
     has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
-    if has_text == has_ids:
-        raise _bad("exactly one of 'text' and 'input_ids' is required", "text")
+    if not (has_text or has_ids):
+        raise _bad("'text' or 'input_ids' is required", "text")
+    has_text = not has_ids  # with both, SGLang takes the prompt from input_ids (a real 0.5.23 server does)
     param = "text" if has_text else "input_ids"
     text, ids = _parse_prompt(body[param], param)
     if (text is None) == has_text:

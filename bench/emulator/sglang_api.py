@@ -45,7 +45,8 @@ def parse_generate(raw_body: bytes) -> tuple[ParsedRequest, str | None]:
     """Parses a ``/generate`` body: (the request, its ``rid`` or None).
 
     Raises:
-        ApiError: 400 for invalid JSON, both or neither of ``text`` and ``input_ids``, a batch of several prompts, a
+        ApiError: 400 for invalid JSON, neither ``text`` nor ``input_ids`` (with both, ``input_ids`` is the
+            prompt, as SGLang does), a batch of several prompts, a
             wrong type, ``n != 1`` or ``max_new_tokens < 1``.
     """
     try:
@@ -55,8 +56,10 @@ def parse_generate(raw_body: bytes) -> tuple[ParsedRequest, str | None]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     text, ids = body.get("text"), body.get("input_ids")
-    if (text is None) == (ids is None):
+    if text is None and ids is None:
         raise ApiError(400, "Either text, input_ids or input_embeds should be provided.", param="text")
+    if ids is not None:
+        text = None  # with both, SGLang takes the prompt from input_ids
     text, ids = _single(text, "text"), _single(ids, "input_ids")
     if text is not None and not isinstance(text, str):
         raise ApiError(400, "'text' must be a string", param="text")

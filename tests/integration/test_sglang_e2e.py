@@ -3,7 +3,7 @@
 Four SGLang-mode emulators with a sidecar each (ledger state, reconciled from SGLang's /metrics, engine limits from
 ``/get_server_info``); one extproc with the astrolabe policy (predictions) and one with GIE's scorers (reading
 SGLang's gauges, ``metrics_format: sglang``). SGLang's native ``/generate`` and the OpenAI routes go through the
-same picker. No real SGLang runs on this CPU (bench/README-sglang.md says what was tried).
+same picker. The real-SGLang tier (tests/sglang, ``make test-sglang``) runs the same checks on real SGLang 0.5.23.
 """
 
 from __future__ import annotations
@@ -91,9 +91,9 @@ def test_openai_routes_of_sglang_go_through_the_same_picker(fleet):
 
 
 def test_a_bad_generate_body_is_a_clear_400_from_the_picker(fleet):
-    r = httpx.post(f"{fleet.envoy_url}/generate", json={"text": "x", "input_ids": [1]}, timeout=10)
+    r = httpx.post(f"{fleet.envoy_url}/generate", json={"text": "x", "sampling_params": {"max_new_tokens": -1}}, timeout=10)
     assert r.status_code == 400
-    assert r.json()["error"]["param"] == "text"
+    assert r.json()["error"]["param"] == "sampling_params.max_new_tokens"
 
 
 def test_gie_scorers_read_sglang_s_gauges(fleet):

@@ -61,7 +61,7 @@ async def test_generate_streams_the_whole_text_so_far_then_done():
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
 
 
-@pytest.mark.parametrize("body", [{}, {"text": "x", "input_ids": [1]}, {"text": ["a", "b"]},
+@pytest.mark.parametrize("body", [{}, {"text": None}, {"text": ["a", "b"]},
                                   {"text": "x", "sampling_params": {"max_new_tokens": 0}},
                                   {"text": "x", "sampling_params": {"n": 2}}, {"input_ids": []}, [1]])
 async def test_bad_generate_bodies_get_sglang_s_400(body):
