@@ -60,7 +60,7 @@ import grpc
 
 from astrolabe.cli import HelpFormatter
 from astrolabe.logs import setup_logging
-from bench.procs import ProcessGroup, free_port
+from astrolabe.procs import ProcessGroup, free_port
 from bench.sidecar_checks import checks_between, read_sidecar_states
 from bench.vllm_trace import tiny_trace
 from bench.workloads import TraceRequest

@@ -3,7 +3,7 @@
 Owns the settings and the orchestration: build one seeded trace per seed, start N emulated vLLM instances and
 their predictor sidecars (``bench.demo_fleet``), then per policy start its router tier, replay every trace
 (``bench.loadgen``), stop it and wait until the instances are idle; finally print the tables
-(``bench.report``) on stdout. Every process lives in a ``bench.procs.ProcessGroup``, so errors and Ctrl-C stop
+(``bench.report``) on stdout. Every process lives in a ``astrolabe.procs.ProcessGroup``, so errors and Ctrl-C stop
 them all. Nothing imports this module but the CLI.
 
 Settings (``--setting``; every figure can be overridden by its flag):
@@ -50,7 +50,7 @@ from bench.demo_fleet import (ENVOY_LEAST_REQUEST, EngineSettings, RouterTier, R
                                scrape_sum, wait_idle)
 from bench.demo_tracing import DemoTracing
 from bench.loadgen import RequestResult, replay
-from bench.procs import ProcessGroup, exit_status_of
+from astrolabe.procs import ProcessGroup, exit_status_of
 from bench.sidecar_checks import checks_between, read_sidecar_states
 from bench.report import (
     ControlPlaneCost,

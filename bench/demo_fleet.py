@@ -1,6 +1,6 @@
 """The processes of ``astrolabe demo``: emulated vLLM instances, predictor sidecars, and the router tier.
 
-Owns starting them in a ``bench.procs.ProcessGroup`` (so errors and Ctrl-C stop them all) and waiting until they
+Owns starting them in a ``astrolabe.procs.ProcessGroup`` (so errors and Ctrl-C stop them all) and waiting until they
 are ready, plus reading what they report (CPU time, queue gauges). Nothing imports this module but the demo.
 
 The router tier has ``num_routers`` replicas, as a production gateway does: R Envoys, the client spreading its
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.procs import ManagedProcess, ProcessGroup, ProcessStartError, free_port
+from astrolabe.procs import ManagedProcess, ProcessGroup, ProcessStartError, free_port
 from predictor.backend_metrics import MetricsFormatError, parse_vllm_metrics
 
 logger = logging.getLogger(__name__)

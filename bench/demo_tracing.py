@@ -40,7 +40,7 @@ from pathlib import Path
 from astrolabe.tracing import TracingConfigError, normalize_endpoint
 from bench import otlp_receiver
 from bench.demo_fleet import RouterTracing
-from bench.procs import ProcessGroup
+from astrolabe.procs import ProcessGroup
 from bench.workloads import TraceRequest
 
 logger = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ def start(procs: ProcessGroup, tracing: DemoTracing, log_dir: Path) -> DemoTraci
     receives what the others export as they stop); returns ``tracing`` with its endpoint.
 
     Raises:
-        bench.procs.ProcessStartError: the receiver did not start.
+        astrolabe.procs.ProcessStartError: the receiver did not start.
         OSError: the trace file's folder cannot be made.
     """
     if tracing.trace_file is None:

@@ -13,7 +13,7 @@ import random
 import sys
 from pathlib import Path
 
-from bench.procs import ProcessGroup, free_port
+from astrolabe.procs import ProcessGroup, free_port
 from bench.vllm_trace import tiny_trace
 from deploy.vllm.launch import REPO_DIR, SERVED_MODEL_NAME, VllmSettings, start_vllm_servers
 
@@ -41,7 +41,7 @@ def start_fleet(procs: ProcessGroup, num_instances: int, log_dir: Path) -> tuple
         The servers' ``ip:port`` and server -> sidecar address.
 
     Raises:
-        bench.procs.ProcessStartError: a process exited or was not ready in time.
+        astrolabe.procs.ProcessStartError: a process exited or was not ready in time.
     """
     servers = start_vllm_servers(procs, min(num_instances, MAX_INSTANCES), log_dir)
     sidecars = {}

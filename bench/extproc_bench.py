@@ -54,7 +54,7 @@ from bench.decisions import read_decisions
 from bench.demo_fleet import cpu_seconds
 from bench.extproc_drive import MODEL, START_TIMEOUT_S, drive_block, prompts, start_extproc, start_fleet
 from bench.fast_backend import INSTANCE_HEADER
-from bench.procs import ManagedProcess, ProcessGroup, exit_status_of, free_port
+from astrolabe.procs import ManagedProcess, ProcessGroup, exit_status_of, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ def run_capacity(num_rounds: int, num_latency: int, num_saturated: int, concurre
     extproc's decision records of the latency blocks (for the stage split), and what was pinned.
 
     Raises:
-        bench.procs.ProcessStartError: a process did not start.
+        astrolabe.procs.ProcessStartError: a process did not start.
         RuntimeError: a decision was not routed.
     """
     results = {p: PolicyCapacity(p) for p in policies}
@@ -423,7 +423,7 @@ ROLES = ("extproc", "sidecar", "envoy", "fast")
 
 def group_cpu_seconds(pgids: dict[int, str]) -> Counter:
     """CPU seconds so far (user + system, Linux /proc) of every live process in the process groups ``pgids``
-    (group id -> label), summed per label: a `bench.procs.ManagedProcess` leads its own group, so the Envoy that
+    (group id -> label), summed per label: a `astrolabe.procs.ManagedProcess` leads its own group, so the Envoy that
     an ``astrolabe envoy`` launcher runs is counted with it."""
     totals: Counter = Counter()
     ticks_per_s = os.sysconf("SC_CLK_TCK")
@@ -450,7 +450,7 @@ def run_envoy(num_rounds: int, num_requests: int, rate_qps: float, num_large: in
     small then 200KB.
 
     Raises:
-        bench.procs.ProcessStartError: a process did not start.
+        astrolabe.procs.ProcessStartError: a process did not start.
         TimeoutError: an Envoy never routed a request.
     """
     cells = []
@@ -569,7 +569,7 @@ def run_profile(num_decisions: int, concurrency: int, seed: int) -> ProfileResul
     """Section 3 (module docstring).
 
     Raises:
-        bench.procs.ProcessStartError: a process did not start.
+        astrolabe.procs.ProcessStartError: a process did not start.
         RuntimeError: no profile was written, or a decision was not routed.
     """
     import signal  # noqa: PLC0415

@@ -3,7 +3,7 @@
 Shared by the benchmarks that measure the extproc itself (`bench.tracing_cost`, `bench.extproc_bench`): chat
 bodies, the ext_proc messages of one BUFFERED request, one decision timed client side, a block of decisions at a
 fixed concurrency, emulated instances with their predictor sidecars, and an extproc process configured for
-them. All processes run on loopback inside a ``bench.procs.ProcessGroup``. Nothing in production imports this.
+them. All processes run on loopback inside a ``astrolabe.procs.ProcessGroup``. Nothing in production imports this.
 
 NOTE: a decision is one ``Process`` stream: request headers (answered CONTINUE), the whole body in one message
 (answered with the destination header mutation), then the stream is closed, which the extproc takes as the end
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.demo_fleet import wait_grpc_ready
-from bench.procs import ManagedProcess, ProcessGroup, free_port
+from astrolabe.procs import ManagedProcess, ProcessGroup, free_port
 
 MODEL = "llama-2-7b"
 START_TIMEOUT_S = 60.0
@@ -138,7 +138,7 @@ def start_fleet(procs: ProcessGroup, tmp: Path, otlp_endpoint: str | None = None
             answers at once; its sidecars get `FAST_BACKEND_ENGINE_ARGS`).
 
     Raises:
-        bench.procs.ProcessStartError: a process did not start.
+        astrolabe.procs.ProcessStartError: a process did not start.
     """
     sidecar_env = ({"OTEL_EXPORTER_OTLP_ENDPOINT": "", "OTEL_TRACES_EXPORTER": ""} if otlp_endpoint is None else
                    {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint, "OTEL_TRACES_SAMPLER": "parentbased_always_off"})
@@ -180,7 +180,7 @@ def start_extproc(procs: ProcessGroup, tmp: Path, name: str, fleet: dict[str, st
             stand in for ``astrolabe extproc``).
 
     Raises:
-        bench.procs.ProcessStartError: it did not serve gRPC within `START_TIMEOUT_S`.
+        astrolabe.procs.ProcessStartError: it did not serve gRPC within `START_TIMEOUT_S`.
     """
     port = free_port()
     log = tmp / f"{name}-decisions.jsonl"

@@ -30,7 +30,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from bench.procs import ProcessGroup, free_port
+from astrolabe.procs import ProcessGroup, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -320,7 +320,7 @@ def start_process(procs: ProcessGroup, output: Path, log_path: Path, timeout_s: 
         ``host:port`` of the receiver (prefix ``http://`` for ``OTEL_EXPORTER_OTLP_ENDPOINT``).
 
     Raises:
-        bench.procs.ProcessStartError: it exited or did not listen within ``timeout_s`` seconds.
+        astrolabe.procs.ProcessStartError: it exited or did not listen within ``timeout_s`` seconds.
     """
     port = free_port()
     proc = procs.start([sys.executable, "-m", "bench.otlp_receiver", "--listen", f"127.0.0.1:{port}",

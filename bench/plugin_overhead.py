@@ -29,7 +29,7 @@ import aiohttp
 
 from astrolabe.cli import HelpFormatter
 from astrolabe.logs import setup_logging
-from bench.procs import ProcessGroup
+from astrolabe.procs import ProcessGroup
 from deploy.vllm.launch import REPO_DIR, SERVED_MODEL_NAME, start_vllm_servers
 from predictor.vllm_plugin.publisher import StatePublisher
 

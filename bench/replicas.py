@@ -72,7 +72,7 @@ from astrolabe.envoy import FAILURE_MODES, envoy_command, render_config
 from bench import demo, demo_fleet, stats
 from bench.demo_fleet import HOST, RouterTier, scrape_sum, wait_idle
 from bench.loadgen import RequestResult, replay
-from bench.procs import ManagedProcess, ProcessGroup, ProcessStartError, exit_status_of, free_port
+from astrolabe.procs import ManagedProcess, ProcessGroup, ProcessStartError, exit_status_of, free_port
 from bench.workloads import TraceRequest
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """`astrolabe bench streams`: thousands of open streams through real Envoy and one extproc, and long quiet ones.
 
-All real processes on loopback (`bench.procs.ProcessGroup`): 2 `bench.fast_backend` instances (streaming mode),
+All real processes on loopback (`astrolabe.procs.ProcessGroup`): 2 `bench.fast_backend` instances (streaming mode),
 by default each with its predictor sidecar (ledger mode), one extproc (``--policy``, default ``astrolabe``, k = 2:
 the policy a user runs, so its per-request state, the in-flight ledgers and the pending sidecar ``Release``, is
 in the figure; ``least-requests`` measures the ext_proc plumbing alone) and one Envoy (``astrolabe envoy --mode
@@ -55,7 +55,7 @@ from astrolabe.cli import HelpFormatter
 from astrolabe.logs import setup_logging
 from bench.extproc_drive import MODEL, START_TIMEOUT_S, start_extproc, start_fleet
 from bench.fast_backend import DELAY_HEADER, DONE_EVENT, INSTANCE_HEADER, TOKEN_INTERVAL_HEADER
-from bench.procs import ManagedProcess, ProcessGroup, exit_status_of, free_port
+from astrolabe.procs import ManagedProcess, ProcessGroup, exit_status_of, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -470,7 +470,7 @@ def _start(procs: ProcessGroup, tmp: Path, body_mode: str, policy: str) -> _Stac
     """Backends (and sidecars), the extproc and Envoy, until a stream gets through.
 
     Raises:
-        bench.procs.ProcessStartError: a process did not start.
+        astrolabe.procs.ProcessStartError: a process did not start.
         TimeoutError: no stream got through Envoy within `START_TIMEOUT_S`.
     """
     fleet = _start_backends(procs, tmp, policy)
@@ -503,7 +503,7 @@ def run(num_streams: int = 2000, *, tokens: int = 20, token_interval_s: float = 
 
     Raises:
         ValueError: bad arguments.
-        bench.procs.ProcessStartError: a process did not start.
+        astrolabe.procs.ProcessStartError: a process did not start.
         TimeoutError: no stream got through at the start, or the extproc never drained its in-flight requests.
     """
     if min(num_streams, num_rounds) < 1 or tokens < 2 or token_interval_s < 0 or not open_rate > 0 or long_s < 0:

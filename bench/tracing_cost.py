@@ -37,7 +37,7 @@ from bench.decisions import read_decisions
 from bench.demo_fleet import cpu_seconds
 from bench.extproc_drive import (MODEL, START_TIMEOUT_S, drive_block, prompts,  # noqa: F401 (MODEL: re-exported)
                                  start_extproc, start_fleet)
-from bench.procs import ProcessGroup
+from astrolabe.procs import ProcessGroup
 from bench.stats import p50, p99, paired_ratio_ci
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def run(num_requests: int, num_rounds: int, concurrency: int, seed: int, trace_s
     ``control`` leaves the "on" extproc untraced too (an A/A run: the set-up's own noise).
 
     Raises:
-        bench.procs.ProcessStartError: a process did not start.
+        astrolabe.procs.ProcessStartError: a process did not start.
         RuntimeError: a decision was answered with an error.
     """
     bodies = prompts(num_requests, seed)

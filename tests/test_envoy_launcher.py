@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from astrolabe import envoy as launcher
-from bench.procs import ManagedProcess, ProcessGroup, free_port, pid_alive
+from astrolabe.procs import ManagedProcess, ProcessGroup, free_port, pid_alive
 
 pytestmark = pytest.mark.envoy
 

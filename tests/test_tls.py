@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from astrolabe.tls import BackendTls, ClientTls, ServerTls, TlsError, add_port, channel_credentials, channel_options, \
     server_credentials
-from bench.procs import ProcessGroup, free_port
+from astrolabe.procs import ProcessGroup, free_port
 from extproc.config import ConfigError, EndpointConfig, HealthCheckConfig, load_config, parse_config
 from extproc.pool import EndpointPool, HealthChecker
 from extproc.server import ExtprocServer

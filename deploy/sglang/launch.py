@@ -12,7 +12,7 @@ off (the predictor does not model it; the vLLM tier turns vLLM's prefix caching 
 ``token_usage``) only on every N-th decode step (default 40), and a reader that reconciles from them needs each
 step's. ``OMP_NUM_THREADS=1``: one compute thread per server (SGLang's own core binding needs the AMX kernels of a
 real sgl-kernel and is off here). Startup to ``/health`` takes ~20-35 s here, ~2.2 GB RSS each (tokenizer manager,
-scheduler and detokenizer processes). Imports only the standard library and ``bench.procs``.
+scheduler and detokenizer processes). Imports only the standard library and ``astrolabe.procs``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.procs import ManagedProcess, ProcessGroup, free_port
+from astrolabe.procs import ManagedProcess, ProcessGroup, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def start_sglang_servers(procs: ProcessGroup, num_servers: int, work_dir: Path, 
         timeout_s: bound on each server's startup, seconds.
 
     Raises:
-        bench.procs.ProcessStartError: a server exited or did not become healthy in time.
+        astrolabe.procs.ProcessStartError: a server exited or did not become healthy in time.
         FileNotFoundError: no ``.venv-sglang`` or no model (run ``make install-sglang``).
     """
     for needed in (SGLANG_PYTHON, model_dir / "config.json"):

@@ -13,7 +13,7 @@ get preempted), prefix caching off (the predictor does not model it), its OpenMP
 (``VLLM_CPU_OMP_THREADS_BIND``, instance i on core i mod the number of cores), and the Astrolabe plugin's state
 file (``ASTROLABE_VLLM_STATE_PATH``, on /dev/shm when there is one).
 Startup to /health takes ~45-60 s on an idle 2-core machine (more when loaded); servers start in parallel.
-Each takes ~2.9 GB RSS: run at most 2 on this machine. Imports only the standard library and ``bench.procs``.
+Each takes ~2.9 GB RSS: run at most 2 on this machine. Imports only the standard library and ``astrolabe.procs``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.procs import ManagedProcess, ProcessGroup, free_port
+from astrolabe.procs import ManagedProcess, ProcessGroup, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def start_vllm_servers(procs: ProcessGroup, num_servers: int, work_dir: Path, *,
         timeout_s: bound on each server's startup, seconds.
 
     Raises:
-        bench.procs.ProcessStartError: a server exited or did not become healthy in time.
+        astrolabe.procs.ProcessStartError: a server exited or did not become healthy in time.
         FileNotFoundError: no ``.venv-vllm``.
     """
     ensure_tiny_model(model_dir)

@@ -14,7 +14,7 @@ import pytest
 
 from bench import demo
 from bench.otlp_receiver import group_traces, read_spans
-from bench.procs import pid_alive
+from astrolabe.procs import pid_alive
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,7 +97,7 @@ def _run_demo(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[
 
 
 def _started_pids(stderr: str) -> list[int]:
-    # bench.procs logs "started NAME (pid N), log PATH" for every process.
+    # astrolabe.procs logs "started NAME (pid N), log PATH" for every process.
     return [int(line.split("(pid ")[1].split(")")[0]) for line in stderr.splitlines() if " started " in line]
 
 

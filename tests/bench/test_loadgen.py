@@ -125,7 +125,7 @@ async def test_overall_timeout_cancels_open_and_skips_unsent_requests(base_url) 
 
 
 async def test_unreachable_server_is_an_error() -> None:
-    from bench.procs import free_port
+    from astrolabe.procs import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     (result,) = await replay(url, [_req(0, "ok")], model="m", progress=False)

@@ -20,7 +20,7 @@ from bench.otlp_receiver import (
     read_spans,
     select_trace,
 )
-from bench.procs import ProcessGroup, free_port
+from astrolabe.procs import ProcessGroup, free_port
 
 
 def _export(endpoint: str) -> None:

@@ -13,7 +13,7 @@ import pytest
 from bench import streams as bs
 from bench.fast_backend import (DELAY_HEADER, DONE_EVENT, INSTANCE_HEADER, TOKEN_INTERVAL_HEADER, metrics_text,
                                 sse_chunk, stream_tokens)
-from bench.procs import ProcessGroup, free_port
+from astrolabe.procs import ProcessGroup, free_port
 from predictor.backend_metrics import parse_vllm_metrics
 from tests.integration.stack import poll_until
 

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from bench.procs import ProcessGroup
+from astrolabe.procs import ProcessGroup
 from tests.integration.stack import Stack
 
 pytestmark = [pytest.mark.envoy]

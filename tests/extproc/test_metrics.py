@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.procs import free_port
+from astrolabe.procs import free_port
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_pb_grpc
 from extproc.config import parse_config
 from extproc.server import ExtprocServer

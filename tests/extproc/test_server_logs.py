@@ -20,7 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from bench.otlp_receiver import OtlpReceiver
-from bench.procs import free_port
+from astrolabe.procs import free_port
 from extproc.spans import SPAN_NAME
 from tests.extproc.test_stream import BODY, body_msg
 

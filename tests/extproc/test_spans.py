@@ -15,7 +15,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from astrolabe.tracing import setup_tracing
 from bench.emulator.server import EmulatorConfig, start_emulator
-from bench.procs import free_port
+from astrolabe.procs import free_port
 from extproc import spans as attr
 from extproc import wire
 from extproc.config import parse_config

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import httpx
 
-from bench.procs import ManagedProcess, ProcessGroup, free_port
+from astrolabe.procs import ManagedProcess, ProcessGroup, free_port
 
 PY = sys.executable
 T = TypeVar("T")

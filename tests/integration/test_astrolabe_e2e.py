@@ -9,7 +9,7 @@ import grpc
 import httpx
 import pytest
 
-from bench.procs import ProcessGroup
+from astrolabe.procs import ProcessGroup
 from predictor.api import pb, pb_grpc
 from tests.integration.stack import Stack
 

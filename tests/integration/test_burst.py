@@ -10,7 +10,7 @@ import asyncio
 import httpx
 import pytest
 
-from bench.procs import ProcessGroup
+from astrolabe.procs import ProcessGroup
 from tests.integration.stack import Stack
 
 pytestmark = [pytest.mark.envoy, pytest.mark.slow]

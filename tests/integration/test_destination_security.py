@@ -19,7 +19,7 @@ import sys
 import httpx
 import pytest
 
-from bench.procs import ProcessGroup, ProcessStartError, free_port
+from astrolabe.procs import ProcessGroup, ProcessStartError, free_port
 from tests.integration.stack import Stack
 
 pytestmark = [pytest.mark.envoy, pytest.mark.slow]

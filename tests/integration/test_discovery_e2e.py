@@ -18,7 +18,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.procs import ProcessGroup, free_port
+from astrolabe.procs import ProcessGroup, free_port
 from tests.extproc.discovery.dns_server import DnsTestServer
 from tests.extproc.discovery.kube_api import FakeKubeApi
 from tests.extproc.discovery.test_kubernetes import NS, POOL, inference_pool, pod, write_kubeconfig

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from bench.procs import ProcessGroup, free_port
+from astrolabe.procs import ProcessGroup, free_port
 from tests.integration.stack import Stack
 
 pytestmark = [pytest.mark.envoy]

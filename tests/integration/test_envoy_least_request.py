@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.procs import ProcessGroup, free_port
+from astrolabe.procs import ProcessGroup, free_port
 from tests.integration.stack import Stack
 
 pytestmark = [pytest.mark.envoy]

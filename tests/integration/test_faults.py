@@ -33,7 +33,7 @@ import httpx
 import pytest
 
 from bench.loadgen import RequestResult, replay
-from bench.procs import ProcessGroup
+from astrolabe.procs import ProcessGroup
 from bench.workloads import TraceRequest
 from tests.integration.stack import Stack, poll_until, sidecar_state, signal_process
 

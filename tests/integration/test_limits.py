@@ -15,7 +15,7 @@ import json
 import httpx
 import pytest
 
-from bench.procs import ProcessGroup
+from astrolabe.procs import ProcessGroup
 from tests.integration.stack import Stack, poll_until
 
 pytestmark = [pytest.mark.envoy, pytest.mark.slow]

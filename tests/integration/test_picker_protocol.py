@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from astrolabe.envoy import envoy_binary
-from bench.procs import ProcessGroup, free_port
+from astrolabe.procs import ProcessGroup, free_port
 from tests.integration.stack import Stack
 
 pytestmark = [pytest.mark.envoy]

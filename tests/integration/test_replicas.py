@@ -16,7 +16,7 @@ import pytest
 from bench import replicas as rep
 from bench.demo_fleet import EngineSettings, start_emulators, start_sidecars, wait_idle
 from bench.loadgen import RequestResult, replay
-from bench.procs import ProcessGroup
+from astrolabe.procs import ProcessGroup
 from bench.workloads import TraceRequest
 
 pytestmark = [pytest.mark.envoy, pytest.mark.slow]

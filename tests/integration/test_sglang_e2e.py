@@ -14,7 +14,7 @@ import json
 import httpx
 import pytest
 
-from bench.procs import ProcessGroup
+from astrolabe.procs import ProcessGroup
 from tests.integration.stack import Stack, poll_until, sidecar_state
 
 pytestmark = [pytest.mark.envoy]

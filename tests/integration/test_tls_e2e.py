@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from bench.procs import ProcessGroup, free_port
+from astrolabe.procs import ProcessGroup, free_port
 from tests.integration.stack import Stack, poll_until
 from tests.test_tls import Certs
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from bench.otlp_receiver import OtlpReceiver, ReceivedSpan
-from bench.procs import ProcessGroup
+from astrolabe.procs import ProcessGroup
 from tests.integration.stack import Stack
 
 pytestmark = [pytest.mark.envoy]

@@ -16,7 +16,7 @@ import signal
 
 import pytest
 
-from bench.procs import ProcessGroup
+from astrolabe.procs import ProcessGroup
 from deploy.sglang.launch import REPO_DIR, start_sglang_servers
 from tests.integration.stack import Stack, signal_process
 

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from bench.procs import ProcessGroup
+from astrolabe.procs import ProcessGroup
 from deploy.vllm.launch import REPO_DIR, SERVED_MODEL_NAME, start_vllm_servers
 from tests.integration.stack import Stack
 

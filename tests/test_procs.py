@@ -1,4 +1,4 @@
-"""Tests for bench/procs.py with real child processes (Python one-liners and http.server)."""
+"""Tests for astrolabe/procs.py with real child processes (Python one-liners and http.server)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.procs import ProcessGroup, ProcessStartError, free_port, pid_alive
+from astrolabe.procs import ProcessGroup, ProcessStartError, free_port, pid_alive
 
 # Ignores SIGTERM, then listens so that a test knows the handler is installed before it signals.
 _IGNORE_SIGTERM = """
