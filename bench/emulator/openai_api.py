@@ -134,6 +134,21 @@ def apply_chat_template(messages: Any) -> str:
     return "\n".join(lines)
 
 
+def json_object(raw_body: bytes) -> dict[str, Any]:
+    """The body as a JSON object.
+
+    Raises:
+        ApiError: 400 for invalid JSON or JSON that is not an object.
+    """
+    try:
+        body = json.loads(raw_body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
 def parse_request(raw_body: bytes, is_chat: bool) -> ParsedRequest:
     """Parses and type-checks one request body.
 
@@ -147,12 +162,7 @@ def parse_request(raw_body: bytes, is_chat: bool) -> ParsedRequest:
     Raises:
         ApiError: 400 for invalid JSON, a wrong field type, ``n != 1``, a batch of prompts, or ``max_tokens < 1``.
     """
-    try:
-        body = json.loads(raw_body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"invalid JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+    body = json_object(raw_body)
     model = _check_type(body, "model", (str,), None)  # None: the served model, as vLLM does
     if _check_type(body, "n", (int,), 1) != 1:
         raise ApiError(400, "only n=1 is supported by the emulator", param="n")

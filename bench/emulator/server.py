@@ -49,7 +49,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -359,27 +359,9 @@ async def _answer_native(request: web.Request, instance: _Instance, parsed: Pars
             if handle.finish_reason == "abort":
                 return web.json_response(sglang_api.error_json("the server is shutting down"), status=503)
             return web.json_response(_native_json(handle, rid, handle.num_generated_tokens, handle.finish_reason))
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        num_sent = 0
-        try:
-            while True:
-                await handle.wait_progress(num_sent)
-                reason = handle.finish_reason
-                if reason == "abort":
-                    break
-                num_generated = handle.num_generated_tokens
-                if reason is not None or num_generated > num_sent:
-                    # SGLang streams the whole text so far in every event, the finish reason in the last.
-                    await response.write(sglang_api.sse(_native_json(handle, rid, num_generated, reason)))
-                    num_sent = num_generated
-                if reason is not None:
-                    await response.write(SSE_DONE)
-                    break
-            await response.write_eof()
-        except ConnectionError:
-            logger.debug("client of %s went away", handle.sim.request_id)
-        return response
+        # SGLang streams the whole text so far in every event, the finish reason in the last.
+        return await _stream_events(request, handle, lambda num_sent, num_generated, reason: sglang_api.sse(
+            _native_json(handle, rid, num_generated, reason)))
     finally:
         if handle.finish_reason is None:
             instance.engine.abort(request_id)
@@ -410,6 +392,21 @@ async def _stream(request: web.Request, handle: RequestHandle, shaper: ResponseS
                   include_usage: bool) -> web.StreamResponse:
     """SSE as vLLM sends it: first token at once, then one event per ``stream_interval`` tokens, the final event
     with ``finish_reason``, then (``include_usage``) a usage-only chunk, then ``[DONE]``."""
+
+    def event(num_sent: int, num_generated: int, reason: str | None) -> bytes:
+        chunk = shaper.sse_chunk(generated_text(num_sent, num_generated), num_sent == 0, reason)
+        if reason is not None and include_usage:
+            chunk += shaper.sse_usage_chunk(usage_json(handle.sim.num_prompt_tokens, num_generated))
+        return chunk
+
+    return await _stream_events(request, handle, event)
+
+
+async def _stream_events(request: web.Request, handle: RequestHandle,
+                         event: Callable[[int, int, str | None], bytes]) -> web.StreamResponse:
+    """An SSE response: after each progress wake-up, ``event(tokens sent, tokens generated, finish_reason or None)``
+    is written (only when there is something new, or the request finished), then ``[DONE]`` after the last; an
+    aborted request or a client gone ends it quietly."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     num_sent = 0
@@ -421,13 +418,10 @@ async def _stream(request: web.Request, handle: RequestHandle, shaper: ResponseS
                 break
             num_generated = handle.num_generated_tokens
             if reason is not None:
-                final = shaper.sse_chunk(generated_text(num_sent, num_generated), num_sent == 0, reason)
-                if include_usage:
-                    final += shaper.sse_usage_chunk(usage_json(handle.sim.num_prompt_tokens, num_generated))
-                await response.write(final + SSE_DONE)
+                await response.write(event(num_sent, num_generated, reason) + SSE_DONE)
                 break
             if num_generated > num_sent:
-                await response.write(shaper.sse_chunk(generated_text(num_sent, num_generated), num_sent == 0))
+                await response.write(event(num_sent, num_generated, None))
                 num_sent = num_generated
         await response.write_eof()
     except ConnectionError:

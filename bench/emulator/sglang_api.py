@@ -19,7 +19,7 @@ import json
 import logging
 from typing import Any
 
-from bench.emulator.openai_api import ApiError, ParsedRequest
+from bench.emulator.openai_api import ApiError, ParsedRequest, json_object
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +46,10 @@ def parse_generate(raw_body: bytes) -> tuple[ParsedRequest, str | None]:
 
     Raises:
         ApiError: 400 for invalid JSON, neither ``text`` nor ``input_ids`` (with both, ``input_ids`` is the
-            prompt, as SGLang does), a batch of several prompts, a
-            wrong type, ``n != 1`` or ``max_new_tokens < 1``.
+            prompt, as SGLang does), a batch of several prompts, a wrong type, ``n != 1`` or
+            ``max_new_tokens < 1``.
     """
-    try:
-        body = json.loads(raw_body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"invalid JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+    body = json_object(raw_body)
     text, ids = body.get("text"), body.get("input_ids")
     if text is None and ids is None:
         raise ApiError(400, "Either text, input_ids or input_embeds should be provided.", param="text")
