@@ -593,16 +593,21 @@ class Scheduler:
     def _free_blocks(self, request: SimRequest) -> None:
         self._pool.free(self._num_blocks_held.pop(request.request_id, 0))
 
-    def _preempt(self, request: SimRequest, batch: ScheduledBatch) -> None:
-        """Free all blocks of a (popped) running request and put it at the front of the waiting queue."""
+    def _preempt(self, request: SimRequest, batch: ScheduledBatch, to_front: bool = True) -> None:
+        """Free all blocks of a (removed) running request and put it back in the waiting queue: at the front (vLLM
+        V1's preemption) or, ``to_front=False``, at the end (SGLang's retraction)."""
         self._free_blocks(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        if to_front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
         batch.preempted_request_ids.append(request.request_id)
-        logger.debug("preempted %s (preemption %d)", request.request_id, request.num_preemptions)
+        logger.debug("%s %s (%d times)", "preempted" if to_front else "retracted", request.request_id,
+                     request.num_preemptions)
 
     @staticmethod
     def _add_to_batch(batch: ScheduledBatch, request: SimRequest, num_new_tokens: int) -> None:
@@ -979,14 +984,7 @@ class Scheduler:
 
     def _retract(self, request: SimRequest, batch: ScheduledBatch) -> None:
         """Free all blocks of a (removed) running request and append it to the END of the waiting queue."""
-        self._free_blocks(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self.num_preemptions_total += 1
-        self.waiting.append(request)
-        batch.preempted_request_ids.append(request.request_id)
-        logger.debug("retracted %s (retraction %d)", request.request_id, request.num_preemptions)
+        self._preempt(request, batch, to_front=False)
 
     def _sglang_after_step(self, batch: ScheduledBatch, output: StepOutput) -> None:
         """State changes of an applied step that SGLang makes when it merges or filters its batches.
