@@ -75,6 +75,7 @@ class MetricsScraper:
         if metrics_format not in METRICS_FORMATS:
             raise ValueError(f"unknown metrics format {metrics_format!r}; known: {', '.join(METRICS_FORMATS)}")
         self.metrics_format = metrics_format
+        self._unreadable: set[str] = set()  # endpoints whose last scrape was not readable (warned once)
         self._pool = pool
         self.interval_s = interval_s
         self.staleness_s = staleness_s
@@ -102,10 +103,18 @@ class MetricsScraper:
                     raise MetricsFormatError(f"HTTP {response.status}")
                 text = await response.text()
             self._last[address] = (self._clock(), parse_backend_metrics(text, self.metrics_format))
+            self._unreadable.discard(address)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, MetricsFormatError) as exc:
             # The previous scrape stays until it goes stale; failures are counted, not raised.
             self.num_failures += 1
-            logger.debug("metrics scrape of %s failed: %s", address, exc)
+            if isinstance(exc, MetricsFormatError) and address not in self._unreadable:
+                # Said once per endpoint (until it reads again): a wrong metrics_format, or not an engine's /metrics.
+                self._unreadable.add(address)
+                logger.warning("the /metrics of %s cannot be read as %s metrics (%s): its load is unknown to the "
+                               "policy until it can (metrics_format: auto reads vLLM's and SGLang's)", address,
+                               "vLLM or SGLang" if self.metrics_format == AUTO else self.metrics_format, exc)
+            else:
+                logger.debug("metrics scrape of %s failed: %s", address, exc)
 
     async def run_once(self, session: aiohttp.ClientSession) -> None:
         """Scrapes every endpoint once, concurrently; forgets endpoints no longer configured."""

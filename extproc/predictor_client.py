@@ -428,9 +428,10 @@ class PredictorClient:
                                          metadata=None if span is None else grpc_metadata(span))
         self._notify(address, call, span)
 
-    def release(self, address: str, request_id: str) -> None:
-        """Tells the sidecar the request ended, without waiting for the answer."""
-        self._notify(address, self._stub(address).Release(pb.ReleaseRequest(request_id=request_id),
+    def release(self, address: str, request_id: str, failed: bool = False) -> None:
+        """Tells the sidecar the request ended (``failed``: the backend answered it with an error), without waiting
+        for the answer."""
+        self._notify(address, self._stub(address).Release(pb.ReleaseRequest(request_id=request_id, failed=failed),
                                                           timeout=self.config.notify_timeout_s))
 
     def _notify(self, address: str, call, span: trace.Span | None = None) -> None:

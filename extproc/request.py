@@ -378,7 +378,8 @@ def parse_body(request_id: str, method: str, path: str, body: bytes, content_enc
     if text is not None and not _is_encodable(text):
         raise _bad("the prompt contains a lone surrogate (invalid Unicode)",
                    {CHAT_COMPLETIONS_PATH: "messages", GENERATE_PATH: "text"}.get(path, "prompt"))
-    model = _optional_str(parsed, "model")
+    # SGLang's /generate has no model field (GenerateReqInput): one there is not the client's choice of endpoint.
+    model = None if path == GENERATE_PATH else _optional_str(parsed, "model")
     if model is not None and not _is_encodable(model):  # it reaches span attributes, logs and error bodies
         raise _bad("'model' contains a lone surrogate (invalid Unicode)", "model")
     return RoutingRequest(

@@ -321,21 +321,22 @@ class Router:
         self.pool.set_healthy(address, False)
         self.metrics.connect_failures.inc()
 
-    def release(self, decision: Decision) -> None:
+    def release(self, decision: Decision, failed: bool = False) -> None:
         """The request routed by ``decision`` has ended (its ext_proc stream closed): its in-flight count drops,
         its sidecar is told, and the prediction that decided it (the chosen endpoint's, if it answered) is
-        compared with the E2E observed since the decision (``astrolabe_extproc_prediction_ratio``)."""
+        compared with the E2E observed since the decision (``astrolabe_extproc_prediction_ratio``), unless
+        ``failed`` (the backend answered with an error: the sidecar is told so, and neither scores it)."""
         self.pool.release(decision.destination, decision.num_sequences)
         if not self.pool.has(decision.destination):
             return  # the endpoint left the pool (discovery) while this request ran: its series and sidecar are gone
         predicted = next((p for address, p in decision.candidates if address == decision.destination), None)
-        if predicted is not None and decision.decided_at_s and predicted.e2e_s > 0:
+        if predicted is not None and decision.decided_at_s and predicted.e2e_s > 0 and not failed:
             observed_s = self._clock() - decision.decided_at_s
             if observed_s > 0:
                 ratio = predicted.e2e_s / observed_s
                 self.metrics.prediction_ratio.labels(decision.destination, "e2e").observe(ratio)
         if decision.predictor and self.predictors is not None:
-            self.predictors.release(decision.predictor, decision.request_id)
+            self.predictors.release(decision.predictor, decision.request_id, failed=failed)
 
 
 async def _none() -> None:

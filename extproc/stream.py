@@ -79,6 +79,7 @@ class StreamHandler:
         self._span = span
         self._allowed: frozenset[str] | None = None
         self._num_messages = 0
+        self._failed = False  # the backend answered with an error status (its response headers said so)
         self.decision: Decision | None = None
 
     async def on_message(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -111,7 +112,7 @@ class StreamHandler:
         """The stream ended (the HTTP request is over): release the in-flight slot, once."""
         self._span.end("abandoned")  # a no-op unless the stream ended before a decision or an error answer
         if self.decision is not None:
-            self._router.release(self.decision)
+            self._router.release(self.decision, failed=self._failed)
             self.decision = None
 
     def _reject(self, error: RoutingError) -> list[pb.ProcessingResponse]:
@@ -146,6 +147,7 @@ class StreamHandler:
                 self._router.connect_failed(self.decision, refused)
             status = _upstream_status(message)
             if status is not None:
+                self._failed = status >= 400
                 self._router.answered(self.decision, status)
         if kind == "request_body":
             return await self._on_body(message.request_body)

@@ -165,11 +165,12 @@ class OutcomeTracker:
         if pending is not None and pending.observed_ttft_s is None:
             pending.observed_ttft_s = max(at_s - pending.admitted_s, 1e-6)
 
-    def release(self, request_id: str, now_s: float) -> tuple | None:
+    def release(self, request_id: str, now_s: float, scored: bool = True) -> tuple | None:
         """The request ended at ``now_s``: count its errors; returns its record ``(request_id, predicted TTFT,
-        observed TTFT or None, predicted E2E, observed E2E)`` in seconds, or None if it was not tracked."""
+        observed TTFT or None, predicted E2E, observed E2E)`` in seconds, or None if it was not tracked or not
+        ``scored`` (the backend answered it with an error: its end says nothing of the prediction)."""
         pending = self._pending.pop(request_id, None)
-        if pending is None:
+        if pending is None or not scored:
             return None
         observed_e2e_s = max(now_s - pending.admitted_s, 1e-6)
         self.e2e.add(pending.predicted_e2e_s, observed_e2e_s)

@@ -4,7 +4,8 @@ It keeps a ``Ledger`` of the requests the extproc admitted here, answers Predict
 forward from the ledger's state with the new request added (``predictor.sim.predict``), and every
 ``reconcile_interval_s`` scrapes the backend's /metrics to correct the ledger. ``state_age_s`` in every answer is
 the time since the last successful reconciliation (a dead or slow backend makes it grow).
-At start it reads the KV cache (``block_size``, ``num_gpu_blocks``) from the backend's /metrics
+At start (and, while the backend does not answer yet, at every reconciliation until it does: a sidecar may start
+before its server) it reads the KV cache (``block_size``, ``num_gpu_blocks``) from the backend's /metrics
 (``vllm:cache_config_info``; SGLang: ``sglang:cache_config_info`` pages, ``predictor.backend_metrics``), and, beside
 an SGLang server, its engine limits from ``GET /get_server_info`` (``max_running_requests`` -> max_num_seqs,
 ``chunked_prefill_size`` -> max_num_batched_tokens, ``page_size`` and ``max_total_num_tokens`` -> the KV cache;
@@ -176,6 +177,12 @@ CALIBRATION_MODES = ("online", "off")
 INGRESS_DELAY_MODES = ("online", "off")
 
 
+NOT_READABLE_YET = "the flags (the backend not readable yet)"
+"""Where the KV cache or the limits came from while the backend has not answered: discovery is retried at every
+reconciliation until it does (a sidecar starts before its server: a native sidecar in Kubernetes), and the start
+line is logged again then."""
+
+
 def _positive(info: dict, key: str) -> int | None:
     value = info.get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
@@ -331,7 +338,7 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         now_s = time.monotonic()
         if sidecar.outcomes.awaits_first_token(request.request_id) and sidecar.plugin.reader is not None:
             sidecar.absorb(sidecar.plugin.reader.read(now_s), now_s)  # its first token may be in the newest file
-        sidecar.outcomes.release(request.request_id, now_s)
+        sidecar.outcomes.release(request.request_id, now_s, scored=not request.failed)
         sidecar.plugin.admits.release(request.request_id)
         return pb.ReleaseResponse(known=sidecar.ledger.release(request.request_id, now_s))
 
@@ -366,10 +373,14 @@ class Sidecar:
             buckets=(0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1), registry=None)
         self._absorbed: tuple[int, int] = (0, -1)  # (pid, seq) of the last plugin state absorbed
         self.residual = ResidualRules(config.residual_lengths, config.length_errors)
-        self.ledger = self._new_ledger(config.engine)
+        engine = config.engine
+        if config.backend_engine == SGLANG and config.follow_backend_scheduling:
+            engine = dataclasses.replace(engine, scheduling="sglang")  # named SGLang: its rules before it answers
+        self.ledger = self._new_ledger(engine)
         self.plugin = PluginStateSource(config.state_source, config.vllm_state_path, config.plugin_max_age_s,
                                         pending_grace_s=config.visibility_grace_s, residual=self.residual)
         self.last_reconciled_s: float | None = None
+        self._discovery_failed = False  # warned once that the backend is not readable yet
         self.health = health.aio.HealthServicer()
         self._backend_request_options = https_request_options(config.backend_tls)
         # With tracing on, Predict and Admit continue the extproc's trace from the call's metadata.
@@ -572,8 +583,11 @@ class Sidecar:
         try:
             observed = await self._scrape(session)
         except (aiohttp.ClientError, asyncio.TimeoutError, MetricsFormatError) as exc:
-            logger.warning("cannot read the backend's KV cache config yet (%s); using the flags", exc)
-            return "the flags (the backend's /metrics not readable yet)", limits_source
+            if not self._discovery_failed:
+                logger.warning("cannot read the backend's KV cache config yet (%s); using the flags until it answers",
+                               exc)
+            self._discovery_failed = True
+            return NOT_READABLE_YET, limits_source
         info_name = "SGLang KV pool gauges" if observed.engine == SGLANG else "vllm:cache_config_info"
         engine = self.config.engine
         if observed.engine == SGLANG and self.config.follow_backend_scheduling:
@@ -610,8 +624,11 @@ class Sidecar:
                 info = await response.json(content_type=None)
             return sglang_engine_limits(info, engine), "the backend's /get_server_info"
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            logger.warning("cannot read the SGLang backend's limits from /get_server_info (%s); using the flags", exc)
-            return engine, "the flags (/get_server_info not readable)"
+            if not self._discovery_failed:
+                logger.warning("cannot read the SGLang backend's limits from /get_server_info (%s); using the flags "
+                               "until it answers", exc)
+            self._discovery_failed = True
+            return engine, NOT_READABLE_YET
 
     def _log_discovered(self, kv_source: str, limits_source: str = "the flags") -> None:
         """One INFO line at start: the engine limits and KV cache in use and where each came from, the state
@@ -630,14 +647,21 @@ class Sidecar:
                     "step-time model %s (calibration %s)", self.config.backend, engine.num_gpu_blocks,
                     engine.block_size, kv_source, engine.max_num_seqs, engine.max_num_batched_tokens,
                     "on" if engine.enable_chunked_prefill else "off", limits_source, engine.scheduling, source,
-                    self.prior_batch_time.model, self.config.calibration)
+                    self.prior_batch_time.model,
+                    self.config.calibration if self.calibrator is None or self.plugin.reader is not None
+                    else "online, idle without the plugin's state file")
 
     async def _reconcile_loop(self) -> None:
         timeout = aiohttp.ClientTimeout(total=max(self.config.reconcile_interval_s * 5, 1.0))
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            self._log_discovered(*await self._discover_kv_cache(session))
+            sources = await self._discover_kv_cache(session)
+            self._log_discovered(*sources)
             while True:
                 try:
+                    if NOT_READABLE_YET in sources:  # a backend that was not up yet: discover once it answers
+                        sources = await self._discover_kv_cache(session)
+                        if NOT_READABLE_YET not in sources:
+                            self._log_discovered(*sources)
                     observed = await self._scrape(session)
                     self.ledger.reconcile(observed, time.monotonic())
                     self.last_reconciled_s = time.monotonic()

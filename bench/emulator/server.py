@@ -329,6 +329,8 @@ async def _generate_admitted(request: web.Request, instance: _Instance, request_
         if native:
             parsed, rid = sglang_api.parse_generate(await request.read())
             response_id = rid or request_id
+            if parsed.max_tokens == 0:  # SGLang answers at once with no tokens (its engine never sees it)
+                return web.json_response(sglang_api.generate_json(response_id, "", "length", 0, 0, 0.0))
         else:
             parsed = parse_request(await request.read(), is_chat)
         handle = instance.admit(parsed, request_id, _reply_tokens_hint(request.headers.get(OUTPUT_TOKENS_HEADER)))

@@ -47,7 +47,7 @@ def parse_generate(raw_body: bytes) -> tuple[ParsedRequest, str | None]:
     Raises:
         ApiError: 400 for invalid JSON, neither ``text`` nor ``input_ids`` (with both, ``input_ids`` is the
             prompt, as SGLang does), a batch of several prompts, a wrong type, ``n != 1`` or
-            ``max_new_tokens < 1``.
+            ``max_new_tokens < 0`` (0 is answered at once with no tokens, as SGLang does).
     """
     body = json_object(raw_body)
     text, ids = body.get("text"), body.get("input_ids")
@@ -67,8 +67,8 @@ def parse_generate(raw_body: bytes) -> tuple[ParsedRequest, str | None]:
     max_new_tokens = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     if max_new_tokens is None:
         max_new_tokens = DEFAULT_MAX_NEW_TOKENS
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ApiError(400, f"max_new_tokens must be a positive integer, got {max_new_tokens!r}",
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ApiError(400, f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}",
                        param="sampling_params.max_new_tokens")
     if params.get("n", 1) != 1:
         raise ApiError(400, "only n=1 is supported by the emulator", param="sampling_params.n")

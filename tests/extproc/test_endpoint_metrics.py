@@ -163,3 +163,23 @@ async def test_server_scrapes_only_for_policies_that_need_metrics(policy, scrape
     assert (server.endpoint_metrics is not None) == scrapes
     if scrapes:
         assert server.endpoint_metrics.interval_s == 0.5
+
+
+@pytest.mark.parametrize(("metrics_format", "readable"), [("auto", True), ("sglang", True), ("vllm", False)])
+async def test_sglang_metrics_are_read_or_the_mismatch_is_said_once(caplog, metrics_format, readable):
+    emu = await start_emulator(EmulatorConfig(port=0, engine=ENGINE, api="sglang"))
+    try:
+        address = f"127.0.0.1:{emu.port}"
+        scraper = MetricsScraper(EndpointPool([EndpointConfig(address=address)]), metrics_format=metrics_format)
+        async with aiohttp.ClientSession() as session:
+            await scraper.run_once(session)
+            await scraper.run_once(session)
+        metrics = scraper.get(address)
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        if readable:
+            assert metrics is not None and metrics.num_gpu_blocks == ENGINE.num_gpu_blocks and not warnings
+        else:
+            assert metrics is None and len(warnings) == 1
+            assert f"the /metrics of {address} cannot be read as vllm metrics" in warnings[0]
+    finally:
+        await emu.stop()

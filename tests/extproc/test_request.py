@@ -177,6 +177,7 @@ def test_bad_n_is_400(n):
     ({"input_ids": [[1, 2], [3]], "sampling_params": [{"max_new_tokens": 3}, {}]}, None, (1, 2, 3), 128, 2),
     ({"text": "x", "sampling_params": None, "stream": True}, "x", None, 128, 1),
     ({"text": "ignored", "input_ids": [4, 5]}, None, (4, 5), 128, 1),  # SGLang takes input_ids then
+    ({"text": "x", "model": "nope"}, "x", None, 128, 1),  # /generate has no model field: not an endpoint choice
 ])
 def test_sglang_generate_bodies(body, text, ids, max_tokens, sequences):
     request = parse_body("r1", "POST", "/generate", json.dumps(body).encode())

@@ -96,6 +96,23 @@ def test_a_bad_generate_body_is_a_clear_400_from_the_picker(fleet):
     assert r.json()["error"]["param"] == "sampling_params.max_new_tokens"
 
 
+def test_a_request_the_backend_refuses_is_not_scored_by_the_sidecars(fleet):
+    """The picker routes a batch of two prompts (SGLang serves it); the emulator refuses batches (400): the sidecar
+    learns the request failed with its Release and leaves it out of its prediction error."""
+    def checked():
+        return sum(sidecar_state(p)["outcomes"]["e2e"]["count"] for p in fleet.sidecars.values())
+
+    poll_until(lambda: fleet.metric("astrolabe_extproc_in_flight_requests") == 0, 30, "idle fleet")
+    before = checked()
+    r = httpx.post(f"{fleet.envoy_url}/generate", json={"text": ["a b", "c d"]}, timeout=30)
+    assert r.status_code == 400 and "batched" in r.json()["error"]["message"]
+    ok = httpx.post(f"{fleet.envoy_url}/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}},
+                    timeout=30)
+    assert ok.status_code == 200
+    poll_until(lambda: checked() == before + 1, 10, "the successful request scored")
+    assert checked() == before + 1
+
+
 def test_gie_scorers_read_sglang_s_gauges(fleet):
     gie = fleet.gie
     results = asyncio.run(_burst(gie.envoy_url, 16, stream=False))

@@ -78,3 +78,10 @@ def test_corrections_are_learnt_from_uncorrected_predictions_and_do_not_oscillat
         tracker.release(f"r{i}", 2.0)
     assert tracker.correction("e2e") == pytest.approx(2.0) and tracker.ttft_offset_s() == pytest.approx(0.030)
     assert tracker.recent[-1][3] == pytest.approx(2.0) and tracker.recent[-1][1] == pytest.approx(0.035)
+
+
+def test_a_request_the_backend_refused_is_not_scored():
+    tracker = OutcomeTracker()
+    tracker.admit("refused", 10.0, predicted_ttft_s=0.1, predicted_e2e_s=5.0)
+    assert tracker.release("refused", 10.01, scored=False) is None  # a 400 after 10 ms says nothing of 5 s
+    assert tracker.e2e.count == 0 and tracker.release("refused", 11.0) is None  # forgotten, not pending

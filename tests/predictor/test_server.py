@@ -162,7 +162,8 @@ async def test_the_start_line_says_what_was_discovered_from_the_backend(emulator
         await sidecar.stop()
     assert _start_line(caplog) == (
         f"backend {backend}: {kv}; engine limits max_num_seqs 8, max_num_batched_tokens 256, chunked prefill on "
-        "(from the flags); scheduler rules vllm-v1; state source ledger; step-time model llama-2-7b (calibration online)")
+        "(from the flags); scheduler rules vllm-v1; state source ledger; step-time model llama-2-7b (calibration "
+        "online, idle without the plugin's state file)")
 
 
 async def test_the_start_line_names_the_plugin_state_file_and_what_it_reports(tmp_path, caplog):
@@ -278,3 +279,37 @@ def test_a_real_sglang_0_5_23_server_info_gives_its_limits():
     info = json.loads((Path(__file__).parent / "data" / "sglang-0.5.23-server-info.json").read_text())
     assert sglang_engine_limits(info, EngineConfig()) == EngineConfig(
         max_num_seqs=2048, max_num_batched_tokens=4096, block_size=1, num_gpu_blocks=4096)
+
+
+async def test_a_sidecar_started_before_its_sglang_server_discovers_it_once_it_answers(caplog):
+    """A native sidecar starts before its server (Kubernetes): the limits, the KV cache and SGLang's scheduler rules
+    are taken when the server first answers, and the start line is logged again then."""
+    caplog.set_level("INFO", logger="predictor.server")
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    flags = EngineConfig(max_num_seqs=48, max_num_batched_tokens=512, block_size=16, num_gpu_blocks=100)
+    sidecar = Sidecar(SidecarConfig(backend=f"127.0.0.1:{port}", listen="127.0.0.1:0", engine=flags,
+                                    reconcile_interval_s=0.05))
+    await sidecar.start()
+    emu = None
+    try:
+        await _wait(lambda: sum(r.getMessage().startswith("backend ") for r in caplog.records) == 1)
+        assert "not readable yet" in _start_line(caplog) and sidecar.ledger.scheduler.config == flags
+        emu = await start_emulator(EmulatorConfig(port=port, engine=ENGINE, api="sglang",
+                                                  time_scale=20.0))
+        await _wait(lambda: sidecar.ledger.scheduler.config == dataclasses.replace(ENGINE, scheduling="sglang"))
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("backend ")]
+        assert len(lines) == 2 and "(from the backend's /get_server_info); scheduler rules sglang" in lines[1]
+        assert [r.levelname for r in caplog.records].count("WARNING") == 1  # the wait was said once
+    finally:
+        await sidecar.stop()
+        if emu is not None:
+            await emu.stop()
+
+
+async def test_a_sidecar_told_its_backend_is_sglang_models_sglang_before_it_answers():
+    sidecar = Sidecar(SidecarConfig(backend="127.0.0.1:9", listen="127.0.0.1:0", engine=ENGINE,
+                                    backend_engine="sglang"))
+    assert sidecar.ledger.scheduler.config.scheduling == "sglang"

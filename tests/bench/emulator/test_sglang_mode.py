@@ -47,6 +47,12 @@ async def test_generate_answers_sglang_s_native_shape():
         assert r.json()["meta_info"]["prompt_tokens"] == 3
 
 
+async def test_zero_new_tokens_is_answered_at_once_with_none():
+    async with sglang() as client:
+        r = await client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 0}})
+        assert r.status_code == 200 and r.json()["text"] == "" and r.json()["meta_info"]["completion_tokens"] == 0
+
+
 async def test_generate_streams_the_whole_text_so_far_then_done():
     async with sglang() as client:
         async with client.stream("POST", "/generate", json={"text": "hi", "stream": True,
@@ -62,7 +68,7 @@ async def test_generate_streams_the_whole_text_so_far_then_done():
 
 
 @pytest.mark.parametrize("body", [{}, {"text": None}, {"text": ["a", "b"]},
-                                  {"text": "x", "sampling_params": {"max_new_tokens": 0}},
+                                  {"text": "x", "sampling_params": {"max_new_tokens": -1}},
                                   {"text": "x", "sampling_params": {"n": 2}}, {"input_ids": []}, [1]])
 async def test_bad_generate_bodies_get_sglang_s_400(body):
     async with sglang() as client:
