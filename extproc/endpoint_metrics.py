@@ -104,10 +104,10 @@ class MetricsScraper:
                 text = await response.text()
             self._last[address] = (self._clock(), parse_backend_metrics(text, self.metrics_format))
             self._unreadable.discard(address)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, MetricsFormatError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:  # MetricsFormatError too
             # The previous scrape stays until it goes stale; failures are counted, not raised.
             self.num_failures += 1
-            if isinstance(exc, MetricsFormatError) and address not in self._unreadable:
+            if isinstance(exc, ValueError) and address not in self._unreadable:
                 # Said once per endpoint (until it reads again): a wrong metrics_format, or not an engine's /metrics.
                 self._unreadable.add(address)
                 logger.warning("the /metrics of %s cannot be read as %s metrics (%s): its load is unknown to the "

@@ -69,12 +69,13 @@ class EndpointPool:
         """The endpoint at ``address``. Raises KeyError if there is none."""
         return self._addresses[address]
 
-    def set_healthy(self, address: str, healthy: bool) -> None:
+    def set_healthy(self, address: str, healthy: bool, reason: str = "") -> None:
+        """Marks ``address`` healthy or not; a change is logged, with ``reason`` (why it failed) when given."""
         if address in self._healthy and self._healthy[address] != healthy:
             if healthy:
                 logger.info("endpoint %s is now healthy", address)
             else:
-                logger.warning("endpoint %s is now UNHEALTHY", address)
+                logger.warning("endpoint %s is now UNHEALTHY%s", address, f": {reason}" if reason else "")
             self._healthy[address] = healthy
 
     def is_healthy(self, address: str) -> bool:
@@ -179,7 +180,8 @@ class HealthChecker:
         if ok:
             self._pool.set_healthy(address, True)
         elif failures >= self._config.unhealthy_threshold:
-            self._pool.set_healthy(address, False)
+            self._pool.set_healthy(address, False, f"{failures} failed health check(s) (GET {self._config.path}), "
+                                                   f"the last: {problem}")
 
     async def run_once(self, session: aiohttp.ClientSession, only_new: bool = False) -> None:
         """Checks every endpoint once (``only_new``: those never checked yet), at most `MAX_CONCURRENT_CHECKS` at a

@@ -39,16 +39,47 @@ _INFO_GAUGES = ("vllm:cache_config_info", "sglang:cache_config_info")
 
 
 class MetricsFormatError(ValueError):
-    """The text is not Prometheus exposition format or lacks the running/waiting gauges of its format."""
+    """The text is not Prometheus exposition format, lacks the running/waiting gauges of its format, or reports a
+    count that is negative, NaN, infinite or above `MAX_REQUESTS`."""
+
+
+MAX_REQUESTS = 100_000
+"""Most running or waiting requests a scrape may report; more (or a negative, NaN or infinite count) makes the scrape
+unreadable, not a fleet of phantoms (no engine holds that many)."""
+MAX_KV_BLOCKS = 1 << 31
+"""Most KV blocks (or tokens per block) a scrape may report; more is ignored as no KV size."""
 
 
 def _label_int(labels: dict[str, str], key: str) -> int | None:
     value = labels.get(key, "")
-    return int(value) if value.isdigit() and int(value) > 0 else None
+    if not (value.isascii() and value.isdigit()):  # "²".isdigit() is True
+        return None
+    number = int(value)
+    return number if 0 < number <= MAX_KV_BLOCKS else None
 
 
 def _positive_int(value: float | None) -> int | None:
-    return int(value) if value is not None and value >= 1 else None
+    return int(value) if value is not None and 1 <= value <= MAX_KV_BLOCKS else None  # NaN compares False
+
+
+def _count(samples: _Samples, name: str, default: float | None = None) -> int:
+    """A request count (a sum of gauges or a counter): an int in [0, `MAX_REQUESTS`] (counters: any finite >= 0).
+
+    Raises:
+        MetricsFormatError: absent without a default, negative, NaN, infinite or too large.
+    """
+    value = samples.sums.get(name, default)
+    if value is None:
+        raise MetricsFormatError(f"no {name}")
+    limit = MAX_REQUESTS if default is None else float(1 << 62)
+    if not 0 <= value <= limit:  # also NaN
+        raise MetricsFormatError(f"{name} is {value!r}: not a count of requests")
+    return int(value)
+
+
+def _fraction(value: float) -> float:
+    """A usage fraction: NaN reads 0, the rest is clamped to [0, 1]."""
+    return min(max(value, 0.0), 1.0) if value == value else 0.0
 
 
 class _Samples:
@@ -83,10 +114,10 @@ def _vllm(samples: _Samples) -> BackendObservation:
     usage_name = "vllm:kv_cache_usage_perc" if samples.has("vllm:kv_cache_usage_perc") else "vllm:gpu_cache_usage_perc"
     cache = samples.info.get("vllm:cache_config_info", {})
     return BackendObservation(
-        num_running=int(samples.sums[_VLLM_RUNNING]),
-        num_waiting=int(samples.sums[_VLLM_WAITING]),
-        kv_cache_usage_frac=samples.mean(usage_name),
-        num_preemptions_total=int(samples.sums.get("vllm:num_preemptions_total", 0)),
+        num_running=_count(samples, _VLLM_RUNNING),
+        num_waiting=_count(samples, _VLLM_WAITING),
+        kv_cache_usage_frac=_fraction(samples.mean(usage_name)),
+        num_preemptions_total=_count(samples, "vllm:num_preemptions_total", 0),
         num_gpu_blocks=_label_int(cache, "num_gpu_blocks"),
         block_size=_label_int(cache, "block_size"),
         engine=VLLM,
@@ -105,10 +136,10 @@ def _sglang(samples: _Samples) -> BackendObservation:
         num_pages = _positive_int(samples.sums.get("sglang:max_total_num_tokens"))
         page_size = 1 if num_pages is not None else None
     return BackendObservation(
-        num_running=int(samples.sums[_SGLANG_RUNNING]),
-        num_waiting=int(samples.sums[_SGLANG_WAITING]),
-        kv_cache_usage_frac=samples.mean("sglang:token_usage"),
-        num_preemptions_total=int(samples.sums.get("sglang:num_retracted_requests_total", 0)),
+        num_running=_count(samples, _SGLANG_RUNNING),
+        num_waiting=_count(samples, _SGLANG_WAITING),
+        kv_cache_usage_frac=_fraction(samples.mean("sglang:token_usage")),
+        num_preemptions_total=_count(samples, "sglang:num_retracted_requests_total", 0),
         num_gpu_blocks=num_pages,
         block_size=page_size,
         engine=SGLANG,

@@ -37,6 +37,10 @@ from predictor.sim.snapshot import InstanceSnapshot
 
 logger = logging.getLogger(__name__)
 
+MAX_LEDGER_REQUESTS = 4096
+"""Most requests the ledger holds: a backend reporting more gets no more phantoms (each Predict simulates them
+all; an absurd gauge must not stall the sidecar), with one warning."""
+
 _EMA_WEIGHT = 0.05
 """Weight of each new admission in the running mean of lengths used for phantom requests."""
 
@@ -110,6 +114,7 @@ class Ledger:
         self._mean_prompt_tokens = float(default_prompt_tokens)
         self._mean_output_tokens = float(default_output_tokens)
         self._num_phantoms = 0
+        self._capped = False  # warned that the backend reported more than MAX_LEDGER_REQUESTS
         self.stats = ReconcileStats()
 
     @property
@@ -215,7 +220,12 @@ class Ledger:
 
     def _add_phantoms(self, count: int, now_s: float) -> int:
         added = 0
-        for _ in range(count):
+        room = MAX_LEDGER_REQUESTS - self.num_unfinished()
+        if count > room and not self._capped:
+            logger.warning("the backend reports %d more requests than the ledger holds; it keeps at most %d",
+                           count, MAX_LEDGER_REQUESTS)
+            self._capped = True
+        for _ in range(min(count, max(room, 0))):
             self._num_phantoms += 1
             try:
                 self.engine.add_request(SimRequest(

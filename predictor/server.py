@@ -177,15 +177,29 @@ CALIBRATION_MODES = ("online", "off")
 INGRESS_DELAY_MODES = ("online", "off")
 
 
+REDISCOVER_INTERVAL_S = 5.0
+"""While the backend's KV cache or limits could not be read, discovery is retried this often, seconds."""
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception as a log reads it: its message, else its type (a timeout has no message)."""
+    return str(exc) or type(exc).__name__
+
+
 NOT_READABLE_YET = "the flags (the backend not readable yet)"
 """Where the KV cache or the limits came from while the backend has not answered: discovery is retried at every
 reconciliation until it does (a sidecar starts before its server: a native sidecar in Kubernetes), and the start
 line is logged again then."""
 
 
+MAX_STATED_LIMIT = 10**9
+"""Largest limit (requests, tokens) taken from ``/get_server_info``; a larger one is ignored as absurd."""
+
+
 def _positive(info: dict, key: str) -> int | None:
     value = info.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MAX_STATED_LIMIT
+    return value if ok else None
 
 
 def sglang_engine_limits(info: dict, engine: EngineConfig) -> EngineConfig:
@@ -582,10 +596,10 @@ class Sidecar:
             return "the flags (--no-discover-kv-cache)", limits_source
         try:
             observed = await self._scrape(session)
-        except (aiohttp.ClientError, asyncio.TimeoutError, MetricsFormatError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:  # MetricsFormatError is one
             if not self._discovery_failed:
                 logger.warning("cannot read the backend's KV cache config yet (%s); using the flags until it answers",
-                               exc)
+                               _describe(exc))
             self._discovery_failed = True
             return NOT_READABLE_YET, limits_source
         info_name = "SGLang KV pool gauges" if observed.engine == SGLANG else "vllm:cache_config_info"
@@ -622,13 +636,16 @@ class Sidecar:
             async with session.get(url, **self._backend_request_options) as response:
                 response.raise_for_status()
                 info = await response.json(content_type=None)
-            return sglang_engine_limits(info, engine), "the backend's /get_server_info"
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            limited = sglang_engine_limits(info, engine)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, RecursionError) as exc:
             if not self._discovery_failed:
                 logger.warning("cannot read the SGLang backend's limits from /get_server_info (%s); using the flags "
-                               "until it answers", exc)
+                               "until it does", _describe(exc))
             self._discovery_failed = True
             return engine, NOT_READABLE_YET
+        if limited == engine:
+            return engine, "the flags (/get_server_info changed none)"
+        return limited, "the backend's /get_server_info"
 
     def _log_discovered(self, kv_source: str, limits_source: str = "the flags") -> None:
         """One INFO line at start: the engine limits and KV cache in use and where each came from, the state
@@ -656,17 +673,26 @@ class Sidecar:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             sources = await self._discover_kv_cache(session)
             self._log_discovered(*sources)
+            last_discovery_s, failing = time.monotonic(), False
             while True:
                 try:
-                    if NOT_READABLE_YET in sources:  # a backend that was not up yet: discover once it answers
+                    if NOT_READABLE_YET in sources and time.monotonic() - last_discovery_s >= REDISCOVER_INTERVAL_S:
+                        # A backend that was not up yet: discover once it answers (not at every scrape).
+                        last_discovery_s = time.monotonic()
                         sources = await self._discover_kv_cache(session)
                         if NOT_READABLE_YET not in sources:
                             self._log_discovered(*sources)
                     observed = await self._scrape(session)
                     self.ledger.reconcile(observed, time.monotonic())
                     self.last_reconciled_s = time.monotonic()
-                except (aiohttp.ClientError, asyncio.TimeoutError, MetricsFormatError) as exc:
-                    logger.debug("reconciliation skipped: %s", exc)
+                    if failing:
+                        logger.info("reconciliation with the backend's /metrics works again")
+                    failing = False
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:  # MetricsFormatError is one
+                    if not failing:  # said once per outage: the state ages meanwhile (state_age_s in every answer)
+                        logger.warning("reconciliation with the backend's /metrics fails (%s); the ledger goes on "
+                                       "unreconciled until it works", _describe(exc))
+                    failing = True
                 await asyncio.sleep(self.config.plugin_reconcile_interval_s if self.plugin.in_use
                                     else self.config.reconcile_interval_s)
 

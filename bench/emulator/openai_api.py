@@ -144,6 +144,8 @@ def json_object(raw_body: bytes) -> dict[str, Any]:
         body = json.loads(raw_body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"invalid JSON body: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "invalid JSON body: nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body

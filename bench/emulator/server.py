@@ -234,7 +234,10 @@ class _Instance:
             num_prompt_tokens = parsed.num_prompt_token_ids
         else:
             # A real tokenizer adds a BOS token, so even an empty prompt costs one token.
-            num_prompt_tokens = max(1, count_tokens(parsed.prompt_text or ""))
+            try:
+                num_prompt_tokens = max(1, count_tokens(parsed.prompt_text or ""))
+            except (TypeError, ValueError, UnicodeError):  # e.g. a lone surrogate, which JSON escapes can write
+                raise ApiError(400, "the prompt is not valid Unicode", param="prompt") from None
         max_tokens = parsed.max_tokens
         if max_tokens is None:
             if num_prompt_tokens >= cfg.max_model_len:
@@ -492,7 +495,8 @@ def build_app(config: EmulatorConfig, tracing: Tracing | None = None) -> web.App
         ValueError: unknown batch-time model name or malformed model file.
         OSError: the batch-time model file cannot be read.
     """
-    app = web.Application()
+    # vLLM and SGLang take bodies as large as the context allows; aiohttp's 1 MiB default would answer plain text.
+    app = web.Application(client_max_size=64 * 1024 * 1024)
     instance = _Instance(config, tracing.tracer("astrolabe.emulator") if tracing and tracing.enabled else None)
     app[_INSTANCE] = instance
     app.router.add_post("/v1/completions", _completions)

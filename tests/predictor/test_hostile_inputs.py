@@ -92,3 +92,90 @@ def test_a_small_mha_config_without_heads_finds_a_shape(tmp_path):
     path.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 64}))
     name, distance = nearest_shipped_model(read_model_shape(path))
     assert name and math.isfinite(distance)
+
+
+# ---- a break-it pass on the SGLang paths: hostile /metrics and /get_server_info --------------------------------
+
+def _sglang_text(running: str, waiting: str = "0", usage: str = "0.1", pages: str = "512") -> str:
+    return (f"sglang:num_running_reqs {running}\nsglang:num_queue_reqs {waiting}\nsglang:token_usage {usage}\n"
+            f"sglang:page_size 16\nsglang:num_pages {pages}\n")
+
+
+@pytest.mark.parametrize("running", ["NaN", "+Inf", "-Inf", "-5", "1e6", "1e30"])
+def test_a_count_that_is_no_count_makes_the_scrape_unreadable(running):
+    from predictor.backend_metrics import MetricsFormatError, parse_backend_metrics
+    with pytest.raises(MetricsFormatError, match="not a count of requests"):
+        parse_backend_metrics(_sglang_text(running))
+
+
+def test_absurd_kv_sizes_and_usage_are_ignored_or_clamped():
+    from predictor.backend_metrics import parse_backend_metrics
+    for pages in ("NaN", "+Inf", "1e40", "-3"):
+        assert parse_backend_metrics(_sglang_text("1", pages=pages)).num_gpu_blocks is None
+    assert parse_backend_metrics(_sglang_text("1", usage="5")).kv_cache_usage_frac == 1.0
+    assert parse_backend_metrics(_sglang_text("1", usage="NaN")).kv_cache_usage_frac == 0.0
+    text = 'sglang:num_running_reqs 1\nsglang:num_queue_reqs 0\nsglang:cache_config_info{page_size="²",num_pages="9"} 1\n'
+    assert parse_backend_metrics(text).block_size is None
+
+
+def test_the_ledger_holds_at_most_its_cap_of_phantoms(caplog):
+    from predictor.ledger import MAX_LEDGER_REQUESTS, BackendObservation, Ledger
+    from predictor.sim import EngineConfig
+    ledger = Ledger(EngineConfig(num_gpu_blocks=100_000), PRIOR, 0.0)
+    ledger.reconcile(BackendObservation(num_running=50_000, num_waiting=40_000), now_s=0.0)
+    ledger.reconcile(BackendObservation(num_running=50_000, num_waiting=40_000), now_s=0.1)
+    assert ledger.num_unfinished() == MAX_LEDGER_REQUESTS
+    assert sum("keeps at most" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("info", [{"max_running_requests": 10**30, "chunked_prefill_size": "8"},
+                                  {"max_running_requests": -1, "page_size": None, "max_total_num_tokens": float("nan")},
+                                  {"internal_states": "x"}, {"internal_states": [1]}])
+def test_absurd_server_info_limits_are_ignored(info):
+    from predictor.server import sglang_engine_limits
+    from predictor.sim import EngineConfig
+    assert sglang_engine_limits(info, EngineConfig()) == EngineConfig()
+
+
+async def test_a_sidecar_keeps_reconciling_through_hostile_scrapes_and_says_so_once(caplog):
+    """One NaN scrape (or a deeply nested /get_server_info) must not end reconciliation: it skips that scrape,
+    warns once, and works again when the text does."""
+    from aiohttp import web
+
+    from predictor.sim import EngineConfig
+    state = {"metrics": _sglang_text("NaN"), "info": "[" * 100_000 + "]" * 100_000}
+
+    async def metrics(_request):
+        return web.Response(text=state["metrics"])
+
+    async def info(_request):
+        return web.Response(text=state["info"], content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/get_server_info", info)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    caplog.set_level("INFO", logger="predictor.server")
+    sidecar = Sidecar(SidecarConfig(backend=f"127.0.0.1:{port}", listen="127.0.0.1:0", engine=EngineConfig(),
+                                    reconcile_interval_s=0.02, backend_engine="sglang"))
+    await sidecar.start()
+    try:
+        import asyncio
+        await asyncio.sleep(0.3)
+        assert sidecar.last_reconciled_s is None
+        state["metrics"] = _sglang_text("3", "2")
+        for _ in range(100):
+            if sidecar.last_reconciled_s is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert sidecar.ledger.num_unfinished() == 5  # reconciled from the good text
+        messages = [r.getMessage() for r in caplog.records]
+        assert sum("reconciliation with the backend's /metrics fails" in m for m in messages) == 1
+        assert any("works again" in m for m in messages)
+    finally:
+        await sidecar.stop()
+        await runner.cleanup()

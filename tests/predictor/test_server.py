@@ -281,10 +281,12 @@ def test_a_real_sglang_0_5_23_server_info_gives_its_limits():
         max_num_seqs=2048, max_num_batched_tokens=4096, block_size=1, num_gpu_blocks=4096)
 
 
-async def test_a_sidecar_started_before_its_sglang_server_discovers_it_once_it_answers(caplog):
+async def test_a_sidecar_started_before_its_sglang_server_discovers_it_once_it_answers(caplog, monkeypatch):
     """A native sidecar starts before its server (Kubernetes): the limits, the KV cache and SGLang's scheduler rules
     are taken when the server first answers, and the start line is logged again then."""
     caplog.set_level("INFO", logger="predictor.server")
+    import predictor.server
+    monkeypatch.setattr(predictor.server, "REDISCOVER_INTERVAL_S", 0.1)  # 5 s by default
     import socket
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -302,7 +304,8 @@ async def test_a_sidecar_started_before_its_sglang_server_discovers_it_once_it_a
         await _wait(lambda: sidecar.ledger.scheduler.config == dataclasses.replace(ENGINE, scheduling="sglang"))
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("backend ")]
         assert len(lines) == 2 and "(from the backend's /get_server_info); scheduler rules sglang" in lines[1]
-        assert [r.levelname for r in caplog.records].count("WARNING") == 1  # the wait was said once
+        # The wait was said once (discovery), and the failing reconciliation once
+        assert [r.levelname for r in caplog.records].count("WARNING") == 2
     finally:
         await sidecar.stop()
         if emu is not None:
