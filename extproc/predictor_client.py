@@ -71,6 +71,9 @@ from predictor.api import pb, pb_grpc
 logger = logging.getLogger(__name__)
 
 _METRICS = {"e2e": pb.METRIC_E2E, "ttft": pb.METRIC_TTFT}
+LATE_LOG_INTERVAL_S = 60.0
+"""Least time between two log lines about late answers of one sidecar, seconds."""
+
 OUTCOMES = ("ok", "late", "down", "invalid", "skipped_backoff", "stale_state")
 _MAX_UINT32 = 2**32 - 1
 
@@ -207,6 +210,7 @@ class PredictorClient:
         self.outcomes: dict[str, dict[str, int]] = {}
         self.num_calls = 0
         self.num_late_excused = 0
+        self._late_said_s: dict[str, float] = {}  # when a late answer of each sidecar was last logged
 
     def _stub(self, address: str) -> pb_grpc.PredictorStub:
         entry = self._stubs.get(address)
@@ -310,6 +314,7 @@ class PredictorClient:
                 self.num_late_excused += 1
             else:
                 self._late(address, health, epoch, sent_s)
+                self._say_late(address)
             return None, "late"
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -368,6 +373,18 @@ class PredictorClient:
         entry = self._stubs.get(address)
         health.saw_disconnected = (entry is not None
                                    and entry[0].get_state() != grpc.ChannelConnectivity.READY)
+
+    def _say_late(self, address: str) -> None:
+        """A late answer is logged at most once a minute per sidecar (they are counted in
+        ``astrolabe_extproc_predictor_calls_total{outcome="late"}``): under a burst the decisions then fall back
+        to least requests without the predictions, and the log should say what to change."""
+        now_s = self._clock()
+        if now_s - self._late_said_s.get(address, -math.inf) < LATE_LOG_INTERVAL_S:
+            return
+        self._late_said_s[address] = now_s
+        logger.warning("predictor %s answered later than predict_timeout_s (%g s): its prediction was not used "
+                       "(count: astrolabe_extproc_predictor_calls_total{outcome=\"late\"}); if this persists under "
+                       "load, raise predictor_client.predict_timeout_s", address, self.config.predict_timeout_s)
 
     def _late(self, address: str, health: _Health, epoch: int, sent_s: float) -> None:
         if epoch != health.epoch:  # sent before the last counted failure: the same stall, counted once

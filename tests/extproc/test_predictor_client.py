@@ -195,7 +195,7 @@ async def test_simultaneous_failures_escalate_once(sidecars, make_client, kind):
     assert not client.is_backing_off(address)  # 0.2 s, not 0.2 * 2**3
 
 
-async def test_sporadically_late_sidecar_never_backs_off(sidecars, make_client):
+async def test_sporadically_late_sidecar_never_backs_off(sidecars, make_client, caplog):
     servicer = ScriptedPredictor(delay_s=lambda i: 3 * DEADLINE_S if i % 3 == 0 else 0.0)
     _, port = await sidecars(servicer)
     address, clock = f"127.0.0.1:{port}", ManualClock()
@@ -205,6 +205,9 @@ async def test_sporadically_late_sidecar_never_backs_off(sidecars, make_client):
         assert not client.is_backing_off(address)
         clock.now_s += 1.0
     assert client.outcomes[address] == outcomes(ok=6, late=3)
+    # Said once a minute, with what to change: 3 late answers within 9 s make one line
+    late_lines = [r.getMessage() for r in caplog.records if "answered later than predict_timeout_s" in r.getMessage()]
+    assert len(late_lines) == 1 and "raise predictor_client.predict_timeout_s" in late_lines[0]
 
 
 @pytest.mark.parametrize(("late_backoff_after", "late_backoff_span_s", "step_s", "num_late_before_backoff"), [
