@@ -83,7 +83,6 @@ class Engine:
         self._pending: list[tuple[float, int, SimRequest]] = []
         self._pending_ids: set[str] = set()
         self._seq = itertools.count()
-        self._reserved_blocks: dict[str, int] = {}
         # Set when reservations left the scheduler nothing it could run: the queue state it failed on.
         self._starved_on: tuple[int, int, str | None] | None = None
 
@@ -150,7 +149,7 @@ class Engine:
     @property
     def num_reserved_blocks(self) -> int:
         """KV blocks held by reservations (no request), summed over reservation ids."""
-        return sum(self._reserved_blocks.values())
+        return self.scheduler.num_held_blocks
 
     def reserve_blocks(self, reservation_id: str, num_blocks: int) -> bool:
         """Take `num_blocks` free KV blocks and add them to reservation `reservation_id` (all or nothing).
@@ -168,10 +167,7 @@ class Engine:
         """
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        if not self._hold(reservation_id, num_blocks):
-            return False
-        self._reserved_blocks[reservation_id] = self._reserved_blocks.get(reservation_id, 0) + num_blocks
-        return True
+        return self.scheduler.hold_blocks(reservation_id, num_blocks)
 
     def release_reserved_blocks(self, reservation_id: str) -> int:
         """Return every block of reservation `reservation_id` to the pool.
@@ -179,14 +175,10 @@ class Engine:
         Returns:
             The blocks released (0 for an unknown reservation).
         """
-        num_blocks = self._reserved_blocks.pop(reservation_id, 0)
+        num_blocks = self.scheduler.blocks_held_by(reservation_id)
         if num_blocks:
-            self._hold(reservation_id, -num_blocks)
+            self.scheduler.hold_blocks(reservation_id, -num_blocks)
         return num_blocks
-
-    def _hold(self, reservation_id: str, num_blocks: int) -> bool:
-        """Move ``num_blocks`` (negative: back) between the scheduler's free pool and a holding no request owns."""
-        return self.scheduler.hold_blocks(reservation_id, num_blocks)
 
     def _admit_arrivals(self) -> None:
         while self._pending and self._pending[0][0] <= self.now_s:
@@ -213,7 +205,7 @@ class Engine:
         batch = self.scheduler.schedule()
         # Admission is guaranteed when work is queued (add_request rejects requests that can never fit), unless
         # reservations hold the blocks the queue's head needs: then nothing runs until the driver releases them.
-        assert batch.num_scheduled_tokens or self._reserved_blocks, "scheduler made no progress"
+        assert batch.num_scheduled_tokens or self.scheduler.num_held_blocks, "scheduler made no progress"
         if not batch.num_scheduled_tokens:
             self._starved_on = self._queue_state()
             return None

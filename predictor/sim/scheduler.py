@@ -74,6 +74,10 @@ from predictor.sim.request import RequestStatus, SimRequest
 
 logger = logging.getLogger(__name__)
 
+_HELD = "held"
+"""First element of the tuple key of a holding no request owns (`Scheduler.hold_blocks`): a tuple never equals a
+request id (a str)."""
+
 
 SCHEDULING_STYLES = ("vllm-v1", "sglang")
 """The rule sets `Scheduler` implements, the values of `EngineConfig.scheduling` (see the module docstring)."""
@@ -488,7 +492,7 @@ class Scheduler:
         Raises:
             ValueError: giving back more than ``holder`` holds.
         """
-        key = ("held", holder)
+        key = (_HELD, holder)
         held = self._num_blocks_held.get(key, 0)  # type: ignore[call-overload]
         if num_blocks < 0 and -num_blocks > held:
             raise ValueError(f"holder {holder!r} holds {held} blocks, cannot give back {-num_blocks}")
@@ -502,6 +506,15 @@ class Scheduler:
         else:
             self._num_blocks_held.pop(key, None)  # type: ignore[call-overload]
         return True
+
+    def blocks_held_by(self, holder: str) -> int:
+        """KV blocks the holding ``holder`` has (`hold_blocks`); 0 if none."""
+        return self._num_blocks_held.get((_HELD, holder), 0)  # type: ignore[call-overload]
+
+    @property
+    def num_held_blocks(self) -> int:
+        """KV blocks of every holding no request owns (`hold_blocks`)."""
+        return sum(n for key, n in self._num_blocks_held.items() if isinstance(key, tuple))
 
     # ---- one step --------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
