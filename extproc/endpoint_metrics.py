@@ -28,7 +28,7 @@ import aiohttp
 from astrolabe.tls import BackendTls, backend_url, https_request_options
 from extproc.policies.base import EndpointMetrics
 from extproc.pool import EndpointPool
-from predictor.backend_metrics import AUTO, METRICS_FORMATS, MetricsFormatError, parse_backend_metrics
+from predictor.backend_metrics import AUTO, MetricsFormatError, check_metrics_format, parse_backend_metrics
 from predictor.ledger import BackendObservation
 
 logger = logging.getLogger(__name__)
@@ -72,8 +72,7 @@ class MetricsScraper:
         timeout_s = staleness_s if timeout_s is None else timeout_s
         if not (interval_s > 0 and staleness_s > 0 and timeout_s > 0):
             raise ValueError("interval_s, staleness_s and timeout_s must be > 0")
-        if metrics_format not in METRICS_FORMATS:
-            raise ValueError(f"unknown metrics format {metrics_format!r}; known: {', '.join(METRICS_FORMATS)}")
+        check_metrics_format(metrics_format)
         self.metrics_format = metrics_format
         self._unreadable: set[str] = set()  # endpoints whose last scrape was not readable (warned once)
         self._pool = pool

@@ -146,6 +146,12 @@ def _sglang(samples: _Samples) -> BackendObservation:
     )
 
 
+def check_metrics_format(metrics_format: str, what: str = "metrics format") -> None:
+    """Raises ValueError naming ``what`` unless ``metrics_format`` is one of `METRICS_FORMATS`."""
+    if metrics_format not in METRICS_FORMATS:
+        raise ValueError(f"unknown {what} {metrics_format!r}; known: {', '.join(METRICS_FORMATS)}")
+
+
 def parse_vllm_metrics(text: str) -> BackendObservation:
     """Parses vLLM's /metrics text.
 
@@ -174,8 +180,7 @@ def parse_backend_metrics(text: str, metrics_format: str = AUTO) -> BackendObser
         MetricsFormatError: unparsable text, or the gauges of the format (``auto``: of neither) are missing.
         ValueError: an unknown ``metrics_format`` (not in `METRICS_FORMATS`).
     """
-    if metrics_format not in METRICS_FORMATS:
-        raise ValueError(f"unknown metrics format {metrics_format!r}; known: {', '.join(METRICS_FORMATS)}")
+    check_metrics_format(metrics_format)
     samples = _Samples(text)
     if metrics_format == VLLM:
         return _vllm(samples)

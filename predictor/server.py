@@ -51,7 +51,7 @@ from astrolabe.tls import BackendTls, ServerTls, TlsError, add_port, backend_url
 from astrolabe.tracing import (ADMIT_ID, NUM_PREDICTED_OUTPUT_TOKENS, NUM_PROMPT_TOKENS, PREDICTED_E2E_S,
                                PREDICTED_TTFT_S, STATE_AGE_S, Tracing, TracingConfigError, setup_tracing)
 from predictor.api import pb, pb_grpc
-from predictor.backend_metrics import METRICS_FORMATS, SGLANG, MetricsFormatError, parse_backend_metrics
+from predictor.backend_metrics import METRICS_FORMATS, SGLANG, check_metrics_format, parse_backend_metrics
 from predictor.calibration import CalibrationStatus, StepTimeCalibrator
 from predictor.engine_flags import add_engine_arguments, engine_from_args
 from predictor.ledger import Ledger
@@ -186,6 +186,8 @@ def _describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
+FROM_SERVER_INFO = "the backend's /get_server_info"
+"""Where the limits came from when SGLang's ``/get_server_info`` changed them."""
 NOT_READABLE_YET = "the flags (the backend not readable yet)"
 """Where the KV cache or the limits came from while the backend has not answered: discovery is retried at every
 reconciliation until it does (a sidecar starts before its server: a native sidecar in Kubernetes), and the start
@@ -368,9 +370,7 @@ class Sidecar:
         self.tracing = tracing or Tracing.off()
         if config.calibration not in CALIBRATION_MODES:
             raise ValueError(f"calibration must be one of {', '.join(CALIBRATION_MODES)}, got {config.calibration!r}")
-        if config.backend_engine not in METRICS_FORMATS:
-            raise ValueError(f"backend_engine must be one of {', '.join(METRICS_FORMATS)}, got "
-                             f"{config.backend_engine!r}")
+        check_metrics_format(config.backend_engine, "backend_engine")
         if config.ingress_delay not in INGRESS_DELAY_MODES:
             raise ValueError(f"ingress_delay must be one of {', '.join(INGRESS_DELAY_MODES)}, "
                              f"got {config.ingress_delay!r}")
@@ -387,10 +387,8 @@ class Sidecar:
             buckets=(0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1), registry=None)
         self._absorbed: tuple[int, int] = (0, -1)  # (pid, seq) of the last plugin state absorbed
         self.residual = ResidualRules(config.residual_lengths, config.length_errors)
-        engine = config.engine
-        if config.backend_engine == SGLANG and config.follow_backend_scheduling:
-            engine = dataclasses.replace(engine, scheduling="sglang")  # named SGLang: its rules before it answers
-        self.ledger = self._new_ledger(engine)
+        # Named SGLang: its rules before it answers.
+        self.ledger = self._new_ledger(self._with_backend_rules(config.engine, config.backend_engine))
         self.plugin = PluginStateSource(config.state_source, config.vllm_state_path, config.plugin_max_age_s,
                                         pending_grace_s=config.visibility_grace_s, residual=self.residual)
         self.last_reconciled_s: float | None = None
@@ -603,10 +601,7 @@ class Sidecar:
             self._discovery_failed = True
             return NOT_READABLE_YET, limits_source
         info_name = "SGLang KV pool gauges" if observed.engine == SGLANG else "vllm:cache_config_info"
-        engine = self.config.engine
-        if observed.engine == SGLANG and self.config.follow_backend_scheduling:
-            # SGLang's rules predict its TTFT far better than V1's (bench/README.md "SGLang's scheduler").
-            engine = dataclasses.replace(engine, scheduling="sglang")
+        engine = self._with_backend_rules(self.config.engine, observed.engine)
         if observed.engine == SGLANG and self.config.discover_engine_limits:
             discovered, limits_source = await self._discover_sglang_limits(session, engine)
             engine = dataclasses.replace(discovered, block_size=engine.block_size,
@@ -616,8 +611,7 @@ class Sidecar:
             kv_source = "the flags (--no-discover-kv-cache)"
         elif not (observed.num_gpu_blocks and observed.block_size):
             kv_source = f"the flags (the backend's /metrics has no {info_name})"
-            if (limits_source == "the backend's /get_server_info"
-                    and engine.num_gpu_blocks != self.config.engine.num_gpu_blocks):
+            if limits_source == FROM_SERVER_INFO and engine.num_gpu_blocks != self.config.engine.num_gpu_blocks:
                 kv_source = "the backend's /get_server_info (max_total_num_tokens, page_size)"
         else:
             engine = dataclasses.replace(engine, num_gpu_blocks=observed.num_gpu_blocks,
@@ -626,6 +620,13 @@ class Sidecar:
         if engine != self.ledger.scheduler.config:
             self.ledger = self._new_ledger(engine)
         return kv_source, limits_source
+
+    def _with_backend_rules(self, engine: EngineConfig, backend_engine: str) -> EngineConfig:
+        """``engine`` with SGLang's scheduler rules when the backend is SGLang and ``follow_backend_scheduling``:
+        they predict its TTFT far better than V1's (bench/README.md, "SGLang backends")."""
+        if backend_engine == SGLANG and self.config.follow_backend_scheduling:
+            return dataclasses.replace(engine, scheduling="sglang")
+        return engine
 
     async def _discover_sglang_limits(self, session: aiohttp.ClientSession,
                                       engine: EngineConfig) -> tuple[EngineConfig, str]:
@@ -645,7 +646,7 @@ class Sidecar:
             return engine, NOT_READABLE_YET
         if limited == engine:
             return engine, "the flags (/get_server_info changed none)"
-        return limited, "the backend's /get_server_info"
+        return limited, FROM_SERVER_INFO
 
     def _log_discovered(self, kv_source: str, limits_source: str = "the flags") -> None:
         """One INFO line at start: the engine limits and KV cache in use and where each came from, the state
