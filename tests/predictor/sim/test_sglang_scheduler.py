@@ -20,7 +20,7 @@ from predictor.engine_flags import add_engine_arguments, engine_from_args
 from predictor.sim.batch_time import LinearBatchTimeModel
 from predictor.sim.engine import Engine
 from predictor.sim.kv_blocks import blocks_for_tokens
-from predictor.sim.predict import Prediction, predict, predict_by_stepping
+from predictor.sim.predict import predict, predict_by_stepping
 from predictor.sim.request import RequestStatus, SimRequest
 from predictor.sim.scheduler import (
     SGLANG_INIT_NEW_TOKEN_RATIO,
@@ -37,6 +37,7 @@ from predictor.sim.snapshot import (
     InstanceSnapshot,
     RequestState,
 )
+from tests.predictor.sim.test_predict import _assert_same
 
 LLAMA = LinearBatchTimeModel.default("llama-2-7b")
 
@@ -404,14 +405,6 @@ def test_invariants_over_random_workloads(config: EngineConfig, data: st.DataObj
 
 
 # ---- predict equals stepping ----------------------------------------------------------------------------------
-
-
-def _assert_same(fast: Prediction, slow: Prediction) -> None:
-    assert math.isclose(fast.ttft_s, slow.ttft_s, rel_tol=1e-9), (fast, slow)
-    assert math.isclose(fast.e2e_s, slow.e2e_s, rel_tol=1e-9), (fast, slow)
-    assert fast.num_steps == slow.num_steps
-    assert fast.num_preemptions == slow.num_preemptions
-    assert fast.num_steps_simulated <= slow.num_steps_simulated == slow.num_steps
 
 
 @st.composite
