@@ -212,6 +212,19 @@ def is_astrolabe(label: str) -> bool:
     return label.startswith("astrolabe")
 
 
+def _paired(grouped: Mapping[tuple[str, float], list[SeedPoint]], target: str, reference: str, rate: float,
+            statistic: Any) -> stats.Interval:
+    """``statistic`` (``stats.p99`` or ``stats.mean``) of ``target``'s TTFTs over ``reference``'s at ``rate``, with
+    its 95% paired block-bootstrap interval over the same requests (blocks within seeds)."""
+    a, groups = _pooled(grouped[(target, rate)], "ttfts_s")
+    b, _ = _pooled(grouped[(reference, rate)], "ttfts_s")
+    return paired_ratio_ci(a, b, statistic, groups=groups, num_resamples=500)
+
+
+def _ratio_text(ci: stats.Interval) -> str:
+    return f"{ci.value:.2f} [{ci.low:.2f}, {ci.high:.2f}]"
+
+
 def format_ratios(points: Sequence[SeedPoint], pooled: Sequence[PooledPoint], target: str,
                   slo_ttft_s: float) -> str:
     """Per rate: ``target``'s P99 and mean TTFT over the best baseline's (lowest pooled P99 TTFT among
@@ -225,12 +238,9 @@ def format_ratios(points: Sequence[SeedPoint], pooled: Sequence[PooledPoint], ta
         if (target, rate) not in grouped or not baselines:
             continue
         best = min(baselines, key=lambda p: (p.ttft_p99_s, p.ttft_mean_s))
-        a, groups = _pooled(grouped[(target, rate)], "ttfts_s")
-        b, _ = _pooled(grouped[(best.policy, rate)], "ttfts_s")
-        p99 = paired_ratio_ci(a, b, stats.p99, groups=groups, num_resamples=500)
-        mean = paired_ratio_ci(a, b, stats.mean, groups=groups, num_resamples=500)
-        rows.append([f"{rate:g}", best.policy, f"{p99.value:.2f} [{p99.low:.2f}, {p99.high:.2f}]", verdict(p99),
-                     f"{mean.value:.2f} [{mean.low:.2f}, {mean.high:.2f}]", verdict(mean)])
+        p99 = _paired(grouped, target, best.policy, rate, stats.p99)
+        mean = _paired(grouped, target, best.policy, rate, stats.mean)
+        rows.append([f"{rate:g}", best.policy, _ratio_text(p99), verdict(p99), _ratio_text(mean), verdict(mean)])
     if not rows:
         return ""
     return (f"{target} / best baseline (lowest pooled P99 TTFT at that rate), 95% paired intervals:\n"
@@ -245,12 +255,9 @@ def format_pair_ratios(points: Sequence[SeedPoint], target: str, reference: str)
     for rate in sorted({rate for policy, rate in grouped if policy == target}):
         if (reference, rate) not in grouped:
             continue
-        a, groups = _pooled(grouped[(target, rate)], "ttfts_s")
-        b, _ = _pooled(grouped[(reference, rate)], "ttfts_s")
-        p99 = paired_ratio_ci(a, b, stats.p99, groups=groups, num_resamples=500)
-        mean = paired_ratio_ci(a, b, stats.mean, groups=groups, num_resamples=500)
-        rows.append([f"{rate:g}", f"{p99.value:.2f} [{p99.low:.2f}, {p99.high:.2f}]", verdict(p99),
-                     f"{mean.value:.2f} [{mean.low:.2f}, {mean.high:.2f}]", verdict(mean)])
+        p99 = _paired(grouped, target, reference, rate, stats.p99)
+        mean = _paired(grouped, target, reference, rate, stats.mean)
+        rows.append([f"{rate:g}", _ratio_text(p99), verdict(p99), _ratio_text(mean), verdict(mean)])
     if not rows:
         return ""
     return (f"{target} / {reference}, 95% paired intervals:\n"
@@ -354,9 +361,7 @@ def sweep_verdicts(points: Sequence[SeedPoint], pooled: Sequence[PooledPoint],
         for rate in rates:
             if (label, rate) not in grouped or (reference, rate) not in grouped:
                 continue
-            a, groups = _pooled(grouped[(label, rate)], "ttfts_s")
-            b, _ = _pooled(grouped[(reference, rate)], "ttfts_s")
-            ratios.append((rate, paired_ratio_ci(a, b, stats.p99, groups=groups, num_resamples=500)))
+            ratios.append((rate, _paired(grouped, label, reference, rate, stats.p99)))
         verdicts = [verdict(r) for _, r in ratios]
         crossing, reference_crossing = crossings.get(label), crossings.get(reference)
         capacity_ok = caps.get(label, -math.inf) >= caps.get(reference, -math.inf) and (
@@ -391,7 +396,7 @@ def format_migration_sweep(pooled: Sequence[PooledPoint], verdicts: Sequence[Swe
                      *(_f(p.tpot_mean_s, 4) if p else "-" for p in here),
                      *(_f(p.migrations_per_request, 4) if p else "-" for p in here)])
     ratio_rows = [[v.label, f"{v.bandwidth_gbytes_per_s:g}",
-                   *(f"{r.value:.2f} [{r.low:.2f}, {r.high:.2f}] {verdict(r)}" for _, r in v.p99_ratios),
+                   *(f"{_ratio_text(r)} {verdict(r)}" for _, r in v.p99_ratios),
                    "no worse" if v.capacity_not_worse else "worse", "yes" if v.pays else "no"] for v in verdicts]
     ratio_table = _table(["policy", "GB/s", *(f"P99 ratio @{r:g}" for r, _ in verdicts[0].p99_ratios), "capacity",
                           "pays"], ratio_rows)
