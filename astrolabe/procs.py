@@ -303,3 +303,19 @@ def exit_status_of(run: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         logger.error("interrupted; every process was stopped")
         return 130
+
+
+def interrupt_on_termination() -> None:
+    """SIGTERM and SIGINT (which background jobs ignore) raise KeyboardInterrupt in the main thread, so a launcher's
+    ``with ProcessGroup()`` block unwinds and stops its processes. Call it before starting them."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.default_int_handler)
+
+
+def wait_while_running(processes: list[ManagedProcess], poll_s: float = 1.0) -> None:
+    """Returns when one of ``processes`` exits or on KeyboardInterrupt (`interrupt_on_termination`)."""
+    try:
+        while all(p.is_running() for p in processes):
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        pass

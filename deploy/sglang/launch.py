@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from astrolabe.procs import ManagedProcess, ProcessGroup, free_port
+from astrolabe.procs import ManagedProcess, ProcessGroup, free_port, interrupt_on_termination, wait_while_running
 
 logger = logging.getLogger(__name__)
 
@@ -132,19 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=REPO_DIR / ".cache" / "sglang" / "run")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # SIGTERM (and SIGINT, which background jobs ignore) end the wait below, so the servers are stopped.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.default_int_handler)
+    interrupt_on_termination()  # SIGTERM / SIGINT end the wait below, so the servers are stopped
     with ProcessGroup() as procs:
         servers = start_sglang_servers(procs, args.num_servers, args.work_dir,
                                        ports=[args.base_port + i for i in range(args.num_servers)])
         for server in servers:
             logger.info("serving %s at http://%s", SERVED_MODEL_NAME, server.address)
-        try:
-            while all(s.process.is_running() for s in servers):
-                time.sleep(1.0)
-        except KeyboardInterrupt:
-            pass
+        wait_while_running([s.process for s in servers])
     return 0
 
 

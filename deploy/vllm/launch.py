@@ -22,14 +22,13 @@ import argparse
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from astrolabe.procs import ManagedProcess, ProcessGroup, free_port
+from astrolabe.procs import ManagedProcess, ProcessGroup, free_port, interrupt_on_termination, wait_while_running
 
 logger = logging.getLogger(__name__)
 
@@ -183,20 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-plugin", dest="plugin", action="store_false")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # SIGTERM (and SIGINT, which background jobs ignore) end the wait below, so the servers are stopped.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.default_int_handler)
+    interrupt_on_termination()  # SIGTERM / SIGINT end the wait below, so the servers are stopped
     with ProcessGroup() as procs:
         servers = start_vllm_servers(procs, args.num_servers, args.work_dir, plugin=args.plugin,
                                      ports=[args.base_port + i for i in range(args.num_servers)])
         for server in servers:
             logger.info("serving %s at http://%s (state file %s)", SERVED_MODEL_NAME, server.address,
                         server.state_path)
-        try:
-            while all(s.process.is_running() for s in servers):
-                time.sleep(1.0)
-        except KeyboardInterrupt:
-            pass
+        wait_while_running([s.process for s in servers])
     return 0
 
 
