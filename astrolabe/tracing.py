@@ -98,6 +98,9 @@ STATE_AGE_S = "astrolabe.state_age_s"
 """Seconds since the sidecar's state was last reconciled with its backend."""
 LENGTH_ESTIMATE_SPAN = "astrolabe.length_estimate"
 """The span of one output-length estimate (the extproc's, and the tagger service's below its SERVER span)."""
+LOCAL_PREDICT_SPAN = "astrolabe.predict"
+"""An INTERNAL span per candidate predicted in the extproc from its sidecar's streamed state (``predictor_client.mode``
+watch), below the route span; attributes as a Predict call's span (``server.address`` is the sidecar's)."""
 
 
 class TracingConfigError(ValueError):

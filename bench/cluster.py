@@ -106,7 +106,7 @@ DEFAULT_POLICIES = ("random", "round-robin", "least-requests", ENVOY_LEAST_REQUE
 DEFAULT_RATES_QPS = (100.0, 110.0, 120.0, 125.0, 130.0, 135.0, 140.0)
 DEFAULT_SEEDS = (0, 1, 2)
 DEFAULT_OUT_DIR = REPO_ROOT / "out" / "cluster"
-_LABEL = re.compile(r"astrolabe-(k(?P<k>\d+)|full|paper)(?P<mods>(-(ttft|e2e|blend|nomem|noextra))*)")
+_LABEL = re.compile(r"astrolabe-(k(?P<k>\d+)|full|paper)(?P<mods>(-(ttft|e2e|blend|nomem|mem|noextra))*)")
 LLUMNIX_MIGRATE = "llumnix-migrate"
 """Label of full Llumnix: ``llumnix`` dispatch plus live migration (``bench.migration``)."""
 _MIGRATE_LABEL = re.compile(r"llumnix-migrate(-bw(?P<bw>\d+(\.\d+)?))?")
@@ -124,7 +124,8 @@ def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthMo
     Labels: a registry name, ``envoy-least-request``, ``astrolabe-k<N>`` (power of N), ``astrolabe-full``
     (k = fleet size), ``astrolabe-paper`` (the reference system: k = 2, E2E, no memory, no second round, the
     "10 more tokens" residual), each astrolabe label optionally followed by ``-ttft``/``-e2e``/``-blend``
-    (metric), ``-nomem`` (no probe of the best recent answer) and ``-noextra`` (no second round of probes);
+    (metric), ``-nomem`` / ``-mem`` (no probe, or one probe, of the best recent answer; the default has none) and
+    ``-noextra`` (no second round of probes);
     ``llumnix-migrate`` (``llumnix`` dispatch + live migration with ``migration``, default `MigrationParams()`)
     and ``llumnix-migrate-bw<X>`` (the same at X GB/s).
 
@@ -142,7 +143,7 @@ def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthMo
     match = _LABEL.fullmatch(label)
     if match is None:
         raise ValueError(f"unknown policy {label!r}; known: {', '.join(POLICY_NAMES)}, {ENVOY_LEAST_REQUEST}, "
-                         "astrolabe-k<N>, astrolabe-full, astrolabe-paper (+ -ttft, -e2e, -blend, -nomem), "
+                         "astrolabe-k<N>, astrolabe-full, astrolabe-paper (+ -ttft, -e2e, -blend, -mem, -nomem), "
                          "llumnix-migrate[-bw<GB/s>]")
     params: dict = {}
     residual = None
@@ -156,6 +157,8 @@ def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthMo
     for mod in filter(None, match.group("mods").split("-")):
         if mod == "nomem":
             params["probe_best"] = False
+        elif mod == "mem":
+            params["probe_best"] = True
         elif mod == "noextra":
             params["extra_probes"] = 0
         else:
@@ -269,7 +272,7 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)), help="trace seeds, comma-separated")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="comma-separated labels: a policy name, envoy-least-request, or astrolabe-k<N>|full|paper "
-                        "with -ttft|-e2e|-blend|-nomem|-noextra (policy_spec)")
+                        "with -ttft|-e2e|-blend|-mem|-nomem|-noextra (policy_spec)")
     p.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson", help="arrival process")
     p.add_argument("--cv", type=float, default=2.0, help="coefficient of variation of gaps for --arrival gamma")
     add_engine_arguments(p, EngineConfig(num_gpu_blocks=A30_LIKE_NUM_GPU_BLOCKS))  # an A30-like KV cache

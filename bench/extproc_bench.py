@@ -3,10 +3,11 @@
 Three sections, all real processes on loopback (`bench.extproc_drive`):
 
 1. **capacity** (``throughput``): one extproc process per policy (``random``, ``least-requests``, ``astrolabe`` with
-   k = 2 and the shipped light tagger), 2 emulated instances with their predictor sidecars. The bench is the
-   ext_proc client, as Envoy is (one BUFFERED ``Process`` stream per decision). Each extproc is pinned to CPU 0
-   (``os.sched_setaffinity`` on each of its threads) and everything else the bench starts, and the bench itself,
-   to the other CPUs, so "one core" is the extproc's alone among these processes. Per round and policy (policy
+   k = 2 and the shipped light tagger, predicting in the router from the sidecars' streamed states, and
+   ``astrolabe-predict``, the same with a Predict round trip per candidate), 2 emulated instances with their
+   predictor sidecars. The bench is the ext_proc client, as Envoy is (one BUFFERED ``Process`` stream per
+   decision). Each extproc is pinned to CPU 0 (``os.sched_setaffinity`` on each of its threads) and everything
+   else the bench starts, and the bench itself, to the other CPUs, so "one core" is the extproc's alone among these processes. Per round and policy (policy
    order rotated each round, fresh prompts each round so the tagger's cache never answers): a latency block at
    concurrency 1 (p50 / p99 of headers-sent to routing-answer) and a saturation block at ``--concurrency``
    (decisions/s over the block's wall time, and decisions per CPU-second of the extproc process from /proc:
@@ -58,7 +59,17 @@ from astrolabe.procs import ManagedProcess, ProcessGroup, exit_status_of, free_p
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("random", "least-requests", "astrolabe")
+POLICIES = ("random", "least-requests", "astrolabe", "astrolabe-predict")
+PREDICT_MODE = "astrolabe-predict"
+"""``astrolabe`` with ``predictor_client.mode: predict`` (a Predict round trip per candidate, protocol v1.1): the
+capacity section measures it beside the default (predictions in the router from the sidecars' streamed states)."""
+
+
+def _extproc_args(label: str) -> dict:
+    """``start_extproc`` keywords of a capacity label: its policy, and the Predict mode for `PREDICT_MODE`."""
+    if label == PREDICT_MODE:
+        return {"policy": "astrolabe", "extra": {"predictor_client": {"mode": "predict", "predict_timeout_s": 0.2}}}
+    return {"policy": label}
 SECTIONS = ("throughput", "envoy", "profile")
 EPP_P50_S = (0.1e-3, 0.2e-3)
 """The Go Endpoint Picker's scheduling time per request, p50, seconds (the anchor of issue 14)."""
@@ -267,7 +278,7 @@ def run_capacity(num_rounds: int, num_latency: int, num_saturated: int, concurre
     with tempfile.TemporaryDirectory(prefix="astrolabe-extproc-bench-") as folder, ProcessGroup() as procs:
         tmp = Path(folder)
         fleet, _ = start_fleet(procs, tmp)
-        extprocs = {p: start_extproc(procs, tmp, f"extproc-{p}", fleet, policy=p) for p in policies}
+        extprocs = {p: start_extproc(procs, tmp, f"extproc-{p}", fleet, **_extproc_args(p)) for p in policies}
         cpu_sets = _cpu_sets()
         if cpu_sets is not None:
             for proc in procs.processes:
@@ -306,7 +317,7 @@ def format_capacity(results: Sequence[PolicyCapacity], concurrency: int) -> str:
     rows = []
     for r in results:
         total = sum(r.bases.values()) or 1
-        on_predictions = (f"{r.bases['prediction'] / total:.1%}" if r.policy == "astrolabe" else "-")
+        on_predictions = (f"{r.bases['prediction'] / total:.1%}" if r.policy.startswith("astrolabe") else "-")
         rows.append([r.policy, str(len(r.latency_s)), fmt_ms(stats.p50(np.array(r.latency_s))),
                      fmt_ms(stats.p99(np.array(r.latency_s))), str(r.num_saturated), f"{r.decisions_per_s:.0f}",
                      f"{r.busy_frac:.2f}", f"{r.decisions_per_cpu_s:.0f}", f"{1e3 / r.decisions_per_cpu_s:.3f}",
@@ -457,8 +468,10 @@ def run_envoy(num_rounds: int, num_requests: int, rate_qps: float, num_large: in
     with tempfile.TemporaryDirectory(prefix="astrolabe-extproc-envoy-") as folder, ProcessGroup() as procs:
         tmp = Path(folder)
         fleet, _ = start_fleet(procs, tmp, time_scale=1.0, backend="fast")
-        _, extproc, _ = start_extproc(procs, tmp, "extproc", fleet, {"max_body_bytes": 8 * 1024 * 1024},
-                                      policy=policy)
+        args = _extproc_args(policy)
+        _, extproc, _ = start_extproc(procs, tmp, "extproc", fleet,
+                                      {"max_body_bytes": 8 * 1024 * 1024, **args.get("extra", {})},
+                                      policy=args["policy"])
         urls = {"static": _start_envoy(procs, tmp, "least-request", backends=list(fleet))}
         urls.update({mode: _start_envoy(procs, tmp, mode, extproc=extproc) for mode in body_modes})
         warm = prompts(20, seed - 1, max_tokens=1)

@@ -15,6 +15,10 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
       fixed_tokens: 256             # the estimate for 'fixed' (capped by the request's max_tokens)
       tagger_path: null             # a trained tagger directory for 'tagger' (null = the shipped light tagger)
     predictor_client:               # calls to predictor sidecars (extproc/predictor_client.py)
+      mode: watch                   # watch: sidecars stream their state, predictions made here (extproc/
+                                    # fleet_state.py) | predict: a Predict round trip per candidate
+      watch_interval_s: 0.02        # watch: how often each sidecar sends its state
+      watch_max_age_s: 0.25         # watch: an older state gives no prediction
       predict_timeout_s: 0.02       # time a sidecar gets to answer one Predict, from when the call is sent
       notify_timeout_s: 0.5         # deadline of Admit / Release (fire and forget)
       max_state_age_s: 2.0          # an answer whose state is older counts as no prediction
@@ -23,6 +27,8 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
       max_loop_lag_s: 0.1           # extproc event-loop lag tolerated per Predict (gRPC deadline = timeout + this)
       late_backoff_after: 5         # a late sidecar backs off after this many late answers in a row ...
       late_backoff_span_s: 1.0      # ... spanning at least this long
+      hold_s: 0.5                   # a Predict holds its request at the sidecar this long (0 = off): Admit confirms
+                                    # it at the chosen one, Release drops it at the others (predictor/holds.py)
     seed: null                      # seeds the policy RNG; null = from os.urandom
     max_body_bytes: 8388608         # larger request bodies get 413
     fallback_endpoints: 0           # endpoints after the chosen one in the destination list (gateways that take a
@@ -121,7 +127,7 @@ from astrolabe.tracing import PROTOCOLS, TracingConfig, TracingConfigError, norm
 from extproc.lengths import SOURCES, OutputLengthConfig
 from extproc.policies.registry import POLICY_NAMES, build_policy
 from predictor.backend_metrics import METRICS_FORMATS
-from extproc.predictor_client import PredictorClientConfig
+from extproc.predictor_client import MODES, PredictorClientConfig
 
 # NOTE: invariants.
 # - Every class here is a frozen pydantic dataclass with extra="forbid"; numeric and boolean fields are strict
@@ -328,6 +334,25 @@ class PredictorClientSection:
     late_backoff_span_s: _PositiveSeconds = Field(
         _PREDICTOR_CLIENT.late_backoff_span_s,
         description="... provided they span at least this long (first sent to last failed), seconds.")
+    hold_s: _NonNegativeSeconds = Field(
+        _PREDICTOR_CLIENT.hold_s,
+        description="Each Predict asks its sidecar to count the request from its answer for up to this long "
+                    "(protocol v1.1, predictor/holds.py), so that concurrent decisions see each other; the chosen "
+                    "sidecar's hold is confirmed by Admit, the others' dropped by Release, seconds; 0 = plain "
+                    "Predicts (decisions made together then herd).")
+    mode: Literal[MODES] = Field(  # type: ignore[valid-type]
+        _PREDICTOR_CLIENT.mode,
+        description="Where predictions are made: 'watch' (each sidecar streams its instance's state and the extproc "
+                    "predicts locally, extproc/fleet_state.py: no round trip on the request path; a sidecar that "
+                    "does not stream is asked by Predict) or 'predict' (a Predict round trip to each candidate's "
+                    "sidecar).")
+    watch_interval_s: _PositiveSeconds = Field(
+        _PREDICTOR_CLIENT.watch_interval_s,
+        description="'watch': how often each sidecar sends its state, seconds (the sidecar cuts it to [0.005, 1]).")
+    watch_max_age_s: _PositiveSeconds = Field(
+        _PREDICTOR_CLIENT.watch_max_age_s,
+        description="'watch': a state received longer ago than this gives no prediction (a frozen or cut-off "
+                    "sidecar), seconds.")
 
 
 @dataclass(frozen=True, slots=True, config=_config("TracingSection"))

@@ -76,6 +76,27 @@ class _PredictorCollector(Collector):
                                   value=self._predictors.num_late_excused)
 
 
+class _FleetCollector(Collector):
+    def __init__(self, fleet) -> None:
+        self._fleet = fleet
+
+    def collect(self):
+        predictions = CounterMetricFamily(
+            "astrolabe_extproc_local_predictions", "Predictions made in this replica from a sidecar's streamed state "
+            "(predictor_client.mode watch), per sidecar by outcome", labels=["predictor", "outcome"])
+        ages = GaugeMetricFamily("astrolabe_extproc_watched_state_age_seconds",
+                                 "Time since each watched sidecar's last state arrived, seconds",
+                                 labels=["predictor"])
+        for address, counts in list(self._fleet.outcomes.items()):
+            for outcome, count in counts.items():
+                predictions.add_metric([address, outcome], count)
+            state = self._fleet.state(address)
+            if state is not None:
+                ages.add_metric([address], state[1])
+        yield predictions
+        yield ages
+
+
 class ExtprocMetrics:
     """The extproc's metrics in a private registry.
 
@@ -136,3 +157,7 @@ class ExtprocMetrics:
     def watch_predictors(self, predictors) -> None:
         """Export ``predictors``' per-sidecar outcome counts (an ``extproc.predictor_client.PredictorClient``)."""
         self.registry.register(_PredictorCollector(predictors))
+
+    def watch_fleet(self, fleet) -> None:
+        """Export ``fleet``'s local prediction outcomes and state ages (an ``extproc.fleet_state.FleetState``)."""
+        self.registry.register(_FleetCollector(fleet))

@@ -52,8 +52,10 @@ Counters: ``outcomes[address][o]`` for o in ``OUTCOMES`` (every call of ``predic
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -74,6 +76,8 @@ _METRICS = {"e2e": pb.METRIC_E2E, "ttft": pb.METRIC_TTFT}
 LATE_LOG_INTERVAL_S = 60.0
 """Least time between two log lines about late answers of one sidecar, seconds."""
 
+MODES = ("watch", "predict")
+"""``PredictorClientConfig.mode``: where predictions are made (the router, from streamed states; or the sidecars)."""
 OUTCOMES = ("ok", "late", "down", "invalid", "skipped_backoff", "stale_state")
 _MAX_UINT32 = 2**32 - 1
 
@@ -87,6 +91,24 @@ def _cap(max_tokens: int | None) -> int:
     """``max_tokens`` for the wire: 0 (no cap) when absent or beyond uint32 (a cap that large caps nothing)."""
     return max_tokens if max_tokens is not None and 0 < max_tokens <= _MAX_UINT32 else 0
 """Outcomes of ``predict``, one per call, counted in ``PredictorClient.outcomes``."""
+
+
+MAX_SENT_ADMITS = 1024
+"""Admits remembered per sidecar until a watched state includes them (``extproc/fleet_state.py``): far more than one
+state interval's dispatches to one instance."""
+
+
+@dataclass(frozen=True, slots=True)
+class SentAdmit:
+    """An Admit this router sent: its number (``admit_seq``), prompt and predicted output tokens, cap (tokens, None
+    = none), length source, and when it was sent (the client's clock, seconds)."""
+
+    seq: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    max_tokens: int | None
+    length_source: int
+    sent_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +126,16 @@ class PredictorClientConfig:
             loop noticed later than this is not held against the sidecar.
         late_backoff_after: late calls in a row (count) before a sidecar backs off ...
         late_backoff_span_s: ... provided they span at least this long (first sent to last failed).
+        hold_s: each Predict asks its sidecar to hold the request this long (``predictor/holds.py``, protocol
+            v1.1): counted there from the answer, so that concurrent decisions see each other, until the router's
+            Admit confirms it or its Release drops it; 0 = plain Predicts (v1.0: decisions made together are
+            answered from the same state and herd).
+        mode: ``watch`` (each sidecar streams its state and the router predicts locally, ``extproc/fleet_state.py``,
+            protocol v1.2: no round trip on the request path; a sidecar without Watch is asked by Predict) or
+            ``predict`` (a Predict round trip per candidate, v1.1).
+        watch_interval_s: ``watch``: how often each sidecar sends its state, seconds.
+        watch_max_age_s: ``watch``: a state received longer ago gives no prediction (a frozen or cut-off sidecar),
+            seconds.
     """
 
     predict_timeout_s: float = 0.02
@@ -114,12 +146,20 @@ class PredictorClientConfig:
     max_loop_lag_s: float = 0.1
     late_backoff_after: int = 5
     late_backoff_span_s: float = 1.0
+    hold_s: float = 0.5
+    mode: str = "watch"
+    watch_interval_s: float = 0.02
+    watch_max_age_s: float = 0.25
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.late_backoff_after < 1:
             raise ValueError("late_backoff_after: must be >= 1")
-        if self.late_backoff_span_s < 0 or self.max_loop_lag_s < 0:
-            raise ValueError("late_backoff_span_s, max_loop_lag_s: must be >= 0")
+        if self.late_backoff_span_s < 0 or self.max_loop_lag_s < 0 or not self.hold_s >= 0:
+            raise ValueError("late_backoff_span_s, max_loop_lag_s, hold_s: must be >= 0")
+        if not (self.watch_interval_s > 0 and self.watch_max_age_s > 0):
+            raise ValueError("watch_interval_s, watch_max_age_s: must be > 0")
 
 
 @dataclass(slots=True)
@@ -211,6 +251,11 @@ class PredictorClient:
         self.num_calls = 0
         self.num_late_excused = 0
         self._late_said_s: dict[str, float] = {}  # when a late answer of each sidecar was last logged
+        # Protocol v1.1: this process's id, and per sidecar the Admits sent (their sequence) and not yet answered.
+        self.router_id = int.from_bytes(os.urandom(8), "big") >> 1 or 1
+        self._num_admitted: dict[str, int] = {}
+        self._num_admits_pending: dict[str, int] = {}
+        self._sent_admits: dict[str, collections.deque[SentAdmit]] = {}  # per sidecar, oldest first (v1.2)
 
     def _stub(self, address: str) -> pb_grpc.PredictorStub:
         entry = self._stubs.get(address)
@@ -269,12 +314,15 @@ class PredictorClient:
 
         Returns:
             The prediction, or None if the sidecar is backing off, fails, misses the deadline, cannot serve
-            the request, or answers from a stale state (the outcome is counted in ``outcomes``).
+            the request, or answers from a stale state (the outcome is counted in ``outcomes``). With
+            ``config.hold_s`` the sidecar holds the request (unless it failed or was skipped): the caller then
+            sends it ``admit`` (chosen) or ``release`` (not chosen).
         """
         message = pb.PredictRequest(request_id=request_id, num_prompt_tokens=_uint32(num_prompt_tokens),
                                     num_predicted_output_tokens=_uint32(num_output_tokens),
                                     metric=_METRICS.get(metric, pb.METRIC_TTFT), max_tokens=_cap(max_tokens),
-                                    length_source=length_source)
+                                    length_source=length_source, hold_s=self.config.hold_s,
+                                    router_id=self.router_id)
         if self._tracer is None:
             return (await self._predict(address, message, None))[0]
         span = _call_span(self._tracer, "Predict", address, request_id)
@@ -339,7 +387,17 @@ class PredictorClient:
             logger.debug("predictor %s answered nonsense for %s: %s", address, message.request_id, figures)
             return None, "invalid"
         counts["ok"] += 1
-        return Prediction(reply.ttft_s, reply.e2e_s, reply.state_age_s, reply.queue_s), "ok"
+        residual = reply.calibration_residual
+        per_request = (reply.ttft_s_per_request, reply.e2e_s_per_request)
+        if not all(math.isfinite(f) and f >= 0 for f in per_request):
+            per_request = (0.0, 0.0)
+        return Prediction(reply.ttft_s, reply.e2e_s, reply.state_age_s, reply.queue_s,
+                          num_requests=reply.num_running + reply.num_waiting,
+                          model_error=residual if math.isfinite(residual) and residual > 0 else 0.0,
+                          ttft_s_per_request=per_request[0], e2e_s_per_request=per_request[1],
+                          idle_e2e_s=reply.idle_e2e_s if math.isfinite(reply.idle_e2e_s) and reply.idle_e2e_s > 0
+                          else 0.0,
+                          num_admits_seen=reply.admits_seen if reply.protocol_revision >= 1 else -1), "ok"
 
     async def _send_predict(self, stub: pb_grpc.PredictorStub, message: pb.PredictRequest,
                             metadata) -> pb.PredictResponse:
@@ -436,14 +494,48 @@ class PredictorClient:
         """Tells the chosen sidecar about the request, without waiting for the answer (arguments as ``predict``;
         ``predicted_*_s``: what that sidecar predicted for it, seconds, 0 = none, which it checks against the
         outcome)."""
+        seq = self._num_admitted[address] = self._num_admitted.get(address, 0) + 1
         message = pb.AdmitRequest(request_id=request_id, num_prompt_tokens=_uint32(num_prompt_tokens),
                                   num_predicted_output_tokens=_uint32(num_output_tokens), max_tokens=_cap(max_tokens),
                                   length_source=length_source, predicted_ttft_s=predicted_ttft_s,
-                                  predicted_e2e_s=predicted_e2e_s)
+                                  predicted_e2e_s=predicted_e2e_s, router_id=self.router_id, admit_seq=seq)
         span = None if self._tracer is None else _call_span(self._tracer, "Admit", address, request_id)
         call = self._stub(address).Admit(message, timeout=self.config.notify_timeout_s,
                                          metadata=None if span is None else grpc_metadata(span))
-        self._notify(address, call, span)
+        self._num_admits_pending[address] = self._num_admits_pending.get(address, 0) + 1
+        sent = self._sent_admits.get(address)
+        if sent is None:
+            sent = self._sent_admits[address] = collections.deque(maxlen=MAX_SENT_ADMITS)
+        sent.append(SentAdmit(seq, num_prompt_tokens, num_output_tokens, max_tokens or None, length_source,
+                              self._clock()))
+        self._notify(address, call, span, admit=True)
+
+    def admits_after(self, address: str, seq: int) -> list[SentAdmit]:
+        """The Admits sent to ``address`` with a number above ``seq`` (at most `MAX_SENT_ADMITS` of the latest),
+        oldest first: what a state that includes up to ``seq`` does not include yet."""
+        sent = self._sent_admits.get(address)
+        if not sent or sent[-1].seq <= seq:
+            return []
+        return [a for a in sent if a.seq > seq]
+
+    def forget_admits_through(self, address: str, seq: int) -> None:
+        """Drops the record of the Admits to ``address`` numbered ``seq`` or below (a state includes them)."""
+        sent = self._sent_admits.get(address)
+        while sent and sent[0].seq <= seq:
+            sent.popleft()
+
+    def stub(self, address: str) -> pb_grpc.PredictorStub:
+        """The stub of ``address``'s channel (opened on first use; shared with every call to it)."""
+        return self._stub(address)
+
+    def num_admitted(self, address: str) -> int:
+        """Admits sent to the sidecar at ``address`` so far (the last one's ``admit_seq``)."""
+        return self._num_admitted.get(address, 0)
+
+    def num_admits_pending(self, address: str) -> int:
+        """Admits sent to the sidecar at ``address`` whose call has not ended yet (answered, failed or timed
+        out)."""
+        return self._num_admits_pending.get(address, 0)
 
     def release(self, address: str, request_id: str, failed: bool = False) -> None:
         """Tells the sidecar the request ended (``failed``: the backend answered it with an error), without waiting
@@ -451,7 +543,7 @@ class PredictorClient:
         self._notify(address, self._stub(address).Release(pb.ReleaseRequest(request_id=request_id, failed=failed),
                                                           timeout=self.config.notify_timeout_s))
 
-    def _notify(self, address: str, call, span: trace.Span | None = None) -> None:
+    def _notify(self, address: str, call, span: trace.Span | None = None, admit: bool = False) -> None:
         async def run() -> None:
             try:
                 await call
@@ -462,6 +554,8 @@ class PredictorClient:
             finally:
                 if span is not None:
                     span.end()
+                if admit and address in self._num_admits_pending:
+                    self._num_admits_pending[address] -= 1
 
         self._spawn(run())
 
@@ -476,6 +570,9 @@ class PredictorClient:
         entry = self._stubs.pop(address, None)
         self._health.pop(address, None)
         self.outcomes.pop(address, None)
+        self._num_admitted.pop(address, None)
+        self._num_admits_pending.pop(address, None)
+        self._sent_admits.pop(address, None)
         if entry is not None:
             self._spawn(entry[0].close(grace=self.config.notify_timeout_s))
 

@@ -6,6 +6,19 @@ Failure policy (the only place it is decided):
 - a prediction policy got no usable prediction (no sidecar, sidecars failed or late) -> ``least-requests`` over
   all healthy endpoints, counted as outcome ``fallback``; a sidecar failure never fails a request.
 
+Where predictions come from: with ``fleet`` (``predictor_client.mode: watch``, the default) each candidate is
+predicted here from its sidecar's streamed state, with this replica's own dispatches that the state does not
+include yet queued in (``extproc/fleet_state.py``): no round trip, and decisions of this replica always see each
+other. A sidecar that does not stream (and every sidecar in mode ``predict``) is asked by Predict:
+
+Decisions that see each other: each Predict asks its sidecar to hold the request (``predictor/holds.py``), so a
+sidecar answers every later Predict, from any replica, with it counted; after choosing, the router confirms the
+hold at the chosen sidecar (Admit) and drops it at the others (Release). A sidecar leaves this replica's own
+holds out of its answers to it: this replica knows its own decisions exactly instead. Its Admits are numbered, each
+answer says up to which one it includes (``admits_seen``), and the ones it does not include reach the policy as
+``EndpointView.num_unseen_dispatches``, priced at the answer's cost of one more request like this one
+(``Prediction.ttft_s_per_request``).
+
 Every decision has a *basis*, counted in ``astrolabe_extproc_decisions_total{basis}``: ``prediction`` (every
 probed sidecar answered), ``partial`` (some did: the policy's rule for a partial answer decided),
 ``fallback`` (none did: least-requests decided), ``policy`` (a policy that does not predict) or ``no_prompt`` (a
@@ -13,7 +26,8 @@ request without a prompt, e.g. ``GET /v1/models``, under a predicting policy: le
 told). A fallback
 carries its reason (`FALLBACK_REASONS`). With ``decision_log`` set, each decision is also written as one JSON
 record (``extproc.decision_log``). With a tracer, the length estimate is a child span of the current span (the
-stream's request span); the Predict and Admit calls get theirs from the predictor client.
+stream's request span); so is each candidate predicted here from its sidecar's state (``astrolabe.predict``); the
+Predict and Admit calls get theirs from the predictor client.
 """
 
 from __future__ import annotations
@@ -27,12 +41,15 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
-from astrolabe.tracing import LENGTH_ESTIMATE_SPAN, NUM_PREDICTED_OUTPUT_TOKENS
+from astrolabe.tracing import (ADMIT_ID, LENGTH_ESTIMATE_SPAN, LOCAL_PREDICT_SPAN, NUM_PREDICTED_OUTPUT_TOKENS,
+                               PREDICTED_E2E_S, PREDICTED_QUEUE_S, PREDICTED_TTFT_S, SERVER_ADDRESS, STATE_AGE_S)
 from extproc.decision import Decision
 from extproc.decision_log import DecisionLog
 from extproc.endpoint_metrics import MetricsScraper
 from extproc.errors import ErrorCode, RoutingError
+from extproc.fleet_state import FleetState
 from extproc.lengths import OutputLengthEstimator, count_prompt_tokens
 from extproc.prompt_tokens import PromptTokenCounter
 from extproc.metrics import ExtprocMetrics
@@ -84,6 +101,8 @@ class Router:
         passive_ejection: when the gateway reports that another endpoint served a request (it could not use the
             chosen one and went down the list), the chosen endpoint counts as unhealthy until its next passing
             active health check; only with active health checks on (else nothing would bring it back).
+        fleet: the sidecars' streamed states (``predictor_client.mode`` watch): candidates whose sidecar it covers
+            are predicted here, without a round trip; None = every prediction is a Predict call.
     """
 
     def __init__(self, pool: EndpointPool, policy: Policy, metrics: ExtprocMetrics | None = None,
@@ -91,7 +110,7 @@ class Router:
                  rng: random.Random | None = None, endpoint_metrics: MetricsScraper | None = None,
                  clock=time.monotonic, decision_log: DecisionLog | None = None,
                  prompt_tokens: PromptTokenCounter | None = None, tracer: trace.Tracer | None = None,
-                 num_fallbacks: int = 0, passive_ejection: bool = False) -> None:
+                 num_fallbacks: int = 0, passive_ejection: bool = False, fleet: FleetState | None = None) -> None:
         if policy.needs_predictions and (predictors is None or lengths is None):
             raise ValueError(f"policy {policy.TYPE!r} needs a predictor client and an output-length estimator")
         self.pool = pool
@@ -108,6 +127,7 @@ class Router:
         self._num_fallbacks = num_fallbacks
         self._passive_ejection = passive_ejection
         self._consecutive_5xx: dict[str, int] = {}
+        self.fleet = fleet
 
     def _healthy_views(self, request: RoutingRequest) -> list[EndpointView]:
         if not self.pool.endpoints:
@@ -124,15 +144,18 @@ class Router:
                                    f"entries) serves the request")
         since_s = self._clock() - self.policy.recent_window_s
         scraper = self.endpoint_metrics if self.policy.needs_metrics else None
-        views = [EndpointView(e.address, self.pool.in_flight(e.address), e.predictor,
-                              metrics=scraper.get(e.address) if scraper is not None else None,
-                              num_recent_requests=self.pool.num_dispatched_since(e.address, since_s))
-                 for e in serving if self.pool.is_healthy(e.address)]
-        if not views:
+        healthy = [e for e in serving if self.pool.is_healthy(e.address)]
+        if not healthy:
             raise RoutingError(ErrorCode.NO_HEALTHY_ENDPOINT,
                                f"no healthy endpoint serves model {request.model!r}" if request.model
                                else "no healthy endpoint")
-        return views
+        in_flight = [self.pool.in_flight(e.address) for e in healthy]
+        mean_in_flight = sum(in_flight) / len(in_flight)
+        return [EndpointView(e.address, n, e.predictor,
+                             metrics=scraper.get(e.address) if scraper is not None else None,
+                             num_recent_requests=self.pool.num_dispatched_since(e.address, since_s),
+                             mean_in_flight=mean_in_flight)
+                for e, n in zip(healthy, in_flight)]
 
     async def route(self, request: RoutingRequest) -> Decision:
         """Chooses the destination and counts the request in flight there until ``release``.
@@ -188,8 +211,37 @@ class Router:
         self.metrics.length_estimate_seconds.observe(t2_s - t1_s)
         metric = getattr(getattr(self.policy, "params", None), "metric", "e2e")
 
+        # sidecar -> (Admits this replica had sent it, of which not answered yet) when this Predict was sent
+        asked_at: dict[str, tuple[int, int]] = {}
+
+        fleet = self.fleet
+        remote: set[str] = set()  # sidecars asked by Predict (they hold the request)
+
+        def local_predict(predictor: str):
+            start_s = self._clock()
+            try:
+                if self._tracer is None:
+                    return fleet.predict(predictor, num_prompt_tokens, num_output_tokens,
+                                         max_tokens=request.max_tokens, length_source=length_source)
+                with self._tracer.start_as_current_span(LOCAL_PREDICT_SPAN, attributes={
+                        SERVER_ADDRESS: host_port(predictor)[0], ADMIT_ID: ledger_id}) as span:
+                    prediction = fleet.predict(predictor, num_prompt_tokens, num_output_tokens,
+                                               max_tokens=request.max_tokens, length_source=length_source)
+                    if span.is_recording() and prediction is not None:
+                        span.set_attributes({PREDICTED_TTFT_S: prediction.ttft_s, PREDICTED_E2E_S: prediction.e2e_s,
+                                             PREDICTED_QUEUE_S: prediction.queue_s,
+                                             STATE_AGE_S: prediction.state_age_s})
+                    elif span.is_recording():
+                        span.set_status(Status(StatusCode.ERROR, "no prediction"))
+                    return prediction
+            finally:
+                self.metrics.predict_seconds.labels(predictor).observe(self._clock() - start_s)
+
         async def timed_predict(predictor: str):
             start_s = self._clock()
+            remote.add(predictor)
+            asked_at[predictor] = (self.predictors.num_admitted(predictor),
+                                   self.predictors.num_admits_pending(predictor))
             try:
                 return await self.predictors.predict(predictor, ledger_id, num_prompt_tokens, num_output_tokens,
                                                      metric, max_tokens=request.max_tokens,
@@ -198,15 +250,19 @@ class Router:
                 self.metrics.predict_seconds.labels(predictor).observe(self._clock() - start_s)
 
         async def ask(views_: Sequence[EndpointView]) -> list[EndpointView]:
-            predictions_ = await asyncio.gather(*(
-                timed_predict(v.predictor) if v.predictor else _none() for v in views_))
-            return [replace(v, prediction=p) for v, p in zip(views_, predictions_)]
+            """Predictions for ``views_``: Predict calls first (if any), then the local ones, with no await between
+            them and the choice, so that they include every dispatch this replica made before it."""
+            asked = [v.predictor for v in views_ if v.predictor and not (fleet is not None and fleet.covers(v.predictor))]
+            answers = dict(zip(asked, await asyncio.gather(*map(timed_predict, asked)))) if asked else {}
+            return [replace(v, prediction=None if not v.predictor else answers[v.predictor] if v.predictor in answers
+                            else local_predict(v.predictor)) for v in views_]
 
         scored = await ask(candidates)
         more = self.policy.more_candidates(request, scored, views)
         if more:  # every first-round candidate would queue: a second round
             scored += await ask(more)
             candidates = [*candidates, *more]
+        scored = self._with_current_load(scored, views, asked_at)
         predictions = [v.prediction for v in scored]
         stage_s = (("tokens", t1_s - t0_s), ("length", t2_s - t1_s), ("predict", self._clock() - t2_s))
         num_ok = sum(p is not None for p in predictions)
@@ -216,9 +272,14 @@ class Router:
         policy_name = self.policy.TYPE
         basis = "prediction" if num_ok == len(candidates) else "partial"
         reason = ""
-        if chosen is None:
-            chosen, policy_name, basis = self._fallback.choose(request, views), self._fallback.TYPE, "fallback"
+        if chosen is None:  # on this replica's in-flight counts of now: concurrent decisions went on meanwhile
+            current = [replace(v, num_in_flight=self.pool.in_flight(v.address)) for v in views]
+            chosen, policy_name, basis = self._fallback.choose(request, current), self._fallback.TYPE, "fallback"
             reason = FALLBACK_NO_PREDICTION if any(v.predictor for v in candidates) else FALLBACK_NO_SIDECAR
+        if self.predictors.config.hold_s:  # the sidecars not chosen held the request (predictor/holds.py): drop it
+            for predictor in remote:
+                if predictor != chosen.predictor and not self.predictors.is_backing_off(predictor):
+                    self.predictors.release(predictor, ledger_id)
         if chosen.predictor:
             used = chosen.prediction  # what the chosen sidecar answered: it checks it against the outcome
             self.predictors.admit(chosen.predictor, ledger_id, num_prompt_tokens, num_output_tokens,
@@ -228,6 +289,32 @@ class Router:
         return Decision(chosen.address, policy_name, ledger_id, chosen.predictor, basis,
                         tuple((v.address, p) for v, p in zip(candidates, predictions)), num_prompt_tokens,
                         num_output_tokens, length_source, stage_s=stage_s, fallback_reason=reason)
+
+    def _with_current_load(self, scored: list[EndpointView], views: Sequence[EndpointView],
+                           asked_at: dict[str, tuple[int, int]]) -> list[EndpointView]:
+        """``scored`` as of now: this replica's in-flight counts (concurrent decisions may have dispatched since
+        the views were taken) and, per answered candidate, the requests this replica sent there that its sidecar's
+        answer does not include (``num_unseen_dispatches``, priced by the policy).
+
+        Unseen = this replica's Admits to that sidecar beyond the last one the answer includes (``admits_seen``,
+        protocol v1.1: exact whatever the order in which the sidecar handled them), at most the Admits sent since
+        the Predict plus those still unanswered then (a restarted sidecar, which knows none, is not charged with
+        every Admit ever sent). From a v1.0 sidecar that bound is the estimate."""
+        pool = self.pool
+        in_flight = {v.address: pool.in_flight(v.address) for v in views}
+        mean_in_flight = sum(in_flight.values()) / len(in_flight) if in_flight else 0.0
+        updated = []
+        for v in scored:
+            unseen = 0
+            if v.prediction is not None and v.predictor in asked_at:
+                sent_then, pending_then = asked_at[v.predictor]
+                sent_now = self.predictors.num_admitted(v.predictor)
+                bound = sent_now - sent_then + pending_then
+                seen = v.prediction.num_admits_seen
+                unseen = bound if seen < 0 else max(min(sent_now - seen, bound), 0)
+            updated.append(replace(v, num_in_flight=in_flight.get(v.address, v.num_in_flight),
+                                   mean_in_flight=mean_in_flight, num_unseen_dispatches=unseen))
+        return updated
 
     async def _estimate_length(self, request: RoutingRequest) -> tuple[int, int]:
         """``lengths.estimate_with_source``, in a child span of the current one when tracing."""
@@ -337,8 +424,3 @@ class Router:
                 self.metrics.prediction_ratio.labels(decision.destination, "e2e").observe(ratio)
         if decision.predictor and self.predictors is not None:
             self.predictors.release(decision.predictor, decision.request_id, failed=failed)
-
-
-async def _none() -> None:
-    return None
-

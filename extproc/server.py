@@ -50,6 +50,7 @@ from extproc.decision_log import DecisionLog
 from extproc.discovery import build_source
 from extproc.lengths import OutputLengthEstimator
 from extproc.metrics import ExtprocMetrics
+from extproc.fleet_state import FleetState
 from extproc.predictor_client import PredictorClient
 from extproc.policies.registry import build_policy
 from extproc.pool import EndpointPool, HealthChecker
@@ -134,6 +135,10 @@ async def _next(messages):
         return None
 
 
+FIRST_STATES_TIMEOUT_S = 2.0
+"""At start in watch mode, the longest wait for the sidecars' first states before serving, seconds."""
+
+
 class ConfigWatcher:
     """Reloads the config file when its content changes; applies the endpoint list live (`LIVE_KEYS`).
 
@@ -147,13 +152,16 @@ class ConfigWatcher:
         pool: where a new endpoint list goes.
         overrides: the command line's values (``replace_config`` keys), applied to each reloaded file too, so
             that a flag is not reported as a change of its key.
+        publish: where the new endpoint list goes instead of straight into ``pool`` (the server's, which also
+            connects the new endpoints' sidecars and forgets those that left); None = ``pool.replace``.
     """
 
     def __init__(self, path: Path, config: ExtprocConfig, pool: EndpointPool,
-                 overrides: Mapping[str, Any] | None = None) -> None:
+                 overrides: Mapping[str, Any] | None = None, publish=None) -> None:
         self._path = path
         self._config = config
         self._pool = pool
+        self._publish = publish or pool.replace
         self._overrides = dict(overrides or {})
         self._digest = _digest(path)
 
@@ -188,7 +196,7 @@ class ConfigWatcher:
             logger.info("endpoints now %d: added %s; removed %s", len(new.endpoints),
                         _addresses(new.endpoints, self._config.endpoints) or "none",
                         _addresses(self._config.endpoints, new.endpoints) or "none")
-        self._pool.replace(new.endpoints)
+        self._publish(new.endpoints)
         self._config = dataclasses.replace(self._config, endpoints=new.endpoints)
         return True
 
@@ -269,6 +277,13 @@ class ExtprocServer:
         except TlsError as exc:
             raise ConfigError(f"backend_tls: {exc}") from None
         self.metrics.watch_predictors(self.predictors)
+        client_config = config.predictor_client
+        self.fleet = (FleetState(self.predictors, interval_s=client_config.watch_interval_s,
+                                 max_age_s=client_config.watch_max_age_s,
+                                 max_state_age_s=client_config.max_state_age_s)
+                      if client_config.mode == "watch" and policy.needs_predictions else None)
+        if self.fleet is not None:
+            self.metrics.watch_fleet(self.fleet)
         self.decision_log = None
         if config.decision_log_path:
             try:
@@ -286,7 +301,7 @@ class ExtprocServer:
                              OutputLengthEstimator(config.output_length, _load_tagger(config)), rng,
                              endpoint_metrics=self.endpoint_metrics, decision_log=self.decision_log,
                              prompt_tokens=prompt_tokens, tracer=tracer, num_fallbacks=config.fallback_endpoints,
-                             passive_ejection=config.health_check.enabled)
+                             passive_ejection=config.health_check.enabled, fleet=self.fleet)
         if config.fallback_endpoints:
             logger.warning("fallback_endpoints %d: the destination is a list of %d endpoints, which only a gateway "
                            "that takes a list follows (Envoy's override_host policy: astrolabe envoy --pool); "
@@ -299,7 +314,8 @@ class ExtprocServer:
                            "falls back to least-requests", config.policy)
         self._metrics_server = None
         self.health = health.aio.HealthServicer()
-        self._watcher = ConfigWatcher(config_path, config, self.pool, overrides) if config_path else None
+        self._watcher = (ConfigWatcher(config_path, config, self.pool, overrides, publish=self._publish)
+                         if config_path else None)
         self._tasks: list[asyncio.Task] = []
         # Above Envoy's buffered-mode limit too, so that an oversized body gets our 413, not a gRPC error (503).
         max_message_bytes = max(config.max_body_bytes, ENVOY_BUFFER_LIMIT_BYTES) + _GRPC_MESSAGE_OVERHEAD_BYTES
@@ -379,7 +395,10 @@ class ExtprocServer:
             self._tasks.append(asyncio.create_task(_flush_every(self.decision_log, 1.0), name="decision-log"))
         if self.router.policy.needs_predictions:
             get_tokenizer()  # loaded now rather than by the first request, on the event loop
-            self.predictors.connect([e.predictor for e in self.pool.endpoints if e.predictor])
+            self._connect([e.predictor for e in self.pool.endpoints if e.predictor])
+            if self.fleet is not None and not await self.fleet.first_states(FIRST_STATES_TIMEOUT_S):
+                logger.warning("not every sidecar sent its state within %g s of the start: their candidates fall "
+                               "back until they do", FIRST_STATES_TIMEOUT_S)
         settle_heap()
         await self._set_serving(True)
         params = getattr(self.router.policy, "params", None)
@@ -404,11 +423,19 @@ class ExtprocServer:
                 self.metrics.forget_endpoint(address, endpoint.predictor)
                 if endpoint.predictor and endpoint.predictor not in predictors:
                     self.predictors.forget(endpoint.predictor)
+                    if self.fleet is not None:
+                        self.fleet.forget(endpoint.predictor)
         added = [e for a, e in new.items() if old.get(a) != e]
         if added and self._checker is not None:
             self._checker.wake()
         if self.router.policy.needs_predictions:
-            self.predictors.connect([e.predictor for e in added if e.predictor])
+            self._connect([e.predictor for e in added if e.predictor])
+
+    def _connect(self, sidecars: list[str]) -> None:
+        """Opens the channels to ``sidecars`` and, in watch mode, follows their states."""
+        self.predictors.connect(sidecars)
+        if self.fleet is not None:
+            self.fleet.watch(sidecars)
 
     async def stop_now(self) -> None:
         """Stops at once, without the drain (a start that failed or was interrupted)."""
@@ -438,6 +465,8 @@ class ExtprocServer:
         for task in self._tasks:
             task.cancel()
         results = await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.fleet is not None:
+            await self.fleet.close()
         await self.predictors.close()
         if self.decision_log is not None:
             self.decision_log.close()

@@ -5,7 +5,7 @@ plugin's or the emulator's state file: `StepSample`) and refits `LinearBatchTime
 ``refit_interval_s``. The shipped model it starts from (the prior) was measured on an idle H200 with CUDA graphs;
 a real engine adds its own per-step CPU work, and another GPU, model or load moves every coefficient. The fit is
 the shipped one's (`predictor.sim.batch_time.fit_linear`: least squares on relative error) with a ridge term that
-pulls the coefficients toward the prior scaled by the window's median measured/prior ratio, so a window of steps
+pulls the coefficients toward the prior scaled by the window's total measured time over the prior's, so a window of steps
 that all look alike (a steady batch of 8 decodes makes the fixed and the per-sequence cost inseparable) keeps the
 prior's shape, uniformly scaled, in the directions it cannot identify, and moves only those it can.
 
@@ -15,6 +15,8 @@ Guards (each counted in `CalibrationStatus`):
     standard deviations (1.4826 × MAD) from the median are dropped and the fit is repeated;
   - bounded rate of change: one refit changes the model's predicted time of any recent step by at most a factor
     ``max_change`` (the new coefficients are blended with the old until that holds);
+  - floor: no coefficient falls below `COEFFICIENT_FLOOR` (a quarter) of the prior's, scaled by the window's total
+    measured/prior ratio (noisy steps once priced a prefill 20x below the truth);
   - fallback: a refit whose error on the most recent quarter of the window (held out of the fit) is not lower
     than the current model's is rejected, and the last good model stays.
 
@@ -197,14 +199,19 @@ class StepTimeCalibrator:
         # toward the current model: in directions the window cannot identify (every step with the same number
         # of sequences makes c0 and c4 collinear) the answer stays the prior's shape, uniformly slower or
         # faster, which is what a slower GPU, a loaded CPU or another model size mostly is.
+        # The scale is the ratio of the window's total measured time to the prior's total for the same steps, not a
+        # median of per-step ratios: an engine that runs late and catches up (the emulator on a loaded CPU, a
+        # host that stalls) scatters single steps widely while their sum stays right, and a window of catch-up
+        # steps once put the median at 1/20 of the truth.
         prior = _coeffs(self.prior)
-        ratios = times / _predict(prior, features)
-        around = prior * float(np.median(ratios[np.isfinite(ratios) & (ratios > 0)] if np.any(ratios > 0) else 1.0))
+        predicted = float(np.sum(_predict(prior, features)))
+        ratio = float(np.sum(times)) / predicted if predicted > 0 else 1.0
+        around = prior * (ratio if math.isfinite(ratio) and ratio > 0 else 1.0)
         fitted, outliers = self._fit(features[train], times[train], around)
         if fitted is None:
             self.num_rejected += 1
             return False
-        new = self._bounded(old, fitted, features)
+        new = _floored(self._bounded(old, fitted, features), around)
         if not np.all(np.isfinite(new)):
             self.num_rejected += 1
             return False
@@ -214,7 +221,8 @@ class StepTimeCalibrator:
             return False
         # Accepted: refit on the whole window (the held-out quarter included), with the same guards.
         refit_all, outliers = self._fit(features, times, around)
-        if refit_all is not None and np.all(np.isfinite(candidate := self._bounded(old, refit_all, features))):
+        if refit_all is not None and np.all(np.isfinite(
+                candidate := _floored(self._bounded(old, refit_all, features), around))):
             new = candidate
         self.num_outliers = outliers
         self.model = LinearBatchTimeModel(self.prior.model, *(float(c) for c in new))
@@ -266,6 +274,18 @@ class StepTimeCalibrator:
                                  prior_residual=prior_residual, num_refits=self.num_refits,
                                  num_rejected=self.num_rejected, num_outliers=self.num_outliers,
                                  scale_vs_prior=scale)
+
+
+COEFFICIENT_FLOOR = 0.25
+"""No fitted coefficient falls below this fraction of the prior's (scaled by the window's total measured/prior
+ratio): a window of noisy steps must not make a step's cost vanish. Measured through Envoy on a loaded 2-core
+machine: emulator steps measured at 0.6-9 ms where the model says 6 ms, and a refit that priced a 69-token
+prefill at 0.34 ms (20x below the others), whose sidecar then drew 15 of a 64-request burst over 8 instances."""
+
+
+def _floored(coeffs: np.ndarray, around: np.ndarray) -> np.ndarray:
+    """``coeffs`` with each coefficient at least `COEFFICIENT_FLOOR` x its (non-negative) value in ``around``."""
+    return np.maximum(coeffs, COEFFICIENT_FLOOR * np.maximum(around, 0.0))
 
 
 def _error(coeffs: np.ndarray, features: np.ndarray, times: np.ndarray) -> float:

@@ -2,7 +2,9 @@
 
 It keeps a ``Ledger`` of the requests the extproc admitted here, answers Predict by simulating the instance
 forward from the ledger's state with the new request added (``predictor.sim.predict``), and every
-``reconcile_interval_s`` scrapes the backend's /metrics to correct the ledger. ``state_age_s`` in every answer is
+``reconcile_interval_s`` scrapes the backend's /metrics to correct the ledger. A Predict that asks for a hold
+(``hold_s``, protocol v1.1) counts its request here from its answer until the router's Admit confirms it or its
+Release drops it (``predictor.holds``): concurrent decisions then see each other. ``state_age_s`` in every answer is
 the time since the last successful reconciliation (a dead or slow backend makes it grow).
 At start (and, while the backend does not answer yet, at every reconciliation until it does: a sidecar may start
 before its server) it reads the KV cache (``block_size``, ``num_gpu_blocks``) from the backend's /metrics
@@ -34,6 +36,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+from dataclasses import dataclass
 import json
 import logging
 import math
@@ -54,16 +57,19 @@ from predictor.api import pb, pb_grpc
 from predictor.backend_metrics import METRICS_FORMATS, SGLANG, check_metrics_format, parse_backend_metrics
 from predictor.calibration import CalibrationStatus, StepTimeCalibrator
 from predictor.engine_flags import add_engine_arguments, engine_from_args
+from predictor.holds import MAX_HOLD_S, Holds
+from predictor.instance_state import Corrections, encode
 from predictor.ledger import Ledger
 from predictor.outcomes import OutcomeTracker
 from predictor.residual_rules import ResidualRules
 from predictor.sim import EngineConfig, LinearBatchTimeModel
 from predictor.sim.scheduler import check_request_fits
-from predictor.sim.predict import predict, queue_delay_s
+from predictor.sim.predict import marginal_cost_s, predict, predict_idle
 from predictor.sim.residual import RESIDUAL_RULES
 from predictor.sim.snapshot import InstanceSnapshot, RequestState
 from predictor.ingress import IngressDelayEstimator
-from predictor.state_source import STATE_SOURCE_LEDGER, STATE_SOURCE_PLUGIN, STATE_SOURCES, PluginStateSource
+from predictor.state_source import (STATE_SOURCE_LEDGER, STATE_SOURCE_PLUGIN, STATE_SOURCES, PluginStateSource,
+                                    pending_id)
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +117,8 @@ class SidecarConfig:
         follow_backend_scheduling: model the backend's scheduler rules: ``sglang`` (``predictor.sim.scheduler``)
             once the backend shows itself as SGLang, else ``engine.scheduling``; False = ``engine.scheduling``
             always (the CLI: an explicit ``--scheduling``).
+        watch_interval_s: how often a watching router (protocol v1.2) gets the instance's state when it does not
+            ask for another interval, seconds.
     """
 
     backend: str
@@ -138,6 +146,7 @@ class SidecarConfig:
     backend_engine: str = "auto"
     discover_engine_limits: bool = True
     follow_backend_scheduling: bool = True
+    watch_interval_s: float = 0.02
 
 
 def resolve_batch_time_model(batch_time_model: str | None, model_config: str | None) -> str:
@@ -259,8 +268,19 @@ def _json_safe(value):
 SERVICE_NAME = "astrolabe-predictor"
 """The sidecar's default ``service.name`` (``OTEL_SERVICE_NAME`` replaces it)."""
 TRACED_METHODS = ("/astrolabe.predictor.v1.Predictor/Predict", "/astrolabe.predictor.v1.Predictor/Admit")
+"""Watch (a stream for the router's whole life) is not traced: one span would last for hours."""
 """Calls whose caller's trace the sidecar continues (a SERVER span each); Release, State and health are not traced."""
 SIMULATION_SPAN = "astrolabe.simulate"
+PROTOCOL_REVISION = 1
+MIN_WATCH_INTERVAL_S = 0.005
+MAX_WATCH_INTERVAL_S = 1.0
+"""Bounds of a Watch stream's interval, seconds: a router cannot make a sidecar send more than 200 states a second,
+nor leave its state older than a second."""
+MAX_ROUTERS = 1024
+"""Routers whose Admit numbers a sidecar remembers (``Sidecar.saw_admit``): far more extproc workers than a pool
+has, few enough that a flood of router ids costs nothing."""
+"""``PredictResponse.protocol_revision``: the revision of ``predictor.proto`` v1 this sidecar speaks (1 = v1.1:
+holding Predicts)."""
 
 
 def _simulation_attributes(response: pb.PredictResponse) -> dict:
@@ -292,7 +312,7 @@ class PredictorServicer(pb_grpc.PredictorServicer):
             ValueError: as ``Sidecar.predict``.
         """
         args = (request.num_prompt_tokens, request.num_predicted_output_tokens, request.max_tokens or None,
-                request.length_source)
+                request.length_source, self._sidecar.holds.held_by(request.router_id))
         if self._tracer is None:
             return self._sidecar.predict(*args)
         with self._tracer.start_as_current_span(SIMULATION_SPAN, attributes={
@@ -308,10 +328,20 @@ class PredictorServicer(pb_grpc.PredictorServicer):
             if request.num_prompt_tokens < 1 or request.num_predicted_output_tokens < 1:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     "num_prompt_tokens and num_predicted_output_tokens must be >= 1")
+            sidecar = self._sidecar
+            sidecar.end_expired_holds(time.monotonic())
             try:
-                return self._predict(request)
+                response = self._predict(request)
             except ValueError as exc:  # e.g. a prompt larger than the instance's whole KV cache
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot be served by this instance: {exc}")
+            response.protocol_revision = PROTOCOL_REVISION
+            response.num_held = sidecar.holds.num_held_for_others(request.router_id)
+            response.admits_seen = sidecar.admits_seen(request.router_id)
+            if request.hold_s > 0 and request.request_id:  # v1.1: count it here from now on (NaN is not > 0)
+                sidecar.hold(request.request_id, request.num_prompt_tokens, request.num_predicted_output_tokens,
+                             request.hold_s, max_tokens=request.max_tokens or None,
+                             length_source=request.length_source, router_id=request.router_id)
+            return response
 
     async def Admit(self, request, context):  # noqa: N802
         with request_context(request.request_id):
@@ -322,26 +352,18 @@ class PredictorServicer(pb_grpc.PredictorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         sidecar = self._sidecar
         now_s = time.monotonic()
-        if sidecar.plugin.in_use:  # the ledger is not simulated: check here what it would have checked
-            config = sidecar.plugin.last_state.engine if sidecar.plugin.last_state else sidecar.ledger.scheduler.config
-            try:
-                # the prompt must fit; the predicted output is a guess (snapshots cut it to the KV cache)
-                check_request_fits(config, request.request_id, max(request.num_prompt_tokens, 1), 1)
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            added = not sidecar.plugin.admits.is_admitted(request.request_id)
-        else:
-            try:
-                added = sidecar.ledger.admit(request.request_id, request.num_prompt_tokens,
-                                             request.num_predicted_output_tokens, now_s,
-                                             max_tokens=request.max_tokens or None,
-                                             length_source=request.length_source)
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        sidecar.end_expired_holds(now_s)
+        sidecar.saw_admit(request.router_id, request.admit_seq)
+        hold = sidecar.holds.confirm(request.request_id)
+        if hold is not None:  # its Predict held it: counted since then, its prediction made then
+            sidecar.outcomes.admit(request.request_id, hold.held_s, request.predicted_ttft_s, request.predicted_e2e_s)
+            return pb.AdmitResponse(duplicate=False)
+        try:
+            added = sidecar.admit(request.request_id, request.num_prompt_tokens, request.num_predicted_output_tokens,
+                                  now_s, max_tokens=request.max_tokens or None, length_source=request.length_source)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if added:
-            sidecar.plugin.admits.admit(request.request_id, request.num_predicted_output_tokens,
-                                        request.num_prompt_tokens, now_s, max_tokens=request.max_tokens or None,
-                                        length_source=request.length_source)
             sidecar.outcomes.admit(request.request_id, now_s, request.predicted_ttft_s, request.predicted_e2e_s)
         return pb.AdmitResponse(duplicate=not added)
 
@@ -354,12 +376,46 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         now_s = time.monotonic()
         if sidecar.outcomes.awaits_first_token(request.request_id) and sidecar.plugin.reader is not None:
             sidecar.absorb(sidecar.plugin.reader.read(now_s), now_s)  # its first token may be in the newest file
+        sidecar.holds.drop(request.request_id)  # held and routed elsewhere (or ended before its Admit arrived)
         sidecar.outcomes.release(request.request_id, now_s, scored=not request.failed)
         sidecar.plugin.admits.release(request.request_id)
         return pb.ReleaseResponse(known=sidecar.ledger.release(request.request_id, now_s))
 
     async def State(self, request, context):  # noqa: N802
         return pb.StateResponse(state_json=json.dumps(self._sidecar.state()))
+
+    async def Watch(self, request, context):  # noqa: N802
+        """Protocol v1.2: the instance's state (``Sidecar.watched_state``) every ``interval_s`` (0: the sidecar's
+        ``watch_interval_s``; cut to [`MIN_WATCH_INTERVAL_S`, `MAX_WATCH_INTERVAL_S`]) until the router cancels."""
+        sidecar = self._sidecar
+        interval_s = request.interval_s if request.interval_s > 0 else sidecar.config.watch_interval_s
+        interval_s = min(max(interval_s, MIN_WATCH_INTERVAL_S), MAX_WATCH_INTERVAL_S)  # NaN: the minimum
+        sidecar.num_watchers += 1
+        try:
+            seq = 0
+            while True:
+                seq += 1
+                try:
+                    yield sidecar.watched_state(request.router_id, seq)
+                except ValueError:  # a state the encoder refuses: skipped, said once
+                    if not sidecar.watch_failed:
+                        logger.exception("a state could not be sent to a watching router (logged once)")
+                    sidecar.watch_failed = True
+                await asyncio.sleep(interval_s)
+        finally:
+            sidecar.num_watchers -= 1
+
+
+@dataclass(frozen=True, slots=True)
+class _View:
+    """The state a prediction simulates from (``Sidecar._view``): the snapshot (expected lengths applied), how far
+    its clock stands ahead of now (s), its age (s), free KV blocks, and its source."""
+
+    snapshot: InstanceSnapshot
+    lag_s: float
+    state_age_s: float
+    num_free_blocks: int
+    source: str
 
 
 class Sidecar:
@@ -391,6 +447,11 @@ class Sidecar:
         self.ledger = self._new_ledger(self._with_backend_rules(config.engine, config.backend_engine))
         self.plugin = PluginStateSource(config.state_source, config.vllm_state_path, config.plugin_max_age_s,
                                         pending_grace_s=config.visibility_grace_s, residual=self.residual)
+        self.holds = Holds()
+        self.num_states_sent = 0  # InstanceState messages sent to watching routers (v1.2)
+        self.num_watchers = 0
+        self.watch_failed = False
+        self._admits_seen: dict[int, int] = {}  # router id -> highest admit_seq handled, least recent first
         self.last_reconciled_s: float | None = None
         self._discovery_failed = False  # warned once that the backend is not readable yet
         self.health = health.aio.HealthServicer()
@@ -467,21 +528,89 @@ class Sidecar:
         return Ledger(engine, self.batch_time, time.monotonic(), visibility_grace_s=self.config.visibility_grace_s,
                       residual=self.residual.for_source)
 
+    def admit(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int, now_s: float, *,
+              max_tokens: int | None = None, length_source: int = 0) -> bool:
+        """Counts a request dispatched here from ``now_s`` (seconds, monotonic): in the ledger (unless the plugin's
+        state is in use, which shows the engine's own queues) and in the admission records. Returns False if it
+        was already counted.
+
+        Raises:
+            ValueError: the request can never fit this instance (its prompt exceeds the KV cache).
+        """
+        if self.plugin.in_use:  # the ledger is not simulated: check here what it would have checked
+            config = self.plugin.last_state.engine if self.plugin.last_state else self.ledger.scheduler.config
+            # the prompt must fit; the predicted output is a guess (snapshots cut it to the KV cache)
+            check_request_fits(config, request_id, max(num_prompt_tokens, 1), 1)
+            added = not self.plugin.admits.is_admitted(request_id)
+        else:
+            added = self.ledger.admit(request_id, num_prompt_tokens, num_output_tokens, now_s,
+                                      max_tokens=max_tokens, length_source=length_source)
+        if added:
+            self.plugin.admits.admit(request_id, num_output_tokens, num_prompt_tokens, now_s, max_tokens=max_tokens,
+                                     length_source=length_source)
+        return added
+
+    def hold(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int, hold_s: float, *,
+             max_tokens: int | None = None, length_source: int = 0, router_id: int = 0) -> bool:
+        """A Predict asked to hold its request (``predictor.holds``): it counts here from now, as `admit` counts
+        it, until an Admit confirms it or a Release or the end of ``hold_s`` (seconds, cut to
+        ``predictor.holds.MAX_HOLD_S``) drops it; ``router_id``'s own Predicts do not count it. Returns whether it
+        is held now; a request already counted here (admitted, or held by an earlier Predict) or one that can never
+        fit is not held. Never raises."""
+        now_s = time.monotonic()
+        self.end_expired_holds(now_s)
+        if request_id in self.holds:
+            return False
+        try:
+            if not self.admit(request_id, num_prompt_tokens, num_output_tokens, now_s, max_tokens=max_tokens,
+                              length_source=length_source):
+                return False
+        except ValueError:
+            return False
+        for pushed in self.holds.hold(request_id, now_s, min(hold_s, MAX_HOLD_S), router_id):
+            self._uncount(pushed, now_s)
+        return True
+
+    def saw_admit(self, router_id: int, admit_seq: int) -> None:
+        """Notes that ``router_id``'s Admit number ``admit_seq`` was handled (0s: a v1.0 router, nothing noted).
+        At most `MAX_ROUTERS` routers are remembered (the longest silent is forgotten first)."""
+        if not router_id or not admit_seq:
+            return
+        seen = self._admits_seen.pop(router_id, 0)
+        self._admits_seen[router_id] = max(seen, admit_seq)  # re-inserted: the dict's order is recency
+        if len(self._admits_seen) > MAX_ROUTERS:
+            del self._admits_seen[next(iter(self._admits_seen))]
+
+    def admits_seen(self, router_id: int) -> int:
+        """The highest Admit number of ``router_id`` handled here (0: none, or a v1.0 router)."""
+        return self._admits_seen.get(router_id, 0) if router_id else 0
+
+    def end_expired_holds(self, now_s: float) -> None:
+        """Stops counting the holds that ended unconfirmed by ``now_s`` (their router never said where the request
+        went: a lost notice, or a router that died)."""
+        for request_id in self.holds.expired(now_s):
+            self._uncount(request_id, now_s)
+
+    def _uncount(self, request_id: str, now_s: float) -> None:
+        self.plugin.admits.release(request_id)
+        self.ledger.release(request_id, now_s)
+
     def state_age_s(self, now_s: float) -> float:
         return float("inf") if self.last_reconciled_s is None else now_s - self.last_reconciled_s
 
     def predict(self, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int | None = None,
-                length_source: int = 0) -> pb.PredictResponse:
+                length_source: int = 0, exclude: frozenset[str] | set[str] = frozenset()) -> pb.PredictResponse:
         """`_predict`, timed into ``simulation_seconds`` (the metric ``astrolabe_predictor_simulation_seconds``)."""
         start_s = time.perf_counter()
         try:
-            return self._predict(num_prompt_tokens, num_output_tokens, max_tokens, length_source)
+            return self._predict(num_prompt_tokens, num_output_tokens, max_tokens, length_source, exclude)
         finally:
             self.simulation_seconds.observe(time.perf_counter() - start_s)
 
     def _predict(self, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int | None = None,
-                 length_source: int = 0) -> pb.PredictResponse:
-        """Predicted TTFT and E2E, in seconds from now, of a new request on this instance.
+                 length_source: int = 0, exclude: frozenset[str] | set[str] = frozenset()) -> pb.PredictResponse:
+        """Predicted TTFT and E2E, in seconds from now, of a new request on this instance, and what one more like
+        it arriving first would add (``ttft_s_per_request``, ``e2e_s_per_request``: ``marginal_cost_s``).
 
         Args:
             num_prompt_tokens: prompt tokens (>= 1).
@@ -489,6 +618,7 @@ class Sidecar:
                 of the residual rule of ``length_source`` (for a tagger, its calibrated mean for that guess).
             max_tokens: the request's cap, tokens, or None.
             length_source: ``predictor.residual_rules.LENGTH_SOURCE_*``.
+            exclude: ids of held requests left out (the asking router's own holds, ``predictor.holds``).
 
         Raises:
             ValueError: the request can never fit this instance (e.g. a prompt larger than its KV cache).
@@ -496,52 +626,59 @@ class Sidecar:
         now_s = time.monotonic()
         expected_tokens = self.residual.for_source(length_source).expected_output_tokens(
             num_output_tokens, 0, max_tokens)
-        plugin_snapshot = self.plugin.snapshot(now_s)
-        if plugin_snapshot is not None:
-            self.absorb(self.plugin.last_state, now_s)
-            return self._corrected(self._predict_from_plugin(plugin_snapshot, num_prompt_tokens, expected_tokens))
-        self.ledger.advance(now_s)
-        scheduler = self.ledger.scheduler
-        # The ledger's clock may stand at the end of the step in progress, a little ahead of now.
-        snapshot = self.ledger.snapshot().fit_to_kv_cache()
+        view = self._view(now_s, exclude)
+        snapshot = view.snapshot.fit_to_kv_cache()
         new = snapshot.fit_request(RequestState("new", num_prompt_tokens, expected_tokens,
                                                 max_new_tokens=max_tokens or None))
         result = predict(snapshot, new, self.batch_time)
-        lag_s = self.ledger.engine.now_s - now_s
-        return self._corrected(pb.PredictResponse(
-            ttft_s=result.ttft_s + lag_s, e2e_s=result.e2e_s + lag_s, state_age_s=self.state_age_s(now_s),
-            queue_s=queue_delay_s(snapshot, new, self.batch_time, result.ttft_s + lag_s),
-            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-            num_free_blocks=scheduler.num_free_blocks, num_gpu_blocks=scheduler.config.num_gpu_blocks,
-            state_source=STATE_SOURCE_LEDGER, num_steps_simulated=result.num_steps_simulated,
-            **self._calibration_fields()))
-
-    def _corrected(self, response: pb.PredictResponse) -> pb.PredictResponse:
-        """``response`` with the measured ingress delay added (``predictor.ingress``; 0 while off or young) and
-        the outcome tracker's bias correction applied (a no-op while it is off or young)."""
-        ingress_s = self.ingress.delay_at(time.monotonic()) if self.config.ingress_delay == "online" else 0.0
-        if ingress_s:  # the request reaches the engine that much later; queue_s stays the engine's own
-            response.ttft_s += ingress_s
-            response.e2e_s += ingress_s
-        ttft_offset_s, e2e_factor = self.outcomes.ttft_offset_s(), self.outcomes.correction("e2e")
-        if ttft_offset_s or e2e_factor != 1.0:
-            response.ttft_s += ttft_offset_s  # queue_s is relative to an idle engine: the offset is in both
-            response.e2e_s = max(response.e2e_s * e2e_factor, response.ttft_s)
-        return response
-
-    def _predict_from_plugin(self, snapshot: InstanceSnapshot, num_prompt_tokens: int,
-                             num_output_tokens: int) -> pb.PredictResponse:
-        snapshot = snapshot.fit_to_kv_cache()
-        new = snapshot.fit_request(RequestState("new", num_prompt_tokens, num_output_tokens))
-        result = predict(snapshot, new, self.batch_time)
-        state = self.plugin.last_state
+        idle = predict_idle(snapshot, new, self.batch_time)
+        ttft_per_request_s, e2e_per_request_s = marginal_cost_s(snapshot, new, self.batch_time, result)
+        corrections = self.corrections()
+        ttft_s, e2e_s = corrections.apply(result.ttft_s + view.lag_s, result.e2e_s + view.lag_s)
         return pb.PredictResponse(
-            ttft_s=result.ttft_s, e2e_s=result.e2e_s, state_age_s=state.age_s(snapshot.now_s),
-            queue_s=queue_delay_s(snapshot, new, self.batch_time, result.ttft_s),
-            num_running=len(snapshot.running), num_waiting=len(snapshot.waiting),
-            num_free_blocks=state.num_free_blocks, num_gpu_blocks=snapshot.config.num_gpu_blocks,
-            state_source=STATE_SOURCE_PLUGIN, num_steps_simulated=result.num_steps_simulated,
+            ttft_s=ttft_s, e2e_s=e2e_s, state_age_s=view.state_age_s,
+            # relative to an idle engine: the ingress delay and the TTFT offset are in both, not in the queue
+            queue_s=max(result.ttft_s + view.lag_s - idle.ttft_s, 0.0),
+            idle_e2e_s=corrections.apply(idle.ttft_s, idle.e2e_s)[1],
+            num_running=len(view.snapshot.running), num_waiting=len(view.snapshot.waiting),
+            num_free_blocks=view.num_free_blocks, num_gpu_blocks=snapshot.config.num_gpu_blocks,
+            state_source=view.source, num_steps_simulated=result.num_steps_simulated,
+            ttft_s_per_request=ttft_per_request_s, e2e_s_per_request=e2e_per_request_s * corrections.e2e_factor,
             **self._calibration_fields())
+
+    def _view(self, now_s: float, exclude: frozenset[str] | set[str] = frozenset()) -> _View:
+        """What a prediction at ``now_s`` simulates from: the plugin's state when it is in use (its steps and first
+        tokens absorbed on the way), else the ledger advanced to ``now_s``; less the held requests ``exclude``."""
+        plugin_snapshot = self.plugin.snapshot(now_s)
+        if plugin_snapshot is not None:
+            self.absorb(self.plugin.last_state, now_s)
+            state = self.plugin.last_state
+            return _View(plugin_snapshot.without({pending_id(rid) for rid in exclude}), 0.0, state.age_s(now_s),
+                         state.num_free_blocks, STATE_SOURCE_PLUGIN)
+        self.ledger.advance(now_s)
+        # The ledger's clock may stand at the end of the step in progress, a little ahead of now.
+        return _View(self.ledger.snapshot().without(exclude), self.ledger.engine.now_s - now_s,
+                     self.state_age_s(now_s), self.ledger.scheduler.num_free_blocks, STATE_SOURCE_LEDGER)
+
+    def corrections(self) -> Corrections:
+        """What every prediction gets added now: the measured ingress delay (``predictor.ingress``; 0 while off or
+        young) and the outcome tracker's bias correction (none while it is off or young)."""
+        ingress_s = self.ingress.delay_at(time.monotonic()) if self.config.ingress_delay == "online" else 0.0
+        return Corrections(ingress_s, self.outcomes.ttft_offset_s(), self.outcomes.correction("e2e"))
+
+    def watched_state(self, router_id: int, seq: int) -> pb.InstanceState:
+        """The state a watching router predicts from (protocol v1.2, ``predictor.instance_state``): what Predict
+        would simulate from for that router now (its own holds left out), with the step-time model and the
+        corrections. Cost: one snapshot and its encoding, O(requests)."""
+        now_s = time.monotonic()
+        self.end_expired_holds(now_s)
+        view = self._view(now_s, self.holds.held_by(router_id))
+        status = self.calibration_status
+        model_error = status.residual if status is not None and math.isfinite(status.residual) else 0.0
+        self.num_states_sent += 1
+        return encode(view.snapshot.fit_to_kv_cache(), self.batch_time, self.corrections(), seq=seq,
+                      lag_s=max(view.lag_s, 0.0), state_age_s=view.state_age_s,
+                      admits_seen=self.admits_seen(router_id), model_error=model_error, state_source=view.source)
 
     def quality(self) -> dict:
         """Calibration (status, current and prior coefficients) and prediction-vs-outcome statistics, JSON-ready
@@ -556,7 +693,8 @@ class Sidecar:
     def state(self) -> dict:
         """The sidecar's view (queues, blocks, reconciliation or plugin figures) plus `quality`, strict JSON-ready
         (non-finite figures, e.g. the state age before the first reconciliation, as null)."""
-        return _json_safe({**self._state(), **self.quality()})
+        return _json_safe({**self._state(), **self.quality(), "holds": self.holds.as_dict(),
+                           "watch": {"watchers": self.num_watchers, "states_sent": self.num_states_sent}})
 
     def _state(self) -> dict:
         now_s = time.monotonic()
@@ -684,6 +822,7 @@ class Sidecar:
                         if NOT_READABLE_YET not in sources:
                             self._log_discovered(*sources)
                     observed = await self._scrape(session)
+                    self.end_expired_holds(time.monotonic())
                     self.ledger.reconcile(observed, time.monotonic())
                     self.last_reconciled_s = time.monotonic()
                     if failing:
@@ -785,6 +924,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--visibility-grace-s", type=float, default=defaults.visibility_grace_s,
                         help="an admitted request the backend does not show yet is not reconciled away for this "
                              "long, seconds")
+    parser.add_argument("--watch-interval-s", type=float, default=defaults.watch_interval_s,
+                        help="how often a router that watches this sidecar (prediction in the router, protocol v1.2) "
+                             "gets the instance's state, seconds, unless it asks for another interval "
+                             f"(cut to [{MIN_WATCH_INTERVAL_S:g}, {MAX_WATCH_INTERVAL_S:g}])")
     parser.add_argument("--plugin-reconcile-interval-s", type=float, default=defaults.plugin_reconcile_interval_s,
                         help="the /metrics scrape interval while the plugin's state is in use (the ledger is then a "
                              "fallback), seconds")
@@ -886,7 +1029,8 @@ def run(args: argparse.Namespace) -> int:
                                tls=tls_from_args(args), backend_tls=backend_tls_from_args(args),
                                backend_engine=args.backend_engine,
                                discover_engine_limits=args.discover_engine_limits,
-                               follow_backend_scheduling=args.scheduling is None)
+                               follow_backend_scheduling=args.scheduling is None,
+                               watch_interval_s=args.watch_interval_s)
         # Resolved once here (the cold start reads the model config and logs its choice once).
         config = dataclasses.replace(config, batch_time_model=resolve_batch_time_model(config.batch_time_model,
                                                                                        config.model_config))

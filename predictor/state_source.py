@@ -345,6 +345,11 @@ class _Admission:
     length_source: int = 0
 
 
+def pending_id(request_id: str) -> str:
+    """The id under which an admitted request the engine has not shown yet appears in a plugin snapshot."""
+    return f"pending-{request_id}"
+
+
 class AdmitRecords:
     """Requests the extproc admitted here (prompt and predicted output lengths, time), by request id.
 
@@ -406,7 +411,7 @@ class AdmitRecords:
         """Admitted requests the engine has never shown, admitted less than ``grace_s`` seconds before ``now_s``,
         as waiting `RequestState`s in admission order (after `expected_output_tokens` saw the engine's ids)."""
         self._seen.update(rid for eid in engine_request_ids if (rid := self.admit_id_of(eid)))
-        return [RequestState(request_id=f"pending-{rid}", num_prompt_tokens=a.num_prompt_tokens,
+        return [RequestState(request_id=pending_id(rid), num_prompt_tokens=a.num_prompt_tokens,
                              num_output_tokens=self._expected(a, 0, a.max_tokens), arrival_time_s=now_s)
                 for rid, a in self._by_id.items() if rid not in self._seen and now_s - a.admitted_s < grace_s]
 

@@ -229,9 +229,11 @@ async def _route_once(srv: ExtprocServer, port: int, certs: Certs) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("client_side", ["mutual", "no-client-cert", "plaintext"])
-async def test_extproc_predicts_over_mutual_tls(certs, tls_sidecar, client_side):
-    """The extproc serves mTLS to Envoy's side and asks a mTLS sidecar; without the client certificate (or TLS)
-    the sidecar refuses, and the request is still routed (a sidecar that cannot be asked is a failed probe)."""
+@pytest.mark.parametrize("mode", ["watch", "predict"])
+async def test_extproc_predicts_over_mutual_tls(certs, tls_sidecar, client_side, mode):
+    """The extproc serves mTLS to Envoy's side and watches (or asks) a mTLS sidecar; without the client certificate
+    (or TLS) the sidecar refuses, and the request is still routed (a sidecar that cannot be reached is a failed
+    probe)."""
     backend, sidecar = tls_sidecar
     predictor_tls = {"mutual": {"ca_file": certs.ca_file, "cert_file": certs.client_cert_file,
                                 "key_file": certs.client_key_file},
@@ -240,18 +242,20 @@ async def test_extproc_predicts_over_mutual_tls(certs, tls_sidecar, client_side)
         "listen": "127.0.0.1:0", "policy": "astrolabe", "policy_params": {"k": 1}, "seed": 0,
         "health_check": {"enabled": False}, "output_length": {"source": "fixed"},
         # any answer counts (a sidecar just started on a loaded machine may not have scraped its backend yet)
-        "predictor_client": {"predict_timeout_s": 2.0, "max_state_age_s": 3600.0},
+        "predictor_client": {"predict_timeout_s": 2.0, "max_state_age_s": 3600.0, "mode": mode},
         "tls": {"cert_file": certs.cert_file, "key_file": certs.key_file, "client_ca_file": certs.ca_file},
         "predictor_tls": predictor_tls, "endpoints": [{"address": backend, "predictor": sidecar}]}))
     port = await srv.start()
     try:
         assert not await _check(port, ClientTls(ca_file=certs.ca_file))  # Envoy's side is mutual TLS too
         await _route_once(srv, port, certs)
-        outcomes = srv.predictors.outcomes[sidecar]
-        if client_side == "mutual":
-            assert outcomes["ok"] == 1, outcomes
-        else:
+        outcomes = srv.predictors.outcomes[sidecar] if mode == "predict" else srv.fleet.outcomes[sidecar]
+        if client_side == "mutual":  # an answer (a sidecar that has not reconciled yet answers from a stale state)
+            assert outcomes["ok"] + outcomes["stale_state"] == 1, outcomes
+        elif mode == "predict":
             assert outcomes["ok"] == 0 and outcomes["down"] == 1, outcomes
+        else:  # its state stream could not be opened
+            assert outcomes["ok"] == 0 and outcomes["no_state"] == 1, outcomes
     finally:
         await srv.stop()
 

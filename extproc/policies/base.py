@@ -26,12 +26,29 @@ class Prediction:
         state_age_s: age of the sidecar's state (since its last reconciliation), seconds.
         queue_s: the part of ``ttft_s`` that the requests already on the instance cause (waiting for a slot, KV
             blocks or token budget), seconds; 0 = it would start at once.
+        num_requests: requests on the instance in the sidecar's state (running + waiting, requests held by
+            concurrent Predicts included; ``PredictResponse.num_running + num_waiting``).
+        model_error: how far the sidecar's step-time model is off on its instance's measured steps, a fraction
+            (``PredictResponse.calibration_residual``: mean absolute relative error; 0 = not known).
+        ttft_s_per_request: how much ``ttft_s`` grows per request like this one dispatched there before it,
+            seconds (``PredictResponse.ttft_s_per_request``; 0 = not known).
+        e2e_s_per_request: the same for ``e2e_s``, seconds.
+        num_admits_seen: up to which of this router's Admits (their sequence number) the answer includes
+            (``PredictResponse.admits_seen``); -1 = the sidecar does not say (protocol v1.0).
+        idle_e2e_s: the request's E2E on the instance idle by the sidecar's model, seconds
+            (``PredictResponse.idle_e2e_s``; ``ttft_s - queue_s`` is the same for TTFT); 0 = not known.
     """
 
     ttft_s: float
     e2e_s: float
     state_age_s: float = 0.0
     queue_s: float = 0.0
+    num_requests: int = 0
+    model_error: float = 0.0
+    ttft_s_per_request: float = 0.0
+    e2e_s_per_request: float = 0.0
+    num_admits_seen: int = -1
+    idle_e2e_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +87,10 @@ class EndpointView:
         metrics: the endpoint's scraped metrics when the policy ``needs_metrics`` and a fresh scrape exists;
             None otherwise (not scraped, scrape failed, or older than the staleness limit).
         num_recent_requests: requests this replica dispatched there within the policy's ``recent_window_s``.
+        mean_in_flight: the mean ``num_in_flight`` over the healthy endpoints that serve the request.
+        num_unseen_dispatches: requests this replica dispatched there that its sidecar's answer for this request
+            does not include (``extproc/router.py``); a policy prices them with ``Prediction.*_per_request``;
+            0 when not asked.
     """
 
     address: str
@@ -78,6 +99,8 @@ class EndpointView:
     prediction: Prediction | None = None
     metrics: EndpointMetrics | None = None
     num_recent_requests: int = 0
+    mean_in_flight: float = 0.0
+    num_unseen_dispatches: int = 0
 
 
 class Policy(abc.ABC):

@@ -10,7 +10,34 @@ for the request's predicted latency, and choose the lowest score:
 - ``metric: e2e``: predicted E2E latency alone (the paper's objective). Measured here it sends requests to
   full instances while others have free slots: on small batches E2E barely moves with queueing (a full
   instance scored 2.935 s against 2.940 s for one with a free slot, /work/shared/FACTS.md).
-Ties are broken uniformly at random.
+Near-ties are broken by load, then at random: every candidate whose score is within ``tie_tolerance`` (relative) of
+the best, or within the larger step-time model error its sidecar reports (``Prediction.model_error``, capped at
+`MAX_TIE_TOLERANCE`), or worse by no more than its own model's higher price of the request itself (`idle_score`:
+the score of the request on that instance idle), counts as tied with it, and among those the one with the fewest
+requests in flight from this replica wins (least requests: exact and current for this replica's own traffic, and
+replicas that each balance their own share balance the sum), then the one with the fewest requests by its sidecar
+(`load`: ``Prediction.num_requests``, which includes requests held by other routers' concurrent Predicts, plus
+``EndpointView.num_unseen_dispatches``, this replica's dispatches there that the answer does not include), then
+a random one. Those unseen dispatches are priced into the score too, at the answer's own cost of one more request
+like this one (``Prediction.ttft_s_per_request``, ``e2e_s_per_request``). Two sidecars' models are never exactly
+alike (each is calibrated on its own engine's steps): without the
+tolerance a difference of a fraction of a millisecond between two idle instances decided every request of a burst
+the same way (measured through Envoy: 26 of 64 simultaneous requests on one of 8 idle instances). Calibrated on
+their own engines' steps, two sidecars of identical instances differed by 20% on an idle instance's TTFT in the
+herding tests (6.2 against 7.5 ms after 65 steps): at low load, where queueing adds nothing, that difference alone
+sent 48% of the requests to one of 4 instances (and 4 sidecars started a few seconds before a burst differed by
+2x on its idle E2E). So a difference that the models' disagreement on the request's own cost explains is not a
+reason to prefer a candidate; the price is that at low load an instance that is truly faster gets only its even
+share.
+
+A bound on what one sidecar can pull: a candidate whose in-flight count (this replica's), counting the request
+being routed, would exceed ``max_load_ratio`` times the fleet's mean (``EndpointView.mean_in_flight``, + 1 on both
+sides so that small counts are not over-constrained) is passed over while another candidate stays within the
+bound and its sidecar counts no more requests (else the other is busier for reasons this replica cannot see:
+other replicas' traffic). A sidecar whose predictions are wrong (a restarted engine, a model still calibrating, a bug) can then draw
+at most about ``max_load_ratio`` times its fair share of the requests in flight, whatever it predicts. The rule
+is SGLang's cache-aware router's load-balance guard (sgl-router ``cache_aware.rs``: a worker over
+``balance_rel_threshold`` x the least loaded is skipped), taken on this replica's own in-flight counts.
 
 A second round when the first finds only queues: if every first-round candidate predicts that the request
 would wait there (``Prediction.queue_s`` above ``queue_threshold_s``, 50 ms), up to ``extra_probes`` (4) more
@@ -20,9 +47,19 @@ instance with room, the extra probes buy the capacity of a larger k at a fractio
 2.07 probes per request at 135 req/s on 12 simulated instances, bench/README.md). The request pays one more
 Predict round trip only when it was going to queue anyway.
 
-Which endpoints are probed: with ``probe_best`` (default) and k >= 2, one probe goes to the endpoint with the best score
+Which endpoints are probed: k drawn uniformly at random (default). With ``probe_best`` and k >= 2, one probe goes to
+the endpoint with the best score
 among this replica's answers of the last ``memory_s`` seconds and the other k - 1 are drawn uniformly at random
-from the rest; without it (or with no recent answer), all k are drawn at random. This is the power of d choices
+from the rest; without it (or with no recent answer), all k are drawn at random. The remembered best is handed to
+one decision only: it leaves the memory when it is handed out and comes back with that decision's fresh answers
+(handed to every concurrent decision, it was probed by all of a burst and drew most of it). "Best" is the least
+queueing (the score less `idle_score`), then the fewest requests: by the score itself, the sidecar whose model was
+most optimistic stayed the remembered one at low load and was probed by 43 of 64 decisions of a burst (5 for
+another instance), which no tie rule can spread. Off by default since predictions moved into the router: even
+ranked so, the remembered endpoint was probed by up to 42 of a burst's 64 decisions through Envoy (its entry
+refreshed by every decision that probed it), starving the others of probes; with k uniform probes the same
+bursts spread as the power of two choices does (bench/README.md measures what memory buys in the cluster
+simulation: ``astrolabe-k2-mem``). This is the power of d choices
 with memory (Shah & Prabhakar 2002, "The use of memory in randomized load balancing"): the remembered endpoint
 is probed afresh, never trusted blindly, so an endpoint that filled up since loses on its fresh prediction, and
 several replicas cannot herd onto it (each sidecar counts every replica's admissions). Random probes keep
@@ -54,6 +91,9 @@ from extproc.policies.base import EndpointView, Policy, min_random_tie
 
 TYPE = "astrolabe"
 METRICS = ("blend", "ttft", "e2e")
+MAX_TIE_TOLERANCE = 0.5
+"""Widest near-tie, a fraction of the best score: a sidecar reporting a larger model error still leaves a
+prediction twice as good as another's decisive."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,15 +110,21 @@ class Params:
             request wait (>= 0; 0 = never).
         queue_threshold_s: "would make it wait": the candidate's predicted queueing delay (``Prediction.queue_s``)
             exceeds this, seconds (>= 0).
+        tie_tolerance: scores within this fraction of the best are near-ties, broken by load then at random
+            (>= 0, at most `MAX_TIE_TOLERANCE`; a sidecar's larger ``model_error`` widens it up to that cap).
+        max_load_ratio: a candidate over this multiple of the fleet's mean in-flight count is passed over while
+            another is not (>= 1; 0 = no bound).
     """
 
     k: int = 2
     metric: str = "blend"
     e2e_weight: float = 0.1
-    probe_best: bool = True
+    probe_best: bool = False
     memory_s: float = 1.0
     extra_probes: int = 4
     queue_threshold_s: float = 0.05
+    tie_tolerance: float = 0.05
+    max_load_ratio: float = 2.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
@@ -99,6 +145,14 @@ class Params:
                 or not math.isfinite(self.queue_threshold_s) or self.queue_threshold_s < 0):
             raise ValueError(f"policy {TYPE!r}: queue_threshold_s must be a finite number >= 0, got "
                              f"{self.queue_threshold_s!r}")
+        if (isinstance(self.tie_tolerance, bool) or not isinstance(self.tie_tolerance, int | float)
+                or not 0 <= self.tie_tolerance <= MAX_TIE_TOLERANCE):
+            raise ValueError(f"policy {TYPE!r}: tie_tolerance must be a number in [0, {MAX_TIE_TOLERANCE}], got "
+                             f"{self.tie_tolerance!r}")
+        if (isinstance(self.max_load_ratio, bool) or not isinstance(self.max_load_ratio, int | float)
+                or not math.isfinite(self.max_load_ratio) or not (self.max_load_ratio == 0 or self.max_load_ratio >= 1)):
+            raise ValueError(f"policy {TYPE!r}: max_load_ratio must be 0 (no bound) or a finite number >= 1, got "
+                             f"{self.max_load_ratio!r}")
 
 
 class PowerOfKPolicy(Policy):
@@ -108,16 +162,21 @@ class PowerOfKPolicy(Policy):
     def __init__(self, params: Params, rng: random.Random) -> None:
         self.params = params
         self._rng = rng
-        self._recent: dict[str, tuple[float, float]] = {}  # address -> (score, arrival_time_s of the answer)
+        # address -> ((queueing part of the score, load), arrival_time_s of the answer)
+        self._recent: dict[str, tuple[tuple[float, int], float]] = {}
 
     def score(self, endpoint: EndpointView) -> float:
-        """The figure compared (lower is better), seconds; ``endpoint.prediction`` must be set."""
-        prediction = endpoint.prediction
-        if self.params.metric == "e2e":
-            return prediction.e2e_s
+        """The figure compared (lower is better), seconds; ``endpoint.prediction`` must be set. The requests this
+        replica dispatched there that the prediction does not include (``num_unseen_dispatches``) are priced at
+        the prediction's own cost of one more request like this one (``Prediction.*_per_request``)."""
+        prediction, unseen = endpoint.prediction, endpoint.num_unseen_dispatches
+        ttft_s = prediction.ttft_s + unseen * prediction.ttft_s_per_request
         if self.params.metric == "ttft":
-            return prediction.ttft_s
-        return prediction.ttft_s + self.params.e2e_weight * prediction.e2e_s
+            return ttft_s
+        e2e_s = prediction.e2e_s + unseen * prediction.e2e_s_per_request
+        if self.params.metric == "e2e":
+            return e2e_s
+        return ttft_s + self.params.e2e_weight * e2e_s
 
     def candidates(self, request, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
         k = self.params.k
@@ -136,7 +195,11 @@ class PowerOfKPolicy(Policy):
         if len(recent) > 4 * len(endpoints):  # endpoints that left the pool: forget them
             addresses = {e.address for e in endpoints}
             self._recent = {a: v for a, v in recent.items() if a in addresses}
-        return min(known, key=lambda e: recent[e.address][0]) if known else None
+        if not known:
+            return None
+        best = min(known, key=lambda e: recent[e.address][0])
+        del recent[best.address]  # to this decision only; its answers bring it back
+        return best
 
     def more_candidates(self, request, scored: Sequence[EndpointView],
                         endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
@@ -152,12 +215,53 @@ class PowerOfKPolicy(Policy):
     def choose(self, request, endpoints: Sequence[EndpointView]) -> EndpointView | None:
         scored = [e for e in endpoints if e.prediction is not None]
         for endpoint in scored:
-            self._recent[endpoint.address] = (self.score(endpoint), request.arrival_time_s)
+            self._recent[endpoint.address] = ((self.score(endpoint) - self.idle_score(endpoint), load(endpoint)),
+                                              request.arrival_time_s)
         if not scored:
             return None
         if len(scored) < len(endpoints):
             return min_random_tie(endpoints, lambda e: e.num_in_flight, self._rng)
-        return min_random_tie(scored, self.score, self._rng)
+        ratio = self.params.max_load_ratio
+        if ratio:
+            scored = self._within_load_bound(scored, ratio)
+        best = min(scored, key=self.score)
+        best_s, best_idle_s = self.score(best), self.idle_score(best)
+        tolerance = max(self.params.tie_tolerance, min(max(e.prediction.model_error for e in scored),
+                                                       MAX_TIE_TOLERANCE))
+        tied = [e for e in scored
+                if self.score(e) <= best_s * (1 + tolerance) + max(self.idle_score(e) - best_idle_s, 0.0)]
+        return min_random_tie(tied, lambda e: (e.num_in_flight, load(e)), self._rng)
+
+    def idle_score(self, endpoint: EndpointView) -> float:
+        """`score` of the request on the candidate's instance idle, by its sidecar's model (``ttft_s - queue_s``,
+        ``Prediction.idle_e2e_s``; an unknown idle E2E counts as 0): the request's own cost as that sidecar prices
+        it. Sidecars of like instances differ here only by their models. ``endpoint.prediction`` must be set."""
+        prediction = endpoint.prediction
+        ttft_s = prediction.ttft_s - prediction.queue_s
+        if self.params.metric == "ttft":
+            return ttft_s
+        if self.params.metric == "e2e":
+            return prediction.idle_e2e_s
+        return ttft_s + self.params.e2e_weight * prediction.idle_e2e_s
+
+    @staticmethod
+    def _within_load_bound(scored: list[EndpointView], ratio: float) -> list[EndpointView]:
+        """``scored`` less the candidates over the load bound that another candidate can stand in for: one within
+        the bound whose sidecar counts no more requests (`load`) than the one it replaces. The second condition
+        keeps the bound from sending work to an instance that is busier for reasons this replica cannot see
+        (other replicas' or other routers' requests)."""
+        within = [e for e in scored if e.num_in_flight + 1 <= ratio * (e.mean_in_flight + 1)]
+        if not within or len(within) == len(scored):
+            return scored
+        least = min(load(e) for e in within)
+        return [e for e in scored if e in within or load(e) < least]
+
+
+def load(endpoint: EndpointView) -> int:
+    """Requests on ``endpoint`` as a decision can know them: its sidecar's count (other routers' held requests
+    included) and this replica's dispatches there that the count does not include; ``endpoint.prediction`` must
+    be set."""
+    return endpoint.prediction.num_requests + endpoint.num_unseen_dispatches
 
 
 def build(params: Mapping[str, Any], rng: random.Random) -> PowerOfKPolicy:

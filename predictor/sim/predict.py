@@ -47,7 +47,7 @@ import importlib.util
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 
 from predictor.sim import fast_predict as _fast_predict_loaded
@@ -218,6 +218,16 @@ def predict(
     return _predict_with_scheduler(snapshot, request, batch_time)
 
 
+def predict_idle(snapshot: InstanceSnapshot, request: RequestState, batch_time: BatchTimeModel) -> Prediction:
+    """`predict` for ``request`` alone on ``snapshot``'s instance (same engine, nothing else on it): the request's
+    own cost as this model prices it (its prefill chunks and decode steps); one small simulation.
+
+    Raises:
+        ValueError: as `predict`.
+    """
+    return predict(InstanceSnapshot(config=snapshot.config, now_s=snapshot.now_s), request, batch_time)
+
+
 def queue_delay_s(snapshot: InstanceSnapshot, request: RequestState, batch_time: BatchTimeModel,
                   ttft_s: float) -> float:
     """How much of a predicted TTFT the requests already on the instance cause, seconds (>= 0).
@@ -227,8 +237,34 @@ def queue_delay_s(snapshot: InstanceSnapshot, request: RequestState, batch_time:
     instance would start it at once; a policy can probe further only when it is not (the idle TTFT costs one
     small simulation: the request's own prefill chunks).
     """
-    idle = InstanceSnapshot(config=snapshot.config, now_s=snapshot.now_s)
-    return max(ttft_s - predict(idle, request, batch_time).ttft_s, 0.0)
+    return max(ttft_s - predict_idle(snapshot, request, batch_time).ttft_s, 0.0)
+
+
+def marginal_cost_s(snapshot: InstanceSnapshot, request: RequestState, batch_time: BatchTimeModel,
+                    base: Prediction) -> tuple[float, float]:
+    """How much ``request``'s TTFT and E2E grow per request like it that arrives just before it, seconds.
+
+    One more simulation: the same snapshot with a twin of ``request`` (same prompt and expected output) at the end
+    of the waiting queue, ahead of ``request``. A router that dispatched m requests to the instance since asking,
+    requests the sidecar's answer could not include, prices them as m times this (linear: near for the few
+    requests a decision's round trip can miss; ``extproc/router.py``).
+
+    Args:
+        snapshot: Instance state, as given to `predict`; not modified.
+        request: The new request, as given to `predict`.
+        batch_time: Step execution-time model.
+        base: ``predict(snapshot, request, batch_time)``.
+
+    Returns:
+        (TTFT growth, E2E growth), seconds, each >= 0; (0, 0) if the simulation with the twin cannot run.
+    """
+    twin = RequestState(f"{request.request_id}~ahead", request.num_prompt_tokens, request.num_output_tokens,
+                        arrival_time_s=request.arrival_time_s, max_new_tokens=request.max_new_tokens)
+    try:
+        later = predict(replace(snapshot, waiting=(*snapshot.waiting, twin)), request, batch_time)
+    except ValueError:
+        return 0.0, 0.0
+    return max(later.ttft_s - base.ttft_s, 0.0), max(later.e2e_s - base.e2e_s, 0.0)
 
 
 def _predict_with_scheduler(

@@ -154,6 +154,17 @@ class InstanceSnapshot:
 
         return replace(self, waiting=tuple(map(fit, self.waiting)), running=tuple(map(fit, self.running)))
 
+    def without(self, request_ids) -> InstanceSnapshot:
+        """This snapshot less the requests whose ids are in ``request_ids`` (a set; running ones free their KV
+        blocks, which are per request). Returns ``self`` when none is there."""
+        if not request_ids:
+            return self
+        running = tuple(r for r in self.running if r.request_id not in request_ids)
+        waiting = tuple(r for r in self.waiting if r.request_id not in request_ids)
+        if len(running) == len(self.running) and len(waiting) == len(self.waiting):
+            return self
+        return replace(self, running=running, waiting=waiting)
+
     def fit_request(self, request: RequestState) -> RequestState:
         """``request`` with its expected output length cut to what this instance's KV cache can hold beside its
         prompt (at least 1 token; a prompt that cannot fit stays unservable)."""

@@ -68,7 +68,9 @@ class Traced:
         return [s for s in await self.finished() if s.name == name]
 
 
-async def _start(tracing, endpoints_of):
+async def _start(tracing, endpoints_of, mode: str = "predict"):
+    """Emulator + sidecar + extproc, traced. Predict mode by default: these tests follow a request's trace into the
+    sidecars (test_local_predictions_are_spans_of_the_route covers the default watch mode)."""
     emulator = await start_emulator(EmulatorConfig(port=0, engine=ENGINE, time_scale=20.0), tracing)
     sidecar = Sidecar(SidecarConfig(backend=f"127.0.0.1:{emulator.port}", listen="127.0.0.1:0", engine=ENGINE,
                                     time_scale=20.0), tracing)
@@ -76,7 +78,8 @@ async def _start(tracing, endpoints_of):
     while sidecar.last_reconciled_s is None:  # a fresh state: predictions are not stale
         await asyncio.sleep(0.02)
     config = parse_config({"listen": "127.0.0.1:0", "policy": "astrolabe", "seed": 1, "drain_delay_s": 0,
-                           "health_check": {"enabled": False}, "predictor_client": {"predict_timeout_s": 1.0},
+                           "health_check": {"enabled": False},
+                           "predictor_client": {"predict_timeout_s": 1.0, "mode": mode},
                            "endpoints": endpoints_of(f"127.0.0.1:{emulator.port}", f"127.0.0.1:{sidecar_port}")})
     server = ExtprocServer(config, tracing=tracing)
     port = await server.start()
@@ -132,6 +135,33 @@ async def test_the_route_span_is_a_child_of_the_clients_traceparent(traced):
     e = event.attributes
     assert event.name == attr.CANDIDATE_EVENT and e[attr.CANDIDATE_CHOSEN] and e[attr.CANDIDATE_ANSWERED]
     assert 0 < e[attr.CANDIDATE_TTFT_S] <= e[attr.CANDIDATE_E2E_S] and 0 <= e[attr.CANDIDATE_STATE_AGE_S] < 2
+
+
+async def test_local_predictions_are_spans_of_the_route():
+    """Watch mode (the default): each candidate predicted in the router is an INTERNAL span below the route, with
+    the figures; no Predict call, and Admit still continues the trace into the sidecar."""
+    exporter = InMemorySpanExporter()
+    tracing = setup_tracing("astrolabe-test", environ={}, exporter=exporter)
+    emulator, sidecar, server, port = await _start(tracing, lambda backend, predictor: [
+        {"address": backend, "models": ["llama-2-7b"], "predictor": predictor}], mode="watch")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            await route(pb_grpc.ExternalProcessorStub(channel), [("traceparent", CLIENT_TRACEPARENT)])
+        await asyncio.sleep(0.2)  # Admit's spans end once the sidecar answered
+        tracing.provider.force_flush()
+        spans = exporter.get_finished_spans()
+        (root,) = [s for s in spans if s.name == attr.SPAN_NAME]
+        children = {s.name: s for s in spans if parent_id(s) == span_id(root)}
+        assert set(children) == {"astrolabe.length_estimate", "astrolabe.predict",
+                                 "astrolabe.predictor.v1.Predictor/Admit"}
+        local = children["astrolabe.predict"]
+        assert local.kind == SpanKind.INTERNAL and local.attributes["astrolabe.predicted_e2e_s"] > 0
+        assert local.attributes["server.address"] == "127.0.0.1"
+        assert not [s for s in spans if "Predict" in s.name and "Predictor/Admit" not in s.name]
+    finally:
+        await server.stop()
+        await sidecar.stop(0)
+        await emulator.stop()
 
 
 async def test_predict_and_admit_continue_into_the_sidecar(traced):

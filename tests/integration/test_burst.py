@@ -29,7 +29,9 @@ def stack(tmp_path_factory):
         emulators = [s.start_emulator(*engine) for _ in range(4)]
         sidecars = {e: s.start_sidecar(e, *engine) for e in emulators}
         s.write_config([{"address": e, "models": [MODEL], "predictor": p} for e, p in sidecars.items()],
-                       policy="astrolabe")  # default predictor_client: 20 ms deadline
+                       policy="astrolabe", predictor_client={"mode": "predict"})  # 20 ms deadline
+        # Predict mode: this tier is about Predict round trips under a burst; the default (predictions in the
+        # router) never waits on a sidecar, and test_herding checks its bursts.
         s.start_extproc()
         s.start_envoy()
         yield s

@@ -212,18 +212,20 @@ def _routing_figures(stack: Stack, timeout_s: float) -> tuple[float, float, floa
             count - stack.metric(f'astrolabe_extproc_routing_seconds_bucket{{le="{timeout_s}"}}', samples))
 
 
-def test_a_killed_and_a_frozen_sidecar_slow_some_decisions_and_lose_nothing(stack, fleet):
+@pytest.mark.parametrize("mode", ["predict", "watch"])
+def test_a_killed_and_a_frozen_sidecar_slow_some_decisions_and_lose_nothing(stack, fleet, mode):
     """Instances 0 and 1 get sidecars of their own for this test; at 1.5 s instance 0's is SIGKILLed, at 3.5 s
-    instance 1's is SIGSTOPped (SIGCONT after the traffic). A sidecar that does not answer within the Predict
-    timeout is a failed probe: the decision goes on with the other probe (partial) or the least-requests fallback.
-    Nothing is lost; the decisions that waited for the frozen one are slowed by about the Predict timeout, until the
-    client backs off from it."""
+    instance 1's is SIGSTOPped (SIGCONT after the traffic). Predict mode: a sidecar that does not answer within the
+    Predict timeout is a failed probe: the decision goes on with the other probe (partial) or the least-requests
+    fallback, and the decisions that waited for the frozen one are slowed by about the Predict timeout, until the
+    client backs off from it. Watch mode (predictions in the router): the killed sidecar's stream ends (no state),
+    the frozen one's state grows older than watch_max_age_s (stale): no decision waits. Nothing is lost."""
     predict_timeout_s = 0.05
     victims = {a: stack.start_sidecar(a, *SIDECAR_FLAGS) for a in fleet.instances[:2]}
     sidecars = {**fleet.sidecars, **victims}
     killed, frozen = (stack.procs.processes[-2], stack.procs.processes[-1])
     stack.write_config(_endpoints(fleet.instances, sidecars), policy="astrolabe", policy_params={"k": 2},
-                       predictor_client={"predict_timeout_s": predict_timeout_s})
+                       predictor_client={"predict_timeout_s": predict_timeout_s, "mode": mode})
     stack.start_extproc()
     stack.start_envoy()
     phases: dict[str, tuple[float, float, float]] = {}
@@ -243,8 +245,10 @@ def test_a_killed_and_a_frozen_sidecar_slow_some_decisions_and_lose_nothing(stac
         phases["one killed, one frozen"] = _routing_figures(stack, predict_timeout_s)
     finally:
         signal_process(frozen, signal.SIGCONT)
-    calls = {sidecar: {o: stack.metric(f'astrolabe_extproc_predictor_calls_total{{predictor="{sidecar}",'
-                                       f'outcome="{o}"}}') for o in ("ok", "late", "down", "skipped_backoff")}
+    series, outcomes = (("astrolabe_extproc_predictor_calls_total", ("ok", "late", "down", "skipped_backoff"))
+                        if mode == "predict" else
+                        ("astrolabe_extproc_local_predictions_total", ("ok", "no_state", "stale_state")))
+    calls = {sidecar: {o: stack.metric(f'{series}{{predictor="{sidecar}",outcome="{o}"}}') for o in outcomes}
              for sidecar in victims.values()}
     previous = (0.0, 0.0, 0.0)
     for phase, figures in phases.items():
@@ -255,8 +259,13 @@ def test_a_killed_and_a_frozen_sidecar_slow_some_decisions_and_lose_nothing(stac
     print(f"Predict calls of the killed / frozen sidecar: {list(calls.values())}; {run.summary()}")
     assert run.lost() == [], run.summary()
     killed_calls, frozen_calls = calls[victims[fleet.instances[0]]], calls[victims[fleet.instances[1]]]
-    assert killed_calls["down"] + killed_calls["skipped_backoff"] > 0, "the killed sidecar was never probed"
-    assert frozen_calls["late"] > 0, "the frozen sidecar was never probed"
+    if mode == "predict":
+        assert killed_calls["down"] + killed_calls["skipped_backoff"] > 0, "the killed sidecar was never probed"
+        assert frozen_calls["late"] > 0, "the frozen sidecar was never probed"
+    else:  # a frozen sidecar's stream stays open and silent: its last state ages out
+        assert killed_calls["no_state"] > 0, "the killed sidecar's candidates were predicted anyway"
+        assert frozen_calls["stale_state"] + frozen_calls["no_state"] > 0, \
+            "the frozen sidecar's candidates were predicted anyway"
     _wait_idle(fleet)
 
 

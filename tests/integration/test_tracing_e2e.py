@@ -36,7 +36,8 @@ def stack(tmp_path_factory):
         emulators = [s.start_emulator(*engine) for _ in range(2)]
         sidecars = {e: s.start_sidecar(e, *engine) for e in emulators}
         s.write_config([{"address": e, "models": [MODEL], "predictor": p} for e, p in sidecars.items()],
-                       policy="astrolabe", policy_params={"k": 2}, predictor_client={"predict_timeout_s": 0.5})
+                       policy="astrolabe", policy_params={"k": 2}, predictor_client={"predict_timeout_s": 0.5, "mode": "predict"})
+    # Predict mode: the trace is followed into the sidecars' Predict and simulation spans
         s.start_extproc()
         s.plain_url = s.start_envoy()
         s.traced_url = s.start_envoy("--otlp-endpoint", f"127.0.0.1:{receiver.port}",

@@ -15,8 +15,13 @@ def at(t_s: float) -> RoutingRequest:
     return RoutingRequest("r", "POST", "/v1/completions", arrival_time_s=t_s)
 
 
+IDLE_TTFT_S = 0.02
+"""Every test instance's own prefill, as its sidecar prices it: the rest of a predicted TTFT is queueing."""
+
+
 def scored(*pairs):
-    return [EndpointView(f"10.0.0.{i}:80", prediction=None if p is None else Prediction(p[0], p[1]))
+    return [EndpointView(f"10.0.0.{i}:80", prediction=None if p is None else
+                         Prediction(p[0], p[1], queue_s=max(p[0] - IDLE_TTFT_S, 0.0)))
             for i, p in enumerate(pairs, 1)]
 
 
@@ -37,7 +42,7 @@ def scored(*pairs):
          "blend-weight-0", "one-endpoint"],
 )
 def test_choose_lowest_score(params, predictions, expected):
-    policy = build({"probe_best": False, **params}, random.Random(0))
+    policy = build({"probe_best": False, "tie_tolerance": 0, **params}, random.Random(0))
     assert policy.choose(REQ, scored(*predictions)).address == expected
 
 
@@ -76,16 +81,20 @@ def test_candidates_sample_k_distinct(k, size, probe_best):
 
 
 def test_probe_best_probes_the_best_recent_answer_afresh():
-    policy = build({"k": 2, "memory_s": 1.0}, random.Random(3))
+    policy = build({"k": 2, "memory_s": 1.0, "probe_best": True}, random.Random(3))
     first = policy.candidates(at(0.0), EPS)
     good, bad = first
     policy.choose(at(0.0), [EndpointView(good.address, prediction=Prediction(0.01, 1.0)),
                             EndpointView(bad.address, prediction=Prediction(2.0, 5.0))])
-    for n in range(20):  # within memory_s the best answer is always one of the two probes
+    for n in range(20):  # within memory_s the best answer is one of the two probes, its fresh answer remembered
         cands = policy.candidates(at(0.5), EPS)
         assert cands[0].address == good.address and cands[1].address != good.address
+        policy.choose(at(0.5), [EndpointView(c.address, prediction=Prediction(0.01 if c is cands[0] else 2.0, 1.0))
+                                for c in cands])
     # once its fresh answer is worse than another's, that other endpoint becomes the remembered one
-    other = policy.candidates(at(0.6), EPS)[1]
+    cands = policy.candidates(at(0.6), EPS)
+    assert cands[0].address == good.address
+    other = cands[1]
     policy.choose(at(0.6), [EndpointView(good.address, prediction=Prediction(3.0, 6.0)),
                             EndpointView(other.address, prediction=Prediction(0.02, 1.0))])
     assert policy.candidates(at(0.7), EPS)[0].address == other.address
@@ -94,8 +103,19 @@ def test_probe_best_probes_the_best_recent_answer_afresh():
     assert len(firsts) > 2
 
 
+def test_the_remembered_best_goes_to_one_concurrent_decision_only():
+    """A burst's decisions all start before any of them answers: the remembered endpoint is probed by the first
+    only (handed to all, it drew most of a burst)."""
+    policy = build({"k": 2, "memory_s": 1.0, "probe_best": True}, random.Random(5))
+    cands = policy.candidates(at(0.0), EPS)
+    policy.choose(at(0.0), [EndpointView(cands[0].address, prediction=Prediction(0.01, 1.0)),
+                            EndpointView(cands[1].address, prediction=Prediction(2.0, 5.0))])
+    best = cands[0].address
+    burst = [policy.candidates(at(0.1), EPS) for _ in range(40)]  # none has answered yet
+    assert burst[0][0].address == best
+    assert sum(best in {c.address for c in cands} for cands in burst) < 20  # 1 + random draws (2/5 of 39)
 def test_probe_best_ignores_endpoints_that_left_the_pool():
-    policy = build({"k": 2}, random.Random(0))
+    policy = build({"k": 2, "probe_best": True}, random.Random(0))
     policy.choose(at(0.0), [EndpointView("10.9.9.9:80", prediction=Prediction(0.0, 0.0))])
     cands = policy.candidates(at(0.1), EPS)
     assert "10.9.9.9:80" not in {c.address for c in cands} and len(cands) == 2
@@ -104,15 +124,93 @@ def test_probe_best_ignores_endpoints_that_left_the_pool():
 @pytest.mark.parametrize("params", [{"k": 0}, {"k": 1.5}, {"k": True}, {"metric": "tpot"}, {"x": 1},
                                     {"e2e_weight": -1}, {"e2e_weight": "a"}, {"probe_best": 1},
                                     {"memory_s": 0}, {"memory_s": True}, {"extra_probes": -1},
-                                    {"extra_probes": 1.5}, {"queue_threshold_s": -0.1}, {"queue_threshold_s": "x"}])
+                                    {"extra_probes": 1.5}, {"queue_threshold_s": -0.1}, {"queue_threshold_s": "x"},
+                                    {"tie_tolerance": -0.01}, {"tie_tolerance": 0.6}, {"tie_tolerance": True},
+                                    {"max_load_ratio": 0.5}, {"max_load_ratio": float("inf")},
+                                    {"max_load_ratio": "2"}])
 def test_bad_params(params):
     with pytest.raises(ValueError):
         build(params, random.Random(0))
 
 
 def test_params_defaults():
-    assert Params() == Params(k=2, metric="blend", e2e_weight=0.1, probe_best=True, memory_s=1.0, extra_probes=4,
-                              queue_threshold_s=0.05)
+    assert Params() == Params(k=2, metric="blend", e2e_weight=0.1, probe_best=False, memory_s=1.0, extra_probes=4,
+                              queue_threshold_s=0.05, tie_tolerance=0.05, max_load_ratio=2.0)
+
+
+def view(i: int, ttft_s: float, *, num_requests: int = 0, unseen: int = 0, in_flight: int = 0,
+         mean_in_flight: float = 0.0, model_error: float = 0.0, idle_ttft_s: float = 0.005) -> EndpointView:
+    return EndpointView(f"10.0.0.{i}:80", num_in_flight=in_flight, mean_in_flight=mean_in_flight,
+                        num_unseen_dispatches=unseen,
+                        prediction=Prediction(ttft_s, 1.0, queue_s=max(ttft_s - idle_ttft_s, 0.0),
+                                              num_requests=num_requests, model_error=model_error))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_near_tie_goes_to_the_fewest_requests(seed):
+    """Two idle-looking instances whose calibrated models differ by a hair: the prediction does not decide,
+    the load does (without it every decision of a burst went the same way)."""
+    policy = build({"metric": "ttft"}, random.Random(seed))
+    assert policy.choose(REQ, [view(1, 0.100, num_requests=3), view(2, 0.104, num_requests=1)]).address == \
+        "10.0.0.2:80"
+    # this replica's dispatches since the sidecar answered count as its requests too
+    assert policy.choose(REQ, [view(1, 0.100, num_requests=1), view(2, 0.104, num_requests=0, unseen=2)]).address \
+        == "10.0.0.1:80"
+
+
+def test_a_clear_difference_is_decided_by_the_prediction():
+    policy = build({"metric": "ttft"}, random.Random(0))
+    assert policy.choose(REQ, [view(1, 0.100, num_requests=9), view(2, 0.110, num_requests=0)]).address == \
+        "10.0.0.1:80"
+
+
+def test_a_sidecars_model_error_widens_the_tie_up_to_a_cap():
+    policy = build({"metric": "ttft"}, random.Random(0))
+    # 20% apart, one sidecar's model 25% off: it cannot tell them apart
+    assert policy.choose(REQ, [view(1, 0.100, num_requests=5, model_error=0.25),
+                               view(2, 0.120, num_requests=0)]).address == "10.0.0.2:80"
+    # twice as good stays decisive whatever error a sidecar reports
+    assert policy.choose(REQ, [view(1, 0.100, num_requests=5, model_error=3.0),
+                               view(2, 0.200, num_requests=0)]).address == "10.0.0.1:80"
+
+
+def test_a_difference_only_the_models_see_is_a_tie():
+    """Idle instances alike, two sidecars' calibrated models 20% apart on the request's prefill (measured through
+    Envoy: 6.2 against 7.5 ms): not a reason to prefer one; with a queue the difference is decisive again."""
+    policy = build({"metric": "ttft"}, random.Random(0))
+    optimistic = view(1, 0.0062, idle_ttft_s=0.0062, num_requests=3)
+    assert policy.choose(REQ, [optimistic, view(2, 0.0075, idle_ttft_s=0.0075, num_requests=1)]).address == \
+        "10.0.0.2:80"
+    assert policy.choose(REQ, [optimistic, view(2, 0.0500, idle_ttft_s=0.0075, num_requests=1)]).address == \
+        "10.0.0.1:80"
+
+
+def test_equal_load_near_ties_are_random():
+    policy = build({"metric": "ttft"}, random.Random(0))
+    picks = collections.Counter(policy.choose(REQ, [view(1, 0.100), view(2, 0.101)]).address for _ in range(300))
+    assert min(picks.values()) > 100
+
+
+def test_an_optimistic_sidecar_cannot_pull_past_the_load_bound():
+    """However good its prediction, a candidate that would hold more than max_load_ratio x the fleet's mean in
+    flight (+1 both sides) is passed over for one within the bound."""
+    policy = build({"metric": "ttft"}, random.Random(0))
+    # mean 2: bound (2 + 1) x 2 = 6 with this request, so 5 in flight is the most it may have
+    assert policy.choose(REQ, [view(1, 0.01, in_flight=6, mean_in_flight=2.0),
+                               view(2, 0.90, in_flight=1, mean_in_flight=2.0)]).address == "10.0.0.2:80"
+    assert policy.choose(REQ, [view(1, 0.01, in_flight=5, mean_in_flight=2.0),
+                               view(2, 0.90, in_flight=1, mean_in_flight=2.0)]).address == "10.0.0.1:80"
+    # ... unless its sidecar counts more requests than the one over the bound (traffic this replica cannot see)
+    assert policy.choose(REQ, [view(1, 0.01, in_flight=6, mean_in_flight=2.0, num_requests=6),
+                               view(2, 0.90, in_flight=1, mean_in_flight=2.0, num_requests=40)]).address == \
+        "10.0.0.1:80"
+    # every candidate over the bound: the prediction decides among them
+    assert policy.choose(REQ, [view(1, 0.01, in_flight=9, mean_in_flight=2.0),
+                               view(2, 0.90, in_flight=8, mean_in_flight=2.0)]).address == "10.0.0.1:80"
+    # 0 = no bound
+    assert build({"metric": "ttft", "max_load_ratio": 0}, random.Random(0)).choose(
+        REQ, [view(1, 0.01, in_flight=60, mean_in_flight=2.0), view(2, 0.9, in_flight=1, mean_in_flight=2.0)]
+    ).address == "10.0.0.1:80"
 
 
 def queued(address, queue_s, ttft_s=None):

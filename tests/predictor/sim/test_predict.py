@@ -506,3 +506,27 @@ def test_a_compiled_module_older_than_its_source_is_not_used(
         assert predict_module._choose_fast_predict(compiled) == (compiled, "mypyc")
     finally:
         sys.modules.pop(predict_module._PYTHON_FAST_PREDICT, None)
+
+
+# ---- the price of one more request (marginal_cost_s) ---------------------------------------------------------
+
+
+def test_one_more_request_ahead_costs_its_whole_run_when_it_takes_the_only_slot():
+    from predictor.sim.predict import marginal_cost_s
+
+    config = EngineConfig(max_num_seqs=1, max_num_batched_tokens=512, block_size=16, num_gpu_blocks=1024)
+    model = LLAMA
+    snapshot = InstanceSnapshot(config=config, now_s=0.0, running=(
+        RequestState("a", 100, 60, num_computed_tokens=109, num_generated_tokens=10),))
+    new = RequestState("new", 100, 100)
+    base = predict(snapshot, new, model)
+    ttft_growth_s, e2e_growth_s = marginal_cost_s(snapshot, new, model, base)
+    # the twin runs its 100 tokens first: the new request starts about as much later as the twin's own E2E
+    twin_alone = predict(InstanceSnapshot(config=config, now_s=0.0), new, model)
+    assert ttft_growth_s == pytest.approx(twin_alone.e2e_s, rel=0.1)
+    assert e2e_growth_s == pytest.approx(ttft_growth_s, rel=0.1)
+    # with room for both, the twin only shares the prefill step: a small fraction of that
+    roomy = dataclasses.replace(snapshot, config=dataclasses.replace(config, max_num_seqs=8))
+    small_ttft_s, _ = marginal_cost_s(roomy, new, model, predict(roomy, new, model))
+    assert 0 <= small_ttft_s < 0.2 * ttft_growth_s
+    assert snapshot.waiting == ()  # the snapshot is left as it was

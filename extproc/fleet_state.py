@@ -1,0 +1,250 @@
+"""Prediction in the router (protocol v1.2): the sidecars' states as this replica watches them, and predictions
+from them with no round trip on the request path.
+
+Each sidecar streams its instance's state (``Watch``, ``predictor/instance_state.py``) every ``interval_s``: the
+snapshot its own Predict would simulate from (expected output lengths applied), its step-time model and its
+corrections. A decision then predicts each candidate locally with the same simulation (``predictor.sim.predict``,
+the compiled fast path where it is built) from that state plus:
+
+- **this replica's own dispatches the state does not include yet**: its Admits carry sequence numbers and each
+  state says up to which one it includes (``admits_seen``); the later ones (``PredictorClient.admits_after``) are
+  queued in as waiting requests. Exact, whatever the order of the messages: two decisions of one replica always
+  see each other, however close together;
+- **the state's age**: the state was taken ``age`` seconds ago, so the queue ahead of the new request has moved
+  on by up to that much: TTFT and E2E shrink by ``min(age, the wait the state's own requests cause)`` (a request
+  that would start at once gains nothing), plus ``min(time since the first unseen dispatch, the wait the unseen
+  dispatches add)``: theirs began only when they were sent (measured through Envoy, discounting it by the state's
+  age sent 25 of a 64-request burst to the instance whose state was oldest; not discounting it at all made an
+  instance whose sidecar was starved of CPU for 200 ms look busy with requests it had served long before).
+
+Other replicas' dispatches reach a decision with the next state that includes their Admits: at most
+``interval_s`` plus one Admit's trip later (``bench cluster --decision-staleness-s`` measures what that window
+costs). A state older than ``max_age_s`` (a frozen or cut-off sidecar) gives no prediction, as a late Predict
+does; the decision then falls back as the router's rules say. A sidecar that does not know Watch (protocol v1.1 or
+older) answers UNIMPLEMENTED and is asked by Predict from then on (`covers` is False for it).
+
+New requests get the sidecar's default residual-length rules (``predictor.residual_rules``) here: a sidecar run
+with other ``--residual-lengths`` or ``--length-errors`` than the defaults predicts a new request's length
+differently from its watchers.
+
+Counters: ``outcomes[address][o]`` for o in `OUTCOMES`, one per `predict` call.
+NOTE: runs on the event loop; `predict` is synchronous and O(requests on the instance) (the simulation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from extproc.policies.base import Prediction
+from extproc.predictor_client import PredictorClient
+from predictor.api import pb
+from predictor.instance_state import WatchedState, decode
+from predictor.residual_rules import ResidualRules
+from predictor.sim.predict import predict, predict_idle
+from predictor.sim.snapshot import RequestState
+
+logger = logging.getLogger(__name__)
+
+OUTCOMES = ("ok", "no_state", "stale_state", "invalid")
+"""Outcomes of `FleetState.predict`: a prediction; no state received yet (or the stream is down); a state older
+than ``max_age_s`` (or the sidecar's own older than ``max_state_age_s``); a request the state cannot serve."""
+
+
+@dataclass(slots=True)
+class _Watched:
+    """One sidecar: its last state and when it arrived (monotonic seconds), the task that follows its stream."""
+
+    state: WatchedState | None = None
+    received_s: float = 0.0
+    task: asyncio.Task | None = None
+    unsupported: bool = False
+    failing: bool = False
+
+
+class FleetState:
+    """Watches sidecars and predicts from their states.
+
+    Args:
+        client: the predictor client: its channels (TLS included), its router id, its numbered Admits and its
+            backoff settings (``min_backoff_s`` .. ``max_backoff_s`` between two attempts to watch a sidecar).
+        interval_s: the interval asked of each sidecar, seconds.
+        max_age_s: a state received longer ago than this gives no prediction, seconds.
+        max_state_age_s: nor one whose sidecar's own state (since its last reconciliation) is older, seconds.
+        clock: monotonic clock, seconds.
+
+    Attributes:
+        outcomes: sidecar address -> outcome (`OUTCOMES`) -> number of `predict` calls.
+    """
+
+    def __init__(self, client: PredictorClient, *, interval_s: float = 0.02, max_age_s: float = 0.25,
+                 max_state_age_s: float = 2.0, clock=time.monotonic) -> None:
+        self._client = client
+        self.interval_s = interval_s
+        self.max_age_s = max_age_s
+        self.max_state_age_s = max_state_age_s
+        self._clock = clock
+        self._residual = ResidualRules()
+        self._watched: dict[str, _Watched] = {}
+        self.outcomes: dict[str, dict[str, int]] = {}
+
+    def watch(self, addresses) -> None:
+        """Starts following each sidecar of ``addresses`` not followed yet (in the background: a sidecar that is
+        down is retried with the client's backoff)."""
+        for address in addresses:
+            if address not in self._watched:
+                entry = self._watched[address] = _Watched()
+                self.outcomes[address] = dict.fromkeys(OUTCOMES, 0)
+                entry.task = asyncio.get_running_loop().create_task(self._follow(address, entry))
+
+    async def first_states(self, timeout_s: float) -> bool:
+        """Waits until every watched sidecar has sent a state (or refused Watch), at most ``timeout_s`` seconds;
+        True if all did. The extproc waits so at start: its first decisions would otherwise have no state."""
+        deadline_s = self._clock() + timeout_s
+        while any(e.state is None and not e.unsupported for e in self._watched.values()):
+            if self._clock() >= deadline_s:
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
+    def covers(self, address: str) -> bool:
+        """Whether predictions for ``address`` are made here (it is watched and did not refuse Watch)."""
+        entry = self._watched.get(address)
+        return entry is not None and not entry.unsupported
+
+    def state(self, address: str) -> tuple[WatchedState, float] | None:
+        """The last state of ``address`` and its age, seconds; None before the first."""
+        entry = self._watched.get(address)
+        if entry is None or entry.state is None:
+            return None
+        return entry.state, self._clock() - entry.received_s
+
+    def forget(self, address: str) -> None:
+        """Stops following a sidecar that left the pool."""
+        entry = self._watched.pop(address, None)
+        self.outcomes.pop(address, None)
+        if entry is not None and entry.task is not None:
+            entry.task.cancel()
+
+    async def close(self) -> None:
+        tasks = [e.task for e in self._watched.values() if e.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._watched.clear()
+
+    async def _follow(self, address: str, entry: _Watched) -> None:
+        config = self._client.config
+        backoff_s = config.min_backoff_s
+        while True:
+            call = self._client.stub(address).Watch(
+                pb.WatchRequest(router_id=self._client.router_id, interval_s=self.interval_s))
+            try:
+                async for message in call:
+                    try:
+                        state = decode(message)
+                    except ValueError as exc:
+                        if not entry.failing:
+                            logger.warning("sidecar %s sent a state that cannot be used (%s); its candidates "
+                                           "get no prediction until it sends a good one", address, exc)
+                        entry.failing, entry.state = True, None
+                        continue
+                    entry.state, entry.received_s = state, self._clock()
+                    self._client.forget_admits_through(address, state.admits_seen)
+                    if entry.failing:
+                        logger.info("sidecar %s: its state stream works again", address)
+                    entry.failing, backoff_s = False, config.min_backoff_s
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    logger.info("sidecar %s does not stream its state (protocol v1.1 or older): asked by Predict",
+                                address)
+                    entry.unsupported, entry.state = True, None
+                    return
+                if not entry.failing:
+                    logger.warning("sidecar %s: its state stream failed (%s: %s); retried with backoff, its "
+                                   "candidates get no prediction meanwhile", address, exc.code().name,
+                                   exc.details())
+                entry.failing = True
+            finally:
+                call.cancel()
+            entry.state = None
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, config.max_backoff_s)
+
+    def predict(self, address: str, num_prompt_tokens: int, num_output_tokens: int, *,
+                max_tokens: int | None = None, length_source: int = 0) -> Prediction | None:
+        """The prediction for a new request at ``address`` from its last state (module docstring).
+
+        Args:
+            address: the sidecar's ``host:port`` (watched).
+            num_prompt_tokens: prompt tokens.
+            num_output_tokens: predicted output tokens.
+            max_tokens: the request's output cap, tokens (None: not given).
+            length_source: where ``num_output_tokens`` came from (``predictor.residual_rules.LENGTH_SOURCE_*``).
+
+        Returns:
+            The prediction (``num_requests`` counts this replica's unseen dispatches too, which are in the
+            simulation), or None: no state yet, a stale state, or a request the state cannot serve (the outcome
+            is counted in ``outcomes``).
+        """
+        entry = self._watched.get(address)
+        counts = self.outcomes.get(address)
+        if entry is None or counts is None:
+            return None
+        if entry.state is None:
+            counts["no_state"] += 1
+            return None
+        state, age_s = entry.state, self._clock() - entry.received_s
+        if not (age_s <= self.max_age_s and state.state_age_s + age_s <= self.max_state_age_s):
+            counts["stale_state"] += 1
+            return None
+        snapshot = state.snapshot
+        unseen = self._client.admits_after(address, state.admits_seen)
+        try:
+            new = snapshot.fit_request(RequestState("new", max(num_prompt_tokens, 1),
+                                                    self._expected(num_output_tokens, max_tokens, length_source),
+                                                    max_new_tokens=max_tokens))
+            idle = predict_idle(snapshot, new, state.batch_time)
+            # The wait the state's own requests cause (None: the prediction's own, there being no unseen dispatch)
+            state_queue_s = None
+            if unseen:
+                state_queue_s = 0.0
+                if age_s > 0 and (snapshot.running or snapshot.waiting):
+                    state_queue_s = max(predict(snapshot, new, state.batch_time).ttft_s - idle.ttft_s, 0.0)
+                snapshot = dataclasses.replace(snapshot, waiting=(*snapshot.waiting, *(
+                    snapshot.fit_request(RequestState(f"unseen-{a.seq}", max(a.num_prompt_tokens, 1),
+                                                      self._expected(a.num_output_tokens, a.max_tokens,
+                                                                     a.length_source),
+                                                      max_new_tokens=a.max_tokens))
+                    for a in unseen)))
+            result = predict(snapshot, new, state.batch_time)
+        except ValueError:  # e.g. a prompt larger than the instance's KV cache (Predict's INVALID_ARGUMENT)
+            counts["invalid"] += 1
+            return None
+        queue_s = max(result.ttft_s - idle.ttft_s, 0.0)
+        # The state's queue has moved on while the state travelled, by up to its age; the wait this replica's
+        # unseen dispatches add began only when they were sent (by up to the time since the first of them).
+        if state_queue_s is None:
+            shift_s = min(age_s, queue_s)
+        else:
+            since_first_s = max(self._clock() - unseen[0].sent_s, 0.0)
+            shift_s = min(age_s, state_queue_s) + min(since_first_s, max(queue_s - state_queue_s, 0.0))
+        ttft_s, e2e_s = state.corrections.apply(result.ttft_s + state.lag_s - shift_s,
+                                                result.e2e_s + state.lag_s - shift_s)
+        if not (math.isfinite(ttft_s) and math.isfinite(e2e_s)):
+            counts["invalid"] += 1
+            return None
+        counts["ok"] += 1
+        return Prediction(ttft_s, e2e_s, state.state_age_s + age_s, queue_s - shift_s,
+                          num_requests=len(snapshot.running) + len(snapshot.waiting), model_error=state.model_error,
+                          idle_e2e_s=state.corrections.apply(idle.ttft_s, idle.e2e_s)[1])
+
+    def _expected(self, num_output_tokens: int, max_tokens: int | None, length_source: int) -> int:
+        return self._residual.for_source(length_source).expected_output_tokens(
+            max(num_output_tokens, 1), 0, max_tokens or None)
