@@ -27,7 +27,9 @@ New requests get the sidecar's default residual-length rules (``predictor.residu
 with other ``--residual-lengths`` or ``--length-errors`` than the defaults predicts a new request's length
 differently from its watchers.
 
-Counters: ``outcomes[address][o]`` for o in `OUTCOMES`, one per `predict` call.
+Cost: a message is decoded (``predictor.instance_state.decode``, O(requests)) only when a prediction first reads it;
+at 50 states a second per sidecar most are replaced unread. Counters: ``outcomes[address][o]`` for o in
+`OUTCOMES`, one per `predict` call.
 NOTE: runs on the event loop; `predict` is synchronous and O(requests on the instance) (the simulation).
 """
 
@@ -54,18 +56,35 @@ logger = logging.getLogger(__name__)
 
 OUTCOMES = ("ok", "no_state", "stale_state", "invalid")
 """Outcomes of `FleetState.predict`: a prediction; no state received yet (or the stream is down); a state older
-than ``max_age_s`` (or the sidecar's own older than ``max_state_age_s``); a request the state cannot serve."""
+than ``max_age_s`` (or the sidecar's own older than ``max_state_age_s``); a request the state cannot serve, or a
+state that cannot be used."""
 
 
 @dataclass(slots=True)
 class _Watched:
-    """One sidecar: its last state and when it arrived (monotonic seconds), the task that follows its stream."""
+    """One sidecar: its last message and when it arrived (monotonic seconds), that message decoded (once, when a
+    prediction first needs it: most messages are replaced before any candidate reads them), the task that follows
+    its stream."""
 
-    state: WatchedState | None = None
+    message: pb.InstanceState | None = None
     received_s: float = 0.0
+    decoded: WatchedState | None = None
     task: asyncio.Task | None = None
     unsupported: bool = False
     failing: bool = False
+
+    @property
+    def state(self) -> WatchedState | None:
+        """The last message decoded, or None (none yet, or one that cannot be used: logged once by the caller).
+
+        Raises:
+            ValueError: the last message cannot describe an instance (``predictor.instance_state.decode``).
+        """
+        if self.message is None:
+            return None
+        if self.decoded is None or self.decoded.seq != self.message.seq:
+            self.decoded = decode(self.message)
+        return self.decoded
 
 
 class FleetState:
@@ -107,7 +126,7 @@ class FleetState:
         """Waits until every watched sidecar has sent a state (or refused Watch), at most ``timeout_s`` seconds;
         True if all did. The extproc waits so at start: its first decisions would otherwise have no state."""
         deadline_s = self._clock() + timeout_s
-        while any(e.state is None and not e.unsupported for e in self._watched.values()):
+        while any(e.message is None and not e.unsupported for e in self._watched.values()):
             if self._clock() >= deadline_s:
                 return False
             await asyncio.sleep(0.005)
@@ -121,9 +140,11 @@ class FleetState:
     def state(self, address: str) -> tuple[WatchedState, float] | None:
         """The last state of ``address`` and its age, seconds; None before the first."""
         entry = self._watched.get(address)
-        if entry is None or entry.state is None:
+        try:
+            state = entry.state if entry is not None else None
+        except ValueError:
             return None
-        return entry.state, self._clock() - entry.received_s
+        return None if state is None else (state, self._clock() - entry.received_s)
 
     def forget(self, address: str) -> None:
         """Stops following a sidecar that left the pool."""
@@ -147,16 +168,8 @@ class FleetState:
                 pb.WatchRequest(router_id=self._client.router_id, interval_s=self.interval_s))
             try:
                 async for message in call:
-                    try:
-                        state = decode(message)
-                    except ValueError as exc:
-                        if not entry.failing:
-                            logger.warning("sidecar %s sent a state that cannot be used (%s); its candidates "
-                                           "get no prediction until it sends a good one", address, exc)
-                        entry.failing, entry.state = True, None
-                        continue
-                    entry.state, entry.received_s = state, self._clock()
-                    self._client.forget_admits_through(address, state.admits_seen)
+                    entry.message, entry.received_s = message, self._clock()
+                    self._client.forget_admits_through(address, message.admits_seen)
                     if entry.failing:
                         logger.info("sidecar %s: its state stream works again", address)
                     entry.failing, backoff_s = False, config.min_backoff_s
@@ -164,7 +177,7 @@ class FleetState:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     logger.info("sidecar %s does not stream its state (protocol v1.1 or older): asked by Predict",
                                 address)
-                    entry.unsupported, entry.state = True, None
+                    entry.unsupported, entry.message = True, None
                     return
                 if not entry.failing:
                     logger.warning("sidecar %s: its state stream failed (%s: %s); retried with backoff, its "
@@ -173,7 +186,7 @@ class FleetState:
                 entry.failing = True
             finally:
                 call.cancel()
-            entry.state = None
+            entry.message = entry.decoded = None
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, config.max_backoff_s)
 
@@ -197,10 +210,19 @@ class FleetState:
         counts = self.outcomes.get(address)
         if entry is None or counts is None:
             return None
-        if entry.state is None:
+        try:
+            state = entry.state
+        except ValueError as exc:
+            if not entry.failing:
+                logger.warning("sidecar %s sent a state that cannot be used (%s); its candidates get no prediction "
+                               "until it sends a good one", address, exc)
+            entry.failing = True
+            counts["invalid"] += 1
+            return None
+        if state is None:
             counts["no_state"] += 1
             return None
-        state, age_s = entry.state, self._clock() - entry.received_s
+        age_s = self._clock() - entry.received_s
         if not (age_s <= self.max_age_s and state.state_age_s + age_s <= self.max_state_age_s):
             counts["stale_state"] += 1
             return None

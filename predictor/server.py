@@ -276,6 +276,12 @@ MIN_WATCH_INTERVAL_S = 0.005
 MAX_WATCH_INTERVAL_S = 1.0
 """Bounds of a Watch stream's interval, seconds: a router cannot make a sidecar send more than 200 states a second,
 nor leave its state older than a second."""
+SHARED_STATE_MAX_AGE_S = 0.02
+"""A watched state built for one router is sent to another as it is for this long, seconds (one default interval),
+if nothing it depends on changed (`Sidecar.state_version`: for a plugin state, the same publication, so the same
+queues): the streams of several extproc replicas then cost one snapshot."""
+WATCH_HEARTBEAT_S = 0.1
+"""Longest a Watch stream stays silent while nothing changes, seconds."""
 MAX_ROUTERS = 1024
 """Routers whose Admit numbers a sidecar remembers (``Sidecar.saw_admit``): far more extproc workers than a pool
 has, few enough that a flood of router ids costs nothing."""
@@ -377,6 +383,7 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         if sidecar.outcomes.awaits_first_token(request.request_id) and sidecar.plugin.reader is not None:
             sidecar.absorb(sidecar.plugin.reader.read(now_s), now_s)  # its first token may be in the newest file
         sidecar.holds.drop(request.request_id)  # held and routed elsewhere (or ended before its Admit arrived)
+        sidecar.num_changes += 1
         sidecar.outcomes.release(request.request_id, now_s, scored=not request.failed)
         sidecar.plugin.admits.release(request.request_id)
         return pb.ReleaseResponse(known=sidecar.ledger.release(request.request_id, now_s))
@@ -386,21 +393,27 @@ class PredictorServicer(pb_grpc.PredictorServicer):
 
     async def Watch(self, request, context):  # noqa: N802
         """Protocol v1.2: the instance's state (``Sidecar.watched_state``) every ``interval_s`` (0: the sidecar's
-        ``watch_interval_s``; cut to [`MIN_WATCH_INTERVAL_S`, `MAX_WATCH_INTERVAL_S`]) until the router cancels."""
+        ``watch_interval_s``; cut to [`MIN_WATCH_INTERVAL_S`, `MAX_WATCH_INTERVAL_S`]) until the router cancels; an
+        interval in which nothing changed (`Sidecar.state_version`) sends nothing, but never more than
+        `WATCH_HEARTBEAT_S` in a row (the router drops states older than its ``watch_max_age_s``, 0.25 s)."""
         sidecar = self._sidecar
         interval_s = request.interval_s if request.interval_s > 0 else sidecar.config.watch_interval_s
         interval_s = min(max(interval_s, MIN_WATCH_INTERVAL_S), MAX_WATCH_INTERVAL_S)  # NaN: the minimum
         sidecar.num_watchers += 1
         try:
-            seq = 0
+            seq, sent_version, sent_s = 0, None, -math.inf
             while True:
-                seq += 1
-                try:
-                    yield sidecar.watched_state(request.router_id, seq)
-                except ValueError:  # a state the encoder refuses: skipped, said once
-                    if not sidecar.watch_failed:
-                        logger.exception("a state could not be sent to a watching router (logged once)")
-                    sidecar.watch_failed = True
+                now_s = time.monotonic()
+                version = sidecar.state_version(request.router_id, now_s)
+                if version != sent_version or now_s - sent_s >= WATCH_HEARTBEAT_S:
+                    seq += 1
+                    try:
+                        yield sidecar.watched_state(request.router_id, seq)
+                        sent_version, sent_s = version, now_s
+                    except ValueError:  # a state the encoder refuses: skipped, said once
+                        if not sidecar.watch_failed:
+                            logger.exception("a state could not be sent to a watching router (logged once)")
+                        sidecar.watch_failed = True
                 await asyncio.sleep(interval_s)
         finally:
             sidecar.num_watchers -= 1
@@ -451,6 +464,8 @@ class Sidecar:
         self.num_states_sent = 0  # InstanceState messages sent to watching routers (v1.2)
         self.num_watchers = 0
         self.watch_failed = False
+        self.num_changes = 0  # admissions and releases so far (a watched state is sent again when it moves)
+        self._watch_cache: tuple[tuple, float, pb.InstanceState] | None = None  # (version, built at, message)
         self._admits_seen: dict[int, int] = {}  # router id -> highest admit_seq handled, least recent first
         self.last_reconciled_s: float | None = None
         self._discovery_failed = False  # warned once that the backend is not readable yet
@@ -548,6 +563,7 @@ class Sidecar:
         if added:
             self.plugin.admits.admit(request_id, num_output_tokens, num_prompt_tokens, now_s, max_tokens=max_tokens,
                                      length_source=length_source)
+            self.num_changes += 1
         return added
 
     def hold(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int, hold_s: float, *,
@@ -594,6 +610,7 @@ class Sidecar:
     def _uncount(self, request_id: str, now_s: float) -> None:
         self.plugin.admits.release(request_id)
         self.ledger.release(request_id, now_s)
+        self.num_changes += 1
 
     def state_age_s(self, now_s: float) -> float:
         return float("inf") if self.last_reconciled_s is None else now_s - self.last_reconciled_s
@@ -666,19 +683,40 @@ class Sidecar:
         ingress_s = self.ingress.delay_at(time.monotonic()) if self.config.ingress_delay == "online" else 0.0
         return Corrections(ingress_s, self.outcomes.ttft_offset_s(), self.outcomes.correction("e2e"))
 
+    def state_version(self, router_id: int, now_s: float) -> tuple:
+        """What a watched state depends on, beyond the simulated clock: equal tuples, the same state to send
+        ``router_id`` (the plugin's publication, reconciliations, admissions and releases, holds, the router's
+        Admits seen, refits). Cheap: the plugin's file is re-read only when it changed."""
+        plugin = self.plugin.reader.read(now_s) if self.plugin.reader is not None else None
+        return ((plugin.pid, plugin.seq) if plugin is not None else None, self.ledger.stats.num_reconciliations,
+                self.num_changes, self.admits_seen(router_id),
+                self.calibrator.num_refits if self.calibrator is not None else 0)
+
     def watched_state(self, router_id: int, seq: int) -> pb.InstanceState:
         """The state a watching router predicts from (protocol v1.2, ``predictor.instance_state``): what Predict
         would simulate from for that router now (its own holds left out), with the step-time model and the
-        corrections. Cost: one snapshot and its encoding, O(requests)."""
+        corrections. Cost: one snapshot and its encoding, O(requests), shared by the watchers that ask within
+        `SHARED_STATE_MAX_AGE_S` of each other while nothing changed."""
         now_s = time.monotonic()
         self.end_expired_holds(now_s)
-        view = self._view(now_s, self.holds.held_by(router_id))
+        self.num_states_sent += 1
+        exclude = self.holds.held_by(router_id)
+        version = self.state_version(0, now_s)
+        cached = self._watch_cache
+        if not exclude and cached is not None and cached[0] == version and now_s - cached[1] < SHARED_STATE_MAX_AGE_S:
+            message = pb.InstanceState()  # another watcher's state of a moment ago: only the per-router fields differ
+            message.CopyFrom(cached[2])
+            message.seq, message.admits_seen = seq, self.admits_seen(router_id)
+            return message
+        view = self._view(now_s, exclude)
         status = self.calibration_status
         model_error = status.residual if status is not None and math.isfinite(status.residual) else 0.0
-        self.num_states_sent += 1
-        return encode(view.snapshot.fit_to_kv_cache(), self.batch_time, self.corrections(), seq=seq,
-                      lag_s=max(view.lag_s, 0.0), state_age_s=view.state_age_s,
-                      admits_seen=self.admits_seen(router_id), model_error=model_error, state_source=view.source)
+        message = encode(view.snapshot.fit_to_kv_cache(), self.batch_time, self.corrections(), seq=seq,
+                         lag_s=max(view.lag_s, 0.0), state_age_s=view.state_age_s,
+                         admits_seen=self.admits_seen(router_id), model_error=model_error, state_source=view.source)
+        if not exclude:
+            self._watch_cache = (version, now_s, message)
+        return message
 
     def quality(self) -> dict:
         """Calibration (status, current and prior coefficients) and prediction-vs-outcome statistics, JSON-ready
