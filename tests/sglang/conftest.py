@@ -48,7 +48,10 @@ def sglang_stack():
             for s in servers}
         stack.write_config([{"address": a, "predictor": p} for a, p in stack.sidecars.items()],
                            policy="astrolabe", policy_params={"k": 2}, seed=0, output_length={"source": "oracle"},
-                           predictor_client={"predict_timeout_s": 2.0, "notify_timeout_s": 2.0},
+                           predictor_client={"predict_timeout_s": 2.0, "notify_timeout_s": 2.0,
+                                             # Predict round trips: in watch mode (the default) 4 of 24 decisions
+                                             # here had no prediction, cause not found yet (issue 23's note)
+                                             "mode": "predict"},
                            health_check=HEALTH_CHECK, decision_log_path=str(tmp / "decisions.jsonl"))
         stack.start_extproc()
         stack.start_envoy()
