@@ -18,8 +18,8 @@ the compiled fast path where it is built) from that state plus:
   instance whose sidecar was starved of CPU for 200 ms look busy with requests it had served long before).
 
 Other replicas' dispatches reach a decision with the next state that includes their Admits: at most
-``interval_s`` plus one Admit's trip later (``bench cluster --decision-staleness-s`` measures what that window
-costs). A state older than ``max_age_s`` (a frozen or cut-off sidecar) gives no prediction, as a late Predict
+``interval_s`` plus one Admit's trip later (what that window costs is not measured yet: the cluster simulation
+still routes on exact state). A state older than ``max_age_s`` (a frozen or cut-off sidecar) gives no prediction, as a late Predict
 does; the decision then falls back as the router's rules say. A sidecar that does not know Watch (protocol v1.1 or
 older) answers UNIMPLEMENTED and is asked by Predict from then on (`covers` is False for it).
 

@@ -43,7 +43,6 @@ class EndpointPool:
         self._in_flight: dict[str, int] = {}
         # Dispatch times (router's monotonic clock, seconds) per address, oldest first, for min-qpm.
         self._dispatch_times_s: dict[str, collections.deque[float]] = {}
-        self._num_dispatched: dict[str, int] = {}
         self.replace(endpoints)
 
     @property
@@ -59,7 +58,6 @@ class EndpointPool:
         # Counters of removed endpoints stay until their requests end (release drops them at zero).
         self._in_flight = {a: n for a, n in self._in_flight.items() if a in addresses or n > 0}
         self._dispatch_times_s = {a: t for a, t in self._dispatch_times_s.items() if a in addresses}
-        self._num_dispatched = {a: n for a, n in self._num_dispatched.items() if a in addresses}
         self._endpoints = new
         self._addresses = {e.address: e for e in new}
 
@@ -103,11 +101,6 @@ class EndpointPool:
     def record_dispatch(self, address: str, now_s: float) -> None:
         """Notes that this replica dispatched a request to ``address`` at ``now_s`` (monotonic seconds)."""
         self._dispatch_times_s.setdefault(address, collections.deque()).append(now_s)
-        self._num_dispatched[address] = self._num_dispatched.get(address, 0) + 1
-
-    def num_dispatched(self, address: str) -> int:
-        """Dispatches this replica recorded to ``address`` so far (a running total while it stays in the pool)."""
-        return self._num_dispatched.get(address, 0)
 
     def num_dispatched_since(self, address: str, since_s: float) -> int:
         """Dispatches to ``address`` at or after ``since_s``; older records are dropped (callers ask with a
