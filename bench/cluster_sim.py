@@ -58,7 +58,7 @@ from predictor.sim import (
     blocks_for_tokens,
     predict,
 )
-from predictor.sim.predict import queue_delay_s
+from predictor.sim.predict import predict_idle
 from predictor.sim.residual import FixedExtraTokens, ResidualLengthModel
 
 logger = logging.getLogger(__name__)
@@ -374,7 +374,9 @@ class _Cluster:
             metrics = None if sampled is None else dataclasses.replace(sampled[1], age_s=now_s - sampled[0])
             views.append(EndpointView(address, router.in_flight[i], address, metrics=metrics,
                                       num_recent_requests=len(times_s)))
-        return views
+        # as extproc/router.py fills it: the astrolabe policy's load bound reads it
+        mean_in_flight = sum(router.in_flight) / len(router.in_flight) if router.in_flight else 0.0
+        return [dataclasses.replace(v, mean_in_flight=mean_in_flight) for v in views]
 
     def snapshot(self, i: int) -> InstanceSnapshot:
         """Instance ``i`` as its sidecar sees it: exact queues, each request's expected output length from its
@@ -398,12 +400,15 @@ class _Cluster:
         snapshot = self.snapshot(i).fit_to_kv_cache()
         new = snapshot.fit_request(new)
         result = predict(snapshot, new, self.batch_times[i])
+        idle = predict_idle(snapshot, new, self.batch_times[i])
         self.num_predictions += 1
         factor = 1.0
         if self.config.prediction_noise_frac > 0:
             factor = max(0.0, 1.0 + self._noise_rng.gauss(0.0, self.config.prediction_noise_frac))
+        # the fields a sidecar's answer carries (predictor/server.py): queue, requests on the instance, idle E2E
         return Prediction(result.ttft_s * factor, result.e2e_s * factor, 0.0,
-                          queue_delay_s(snapshot, new, self.batch_times[i], result.ttft_s) * factor)
+                          max(result.ttft_s - idle.ttft_s, 0.0) * factor,
+                          num_requests=len(snapshot.running) + len(snapshot.waiting), idle_e2e_s=idle.e2e_s * factor)
 
     def route(self, request_id: str, request: ClusterRequest) -> tuple[int, int]:
         """(router replica, instance) for ``request``."""

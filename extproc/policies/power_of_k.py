@@ -58,8 +58,8 @@ most optimistic stayed the remembered one at low load and was probed by 43 of 64
 another instance), which no tie rule can spread. Off by default since predictions moved into the router: even
 ranked so, the remembered endpoint was probed by up to 42 of a burst's 64 decisions through Envoy (its entry
 refreshed by every decision that probed it), starving the others of probes; with k uniform probes the same
-bursts spread as the power of two choices does (bench/README.md measures what memory buys in the cluster
-simulation: ``astrolabe-k2-mem``). This is the power of d choices
+bursts spread as the power of two choices does, and in the cluster simulation memory bought nothing measurable
+(``astrolabe bench cluster --policies astrolabe-k2,astrolabe-k2-mem``; README "Where Astrolabe stands"). This is the power of d choices
 with memory (Shah & Prabhakar 2002, "The use of memory in randomized load balancing"): the remembered endpoint
 is probed afresh, never trusted blindly, so an endpoint that filled up since loses on its fresh prediction, and
 several replicas cannot herd onto it (each sidecar counts every replica's admissions). Random probes keep
