@@ -404,11 +404,12 @@ class PredictorServicer(pb_grpc.PredictorServicer):
             seq, sent_version, sent_s = 0, None, -math.inf
             while True:
                 now_s = time.monotonic()
-                version = sidecar.state_version(request.router_id, now_s)
+                state_version = sidecar.state_version(now_s)
+                version = (state_version, sidecar.admits_seen(request.router_id))
                 if version != sent_version or now_s - sent_s >= WATCH_HEARTBEAT_S:
                     seq += 1
                     try:
-                        yield sidecar.watched_state(request.router_id, seq)
+                        yield sidecar.watched_state(request.router_id, seq, state_version)
                         sent_version, sent_s = version, now_s
                     except ValueError:  # a state the encoder refuses: skipped, said once
                         if not sidecar.watch_failed:
@@ -683,25 +684,25 @@ class Sidecar:
         ingress_s = self.ingress.delay_at(time.monotonic()) if self.config.ingress_delay == "online" else 0.0
         return Corrections(ingress_s, self.outcomes.ttft_offset_s(), self.outcomes.correction("e2e"))
 
-    def state_version(self, router_id: int, now_s: float) -> tuple:
-        """What a watched state depends on, beyond the simulated clock: equal tuples, the same state to send
-        ``router_id`` (the plugin's publication, reconciliations, admissions and releases, holds, the router's
-        Admits seen, refits). Cheap: the plugin's file is re-read only when it changed."""
+    def state_version(self, now_s: float) -> tuple:
+        """What a watched state depends on, beyond the simulated clock and the watching router's own fields: equal
+        tuples, the same state (the plugin's publication, reconciliations, admissions and releases, holds, refits).
+        Cheap: the plugin's file is re-read only when it changed."""
         plugin = self.plugin.reader.read(now_s) if self.plugin.reader is not None else None
         return ((plugin.pid, plugin.seq) if plugin is not None else None, self.ledger.stats.num_reconciliations,
-                self.num_changes, self.admits_seen(router_id),
-                self.calibrator.num_refits if self.calibrator is not None else 0)
+                self.num_changes, self.calibrator.num_refits if self.calibrator is not None else 0)
 
-    def watched_state(self, router_id: int, seq: int) -> pb.InstanceState:
+    def watched_state(self, router_id: int, seq: int, version: tuple | None = None) -> pb.InstanceState:
         """The state a watching router predicts from (protocol v1.2, ``predictor.instance_state``): what Predict
         would simulate from for that router now (its own holds left out), with the step-time model and the
         corrections. Cost: one snapshot and its encoding, O(requests), shared by the watchers that ask within
-        `SHARED_STATE_MAX_AGE_S` of each other while nothing changed."""
+        `SHARED_STATE_MAX_AGE_S` of each other while nothing changed (``version``: `state_version` of now, if the
+        caller has it)."""
         now_s = time.monotonic()
         self.end_expired_holds(now_s)
         self.num_states_sent += 1
         exclude = self.holds.held_by(router_id)
-        version = self.state_version(0, now_s)
+        version = self.state_version(now_s) if version is None else version
         cached = self._watch_cache
         if not exclude and cached is not None and cached[0] == version and now_s - cached[1] < SHARED_STATE_MAX_AGE_S:
             message = pb.InstanceState()  # another watcher's state of a moment ago: only the per-router fields differ
