@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import uvloop
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -535,7 +536,7 @@ def main(argv: list[str]) -> int:
         logger.error("invalid tracing configuration: %s", exc)
         return 2
     try:
-        asyncio.run(serve(config, args.config, tracing, overrides))
+        uvloop.run(serve(config, args.config, tracing, overrides))
     except TaggerLoadError as exc:
         logger.error("invalid configuration: output_length.tagger_path: %s", exc)
         return 2

@@ -44,6 +44,7 @@ import time
 
 import aiohttp
 import grpc
+import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Histogram
 
@@ -1090,7 +1091,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("invalid tracing configuration: %s", exc)
         return 2
     try:
-        asyncio.run(serve(config, tracing))
+        uvloop.run(serve(config, tracing))
     except (OSError, RuntimeError) as exc:  # an address that cannot be bound (gRPC or metrics)
         logger.error("sidecar cannot start: %s", exc)
         return 2
