@@ -14,6 +14,7 @@ enters through the dense features.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import zlib
 from collections import Counter
@@ -71,18 +72,24 @@ def words(text: str) -> list[str]:
 def _hashed_ngrams(tokens: list[str], num_buckets: int) -> tuple[list[int], list[float]]:
     if len(tokens) > MAX_WORDS:
         tokens = tokens[: MAX_WORDS - TAIL_WORDS] + tokens[-TAIL_WORDS:]
-    grams = Counter(tokens)
-    grams.update(f"{a} {b}" for a, b in zip(tokens, tokens[1:]))
+    unigrams = Counter(tokens)
+    # A bigram's crc continues its first word's: crc32(b" " + b, crc32(a)) == crc32(f"{a} {b}") (zlib.crc32's
+    # running value), so each word is encoded and hashed once. Words hold no spaces: uni- and bigrams never collide.
+    crcs = {word: zlib.crc32(word.encode("utf-8")) for word in unigrams}
     signed: dict[int, float] = {}
-    for gram, count in grams.items():
-        h = zlib.crc32(gram.encode("utf-8"))
+    get, log1p, crc32 = signed.get, math.log1p, zlib.crc32
+    for word, count in unigrams.items():
+        h = crcs[word]
         bucket = h % num_buckets
-        signed[bucket] = signed.get(bucket, 0.0) + (1.0 if h & 0x80000000 else -1.0) * float(np.log1p(count))
+        signed[bucket] = get(bucket, 0.0) + (1.0 if h & 0x80000000 else -1.0) * log1p(count)
+    for (first, second), count in Counter(zip(tokens, tokens[1:])).items():
+        h = crc32(b" " + second.encode("utf-8"), crcs[first])
+        bucket = h % num_buckets
+        signed[bucket] = get(bucket, 0.0) + (1.0 if h & 0x80000000 else -1.0) * log1p(count)
     if not signed:
         return [], []
-    values = np.fromiter(signed.values(), dtype=np.float64, count=len(signed))
-    norm = float(np.sqrt(np.dot(values, values))) or 1.0
-    return list(signed.keys()), (values / norm).tolist()
+    norm = math.hypot(*signed.values()) or 1.0
+    return list(signed.keys()), [v / norm for v in signed.values()]
 
 
 def dense_features(text: str, tokens: list[str]) -> list[float]:
