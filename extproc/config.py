@@ -20,7 +20,9 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
       watch_interval_s: 0.02        # watch: how often each sidecar sends its state
       watch_max_age_s: 0.25         # watch: an older state gives no prediction
       predict_timeout_s: 0.02       # time a sidecar gets to answer one Predict, from when the call is sent
-      notify_timeout_s: 0.5         # deadline of Admit / Release (fire and forget)
+      notices: stream               # Admit / Release: batched on one stream per sidecar (extproc/notices.py)
+                                    # | unary: one call each
+      notify_timeout_s: 0.5         # deadline of a unary Admit / Release (fire and forget)
       max_state_age_s: 2.0          # an answer whose state is older counts as no prediction
       min_backoff_s: 0.5            # a failing sidecar is skipped this long, doubling per failure in a row ...
       max_backoff_s: 10.0           # ... up to this
@@ -127,7 +129,7 @@ from astrolabe.tracing import PROTOCOLS, TracingConfig, TracingConfigError, norm
 from extproc.lengths import SOURCES, OutputLengthConfig
 from extproc.policies.registry import POLICY_NAMES, build_policy
 from predictor.backend_metrics import METRICS_FORMATS
-from extproc.predictor_client import MODES, PredictorClientConfig
+from extproc.predictor_client import MODES, NOTICES, PredictorClientConfig
 
 # NOTE: invariants.
 # - Every class here is a frozen pydantic dataclass with extra="forbid"; numeric and boolean fields are strict
@@ -312,7 +314,8 @@ class PredictorClientSection:
         description="Time a sidecar gets to answer one Predict, counted from when the call is sent, seconds; a "
                     "late or failed sidecar is dropped for that request.")
     notify_timeout_s: _PositiveSeconds = Field(
-        _PREDICTOR_CLIENT.notify_timeout_s, description="Deadline of Admit / Release (fire and forget), seconds.")
+        _PREDICTOR_CLIENT.notify_timeout_s,
+        description="Deadline of a unary Admit / Release (fire and forget), seconds.")
     max_state_age_s: _PositiveSeconds = Field(
         _PREDICTOR_CLIENT.max_state_age_s,
         description="An answer whose sidecar state is older than this (backend unreachable) counts as no "
@@ -353,6 +356,12 @@ class PredictorClientSection:
         _PREDICTOR_CLIENT.watch_max_age_s,
         description="'watch': a state received longer ago than this gives no prediction (a frozen or cut-off "
                     "sidecar), seconds.")
+    notices: Literal[NOTICES] = Field(  # type: ignore[valid-type]
+        _PREDICTOR_CLIENT.notices,
+        description="How Admit and Release travel: 'stream' (the notices of one event-loop turn batched on one "
+                    "long-lived Notify stream per sidecar, protocol v1.3, extproc/notices.py; unary calls to a "
+                    "sidecar without it, and for a sampled request's Admit, which is traced) or 'unary' (one call "
+                    "each).")
 
 
 @dataclass(frozen=True, slots=True, config=_config("TracingSection"))

@@ -1,4 +1,5 @@
-"""gRPC client of the predictor sidecars: Predict with a deadline, fire-and-forget Admit and Release.
+"""gRPC client of the predictor sidecars: Predict with a deadline, fire-and-forget Admit and Release (batched on
+a notice stream per sidecar, ``extproc/notices.py``).
 
 A sidecar that fails or times out never fails a request: ``predict`` returns None. What a failure does to the
 next requests depends on what it says about the sidecar. Must not import a metrics library or the router: the
@@ -66,6 +67,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from astrolabe.tls import ClientTls, channel_credentials, channel_options
 from astrolabe.tracing import (ADMIT_ID, PREDICTED_E2E_S, PREDICTED_QUEUE_S, PREDICTED_TTFT_S, SERVER_ADDRESS,
                                SERVER_PORT, STATE_AGE_S, grpc_metadata)
+from extproc.notices import NoticeStream
 from extproc.policies.base import Prediction
 from extproc.spans import host_port
 from predictor.api import pb, pb_grpc
@@ -78,6 +80,8 @@ LATE_LOG_INTERVAL_S = 60.0
 
 MODES = ("watch", "predict")
 """``PredictorClientConfig.mode``: where predictions are made (the router, from streamed states; or the sidecars)."""
+NOTICES = ("stream", "unary")
+"""``PredictorClientConfig.notices``: how Admit and Release travel (``extproc/notices.py``)."""
 OUTCOMES = ("ok", "late", "down", "invalid", "skipped_backoff", "stale_state")
 _MAX_UINT32 = 2**32 - 1
 
@@ -136,6 +140,8 @@ class PredictorClientConfig:
         watch_interval_s: ``watch``: how often each sidecar sends its state, seconds.
         watch_max_age_s: ``watch``: a state received longer ago gives no prediction (a frozen or cut-off sidecar),
             seconds.
+        notices: ``stream`` (Admits and Releases batched on one Notify stream per sidecar, protocol v1.3,
+            ``extproc/notices.py``; unary calls to a sidecar without it) or ``unary`` (one call each).
     """
 
     predict_timeout_s: float = 0.02
@@ -150,10 +156,13 @@ class PredictorClientConfig:
     mode: str = "watch"
     watch_interval_s: float = 0.02
     watch_max_age_s: float = 0.25
+    notices: str = "stream"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.notices not in NOTICES:
+            raise ValueError(f"notices must be one of {', '.join(NOTICES)}, got {self.notices!r}")
         if self.late_backoff_after < 1:
             raise ValueError("late_backoff_after: must be >= 1")
         if self.late_backoff_span_s < 0 or self.max_loop_lag_s < 0 or not self.hold_s >= 0:
@@ -256,6 +265,7 @@ class PredictorClient:
         self._num_admitted: dict[str, int] = {}
         self._num_admits_pending: dict[str, int] = {}
         self._sent_admits: dict[str, collections.deque[SentAdmit]] = {}  # per sidecar, oldest first (v1.2)
+        self.notice_streams: dict[str, NoticeStream] = {}  # per sidecar (v1.3)
 
     def _stub(self, address: str) -> pb_grpc.PredictorStub:
         entry = self._stubs.get(address)
@@ -487,6 +497,9 @@ class PredictorClient:
         """Opens channels to ``addresses`` in the background, so that first predictions do not pay the connect."""
         for address in addresses:
             self._spawn(self.wait_ready(address, timeout_s=5.0))  # a failure shows in the first Predict
+            stream = self._notice_stream(address)
+            if stream is not None:
+                stream.start()
 
     def admit(self, address: str, request_id: str, num_prompt_tokens: int, num_output_tokens: int, *,
               max_tokens: int | None = None, length_source: int = 0, predicted_ttft_s: float = 0.0,
@@ -500,15 +513,20 @@ class PredictorClient:
                                   length_source=length_source, predicted_ttft_s=predicted_ttft_s,
                                   predicted_e2e_s=predicted_e2e_s, router_id=self.router_id, admit_seq=seq)
         span = None if self._tracer is None else _call_span(self._tracer, "Admit", address, request_id)
-        call = self._stub(address).Admit(message, timeout=self.config.notify_timeout_s,
-                                         metadata=None if span is None else grpc_metadata(span))
+        if span is not None and not span.is_recording():
+            span = None  # not sampled: nothing to end, nothing to continue
         self._num_admits_pending[address] = self._num_admits_pending.get(address, 0) + 1
+        stream = self._notice_stream(address)
+        # A sampled request's Admit is a unary call: the sidecar continues its trace from the call's metadata.
+        if span is not None or stream is None or not stream.offer(admit=message):
+            call = self._stub(address).Admit(message, timeout=self.config.notify_timeout_s,
+                                             metadata=None if span is None else grpc_metadata(span))
+            self._notify(address, call, span, admit=True)
         sent = self._sent_admits.get(address)
         if sent is None:
             sent = self._sent_admits[address] = collections.deque(maxlen=MAX_SENT_ADMITS)
         sent.append(SentAdmit(seq, num_prompt_tokens, num_output_tokens, max_tokens or None, length_source,
                               self._clock()))
-        self._notify(address, call, span, admit=True)
 
     def admits_after(self, address: str, seq: int) -> list[SentAdmit]:
         """The Admits sent to ``address`` with a number above ``seq`` (at most `MAX_SENT_ADMITS` of the latest),
@@ -534,14 +552,31 @@ class PredictorClient:
 
     def num_admits_pending(self, address: str) -> int:
         """Admits sent to the sidecar at ``address`` whose call has not ended yet (answered, failed or timed
-        out)."""
+        out); on a notice stream, until gRPC took the batch that carries it (its handling is not confirmed)."""
         return self._num_admits_pending.get(address, 0)
 
     def release(self, address: str, request_id: str, failed: bool = False) -> None:
         """Tells the sidecar the request ended (``failed``: the backend answered it with an error), without waiting
         for the answer."""
-        self._notify(address, self._stub(address).Release(pb.ReleaseRequest(request_id=request_id, failed=failed),
-                                                          timeout=self.config.notify_timeout_s))
+        message = pb.ReleaseRequest(request_id=request_id, failed=failed)
+        stream = self._notice_stream(address)
+        if stream is None or not stream.offer(release=message):
+            self._notify(address, self._stub(address).Release(message, timeout=self.config.notify_timeout_s))
+
+    def _notice_stream(self, address: str) -> NoticeStream | None:
+        """The notice stream of ``address`` (created, not opened, on first use); None: notices are unary calls."""
+        if self.config.notices != "stream":
+            return None
+        stream = self.notice_streams.get(address)
+        if stream is None:
+            def written(num_admits: int) -> None:
+                if address in self._num_admits_pending:
+                    self._num_admits_pending[address] -= num_admits
+
+            stream = self.notice_streams[address] = NoticeStream(
+                address, lambda batches: self._stub(address).Notify(batches), self.config.min_backoff_s,
+                self.config.max_backoff_s, on_written=written)
+        return stream
 
     def _notify(self, address: str, call, span: trace.Span | None = None, admit: bool = False) -> None:
         async def run() -> None:
@@ -573,10 +608,16 @@ class PredictorClient:
         self._num_admitted.pop(address, None)
         self._num_admits_pending.pop(address, None)
         self._sent_admits.pop(address, None)
+        stream = self.notice_streams.pop(address, None)
+        if stream is not None:
+            self._spawn(stream.close())
         if entry is not None:
             self._spawn(entry[0].close(grace=self.config.notify_timeout_s))
 
     async def close(self) -> None:
+        for stream in self.notice_streams.values():
+            await stream.close()
+        self.notice_streams.clear()
         for task in list(self._tasks):
             task.cancel()
         for channel, _ in self._stubs.values():

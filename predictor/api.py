@@ -16,6 +16,9 @@ from pathlib import Path
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 PROTO_PATH = _PACKAGE_DIR / "predictor.proto"
+NOTIFY_READY_KEY = "astrolabe-notify"
+"""Initial metadata key of a Notify stream (protocol v1.3, ``predictor.proto``): the sidecar sends it (with its
+protocol revision) when it starts reading the stream; the router queues notices on the stream only after it."""
 _GENERATED = (_PACKAGE_DIR / "predictor_pb2.py", _PACKAGE_DIR / "predictor_pb2_grpc.py")
 
 
@@ -49,7 +52,7 @@ generate()
 from predictor import predictor_pb2 as pb  # noqa: E402
 from predictor import predictor_pb2_grpc as pb_grpc  # noqa: E402
 
-__all__ = ["pb", "pb_grpc", "generate", "PROTO_PATH"]
+__all__ = ["pb", "pb_grpc", "generate", "PROTO_PATH", "NOTIFY_READY_KEY"]
 
 if __name__ == "__main__":
     print("generated" if generate(force=True) else "up to date")

@@ -54,7 +54,7 @@ from astrolabe.tls import BackendTls, ServerTls, TlsError, add_port, backend_url
     https_request_options, server_credentials
 from astrolabe.tracing import (ADMIT_ID, NUM_PREDICTED_OUTPUT_TOKENS, NUM_PROMPT_TOKENS, PREDICTED_E2E_S,
                                PREDICTED_TTFT_S, STATE_AGE_S, Tracing, TracingConfigError, setup_tracing)
-from predictor.api import pb, pb_grpc
+from predictor.api import NOTIFY_READY_KEY, pb, pb_grpc
 from predictor.backend_metrics import METRICS_FORMATS, SGLANG, check_metrics_format, parse_backend_metrics
 from predictor.calibration import CalibrationStatus, StepTimeCalibrator
 from predictor.engine_flags import add_engine_arguments, engine_from_args
@@ -269,10 +269,13 @@ def _json_safe(value):
 SERVICE_NAME = "astrolabe-predictor"
 """The sidecar's default ``service.name`` (``OTEL_SERVICE_NAME`` replaces it)."""
 TRACED_METHODS = ("/astrolabe.predictor.v1.Predictor/Predict", "/astrolabe.predictor.v1.Predictor/Admit")
-"""Watch (a stream for the router's whole life) is not traced: one span would last for hours."""
-"""Calls whose caller's trace the sidecar continues (a SERVER span each); Release, State and health are not traced."""
+"""Calls whose caller's trace the sidecar continues (a SERVER span each); Release, State and health are not traced,
+nor are Watch and Notify (streams for the router's whole life: one span would last for hours). A router sends the
+Admit of a sampled request as a unary call, so that it is traced (``extproc/notices.py``)."""
 SIMULATION_SPAN = "astrolabe.simulate"
-PROTOCOL_REVISION = 1
+PROTOCOL_REVISION = 3
+"""``PredictResponse.protocol_revision``: the revision of ``predictor.proto`` v1 this sidecar speaks (3 = v1.3:
+holding Predicts since v1.1, Watch since v1.2, Notify streams since v1.3)."""
 MIN_WATCH_INTERVAL_S = 0.005
 MAX_WATCH_INTERVAL_S = 1.0
 """Bounds of a Watch stream's interval, seconds: a router cannot make a sidecar send more than 200 states a second,
@@ -286,8 +289,6 @@ WATCH_HEARTBEAT_S = 0.1
 MAX_ROUTERS = 1024
 """Routers whose Admit numbers a sidecar remembers (``Sidecar.saw_admit``): far more extproc workers than a pool
 has, few enough that a flood of router ids costs nothing."""
-"""``PredictResponse.protocol_revision``: the revision of ``predictor.proto`` v1 this sidecar speaks (1 = v1.1:
-holding Predicts)."""
 
 
 def _simulation_attributes(response: pb.PredictResponse) -> dict:
@@ -355,8 +356,19 @@ class PredictorServicer(pb_grpc.PredictorServicer):
             return await self._admit(request, context)
 
     async def _admit(self, request, context):
+        try:
+            return self._apply_admit(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def _apply_admit(self, request: pb.AdmitRequest) -> pb.AdmitResponse:
+        """Counts an admitted request (an Admit call, or one of a Notify stream's).
+
+        Raises:
+            ValueError: no ``request_id``, or counts the ledger refuses.
+        """
         if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+            raise ValueError("request_id is required")
         sidecar = self._sidecar
         now_s = time.monotonic()
         sidecar.end_expired_holds(now_s)
@@ -365,11 +377,8 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         if hold is not None:  # its Predict held it: counted since then, its prediction made then
             sidecar.outcomes.admit(request.request_id, hold.held_s, request.predicted_ttft_s, request.predicted_e2e_s)
             return pb.AdmitResponse(duplicate=False)
-        try:
-            added = sidecar.admit(request.request_id, request.num_prompt_tokens, request.num_predicted_output_tokens,
-                                  now_s, max_tokens=request.max_tokens or None, length_source=request.length_source)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        added = sidecar.admit(request.request_id, request.num_prompt_tokens, request.num_predicted_output_tokens,
+                              now_s, max_tokens=request.max_tokens or None, length_source=request.length_source)
         if added:
             sidecar.outcomes.admit(request.request_id, now_s, request.predicted_ttft_s, request.predicted_e2e_s)
         return pb.AdmitResponse(duplicate=not added)
@@ -388,6 +397,26 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         sidecar.outcomes.release(request.request_id, now_s, scored=not request.failed)
         sidecar.plugin.admits.release(request.request_id)
         return pb.ReleaseResponse(known=sidecar.ledger.release(request.request_id, now_s))
+
+    async def Notify(self, request_iterator, context):  # noqa: N802
+        """Protocol v1.3: a router's Admits and Releases, batched (``NoticeBatch``), handled as the unary calls are,
+        in order, until the router ends the stream. An invalid Admit is logged and skipped (the stream goes on: a
+        notice has no caller waiting for its answer)."""
+        await context.send_initial_metadata(((NOTIFY_READY_KEY, str(PROTOCOL_REVISION)),))
+        num_admits = num_releases = 0
+        async for batch in request_iterator:
+            for admit in batch.admits:
+                num_admits += 1
+                with request_context(admit.request_id):
+                    try:
+                        self._apply_admit(admit)
+                    except ValueError as exc:
+                        logger.warning("Admit of %r skipped: %s", admit.request_id, exc)
+            for release in batch.releases:
+                num_releases += 1
+                with request_context(release.request_id):
+                    self._release(release)
+        return pb.NotifyResponse(num_admits=num_admits, num_releases=num_releases)
 
     async def State(self, request, context):  # noqa: N802
         return pb.StateResponse(state_json=json.dumps(self._sidecar.state()))
