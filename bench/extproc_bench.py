@@ -4,7 +4,8 @@ Three sections, all real processes on loopback (`bench.extproc_drive`):
 
 1. **capacity** (``throughput``): one extproc process per policy (``random``, ``least-requests``, ``astrolabe`` with
    k = 2 and the shipped light tagger, predicting in the router from the sidecars' streamed states, and
-   ``astrolabe-predict``, the same with a Predict round trip per candidate), 2 emulated instances with their
+   ``astrolabe-unary``, the same with an Admit and a Release call per request instead of the batched notice
+   stream, and ``astrolabe-predict``, a Predict round trip per candidate), 2 emulated instances with their
    predictor sidecars. The bench is the ext_proc client, as Envoy is (one BUFFERED ``Process`` stream per
    decision). Each extproc is pinned to CPU 0 (``os.sched_setaffinity`` on each of its threads) and everything
    else the bench starts, and the bench itself, to the other CPUs, so "one core" is the extproc's alone among these processes. Per round and policy (policy
@@ -59,16 +60,22 @@ from astrolabe.procs import ManagedProcess, ProcessGroup, exit_status_of, free_p
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("random", "least-requests", "astrolabe", "astrolabe-predict")
+POLICIES = ("random", "least-requests", "astrolabe", "astrolabe-unary", "astrolabe-predict")
 PREDICT_MODE = "astrolabe-predict"
 """``astrolabe`` with ``predictor_client.mode: predict`` (a Predict round trip per candidate, protocol v1.1): the
 capacity section measures it beside the default (predictions in the router from the sidecars' streamed states)."""
+UNARY_NOTICES = "astrolabe-unary"
+"""``astrolabe`` (predictions in the router) with ``predictor_client.notices: unary``: an Admit and a Release call
+per request instead of the batched notice stream (protocol v1.3, ``extproc/notices.py``)."""
 
 
 def _extproc_args(label: str) -> dict:
-    """``start_extproc`` keywords of a capacity label: its policy, and the Predict mode for `PREDICT_MODE`."""
+    """``start_extproc`` keywords of a capacity label: its policy, and the client settings of `PREDICT_MODE` and
+    `UNARY_NOTICES`."""
     if label == PREDICT_MODE:
         return {"policy": "astrolabe", "extra": {"predictor_client": {"mode": "predict", "predict_timeout_s": 0.2}}}
+    if label == UNARY_NOTICES:
+        return {"policy": "astrolabe", "extra": {"predictor_client": {"notices": "unary"}}}
     return {"policy": label}
 SECTIONS = ("throughput", "envoy", "profile")
 EPP_P50_S = (0.1e-3, 0.2e-3)

@@ -58,6 +58,8 @@ OUTCOMES = ("ok", "no_state", "stale_state", "invalid")
 """Outcomes of `FleetState.predict`: a prediction; no state received yet (or the stream is down); a state older
 than ``max_age_s`` (or the sidecar's own older than ``max_state_age_s``); a request the state cannot serve, or a
 state that cannot be used."""
+MAX_EXPECTED_CACHED = 4096
+"""Distinct (output tokens, cap, length source) whose expected output `FleetState` remembers before it starts over."""
 
 
 @dataclass(slots=True)
@@ -110,6 +112,7 @@ class FleetState:
         self.max_state_age_s = max_state_age_s
         self._clock = clock
         self._residual = ResidualRules()
+        self._expected_cache: dict[tuple[int, int | None, int], int] = {}
         self._watched: dict[str, _Watched] = {}
         self.outcomes: dict[str, dict[str, int]] = {}
 
@@ -268,5 +271,13 @@ class FleetState:
                           idle_e2e_s=state.corrections.apply(idle.ttft_s, idle.e2e_s)[1])
 
     def _expected(self, num_output_tokens: int, max_tokens: int | None, length_source: int) -> int:
-        return self._residual.for_source(length_source).expected_output_tokens(
-            max(num_output_tokens, 1), 0, max_tokens or None)
+        """The residual rules' expected output of a request not started yet, tokens (memoised: the rules are fixed,
+        and every prediction prices this replica's unseen dispatches again)."""
+        key = (num_output_tokens, max_tokens, length_source)
+        expected = self._expected_cache.get(key)
+        if expected is None:
+            if len(self._expected_cache) >= MAX_EXPECTED_CACHED:
+                self._expected_cache.clear()
+            expected = self._expected_cache[key] = self._residual.for_source(length_source).expected_output_tokens(
+                max(num_output_tokens, 1), 0, max_tokens or None)
+        return expected

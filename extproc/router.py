@@ -182,14 +182,13 @@ class Router:
                 chosen, policy_name, basis = self._fallback.choose(request, views), self._fallback.TYPE, "fallback"
                 reason = FALLBACK_NO_METRICS if self.policy.needs_metrics else FALLBACK_UNDECIDED
             decision = Decision(chosen.address, policy_name, request.request_id, basis=basis, fallback_reason=reason)
-        if self._num_fallbacks:
-            decision = replace(decision, fallbacks=self._fallback_list(decision, views))
+        fallbacks = self._fallback_list(decision, views) if self._num_fallbacks else decision.fallbacks
         end_s = self._clock()
-        decision = replace(decision, routing_s=end_s - request.arrival_time_s, num_sequences=request.num_sequences)
+        decision = replace(decision, fallbacks=fallbacks, routing_s=end_s - request.arrival_time_s,
+                           num_sequences=request.num_sequences, decided_at_s=end_s)
         self.pool.acquire(decision.destination, decision.num_sequences)
         self.pool.record_dispatch(decision.destination, end_s)
         self.metrics.routing_seconds.observe(end_s - start_s)
-        decision = replace(decision, decided_at_s=end_s)
         self.metrics.count_request(self.policy.TYPE, "fallback" if decision.basis == "fallback" else "routed")
         self.metrics.decisions.labels(decision.basis).inc()
         if decision.fallback_reason:
