@@ -394,6 +394,9 @@ def _replay_policy(procs: ProcessGroup, cfg: DemoConfig, plan: TracePlan, policy
                                                     cfg.num_routers, cfg.body_mode, instances, log_dir,
                                                     tracing=tracing, label=label)
     sidecar_cpu_s = sum(cpu_seconds(pid) for pid in sidecar_pids)
+    # during the replays only: a router's start-up (imports, the tagger, the first states) is not a request's cost
+    extproc_cpu_s = sum(cpu_seconds(p.pid) for p in tier.extprocs)
+    envoy_cpu_s = sum(cpu_seconds(p.pid) for p in tier.envoys)
     results_by_seed: dict[int, list[RequestResult]] = {}
     try:
         for seed, trace in plan.traces.items():
@@ -408,8 +411,8 @@ def _replay_policy(procs: ProcessGroup, cfg: DemoConfig, plan: TracePlan, policy
         num_predictions = sum(scrape_sum(u, "astrolabe_extproc_predictions_total") for u in tier.metrics_urls)
         num_fallbacks = sum(scrape_sum(u, 'astrolabe_extproc_decisions_total{basis="fallback"}')
                             for u in tier.metrics_urls)
-        extproc_cpu_s = sum(cpu_seconds(p.pid) for p in tier.extprocs)
-        envoy_cpu_s = sum(cpu_seconds(p.pid) for p in tier.envoys)
+        extproc_cpu_s = sum(cpu_seconds(p.pid) for p in tier.extprocs) - extproc_cpu_s
+        envoy_cpu_s = sum(cpu_seconds(p.pid) for p in tier.envoys) - envoy_cpu_s
         sidecar_cpu_s = sum(cpu_seconds(pid) for pid in sidecar_pids) - sidecar_cpu_s
     finally:
         tier.stop()

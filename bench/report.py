@@ -294,8 +294,7 @@ def format_costs(runs: Sequence[PolicyRun]) -> str:
                      "Envoy CPU ms/req", "sidecars CPU ms/req"], rows)
     lines.append("decisions: on predictions = every probed sidecar answered in time; partial = some did (fewest "
                  "in-flight among the probed); fallback = none did (least-requests). CPU: user+system time of the "
-                 "extproc and Envoy processes (start-up included) and of the sidecars (during the replays), per "
-                 "request")
+                 "extproc, Envoy and sidecar processes during the replays (start-up not included), per request")
     return "\n".join(lines)
 
 
