@@ -351,6 +351,7 @@ class ExtprocServer:
         self._processor = ExternalProcessor(self.router, config.max_body_bytes, tracer)
         pb_grpc.add_ExternalProcessorServicer_to_server(self._processor, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self._reuse_port = reuse_port
         self.port = 0
         self.metrics_port = 0
         """The bound metrics port once started (0: ``metrics_listen`` off)."""
@@ -362,20 +363,15 @@ class ExtprocServer:
                 await self.health.set(name, status)
 
     async def start(self) -> int:
-        """Binds and starts serving; returns the bound port (the config may ask for port 0).
+        """Binds and starts serving; returns the bound port (the config may ask for port 0). One process binds
+        first (a port in use stops the start before anything else runs) and serves health while it gets ready; a
+        worker (``reuse_port``) binds last, once ready, so that its siblings take every connection until then.
 
         Raises:
             ConfigError: the listen or metrics address cannot be bound.
         """
-        try:
-            if self._credentials is None:
-                self.port = self._server.add_insecure_port(self.config.listen)
-            else:
-                self.port = self._server.add_secure_port(self.config.listen, self._credentials)
-        except RuntimeError:  # gRPC's "Failed to bind": in use (SO_REUSEPORT is off), or not an address here
-            self.port = 0
-        if self.port == 0:
-            raise ConfigError(f"listen: cannot listen on {self.config.listen}")
+        if not self._reuse_port:
+            self._bind()
         if self.config.metrics_listen:  # before the gRPC server starts, so that a busy port leaves nothing running
             host, _, port = self.config.metrics_listen.rpartition(":")
             try:
@@ -386,7 +382,8 @@ class ExtprocServer:
                 raise ConfigError(f"metrics_listen: cannot listen on {self.config.metrics_listen}: {exc}") from None
         await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
         await self._set_serving(False)
-        await self._server.start()
+        if not self._reuse_port:
+            await self._server.start()
         if self._source is not None:  # readiness waits for the first discovered list (an API or DNS failure: logged)
             logger.info("extproc listening on %s (port %d), not ready until the first endpoint list (discovery %s)",
                         self.config.listen, self.port, self.config.discovery.source)
@@ -414,6 +411,9 @@ class ExtprocServer:
                 logger.warning("not every sidecar sent its state within %g s of the start: their candidates fall "
                                "back until they do", FIRST_STATES_TIMEOUT_S)
         settle_heap()
+        if self._reuse_port:
+            self._bind()
+            await self._server.start()
         await self._set_serving(True)
         params = getattr(self.router.policy, "params", None)
         tls = ("plaintext" if self.config.tls is None else
@@ -422,6 +422,22 @@ class ExtprocServer:
                     self.port, tls, self.config.policy,
                     params if params is not None else dict(self.config.policy_params), len(self.pool.endpoints))
         return self.port
+
+    def _bind(self) -> None:
+        """Adds ``listen`` to the gRPC server (sets ``port``).
+
+        Raises:
+            ConfigError: it cannot be bound.
+        """
+        try:
+            if self._credentials is None:
+                self.port = self._server.add_insecure_port(self.config.listen)
+            else:
+                self.port = self._server.add_secure_port(self.config.listen, self._credentials)
+        except RuntimeError:  # gRPC's "Failed to bind": in use (SO_REUSEPORT is off), or not an address here
+            self.port = 0
+        if self.port == 0:
+            raise ConfigError(f"listen: cannot listen on {self.config.listen}")
 
     def _publish(self, endpoints) -> None:
         """A discovery source's new endpoint list: into the pool (in-flight requests keep their destination); the
