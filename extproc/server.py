@@ -13,6 +13,9 @@ already sent, since every response phase is skipped).
 Tracing (``tracing:`` in the config and the ``OTEL_*`` variables, ``astrolabe.tracing``): set up in ``main``
 before the server starts, shut down (queued spans exported, for at most 2 s) after it stopped.
 
+Worker processes (``workers`` > 1): ``main`` runs ``extproc.workers.supervise``, whose workers each run `run`
+with ``reuse_port`` (the port shared with SO_REUSEPORT, bound once the worker is ready).
+
 Logs (``astrolabe.logs``): ``main`` sets them up from the flags first (so that config errors are logged as
 asked), then from ``log_level`` / ``log_format`` (the flags win); every line logged while a stream handles a
 request carries its request id and, with tracing on, its trace id (``extproc.stream``).
@@ -385,8 +388,9 @@ class ExtprocServer:
         if not self._reuse_port:
             await self._server.start()
         if self._source is not None:  # readiness waits for the first discovered list (an API or DNS failure: logged)
-            logger.info("extproc listening on %s (port %d), not ready until the first endpoint list (discovery %s)",
-                        self.config.listen, self.port, self.config.discovery.source)
+            logger.info("extproc %s, not ready until the first endpoint list (discovery %s)",
+                        "binds once ready (a worker)" if self._reuse_port else
+                        f"listening on {self.config.listen} (port {self.port})", self.config.discovery.source)
             discovery = asyncio.create_task(self._source.run(self._publish), name="endpoint-discovery")
             self._tasks.append(discovery)
             synced = asyncio.create_task(self._first_sync.wait())
