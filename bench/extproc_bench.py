@@ -5,7 +5,9 @@ Three sections, all real processes on loopback (`bench.extproc_drive`):
 1. **capacity** (``throughput``): one extproc process per policy (``random``, ``least-requests``, ``astrolabe`` with
    k = 2 and the shipped light tagger, predicting in the router from the sidecars' streamed states, and
    ``astrolabe-unary``, the same with an Admit and a Release call per request instead of the batched notice
-   stream, and ``astrolabe-predict``, a Predict round trip per candidate), 2 emulated instances with their
+   stream, ``astrolabe-predict``, a Predict round trip per candidate, and ``astrolabe-2w``, the default with
+   ``workers: 2``: a supervisor and 2 worker processes, its CPU summed over them all, driven over 4 connections so
+   that both workers decide), 2 emulated instances with their
    predictor sidecars. The bench is the ext_proc client, as Envoy is (one BUFFERED ``Process`` stream per
    decision). Each extproc is pinned to CPU 0 (``os.sched_setaffinity`` on each of its threads) and everything
    else the bench starts, and the bench itself, to the other CPUs, so "one core" is the extproc's alone among these processes. Per round and policy (policy
@@ -60,23 +62,34 @@ from astrolabe.procs import ManagedProcess, ProcessGroup, exit_status_of, free_p
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("random", "least-requests", "astrolabe", "astrolabe-unary", "astrolabe-predict")
+POLICIES = ("random", "least-requests", "astrolabe", "astrolabe-unary", "astrolabe-predict", "astrolabe-2w")
 PREDICT_MODE = "astrolabe-predict"
 """``astrolabe`` with ``predictor_client.mode: predict`` (a Predict round trip per candidate, protocol v1.1): the
 capacity section measures it beside the default (predictions in the router from the sidecars' streamed states)."""
 UNARY_NOTICES = "astrolabe-unary"
 """``astrolabe`` (predictions in the router) with ``predictor_client.notices: unary``: an Admit and a Release call
 per request instead of the batched notice stream (protocol v1.3, ``extproc/notices.py``)."""
+TWO_WORKERS = "astrolabe-2w"
+"""``astrolabe`` with ``workers: 2`` (a supervisor and 2 worker processes on one port, ``extproc.workers``),
+driven over `TWO_WORKERS_CONNECTIONS` connections; its CPU is the sum over the supervisor and its workers."""
+TWO_WORKERS_CONNECTIONS = 4
+"""Connections the bench drives `TWO_WORKERS` over: the kernel gives each to one worker."""
 
 
 def _extproc_args(label: str) -> dict:
-    """``start_extproc`` keywords of a capacity label: its policy, and the client settings of `PREDICT_MODE` and
-    `UNARY_NOTICES`."""
+    """``start_extproc`` keywords of a capacity label: its policy, and the settings of `PREDICT_MODE`,
+    `UNARY_NOTICES` and `TWO_WORKERS`."""
     if label == PREDICT_MODE:
         return {"policy": "astrolabe", "extra": {"predictor_client": {"mode": "predict", "predict_timeout_s": 0.2}}}
     if label == UNARY_NOTICES:
         return {"policy": "astrolabe", "extra": {"predictor_client": {"notices": "unary"}}}
+    if label == TWO_WORKERS:
+        return {"policy": "astrolabe", "workers": 2}
     return {"policy": label}
+
+
+def _connections(label: str) -> int:
+    return TWO_WORKERS_CONNECTIONS if label == TWO_WORKERS else 1
 SECTIONS = ("throughput", "envoy", "profile")
 EPP_P50_S = (0.1e-3, 0.2e-3)
 """The Go Endpoint Picker's scheduling time per request, p50, seconds (the anchor of issue 14)."""
@@ -135,6 +148,7 @@ class PolicyCapacity:
         saturated_wall_s: their wall time, seconds.
         saturated_cpu_s: the extproc process's CPU (user + system) over them, seconds.
         bases: decision basis (``extproc.router``) -> count, over every measured decision.
+        deciders: the deciding process's pid -> its measured decisions (several: an extproc's workers).
     """
 
     policy: str
@@ -143,6 +157,7 @@ class PolicyCapacity:
     saturated_wall_s: float = 0.0
     saturated_cpu_s: float = 0.0
     bases: Counter = field(default_factory=Counter)
+    deciders: Counter = field(default_factory=Counter)
 
     @property
     def decisions_per_s(self) -> float:
@@ -268,8 +283,28 @@ def _cpu_sets() -> tuple[set[int], set[int]] | None:
     return {EXTPROC_CPU}, allowed - {EXTPROC_CPU}
 
 
-def _bases(log: Path, skip_prefix: str = "warm") -> Counter:
-    return Counter(r["basis"] for r in read_decisions([log]) if not r["request_id"].startswith(skip_prefix))
+def _proc_stats():
+    """(pid, the fields of /proc/<pid>/stat after the command name) of every live process (Linux)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            yield int(stat.parent.name), stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (Linux /proc), e.g. an extproc supervisor and its workers."""
+    return [pid for pid, fields in _proc_stats() if int(fields[2]) == pgid]
+
+
+def _group_cpu(proc: ManagedProcess) -> float:
+    """CPU seconds so far of ``proc`` and every process of its group (an extproc's workers)."""
+    return group_cpu_seconds({proc.pid: "extproc"})["extproc"]
+
+
+def _measured(log: Path, key: str, skip_prefix: str = "warm") -> Counter:
+    """The measured decisions of a decision log by ``key`` (``basis``, ``pid``)."""
+    return Counter(r[key] for r in read_decisions([log]) if not r["request_id"].startswith(skip_prefix))
 
 
 def run_capacity(num_rounds: int, num_latency: int, num_saturated: int, concurrency: int, seed: int,
@@ -289,31 +324,33 @@ def run_capacity(num_rounds: int, num_latency: int, num_saturated: int, concurre
         cpu_sets = _cpu_sets()
         if cpu_sets is not None:
             for proc in procs.processes:
-                pin_threads(proc.pid, cpu_sets[0] if any(proc is e[0] for e in extprocs.values()) else cpu_sets[1])
+                for pid in group_pids(proc.pid):  # an extproc's workers too
+                    pin_threads(pid, cpu_sets[0] if any(proc is e[0] for e in extprocs.values()) else cpu_sets[1])
             os.sched_setaffinity(0, cpu_sets[1])
         pinned = ("no pinning (one CPU)" if cpu_sets is None else
                   f"each extproc pinned to CPU {EXTPROC_CPU}; the client, emulators and sidecars to CPUs "
                   f"{sorted(cpu_sets[1])}")
         try:
             for p, (_, address, _) in extprocs.items():
-                drive_block(address, prompts(16, seed - 1), f"warm-{p}", 4)  # connections, tokenizer, channels
+                # connections, tokenizer, channels (of each worker: warm-up over as many connections as measured)
+                drive_block(address, prompts(16 * _connections(p), seed - 1), f"warm-{p}", 4, _connections(p))
             for round_index in range(num_rounds):
                 latency_bodies = prompts(num_latency, seed + 2 * round_index)
                 saturated_bodies = prompts(num_saturated, seed + 2 * round_index + 1)
                 for p in rotated(list(policies), round_index):
                     proc, address, _ = extprocs[p]
                     results[p].latency_s += drive_block(address, latency_bodies, f"lat{round_index}", 1)
-                    cpu_before_s, start_s = cpu_seconds(proc.pid), time.perf_counter()
-                    drive_block(address, saturated_bodies, f"sat{round_index}", concurrency)
+                    cpu_before_s, start_s = _group_cpu(proc), time.perf_counter()
+                    drive_block(address, saturated_bodies, f"sat{round_index}", concurrency, _connections(p))
                     results[p].saturated_wall_s += time.perf_counter() - start_s
-                    results[p].saturated_cpu_s += cpu_seconds(proc.pid) - cpu_before_s
+                    results[p].saturated_cpu_s += _group_cpu(proc) - cpu_before_s
                     results[p].num_saturated += len(saturated_bodies)
         finally:
             if cpu_sets is not None:
                 os.sched_setaffinity(0, cpu_sets[0] | cpu_sets[1])
         for p, (proc, _, log) in extprocs.items():
             proc.stop()  # SIGTERM: the decision log is flushed
-            results[p].bases = _bases(log)
+            results[p].bases, results[p].deciders = _measured(log, "basis"), _measured(log, "pid")
         records = [r for r in read_decisions([extprocs["astrolabe"][2]]) if r["request_id"].startswith("lat")] \
             if "astrolabe" in extprocs else []
     return [results[p] for p in policies], records, pinned
@@ -341,6 +378,13 @@ def format_capacity(results: Sequence[PolicyCapacity], concurrency: int) -> str:
                      f"({'meets' if astrolabe.decisions_per_cpu_s >= GOAL_DECISIONS_PER_CPU_S else 'misses'} it); "
                      f"p50 decision {fmt_ms(p50_s)} ms = {p50_s / EPP_P50_S[1]:.1f}-{p50_s / EPP_P50_S[0]:.1f} x the "
                      f"Go Endpoint Picker's scheduler (0.1-0.2 ms p50)")
+        two = by_policy.get(TWO_WORKERS)
+        if two is not None:
+            lines.append(f"astrolabe with 2 workers: {two.decisions_per_cpu_s:.0f} decisions per CPU-second summed "
+                         f"over the supervisor and its workers = {two.decisions_per_cpu_s / astrolabe.decisions_per_cpu_s:.2f}"
+                         f" x one process's (1 = no shared bottleneck); driven over {TWO_WORKERS_CONNECTIONS} "
+                         f"connections, all its processes on the extproc's CPU; decisions per worker "
+                         f"{'/'.join(str(n) for n in sorted(two.deciders.values(), reverse=True)) or '-'}")
         for baseline in ("random", "least-requests"):
             if baseline in by_policy and len(by_policy[baseline].latency_s) == len(astrolabe.latency_s):
                 ratio = stats.paired_ratio_ci(astrolabe.latency_s, by_policy[baseline].latency_s, stats.p50)
@@ -445,11 +489,7 @@ def group_cpu_seconds(pgids: dict[int, str]) -> Counter:
     an ``astrolabe envoy`` launcher runs is counted with it."""
     totals: Counter = Counter()
     ticks_per_s = os.sysconf("SC_CLK_TCK")
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited meanwhile
+    for _, fields in _proc_stats():
         label = pgids.get(int(fields[2]))
         if label is not None:
             totals[label] += (int(fields[11]) + int(fields[12])) / ticks_per_s
@@ -478,7 +518,7 @@ def run_envoy(num_rounds: int, num_requests: int, rate_qps: float, num_large: in
         args = _extproc_args(policy)
         _, extproc, _ = start_extproc(procs, tmp, "extproc", fleet,
                                       {"max_body_bytes": 8 * 1024 * 1024, **args.get("extra", {})},
-                                      policy=args["policy"])
+                                      policy=args["policy"], workers=args.get("workers", 1))
         urls = {"static": _start_envoy(procs, tmp, "least-request", backends=list(fleet))}
         urls.update({mode: _start_envoy(procs, tmp, mode, extproc=extproc) for mode in body_modes})
         warm = prompts(20, seed - 1, max_tokens=1)

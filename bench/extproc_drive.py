@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.demo_fleet import wait_grpc_ready
-from astrolabe.procs import ManagedProcess, ProcessGroup, free_port
+from astrolabe.procs import ManagedProcess, ProcessGroup, ProcessStartError, free_port
 
 MODEL = "llama-2-7b"
 START_TIMEOUT_S = 60.0
@@ -90,9 +90,12 @@ async def decide(stub, request_id: str, body: bytes) -> float:
     return latency_s
 
 
-async def drive(address: str, bodies: Sequence[bytes], tag: str, concurrency: int) -> list[float]:
-    """Decisions for ``bodies`` over one channel, ``concurrency`` streams in flight at once (closed loop); returns
-    each decision's latency, seconds, in ``bodies`` order. Request ids are ``<tag>-<index>``.
+async def drive(address: str, bodies: Sequence[bytes], tag: str, concurrency: int,
+                num_connections: int = 1) -> list[float]:
+    """Decisions for ``bodies`` over ``num_connections`` channels (one connection each; stream ``i`` of the
+    ``concurrency`` in flight at once uses channel ``i % num_connections``; closed loop); returns each decision's
+    latency, seconds, in ``bodies`` order. Request ids are ``<tag>-<index>``. Several connections reach several
+    workers of one extproc (``extproc.workers``: the kernel gives each connection to one of them).
 
     Raises:
         RuntimeError: a decision was not routed (`decide`).
@@ -101,21 +104,28 @@ async def drive(address: str, bodies: Sequence[bytes], tag: str, concurrency: in
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc  # noqa: PLC0415
 
     latencies = [0.0] * len(bodies)
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pb_grpc.ExternalProcessorStub(channel)
+    # A channel of its own subchannel pool opens its own connection (else channels to one address share one).
+    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(num_connections)]
+    try:
+        stubs = [pb_grpc.ExternalProcessorStub(channel) for channel in channels]
         next_index = iter(range(len(bodies)))
 
-        async def worker() -> None:
+        async def worker(stub) -> None:
             for i in next_index:
                 latencies[i] = await decide(stub, f"{tag}-{i}", bodies[i])
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(stubs[k % num_connections]) for k in range(concurrency)))
+    finally:
+        for channel in channels:
+            await channel.close()
     return latencies
 
 
-def drive_block(address: str, bodies: Sequence[bytes], tag: str, concurrency: int) -> list[float]:
+def drive_block(address: str, bodies: Sequence[bytes], tag: str, concurrency: int,
+                num_connections: int = 1) -> list[float]:
     """`drive` on a fresh event loop (a block of its own)."""
-    return asyncio.run(drive(address, bodies, tag, concurrency))
+    return asyncio.run(drive(address, bodies, tag, concurrency, num_connections))
 
 
 FAST_BACKEND_ENGINE_ARGS = ("--num-gpu-blocks", "16384", "--max-num-batched-tokens", "8192")
@@ -164,7 +174,8 @@ def start_fleet(procs: ProcessGroup, tmp: Path, otlp_endpoint: str | None = None
 
 def start_extproc(procs: ProcessGroup, tmp: Path, name: str, fleet: dict[str, str], extra: dict | None = None, *,
                   policy: str = "astrolabe", policy_params: dict | None = None,
-                  launcher: Sequence[str] = ("-m", "astrolabe", "extproc")) -> tuple[ManagedProcess, str, Path]:
+                  launcher: Sequence[str] = ("-m", "astrolabe", "extproc"),
+                  workers: int = 1) -> tuple[ManagedProcess, str, Path]:
     """An extproc process routing to ``fleet`` (backend -> sidecar) with its decision log; returns the process,
     its ``ip:port`` and the decision log's path.
 
@@ -178,6 +189,9 @@ def start_extproc(procs: ProcessGroup, tmp: Path, name: str, fleet: dict[str, st
         policy_params: its parameters; None: ``{"k": 2}`` for ``astrolabe``, none for others.
         launcher: what the interpreter runs, given ``--config FILE --log-level WARNING`` (a profiling wrapper may
             stand in for ``astrolabe extproc``).
+        workers: extproc worker processes (the ``workers`` key, ``extproc.workers``); with more than 1 the
+            process returned is their supervisor, the leader of their process group, and this returns once every
+            worker serves.
 
     Raises:
         astrolabe.procs.ProcessStartError: it did not serve gRPC within `START_TIMEOUT_S`.
@@ -185,7 +199,7 @@ def start_extproc(procs: ProcessGroup, tmp: Path, name: str, fleet: dict[str, st
     port = free_port()
     log = tmp / f"{name}-decisions.jsonl"
     params = policy_params if policy_params is not None else ({"k": 2} if policy == "astrolabe" else {})
-    config = {"listen": f"127.0.0.1:{port}", "policy": policy, "policy_params": params, "seed": 0,
+    config = {"listen": f"127.0.0.1:{port}", "workers": workers, "policy": policy, "policy_params": params, "seed": 0,
               "decision_log_path": str(log), "health_check": {"interval_s": 0.5}, "drain_delay_s": 0,
               "predictor_client": {"predict_timeout_s": 0.2},
               "endpoints": [{"address": a, "models": [MODEL], "predictor": p} for a, p in fleet.items()],
@@ -193,9 +207,17 @@ def start_extproc(procs: ProcessGroup, tmp: Path, name: str, fleet: dict[str, st
     path = tmp / f"{name}.yaml"
     path.write_text(json.dumps(config))
     # No OTEL_* variables reach the extproc: its config file alone decides (the bench's own env is cleared).
+    # INFO for workers: the supervisor's "all N workers ready" line (its workers log nothing per request at INFO).
     proc = procs.start([sys.executable, *launcher, "--config", str(path),
-                        "--log-level", "WARNING"],
+                        "--log-level", "WARNING" if workers == 1 else "INFO"],
                        name=name, log_path=tmp / f"{name}.log",
                        env={"OTEL_EXPORTER_OTLP_ENDPOINT": "", "OTEL_TRACES_EXPORTER": ""})
     wait_grpc_ready(proc, f"127.0.0.1:{port}", START_TIMEOUT_S)
+    if workers > 1:  # the first ready worker answered; the supervisor says when all are
+        deadline_s = time.monotonic() + START_TIMEOUT_S
+        while f"all {workers} workers ready" not in proc.log_path.read_text(errors="replace"):
+            if not proc.is_running() or time.monotonic() > deadline_s:
+                raise ProcessStartError(f"{name}: not all {workers} workers ready within {START_TIMEOUT_S:g} s; "
+                                        f"log:\n{proc.log_tail()}")
+            time.sleep(0.1)
     return proc, f"127.0.0.1:{port}", log

@@ -7,6 +7,8 @@ server, the router or the pool (they import this module).
 Example (every key but ``endpoints`` is optional; defaults shown)::
 
     listen: 127.0.0.1:9002          # gRPC address of the ExternalProcessor service
+    workers: 1                      # extproc processes serving on it (> 1: a supervisor and N workers sharing the
+                                    # port with SO_REUSEPORT, extproc/workers.py); the --workers flag wins
     policy: astrolabe               # astrolabe | random | round-robin | least-requests | min-qpm | infaas |
                                     # llumnix | gie
     policy_params: {}               # typed per policy, e.g. {k: 2, metric: e2e} for astrolabe
@@ -99,7 +101,7 @@ root key and ``ASTROLABE_EXTPROC_<SECTION>__<KEY>`` one key of a section (``heal
 ``true``, ``null``; empty = null); text that YAML reads as a list or mapping, or cannot parse, stays a string
 (so ``[::]:9002`` works). ``endpoints``, ``policy_params`` and whole sections take YAML or JSON text, e.g.
 ``ASTROLABE_EXTPROC_ENDPOINTS='[{address: 10.0.0.5:8000}]'``. Precedence, lowest first: defaults, the file, the
-environment (a whole section before its ``__`` keys), then the CLI flags ``--listen``, ``--policy``,
+environment (a whole section before its ``__`` keys), then the CLI flags ``--listen``, ``--workers``, ``--policy``,
 ``--log-level`` and ``--log-format`` (applied by the caller, with ``replace_config``). An override naming an
 unknown key is an error that names the variable, as is any error in a value it set. The standard ``OTEL_*`` variables are read later, by ``astrolabe.tracing``,
 and win over the ``tracing`` section key by key (its module docstring).
@@ -147,6 +149,9 @@ ENV_NESTED_DELIMITER = "__"
 
 ROOT = "<root>"
 """How error messages name the top level of the file."""
+
+MAX_WORKERS = 256
+"""Most ``workers`` (processes of one extproc)."""
 
 LIVE_KEYS = ("endpoints",)
 """Root keys a reload applies while the extproc runs; a change to any other key needs a restart."""
@@ -597,6 +602,10 @@ class ExtprocConfig:
                         "file changes; must be empty otherwise); addresses must be distinct.")
     listen: _HostPort = Field("127.0.0.1:9002", description="host:port of the gRPC ExternalProcessor service.",
                               json_schema_extra=_PORT_PATTERN)
+    workers: Annotated[int, Field(strict=True, ge=1, le=MAX_WORKERS)] = Field(
+        1, description=f"Extproc processes serving on `listen`, 1-{MAX_WORKERS}: above 1, a supervisor reserves the "
+                       "port and runs this many workers on it with SO_REUSEPORT, each a whole extproc sharing "
+                       "nothing (extproc/workers.py); about one core each. The --workers flag wins.")
     policy: _Str = Field(
         "astrolabe", description="Routing policy name.", json_schema_extra={"enum": list(POLICY_NAMES)})
     policy_params: Annotated[dict[str, Any],

@@ -3,6 +3,7 @@
 Record (keys always present; times in seconds)::
 
     {"time_unix_s": 1764581400.123,      # wall clock when the decision was made (to join with other logs)
+     "pid": 4321,                        # the process that decided (with ``workers`` > 1: which worker)
      "request_id": "abc",                # the client's x-request-id (or the generated one)
      "trace_id": "0af7651916cd43dd8448eb211c80319c",  # the request's trace (null: tracing off)
      "span_id": "b7ad6b7169203331",      # its astrolabe.route span (null: tracing off)
@@ -25,15 +26,23 @@ sidecar, failed, late, backing off or stale). A record holds the decision attrib
 (``extproc.spans``), so either explains a decision; its trace and span ids are those of the span current when the
 router writes it (the stream routes with the request span current), else the trace bound to the request's log
 lines (``astrolabe.logs``). Lines are buffered and flushed when a record finds the last flush older than
-``flush_interval_s``, by the server's ``flush`` timer (every second, so records reach the file when traffic
-stops) and on ``close``; a write error is logged once and the log turns itself off (routing never fails because
-of it). Records are written on the event loop: ~10 us each.
+``flush_interval_s`` or the buffer holding `MAX_BUFFER_BYTES`, by the server's ``flush`` timer (every second, so
+records reach the file when traffic stops) and on ``close``; a write error is logged once and the log turns itself
+off (routing never fails because of it). Records are written on the event loop: ~10 us each.
+
+Several processes may append to one file (``workers`` > 1: every worker logs to ``decision_log_path``): the file
+is opened with ``O_APPEND`` and a flush writes whole lines in one ``write`` call, which Linux appends at the end
+of the file as one piece on a local file system (the inode's lock is held for the whole write), so records of
+different workers never interleave within a line. A short write (a full disk) is completed by a second call,
+which another worker's write may precede; on a network file system (NFS) ``O_APPEND`` is not atomic at all:
+give each worker a local file there.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
@@ -46,6 +55,9 @@ if TYPE_CHECKING:
     from extproc.request import RoutingRequest
 
 logger = logging.getLogger(__name__)
+
+MAX_BUFFER_BYTES = 1 << 16
+"""Buffered records are written once they hold this many bytes (or at the flush interval)."""
 
 
 class DecisionLog:
@@ -63,7 +75,11 @@ class DecisionLog:
     def __init__(self, path: str | Path, flush_interval_s: float = 1.0, clock=time.monotonic) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = self.path.open("a", encoding="utf-8", buffering=1 << 16)
+        # Unbuffered and O_APPEND: one write() per flush, of whole lines (module docstring).
+        self._file: IO[bytes] | None = self.path.open("ab", buffering=0)
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._pid = os.getpid()
         self._flush_interval_s = flush_interval_s
         self._clock = clock
         self._last_flush_s = clock()
@@ -76,7 +92,7 @@ class DecisionLog:
         admit_id = decision.request_id if decision.request_id != request.request_id else ""
         trace_id, span_id = current_trace()
         record = {
-            "time_unix_s": round(time.time(), 6), "request_id": request.request_id, "trace_id": trace_id,
+            "time_unix_s": round(time.time(), 6), "pid": self._pid, "request_id": request.request_id, "trace_id": trace_id,
             "span_id": span_id, "model": None if request.model is None else clip_text(request.model),
             "max_tokens": request.max_tokens, "admit_id": admit_id,
             "policy": decision.policy, "basis": decision.basis, "fallback_reason": decision.fallback_reason,
@@ -93,25 +109,25 @@ class DecisionLog:
                             "queue_s": None if p is None else round(p.queue_s, 6)}
                            for address, p in decision.candidates],
         }
-        try:
-            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-            self.num_records += 1
-            now_s = self._clock()
-            if now_s - self._last_flush_s >= self._flush_interval_s:
-                self._file.flush()
-                self._last_flush_s = now_s
-        except (OSError, ValueError) as exc:
-            logger.error("decision log %s failed (%s); no more decisions are logged", self.path, exc)
-            self._close_quietly()
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        self._pending.append(line)
+        self._pending_bytes += len(line)
+        self.num_records += 1
+        if self._pending_bytes >= MAX_BUFFER_BYTES or self._clock() - self._last_flush_s >= self._flush_interval_s:
+            self.flush()
 
     def flush(self) -> None:
-        """Writes buffered records to the file now (the server calls it every ``flush_interval_s``, so records
-        reach the file while traffic is quiet too); never raises."""
-        if self._file is None:
+        """Writes buffered records to the file now, whole lines in one ``write`` call (the server calls it every
+        ``flush_interval_s``, so records reach the file while traffic is quiet too); never raises."""
+        self._last_flush_s = self._clock()
+        if self._file is None or not self._pending:
             return
+        data = memoryview(b"".join(self._pending))
+        self._pending.clear()
+        self._pending_bytes = 0
         try:
-            self._file.flush()
-            self._last_flush_s = self._clock()
+            while data:
+                data = data[self._file.write(data):]
         except (OSError, ValueError) as exc:
             logger.error("decision log %s failed (%s); no more decisions are logged", self.path, exc)
             self._close_quietly()
@@ -121,6 +137,8 @@ class DecisionLog:
         self._close_quietly()
 
     def _close_quietly(self) -> None:
+        if self._pending:
+            self.flush()  # on a write error it comes back here with nothing pending
         if self._file is not None:
             try:
                 self._file.close()

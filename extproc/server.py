@@ -13,6 +13,9 @@ already sent, since every response phase is skipped).
 Tracing (``tracing:`` in the config and the ``OTEL_*`` variables, ``astrolabe.tracing``): set up in ``main``
 before the server starts, shut down (queued spans exported, for at most 2 s) after it stopped.
 
+Worker processes (``workers`` > 1): ``main`` runs ``extproc.workers.supervise``, whose workers each run `run`
+with ``reuse_port`` (the port shared with SO_REUSEPORT, bound once the worker is ready).
+
 Logs (``astrolabe.logs``): ``main`` sets them up from the flags first (so that config errors are logged as
 asked), then from ``log_level`` / ``log_format`` (the flags win); every line logged while a stream handles a
 request carries its request id and, with tracing on, its trace id (``extproc.stream``).
@@ -26,8 +29,10 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import os
 import random
-from collections.abc import Mapping
+import signal
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -246,10 +251,15 @@ class ExtprocServer:
         config_path: file to watch for endpoint changes, or None.
         tracing: the process's tracing (``setup_tracing``); None = off. The caller shuts it down.
         overrides: the command line's values, applied to each reloaded file too (`ConfigWatcher`).
+        reuse_port: bind ``listen`` with SO_REUSEPORT, beside the other workers of one supervisor
+            (``extproc.workers``); False (one process) = a port in use is an error.
+        max_connection_age_s: a connection gets a graceful GOAWAY this long after it opened (streams in flight
+            go on; new ones come on a new connection: a worker's, ``extproc.workers``); None = never.
     """
 
     def __init__(self, config: ExtprocConfig, config_path: Path | None = None, tracing: Tracing | None = None,
-                 overrides: Mapping[str, Any] | None = None) -> None:
+                 overrides: Mapping[str, Any] | None = None, reuse_port: bool = False,
+                 max_connection_age_s: float | None = None) -> None:
         self.config = config
         self.tracing = tracing or Tracing.off()
         tracer = self.tracing.tracer(TRACER_NAME) if self.tracing.enabled else None
@@ -324,8 +334,9 @@ class ExtprocServer:
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             # gRPC binds with SO_REUSEPORT by default: a second extproc on the same port would start and share the
-            # connections silently; off, it fails to bind ("cannot listen on ...").
-            ("grpc.so_reuseport", 0),
+            # connections silently; off, it fails to bind ("cannot listen on ..."). On only for the workers of one
+            # supervisor, which checked that no other program holds the port (extproc.workers).
+            ("grpc.so_reuseport", int(reuse_port)),
             # gRPC core queues at most 1,000 (hard limit 3,000) calls not yet picked up and fails the rest with
             # INTERNAL: a burst of 2,000-3,000 requests lost 9-17% as empty 503s (a break-it pass). Envoy's own cap on
             # concurrent streams to the extproc (its circuit breakers, astrolabe envoy) is the limit that counts.
@@ -337,11 +348,16 @@ class ExtprocServer:
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 500),
             ("grpc.http2.max_ping_strikes", 0),
+            *([] if max_connection_age_s is None else
+              [("grpc.max_connection_age_ms", round(max_connection_age_s * 1000))]),  # grace: none (unbounded)
         ])
         self._processor = ExternalProcessor(self.router, config.max_body_bytes, tracer)
         pb_grpc.add_ExternalProcessorServicer_to_server(self._processor, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        self._reuse_port = reuse_port
         self.port = 0
+        self.metrics_port = 0
+        """The bound metrics port once started (0: ``metrics_listen`` off)."""
 
     async def _set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -350,33 +366,31 @@ class ExtprocServer:
                 await self.health.set(name, status)
 
     async def start(self) -> int:
-        """Binds and starts serving; returns the bound port (the config may ask for port 0).
+        """Binds and starts serving; returns the bound port (the config may ask for port 0). One process binds
+        first (a port in use stops the start before anything else runs) and serves health while it gets ready; a
+        worker (``reuse_port``) binds last, once ready, so that its siblings take every connection until then.
 
         Raises:
             ConfigError: the listen or metrics address cannot be bound.
         """
-        try:
-            if self._credentials is None:
-                self.port = self._server.add_insecure_port(self.config.listen)
-            else:
-                self.port = self._server.add_secure_port(self.config.listen, self._credentials)
-        except RuntimeError:  # gRPC's "Failed to bind": in use (SO_REUSEPORT is off), or not an address here
-            self.port = 0
-        if self.port == 0:
-            raise ConfigError(f"listen: cannot listen on {self.config.listen}")
+        if not self._reuse_port:
+            self._bind()
         if self.config.metrics_listen:  # before the gRPC server starts, so that a busy port leaves nothing running
             host, _, port = self.config.metrics_listen.rpartition(":")
             try:
                 self._metrics_server, _ = start_http_server(int(port), addr=host, registry=self.metrics.registry)
-                logger.info("metrics on http://%s/metrics", self.config.metrics_listen)
+                self.metrics_port = self._metrics_server.server_port
+                logger.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
             except OSError as exc:
                 raise ConfigError(f"metrics_listen: cannot listen on {self.config.metrics_listen}: {exc}") from None
         await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
         await self._set_serving(False)
-        await self._server.start()
+        if not self._reuse_port:
+            await self._server.start()
         if self._source is not None:  # readiness waits for the first discovered list (an API or DNS failure: logged)
-            logger.info("extproc listening on %s (port %d), not ready until the first endpoint list (discovery %s)",
-                        self.config.listen, self.port, self.config.discovery.source)
+            logger.info("extproc %s, not ready until the first endpoint list (discovery %s)",
+                        "binds once ready (a worker)" if self._reuse_port else
+                        f"listening on {self.config.listen} (port {self.port})", self.config.discovery.source)
             discovery = asyncio.create_task(self._source.run(self._publish), name="endpoint-discovery")
             self._tasks.append(discovery)
             synced = asyncio.create_task(self._first_sync.wait())
@@ -401,6 +415,9 @@ class ExtprocServer:
                 logger.warning("not every sidecar sent its state within %g s of the start: their candidates fall "
                                "back until they do", FIRST_STATES_TIMEOUT_S)
         settle_heap()
+        if self._reuse_port:
+            self._bind()
+            await self._server.start()
         await self._set_serving(True)
         params = getattr(self.router.policy, "params", None)
         tls = ("plaintext" if self.config.tls is None else
@@ -409,6 +426,22 @@ class ExtprocServer:
                     self.port, tls, self.config.policy,
                     params if params is not None else dict(self.config.policy_params), len(self.pool.endpoints))
         return self.port
+
+    def _bind(self) -> None:
+        """Adds ``listen`` to the gRPC server (sets ``port``).
+
+        Raises:
+            ConfigError: it cannot be bound.
+        """
+        try:
+            if self._credentials is None:
+                self.port = self._server.add_insecure_port(self.config.listen)
+            else:
+                self.port = self._server.add_secure_port(self.config.listen, self._credentials)
+        except RuntimeError:  # gRPC's "Failed to bind": in use (SO_REUSEPORT is off), or not an address here
+            self.port = 0
+        if self.port == 0:
+            raise ConfigError(f"listen: cannot listen on {self.config.listen}")
 
     def _publish(self, endpoints) -> None:
         """A discovery source's new endpoint list: into the pool (in-flight requests keep their destination); the
@@ -487,10 +520,20 @@ async def _flush_every(log: DecisionLog, interval_s: float) -> None:
 
 
 async def serve(config: ExtprocConfig, config_path: Path | None, tracing: Tracing | None = None,
-                overrides: Mapping[str, Any] | None = None) -> None:
-    """Runs until SIGTERM or SIGINT, then shuts down gracefully (``tracing``, ``overrides``: as `ExtprocServer`)."""
-    server = ExtprocServer(config, config_path, tracing, overrides)
+                overrides: Mapping[str, Any] | None = None, *, reuse_port: bool = False,
+                max_connection_age_s: float | None = None, on_ready: Callable[[ExtprocServer], None] | None = None, parent_fd: int | None = None) -> None:
+    """Runs until SIGTERM or SIGINT, then shuts down gracefully.
+
+    Args:
+        config, config_path, tracing, overrides, reuse_port, max_connection_age_s: as `ExtprocServer`.
+        on_ready: called once the server is ready (a worker tells its supervisor, ``extproc.workers``).
+        parent_fd: a file descriptor that turns readable when the parent process is gone (a worker's
+            supervisor): taken as SIGTERM, so that a worker never outlives it.
+    """
+    server = ExtprocServer(config, config_path, tracing, overrides, reuse_port, max_connection_age_s)
     termination = asyncio.ensure_future(wait_for_termination())  # signals handled from now on, also while starting
+    if parent_fd is not None:
+        asyncio.get_running_loop().add_reader(parent_fd, _parent_gone, parent_fd)
     starting = asyncio.ensure_future(server.start())
     await asyncio.wait((termination, starting), return_when=asyncio.FIRST_COMPLETED)
     if not starting.done():  # e.g. still waiting for the first discovered endpoint list
@@ -501,10 +544,40 @@ async def serve(config: ExtprocConfig, config_path: Path | None, tracing: Tracin
         await server.stop_now()
         return
     starting.result()  # a start-up error (ConfigError ...) ends the process here
+    if on_ready is not None:
+        on_ready(server)
     await termination
     logger.info("shutdown requested: draining for at most %.1f s (drain_delay_s %.1f s, then grace_period_s %.1f s)",
                 config.drain_delay_s + config.grace_period_s, config.drain_delay_s, config.grace_period_s)
     await server.stop()
+
+
+def _parent_gone(fd: int) -> None:
+    asyncio.get_running_loop().remove_reader(fd)
+    logger.warning("the supervisor is gone: shutting down")
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run(config: ExtprocConfig, config_path: Path | None, overrides: Mapping[str, Any] | None = None,
+        **serve_args: Any) -> int:
+    """Sets up tracing and runs `serve` (``serve_args``: its keywords) on uvloop until it ends; returns the exit
+    status: 0, or 2 for a configuration that cannot be served (the error logged)."""
+    try:
+        tracing = setup_tracing(SERVICE_NAME, config.tracing)
+    except TracingConfigError as exc:
+        logger.error("invalid tracing configuration: %s", exc)
+        return 2
+    try:
+        uvloop.run(serve(config, config_path, tracing, overrides, **serve_args))
+    except TaggerLoadError as exc:
+        logger.error("invalid configuration: output_length.tagger_path: %s", exc)
+        return 2
+    except ConfigError as exc:  # a file or port the configuration names cannot be used
+        logger.error("invalid configuration: %s", exc)
+        return 2
+    finally:
+        tracing.shutdown()
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -515,13 +588,17 @@ def main(argv: list[str]) -> int:
                         help="YAML config (README 'Configuration reference', extproc/config.py); the "
                              "ASTROLABE_EXTPROC_* variables override its keys")
     parser.add_argument("--listen", help="host:port of the gRPC service; default: the config's 'listen'")
+    parser.add_argument("--workers", type=int,
+                        help="extproc processes serving on the listen port (> 1: a supervisor and N workers, "
+                             "extproc/workers.py); default: the config's 'workers'")
     parser.add_argument("--policy", help="routing policy name; default: the config's 'policy'")
     add_log_arguments(parser, None, None, unset="the config's {key} ({default})")
     args = parser.parse_args(argv)
     setup_logging(args.log_level or DEFAULT_LOG_LEVEL, args.log_format or DEFAULT_LOG_FORMAT)
-    overrides = {key: value for key, value in (("listen", args.listen), ("policy", args.policy),
-                                               ("log_level", args.log_level), ("log_format", args.log_format))
-                 if value}
+    overrides = {key: value for key, value in (("listen", args.listen), ("workers", args.workers),
+                                               ("policy", args.policy), ("log_level", args.log_level),
+                                               ("log_format", args.log_format))
+                 if value is not None}
     try:
         config = load_config(args.config)
         if overrides:
@@ -530,19 +607,8 @@ def main(argv: list[str]) -> int:
         logger.error("invalid configuration: %s", exc)
         return 2
     setup_logging(config.log_level, config.log_format)
-    try:
-        tracing = setup_tracing(SERVICE_NAME, config.tracing)
-    except TracingConfigError as exc:
-        logger.error("invalid tracing configuration: %s", exc)
-        return 2
-    try:
-        uvloop.run(serve(config, args.config, tracing, overrides))
-    except TaggerLoadError as exc:
-        logger.error("invalid configuration: output_length.tagger_path: %s", exc)
-        return 2
-    except ConfigError as exc:  # a file or port the configuration names cannot be used
-        logger.error("invalid configuration: %s", exc)
-        return 2
-    finally:
-        tracing.shutdown()
-    return 0
+    if config.workers > 1:
+        from extproc.workers import supervise  # noqa: PLC0415 (one process needs no supervisor)
+
+        return supervise(config, args.config, overrides)
+    return run(config, args.config, overrides)

@@ -105,6 +105,7 @@ def test_formats_name_every_figure():
                                   saturated_cpu_s=0.008, bases=Counter(prediction=12)) for p in eb.POLICIES]
     text = eb.format_capacity(capacity, 32)
     assert all(p in text for p in eb.POLICIES) and "x the goal of 1000/s per core" in text
+    assert "astrolabe with 2 workers: 1250 decisions per CPU-second summed" in text and "1.00 x one process" in text
     cell = eb.AddedLatency("astrolabe", "full-duplex", "small", 200.0, static_s=[1e-3] * 60,
                            extproc_s=[2e-3] * 60, wall_s=1.0, cpu_s=Counter(extproc=0.5))
     text = eb.format_envoy([cell])

@@ -28,3 +28,18 @@ def test_metrics_port_in_use_is_a_configuration_error(tmp_path):
         done = run_extproc(tmp_path, metrics_listen=f"127.0.0.1:{busy.getsockname()[1]}")
     assert done.returncode == 2 and "invalid configuration: metrics_listen: cannot listen on" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_with_workers_the_same_errors_exit_2(tmp_path):
+    """workers > 1: the supervisor's own checks (metrics port) and a worker's (decision log) give the messages one
+    process gives, and nothing is left running (the run returns)."""
+    done = run_extproc(tmp_path, workers=2, decision_log_path=str(tmp_path))  # found by the workers
+    assert done.returncode == 2 and "invalid configuration: decision_log_path: cannot open" in done.stderr
+    assert "Traceback" not in done.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        done = run_extproc(tmp_path, workers=2, metrics_listen=f"127.0.0.1:{busy.getsockname()[1]}")
+    assert done.returncode == 2 and "invalid configuration: metrics_listen: cannot listen on" in done.stderr
+    done = run_extproc(tmp_path, workers=0)
+    assert done.returncode == 2 and "invalid configuration: workers:" in done.stderr

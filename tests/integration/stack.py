@@ -100,9 +100,11 @@ class Stack:
             "health_check": {"interval_s": 0.5, "timeout_s": 0.5, "unhealthy_threshold": 1},
             "endpoints": endpoints, **extra}))
 
-    def start_extproc(self) -> None:
+    def start_extproc(self, workers: int = 1) -> None:
+        """Starts the extproc (``workers`` > 1: its supervisor and that many worker processes, ``--workers``) and
+        waits until it accepts connections and serves /metrics."""
         self.extproc = self.procs.start([PY, "-m", "astrolabe", "extproc", "--config", str(self.config_path),
-                                         "--log-level", "DEBUG"],
+                                         "--log-level", "DEBUG", "--workers", str(workers)],
                                         name="extproc", log_path=self.tmp / "extproc.log", env=self.env)
         self.extproc.wait_tcp("127.0.0.1", self.extproc_port, timeout_s=20)
         self.extproc.wait_http(self.metrics_url, timeout_s=20)

@@ -19,7 +19,10 @@ request's ``x-request-id``) and assert that the load is spread:
 
 One extproc and one Envoy serve the whole module; each scenario points them at its instances by rewriting the
 config file (the extproc reloads ``endpoints`` live). The instances of scenarios 1 (8 instances) and 3 run only
-for their test. ``ProcessGroup`` stops every process at the end.
+for their test. Scenarios 1 (4 instances) and 2 run again through a second Envoy and an extproc with
+``workers: 2`` (extproc/workers.py) onto the same 4 instances: its two worker processes decide without seeing each
+other's pending dispatches, only what the sidecars report (the steady scenario for 10 s there, to keep the module
+short). ``ProcessGroup`` stops every process at the end.
 """
 
 from __future__ import annotations
@@ -245,6 +248,19 @@ def fleet(tmp_path_factory) -> Iterator[Fleet]:
         yield f
 
 
+@pytest.fixture(scope="module")
+def fleet_2w(fleet, tmp_path_factory) -> Fleet:
+    """A second Envoy and an extproc with 2 worker processes, onto the module fleet's 4 instances."""
+    stack = Stack(fleet.stack.procs, tmp_path_factory.mktemp("herding-2w"), "full-duplex")
+    f = Fleet(stack)
+    f.base = fleet.base
+    stack.write_config([{"address": i.emulator, "models": [MODEL], "predictor": i.sidecar} for i in f.base],
+                       policy="astrolabe", decision_log_path=str(f.decision_log), reload_interval_s=0.2)
+    stack.start_extproc(workers=2)
+    stack.start_envoy()
+    return f
+
+
 def _bursts(fleet: Fleet, instances: list[Instance], tag: str) -> None:
     fleet.use(instances)
     bursts = []
@@ -258,7 +274,8 @@ def _bursts(fleet: Fleet, instances: list[Instance], tag: str) -> None:
         shares = _basis_shares(before, fleet.bases(), BURST_SIZE)
         calls = dict(fleet.predictor_calls() - calls_before)
         bursts.append((counts, shares, Counter(statuses), calls))
-        print(f"{tag} burst {b}: per instance {list(counts.values())}, bases {shares}, Predicts {calls}")
+        print(f"{tag} burst {b}: per instance {list(counts.values())}, bases {shares}, Predicts {calls}, decisions "
+              f"per process {dict(Counter(r['pid'] for r in records))}")
     report = "\n".join(f"burst {b}: per instance {c}, decision bases {s}, statuses {dict(st)}, Predict calls {pc}"
                        for b, (c, s, st, pc) in enumerate(bursts))
     within_2 = 0
@@ -286,18 +303,31 @@ def test_bursts_onto_8_idle_instances_are_spread(fleet):
         fleet.stop_instances(extra)
 
 
+def test_bursts_onto_4_idle_instances_are_spread_with_2_workers(fleet_2w):
+    _bursts(fleet_2w, fleet_2w.base, "w2idle4")
+
+
 def test_steady_low_concurrency_is_spread(fleet):
+    _steady_spread(fleet, "steady", 20.0)
+
+
+def test_steady_low_concurrency_is_spread_with_2_workers(fleet_2w):
+    _steady_spread(fleet_2w, "w2steady", 10.0)
+
+
+def _steady_spread(fleet: Fleet, tag: str, duration_s: float) -> None:
+    """8 closed-loop clients for ``duration_s`` onto the 4 base instances: max/mean requests per instance <= 1.5."""
     fleet.use(fleet.base)
-    end = time.monotonic() + 20
-    statuses = asyncio.run(_steady(fleet.stack.envoy_url, "steady", 8, lambda: time.monotonic() >= end, max_tokens=6))
+    end = time.monotonic() + duration_s
+    statuses = asyncio.run(_steady(fleet.stack.envoy_url, tag, 8, lambda: time.monotonic() >= end, max_tokens=6))
     fleet.wait_idle(fleet.base)
-    records = fleet.decisions("steady", len(statuses))
+    records = fleet.decisions(tag, len(statuses))
     counts = _per_instance(records, fleet.base)
     values = [counts[i.emulator] for i in fleet.base]
     mean = sum(values) / len(values)
     bases = Counter(r["basis"] for r in records)
     report = f"{len(statuses)} requests, per instance {counts}, bases {dict(bases)}, statuses {dict(Counter(statuses))}"
-    print("steady:", report)
+    print(f"{tag}:", report)
     assert set(statuses) == {200}, report
     assert len(records) == len(statuses), f"decisions logged != requests sent: {report}"
     assert max(values) <= 1.5 * mean, f"herding: max/mean > 1.5: {report}"
