@@ -18,6 +18,17 @@ the same at X GB/s. ``--migration-bandwidths 1,5,25,100,400`` adds one such labe
 migrations per request at the knee rates next to them, each bandwidth's P99 ratio to ``llumnix`` with a paired
 interval, and the bandwidth below which migration stops paying.
 
+The decision path (``--staleness-s``, ``--decision-latency-s``; ``bench.cluster_sim`` NOTE): by default a decision
+sees each instance's exact state at the request's arrival, which the extproc never does. In production each
+sidecar streams its state every 20 ms under load (``predictor/server.py``: ``--watch-interval-s`` 0.02, and a
+heartbeat every 0.1 s when nothing changed; the extproc drops states older than 0.25 s), a replica's own unseen
+dispatches are queued into those states (``extproc/fleet_state.py``) but other replicas' are not, and a decision
+takes ~3 ms from headers to answer (the demo's route time p50, 2.6-3.4 ms, README "Where Astrolabe stands").
+``--staleness-s 0.02 --decision-latency-s 0.003`` models that path; ``-stale<S>`` on an astrolabe label sets its
+staleness alone, so that one run compares several on the same traces, and the results print each such label's
+P99 and mean TTFT against ``least-requests`` with paired intervals. The defaults stay 0 (exact) so that the
+figures quoted in bench/README.md repeat; the staleness sweep there gives what the measured path changes.
+
 Defaults and why (all printed with the results):
 - 4 router replicas (production runs several; each sees only its own in-flight counts and scrapes, while the
   sidecars see every replica's admissions); ``--num-routers 1`` gives the single-router case.
@@ -40,6 +51,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import multiprocessing
 import os
 import random
@@ -106,7 +118,8 @@ DEFAULT_POLICIES = ("random", "round-robin", "least-requests", ENVOY_LEAST_REQUE
 DEFAULT_RATES_QPS = (100.0, 110.0, 120.0, 125.0, 130.0, 135.0, 140.0)
 DEFAULT_SEEDS = (0, 1, 2)
 DEFAULT_OUT_DIR = REPO_ROOT / "out" / "cluster"
-_LABEL = re.compile(r"astrolabe-(k(?P<k>\d+)|full|paper)(?P<mods>(-(ttft|e2e|blend|nomem|mem|noextra))*)")
+_LABEL = re.compile(r"astrolabe-(k(?P<k>\d+)|full|paper)"
+                    r"(?P<mods>(-(ttft|e2e|blend|nomem|mem|noextra|stale\d+(\.\d+)?))*)")
 LLUMNIX_MIGRATE = "llumnix-migrate"
 """Label of full Llumnix: ``llumnix`` dispatch plus live migration (``bench.migration``)."""
 _MIGRATE_LABEL = re.compile(r"llumnix-migrate(-bw(?P<bw>\d+(\.\d+)?))?")
@@ -125,7 +138,8 @@ def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthMo
     (k = fleet size), ``astrolabe-paper`` (the reference system: k = 2, E2E, no memory, no second round, the
     "10 more tokens" residual), each astrolabe label optionally followed by ``-ttft``/``-e2e``/``-blend``
     (metric), ``-nomem`` / ``-mem`` (no probe, or one probe, of the best recent answer; the default has none) and
-    ``-noextra`` (no second round of probes);
+    ``-noextra`` (no second round of probes) and ``-stale<S>`` (its sidecars' states published every S seconds,
+    replacing ``--staleness-s`` for this label: ``bench.cluster_sim`` NOTE on the decision path);
     ``llumnix-migrate`` (``llumnix`` dispatch + live migration with ``migration``, default `MigrationParams()`)
     and ``llumnix-migrate-bw<X>`` (the same at X GB/s).
 
@@ -143,10 +157,11 @@ def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthMo
     match = _LABEL.fullmatch(label)
     if match is None:
         raise ValueError(f"unknown policy {label!r}; known: {', '.join(POLICY_NAMES)}, {ENVOY_LEAST_REQUEST}, "
-                         "astrolabe-k<N>, astrolabe-full, astrolabe-paper (+ -ttft, -e2e, -blend, -mem, -nomem), "
-                         "llumnix-migrate[-bw<GB/s>]")
+                         "astrolabe-k<N>, astrolabe-full, astrolabe-paper (+ -ttft, -e2e, -blend, -mem, -nomem, "
+                         "-noextra, -stale<S>), llumnix-migrate[-bw<GB/s>]")
     params: dict = {}
     residual = None
+    staleness_s = None
     if match.group(1) == "full":
         params["k"] = num_instances
     elif match.group(1) == "paper":
@@ -161,9 +176,11 @@ def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthMo
             params["probe_best"] = True
         elif mod == "noextra":
             params["extra_probes"] = 0
+        elif mod.startswith("stale"):
+            staleness_s = float(mod.removeprefix("stale"))
         else:
             params["metric"] = mod
-    return PolicySpec(label, "astrolabe", params, residual)
+    return PolicySpec(label, "astrolabe", params, residual, staleness_s=staleness_s)
 
 
 def build_requests(pairs: Sequence[SharegptPair], num_requests: int, rng: random.Random, arrival: str, cv: float,
@@ -283,6 +300,13 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=4096, help="longest prompt + reply kept, tokens")
     p.add_argument("--metrics-interval-s", type=float, default=0.05,
                    help="how often the metrics policies' scrapes refresh, virtual seconds")
+    p.add_argument("--staleness-s", type=float, default=0.0,
+                   help="each sidecar publishes its state every this many virtual seconds and astrolabe decisions "
+                        "predict from the last one (production: 0.02, the sidecars' --watch-interval-s); 0 = the "
+                        "exact state at each decision")
+    p.add_argument("--decision-latency-s", type=float, default=0.0,
+                   help="from a request's arrival to its arrival at the chosen instance, virtual seconds, every "
+                        "policy (production: ~0.003, the demo's astrolabe route time p50)")
     p.add_argument("--oracle-lengths", action="store_true", help="predictors get the true output lengths")
     p.add_argument("--length-errors", default=str(SHIPPED_LIGHT_DIR),
                    help="a tagger directory (or its errors.npz) whose measured errors give predicted lengths, "
@@ -318,6 +342,8 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error("--num-requests, --num-instances, --num-routers and --workers must be >= 1")
     if not 0 <= args.slow_fraction <= 1 or not args.slow_factor > 0:
         p.error("--slow-fraction must be in [0, 1] and --slow-factor > 0")
+    if not (0 <= args.staleness_s < math.inf and 0 <= args.decision_latency_s < math.inf):
+        p.error("--staleness-s and --decision-latency-s must be finite numbers >= 0 (seconds)")
     try:
         args.migration = MigrationParams(
             bandwidth_gbytes_per_s=args.migration_bandwidth, stage_overhead_s=args.migration_stage_overhead_s,
@@ -371,7 +397,9 @@ def _settings(args: argparse.Namespace, engine: EngineConfig, error_desc: str, s
             f"{engine.max_num_batched_tokens}, KV cache {engine.num_gpu_blocks} blocks x {engine.block_size} tokens "
             f"= {engine.num_gpu_blocks * engine.block_size} tokens per instance; {args.num_requests} ShareGPT "
             f"requests per point x seeds {','.join(map(str, seeds))}, {arrival} arrivals; predicted lengths: "
-            f"{error_desc}; prediction noise {args.prediction_noise:g}; metrics every {args.metrics_interval_s:g} s")
+            f"{error_desc}; prediction noise {args.prediction_noise:g}; metrics every {args.metrics_interval_s:g} s; "
+            f"sidecar states every {args.staleness_s:g} s (0 = exact; -stale<S> labels their own), decision "
+            f"latency {args.decision_latency_s:g} s")
 
 
 def main(argv: Sequence[str]) -> int:
@@ -394,7 +422,8 @@ def main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     config = ClusterConfig(args.num_instances, engine, args.batch_time_model, args.metrics_interval_s,
-                           args.prediction_noise, 0, args.num_routers, residual, _time_scales(args))
+                           args.prediction_noise, 0, args.num_routers, residual, _time_scales(args),
+                           staleness_s=args.staleness_s, decision_latency_s=args.decision_latency_s)
     requests_by_seed = {seed: build_requests(pairs, args.num_requests, random.Random(seed), args.arrival, args.cv,
                                              sample_predicted_tokens)[1] for seed in seeds}
     print(f"SIMULATED (virtual time): {_settings(args, engine, error_desc, seeds)}{_migration_settings(args, specs, engine.block_size)}")
@@ -415,7 +444,8 @@ def main(argv: Sequence[str]) -> int:
              "migration_interference": args.migration.copy_interference_frac,
              "migration_blocking_copy": args.migration.blocking_copy,
              "migration_request_policy": args.migration.request_policy,
-             "migration_threshold": args.migration.migrate_out_threshold}
+             "migration_threshold": args.migration.migrate_out_threshold, "staleness_s": args.staleness_s,
+             "decision_latency_s": args.decision_latency_s}
     csv_path = write_csv(args.out / "cluster.csv", pooled, extra)
     plot_path = write_plot(args.out / "p99_ttft.png", pooled, args.slo_ttft_s,
                            f"simulated: {args.num_instances} instances, {args.num_routers} routers, "
@@ -429,7 +459,9 @@ def main(argv: Sequence[str]) -> int:
         print()
         print(ratios)
     astrolabes = [s.label for s in specs if s.label.startswith("astrolabe")]
-    for target, reference in ((LLUMNIX_MIGRATE, "llumnix"), *((a, LLUMNIX_MIGRATE) for a in astrolabes)):
+    stale = [s.label for s in specs if s.label.startswith("astrolabe") and s.staleness_s is not None]
+    for target, reference in ((LLUMNIX_MIGRATE, "llumnix"), *((a, LLUMNIX_MIGRATE) for a in astrolabes),
+                              *((a, "least-requests") for a in stale)):
         pair = format_pair_ratios(points, target, reference)
         if pair:
             print()

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from bench import stats
-from bench.cluster_sim import SeedPoint
+from bench.cluster_sim import SHARE_WINDOW_S, SeedPoint
 from bench.stats import paired_ratio_ci, summary_ci, verdict
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,9 @@ class PooledPoint:
         migrations_per_request: completed migrations / requests.
         migration_stall_s: seconds migrated requests spent stalled, summed over seeds.
         engine_time_lost_s: engine seconds lost to copies, summed over instances and seeds.
+        requests_max_over_mean: requests dispatched to the busiest instance over the mean per instance, summed
+            over seeds (1.0 = perfectly even).
+        window_max_over_mean: ``PointResult.window_max_over_mean`` averaged over every seed's windows.
     """
 
     policy: str
@@ -63,6 +66,19 @@ class PooledPoint:
     migrations_per_request: float = 0.0
     migration_stall_s: float = 0.0
     engine_time_lost_s: float = 0.0
+    requests_max_over_mean: float = math.nan
+    window_max_over_mean: float = math.nan
+
+
+def _shares(results) -> dict[str, float]:
+    """The request-share fields of `PooledPoint` from one point's seeds (NaN where a seed has none)."""
+    if any(not r.requests_per_instance for r in results):
+        return {}
+    per_instance = np.sum([r.requests_per_instance for r in results], axis=0)
+    num_windows = sum(r.num_windows for r in results)
+    return {"requests_max_over_mean": float(per_instance.max() / per_instance.mean()),
+            "window_max_over_mean": sum(r.window_max_over_mean * r.num_windows for r in results if r.num_windows)
+            / num_windows if num_windows else math.nan}
 
 
 def _by_point(points: Sequence[SeedPoint]) -> dict[tuple[str, float], list[SeedPoint]]:
@@ -104,7 +120,7 @@ def pool_points(points: Sequence[SeedPoint]) -> list[PooledPoint]:
             num_migrations_aborted=sum(r.num_migrations_aborted for r in results),
             migrations_per_request=sum(r.num_migrations_completed for r in results) / max(num_requests, 1),
             migration_stall_s=sum(r.migration_stall_s for r in results),
-            engine_time_lost_s=sum(r.engine_time_lost_s for r in results)))
+            engine_time_lost_s=sum(r.engine_time_lost_s for r in results), **_shares(results)))
     return out
 
 
@@ -187,12 +203,14 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def format_points(results: Sequence[PooledPoint]) -> str:
-    """One row per (policy, rate): TTFT mean, P99 [interval], E2E mean/p99, TPOT mean (s), preemptions, calls;
-    plus completed migrations per request and aborted / started migrations when any point migrated."""
-    header = ["policy", "rate qps", "done", "TTFT mean", "TTFT p99 [95% interval]", "E2E mean", "E2E p99",
-              "TPOT mean", "preempt", "pred/req", "fallback"]
+    """One row per (policy, rate): TTFT mean, P99 [interval], the requests' spread over instances (busiest over
+    mean, over the whole point and per ``SHARE_WINDOW_S`` window), E2E mean/p99, TPOT mean (s), preemptions, calls; plus
+    completed migrations per request and aborted / started migrations when any point migrated."""
+    header = ["policy", "rate qps", "done", "TTFT mean", "TTFT p99 [95% interval]", "req/inst max/mean",
+              f"per {SHARE_WINDOW_S:g} s", "E2E mean", "E2E p99", "TPOT mean", "preempt", "pred/req", "fallback"]
     rows = [[r.policy, f"{r.rate_qps:g}", f"{r.num_completed}/{r.num_requests}", _f(r.ttft_mean_s),
-             f"{_f(r.ttft_p99_s)} [{_f(r.ttft_p99_low_s)}, {_f(r.ttft_p99_high_s)}]", _f(r.e2e_mean_s),
+             f"{_f(r.ttft_p99_s)} [{_f(r.ttft_p99_low_s)}, {_f(r.ttft_p99_high_s)}]",
+             _f(r.requests_max_over_mean, 2), _f(r.window_max_over_mean, 2), _f(r.e2e_mean_s),
              _f(r.e2e_p99_s), _f(r.tpot_mean_s, 4), str(r.num_preemptions), _f(r.predictor_calls_per_request, 1),
              str(r.num_fallbacks)] for r in results]
     if any(r.num_migrations_started for r in results):

@@ -22,6 +22,25 @@ NOTE: what each policy sees, as in production:
 Sampling an engine at time t completes the step in flight at t (steps are atomic), so a sample may be up to one
 step (~10-40 ms) newer than t.
 
+NOTE: the decision path (``ClusterConfig.staleness_s``, ``decision_latency_s``), as the extproc's default
+``predictor_client.mode: watch`` runs it (``extproc/fleet_state.py``):
+- **stale states**: with ``staleness_s`` > 0 each instance's sidecar publishes its state (the snapshot above) every
+  ``staleness_s`` seconds, at its own phase (sidecars start at different times), and every decision predicts
+  from the last one published: a state up to ``staleness_s`` old, the same for every decision until the next
+  one. ``staleness_s`` 0 = each decision sees the instance as it is at the decision (the exact state);
+- **a replica's own dispatches**: the ones a state does not include (dispatched after it was taken, or not yet
+  at the instance) are queued into that state as waiting requests for that replica's decisions only, as
+  ``FleetState.predict`` queues its own unseen Admits; other replicas' dispatches are seen only from the first
+  state that includes them. A state includes a request once the request has reached its instance (the Admit
+  and the request travel about as long);
+- **the state's age**: as ``FleetState.predict`` does, TTFT and E2E shrink by ``min(age, the wait the state's
+  own requests cause)`` plus ``min(time since the replica's first unseen dispatch there, the wait the unseen
+  dispatches add)``;
+- **decision latency**: every request (every policy's) reaches its instance ``decision_latency_s`` after it
+  arrived; TTFT and E2E are measured from the arrival, so they include it. The replica counts the request in
+  flight from the decision.
+With both 0 the simulation is the exact one it always was (same seed, same numbers).
+
 NOTE: with migration, one controller (Llumnix's global scheduler, not a router replica) polls the engines'
 exact state every ``MigrationParams.polling_interval_s`` and moves running requests with their KV between
 engines (``bench.migration``). A moved request keeps its progress and timestamps; the routers keep counting it
@@ -95,6 +114,12 @@ class ClusterConfig:
         instance_time_scales: per instance, a factor on every step time (a heterogeneous fleet: older GPUs, a
             noisy neighbour); None = all 1.0. Each instance's sidecar predicts with its own instance's model
             (a sidecar is calibrated to the instance beside it).
+        staleness_s: each sidecar publishes its state every this many seconds and decisions predict from the last
+            one (module NOTE on the decision path); 0 = the exact state at each decision. Seconds, >= 0.
+        decision_latency_s: from a request's arrival to its arrival at the chosen instance, seconds (>= 0).
+
+    Raises:
+        ValueError: a count below 1, bad time scales, a negative or non-finite staleness or latency.
     """
 
     num_instances: int = 12
@@ -107,10 +132,16 @@ class ClusterConfig:
     num_routers: int = 1
     residual: ResidualLengthModel = field(default_factory=FixedExtraTokens)
     instance_time_scales: tuple[float, ...] | None = None
+    staleness_s: float = 0.0
+    decision_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_routers < 1 or self.num_instances < 1:
             raise ValueError("num_routers and num_instances must be >= 1")
+        for name in ("staleness_s", "decision_latency_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0 (seconds), got {value!r}")
         scales = self.instance_time_scales
         if scales is not None and (len(scales) != self.num_instances or not all(s > 0 for s in scales)):
             raise ValueError(f"instance_time_scales needs {self.num_instances} factors > 0, got {scales}")
@@ -136,7 +167,8 @@ class PolicySpec:
     `EnvoyLeastRequest`, no ext_proc). ``residual`` replaces the fleet's residual-length rule for this policy's
     sidecars (e.g. the reference system's rule for the paper's configuration); None = ``ClusterConfig.residual``.
     ``migration``: Llumnix's live migration run beside the policy (``bench.migration``); None or a bandwidth of 0
-    = none.
+    = none. ``staleness_s`` replaces ``ClusterConfig.staleness_s`` for this policy (None = the fleet's), so that
+    one run compares several stalenesses on the same traces.
     """
 
     label: str
@@ -144,6 +176,7 @@ class PolicySpec:
     params: Mapping[str, Any] = field(default_factory=dict)
     residual: ResidualLengthModel | None = None
     migration: MigrationParams | None = None
+    staleness_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +194,11 @@ class PointResult:
         migration_stall_s: seconds migrated requests spent stalled in their last stage, summed.
         engine_time_lost_s: seconds of engine time lost to copies, summed over instances (steps slowed by the
             copy's interference plus steps held back by a blocking copy).
+        requests_per_instance: requests dispatched to each instance (address order).
+        window_max_over_mean: per `SHARE_WINDOW_S` window of arrivals, the most requests any instance got over the
+            mean per instance, averaged over the windows (1.0 = perfectly even; herding shows here before it
+            shows in the whole trace's shares).
+        num_windows: windows averaged in ``window_max_over_mean``.
     """
 
     policy: str
@@ -182,7 +220,15 @@ class PointResult:
     num_migrations_aborted: int = 0
     migration_stall_s: float = 0.0
     engine_time_lost_s: float = 0.0
+    requests_per_instance: tuple[int, ...] = ()
+    window_max_over_mean: float = math.nan
+    num_windows: int = 0
 
+
+SHARE_WINDOW_S = 1.0
+"""Window of `PointResult.window_max_over_mean`, seconds of arrivals: ~130 requests over 12 instances near the
+knee, enough that a policy spreading evenly stays near 1 and short enough that a herd of one state's lifetime
+(<= 0.25 s) shows."""
 
 ENVOY_LEAST_REQUEST = "envoy-least-request"
 """Label of Envoy's own ``LEAST_REQUEST`` load balancer in the benchmarks (a baseline, not an extproc policy)."""
@@ -277,6 +323,9 @@ class _Router:
         self.in_flight = [0] * config.num_instances
         self.dispatch_times_s = [collections.deque() for _ in range(config.num_instances)]
         self.metrics: list[tuple[float, EndpointMetrics] | None] = [None] * config.num_instances
+        # per instance, this replica's dispatches its sidecar's last state may not include yet:
+        # (decision time, request id, request), oldest first (only with stale states or a decision latency)
+        self.unseen: list[collections.deque] = [collections.deque() for _ in range(config.num_instances)]
         # Replicas scrape at their own phase of the interval (they start at different times).
         self.phase_s = config.metrics_interval_s * index / config.num_routers
         self.last_sample_s = -math.inf
@@ -308,6 +357,24 @@ class _Cluster:
         migration = spec.migration
         self.migration = (MigrationController(migration, self.engines, self._moved)
                           if migration is not None and migration.enabled else None)
+        self.dispatched_to: dict[str, int] = {}
+        self.latency_s = config.decision_latency_s
+        self.staleness_s = config.staleness_s if spec.staleness_s is None else spec.staleness_s
+        if not (math.isfinite(self.staleness_s) and self.staleness_s >= 0):
+            raise ValueError(f"staleness_s must be a finite number >= 0 (seconds), got {self.staleness_s!r}")
+        # Sidecar states the routers predict from (staleness_s > 0): per instance the last one published (the
+        # snapshot and the ids of the requests in it) and when the next one is due; the first at time 0 (the
+        # extproc waits for every sidecar's first state before it decides), then every staleness_s at a phase
+        # of the instance's own.
+        self.tracks_unseen = self.policy.needs_predictions and (self.staleness_s > 0 or self.latency_s > 0)
+        # per instance, dispatches on their way (arrival at the instance, id, request), earliest first
+        self.in_transit: list[collections.deque] = [collections.deque() for _ in self.engines]
+        self.published: list[tuple[InstanceSnapshot, frozenset[str]]] = []
+        self.next_state_s: list[float] = []
+        if self.staleness_s > 0 and self.policy.needs_predictions:
+            phase_rng = random.Random(config.seed + 3)
+            self.next_state_s = [phase_rng.uniform(0.0, self.staleness_s) for _ in self.engines]
+            self.published = [self._sidecar_state(i, 0.0) for i in range(config.num_instances)]
 
     def _collect(self, i: int, steps: list[StepResult]) -> None:
         for step in steps:
@@ -334,21 +401,47 @@ class _Cluster:
         for i, engine in enumerate(self.engines):
             self._collect(i, engine.advance_to(time_s))
 
+    def _sidecar_state(self, i: int, time_s: float) -> tuple[InstanceSnapshot, frozenset[str]]:
+        """Instance ``i``'s state as its sidecar publishes it at ``time_s`` (the engine advanced to it), and the ids
+        of the requests in it: the engine's queues plus, as waiting, the requests that reached the instance by
+        ``time_s`` but wait for the engine's next step to join (a sidecar counts them from their Admit)."""
+        snapshot = self.snapshot(i).fit_to_kv_cache()
+        ids = {r.request_id for r in (*snapshot.running, *snapshot.waiting)}
+        transit = self.in_transit[i]
+        while transit and (transit[0][1] in ids or transit[0][1] not in self.router_of):
+            transit.popleft()
+        arrived = []
+        for arrival_s, request_id, request in transit:
+            if arrival_s > time_s:
+                break
+            if request_id not in ids and request_id in self.router_of:
+                arrived.append(snapshot.fit_request(self._expected_state(request_id, request)))
+                ids.add(request_id)
+        if arrived:
+            snapshot = dataclasses.replace(snapshot, waiting=(*snapshot.waiting, *arrived))
+        return snapshot, frozenset(ids)
+
     def advance_to(self, time_s: float) -> None:
-        # Every replica's scrapes and every migration event up to time_s, in time order (scrapes first on ties),
-        # each seeing the engines at its own time.
+        # Every replica's scrapes, every migration event and every sidecar state published up to time_s, in time
+        # order (scrapes first on ties, then migrations), each seeing the engines at its own time.
         while True:
             scrape = self._next_scrape(time_s)
             migration_s = self.migration.next_event_s() if self.migration is not None else math.inf
-            if scrape is not None and scrape[0] <= migration_s:
+            state_s = min(self.next_state_s, default=math.inf)
+            if scrape is not None and scrape[0] <= migration_s and scrape[0] <= state_s:
                 sample_s, router = scrape
                 for i, engine in enumerate(self.engines):
                     self._collect(i, engine.advance_to(sample_s))
                     router.metrics[i] = _sampled_metrics(engine, sample_s)
                 router.last_sample_s = sample_s
-            elif migration_s <= time_s:
+            elif migration_s <= time_s and migration_s <= state_s:
                 self._advance_engines(migration_s)
                 self.migration.handle(migration_s)
+            elif state_s <= time_s:
+                i = self.next_state_s.index(state_s)
+                self._collect(i, self.engines[i].advance_to(state_s))
+                self.published[i] = self._sidecar_state(i, state_s)
+                self.next_state_s[i] = state_s + self.staleness_s
             else:
                 break
         self._advance_engines(time_s)
@@ -394,20 +487,51 @@ class _Cluster:
         return dataclasses.replace(snapshot, waiting=tuple(map(expected, snapshot.waiting)),
                                    running=tuple(map(expected, snapshot.running)))
 
-    def predict(self, i: int, request_id: str, request: ClusterRequest) -> Prediction:
-        new = RequestState(request_id, request.num_prompt_tokens, self.residual.expected_output_tokens(
+    def _expected_state(self, request_id: str, request: ClusterRequest) -> RequestState:
+        """A request not started yet as a sidecar prices it: its expected output length from its predicted one."""
+        return RequestState(request_id, request.num_prompt_tokens, self.residual.expected_output_tokens(
             request.num_predicted_output_tokens, 0, request.max_tokens))
-        snapshot = self.snapshot(i).fit_to_kv_cache()
-        new = snapshot.fit_request(new)
-        result = predict(snapshot, new, self.batch_times[i])
-        idle = predict_idle(snapshot, new, self.batch_times[i])
+
+    def _unseen(self, router: _Router, i: int, seen: frozenset[str]) -> list[tuple[float, str, ClusterRequest]]:
+        """``router``'s dispatches to instance ``i`` still in flight that a state holding ``seen`` lacks, oldest
+        first (those it includes or that finished are dropped: a state never loses a request before it ends)."""
+        queue = router.unseen[i]
+        while queue and (queue[0][1] in seen or queue[0][1] not in self.router_of):
+            queue.popleft()
+        return [u for u in queue if u[1] not in seen and u[1] in self.router_of]
+
+    def predict(self, i: int, request_id: str, request: ClusterRequest, router: _Router | None = None) -> Prediction:
+        """The prediction for ``request`` on instance ``i`` that ``router`` (default: the first replica) decides
+        with (module NOTEs): from the exact state at the decision, or from the last state published, with the
+        replica's own unseen dispatches queued in and the state's age taken off as ``extproc/fleet_state.py``
+        ``FleetState.predict`` does."""
+        router = router or self.routers[0]
+        now_s = request.arrival_time_s
+        snapshot, seen = self.published[i] if self.published else self._sidecar_state(i, now_s)
+        unseen = self._unseen(router, i, seen) if self.tracks_unseen else []
+        new = snapshot.fit_request(self._expected_state(request_id, request))
+        batch_time = self.batch_times[i]
+        idle = predict_idle(snapshot, new, batch_time)
+        age_s = max(now_s - snapshot.now_s, 0.0)
+        state_queue_s = 0.0
+        if unseen:
+            if age_s > 0 and (snapshot.running or snapshot.waiting):
+                state_queue_s = max(predict(snapshot, new, batch_time).ttft_s - idle.ttft_s, 0.0)
+            snapshot = dataclasses.replace(snapshot, waiting=(*snapshot.waiting, *(
+                snapshot.fit_request(self._expected_state(f"unseen-{u_id}", u)) for _, u_id, u in unseen)))
+        result = predict(snapshot, new, batch_time)
+        queue_s = max(result.ttft_s - idle.ttft_s, 0.0)
+        if unseen:
+            shift_s = min(age_s, state_queue_s) + min(max(now_s - unseen[0][0], 0.0), max(queue_s - state_queue_s, 0.0))
+        else:
+            shift_s = min(age_s, queue_s)
         self.num_predictions += 1
         factor = 1.0
         if self.config.prediction_noise_frac > 0:
             factor = max(0.0, 1.0 + self._noise_rng.gauss(0.0, self.config.prediction_noise_frac))
         # the fields a sidecar's answer carries (predictor/server.py): queue, requests on the instance, idle E2E
-        return Prediction(result.ttft_s * factor, result.e2e_s * factor, 0.0,
-                          max(result.ttft_s - idle.ttft_s, 0.0) * factor,
+        return Prediction((result.ttft_s - shift_s) * factor, (result.e2e_s - shift_s) * factor, 0.0,
+                          (queue_s - shift_s) * factor,
                           num_requests=len(snapshot.running) + len(snapshot.waiting), idle_e2e_s=idle.e2e_s * factor)
 
     def route(self, request_id: str, request: ClusterRequest) -> tuple[int, int]:
@@ -419,11 +543,11 @@ class _Cluster:
         views = self.views(router, request.arrival_time_s)
         if router.policy.needs_predictions:
             candidates = router.policy.candidates(routing_request, views)
-            scored = [dataclasses.replace(v, prediction=self.predict(self.index[v.address], request_id, request))
-                      for v in candidates]
+            scored = [dataclasses.replace(v, prediction=self.predict(self.index[v.address], request_id, request,
+                                                                     router)) for v in candidates]
             more = router.policy.more_candidates(routing_request, scored, views)
-            scored += [dataclasses.replace(v, prediction=self.predict(self.index[v.address], request_id, request))
-                       for v in more]
+            scored += [dataclasses.replace(v, prediction=self.predict(self.index[v.address], request_id, request,
+                                                                      router)) for v in more]
             chosen = router.policy.choose(routing_request, scored)
         else:
             chosen = router.policy.choose(routing_request, views)
@@ -433,12 +557,18 @@ class _Cluster:
         return r, self.index[chosen.address]
 
     def dispatch(self, r: int, i: int, request_id: str, request: ClusterRequest) -> None:
+        """Sends ``request`` to instance ``i``, where it arrives ``decision_latency_s`` later; replica ``r``
+        counts it from now."""
         self.engines[i].add_request(SimRequest(request_id, request.num_prompt_tokens, request.num_output_tokens,
-                                               arrival_time_s=request.arrival_time_s))
+                                               arrival_time_s=request.arrival_time_s + self.latency_s))
         router = self.routers[r]
         router.in_flight[i] += 1
         router.dispatch_times_s[i].append(request.arrival_time_s)
+        if self.tracks_unseen:
+            router.unseen[i].append((request.arrival_time_s, request_id, request))
+            self.in_transit[i].append((request.arrival_time_s + self.latency_s, request_id, request))
         self.router_of[request_id] = (r, i)
+        self.dispatched_to[request_id] = i
         self.predicted[i][request_id] = (request.num_predicted_output_tokens, request.max_tokens)
 
 
@@ -450,6 +580,19 @@ def _migration_fields(cluster: _Cluster) -> dict[str, Any]:
     return {"num_migrations_started": stats.num_started, "num_migrations_completed": stats.num_completed,
             "num_migrations_aborted": stats.num_aborted, "migration_stall_s": stats.stall_s,
             "engine_time_lost_s": sum(e.extra_step_time_s + e.stalled_s for e in cluster.engines)}
+
+
+def _shares(cluster: _Cluster, requests: Sequence[ClusterRequest]) -> dict[str, Any]:
+    """The request-share fields of ``PointResult``: requests per instance and the windowed max / mean."""
+    num_instances = cluster.config.num_instances
+    dispatched = [(requests[int(request_id[1:])].arrival_time_s, i) for request_id, i in cluster.dispatched_to.items()]
+    per_instance = np.bincount([i for _, i in dispatched], minlength=num_instances)
+    windows: dict[int, np.ndarray] = {}
+    for arrival_s, i in dispatched:
+        windows.setdefault(int(arrival_s // SHARE_WINDOW_S), np.zeros(num_instances, dtype=int))[i] += 1
+    ratios = [counts.max() / counts.mean() for counts in windows.values()]
+    return {"requests_per_instance": tuple(int(n) for n in per_instance),
+            "window_max_over_mean": float(np.mean(ratios)) if ratios else math.nan, "num_windows": len(ratios)}
 
 
 def _mean_p99(values_s: list[float]) -> tuple[float, float]:
@@ -508,8 +651,10 @@ def simulate_point_latencies(spec: PolicySpec, rate_qps: float, requests: Sequen
     cluster.drain()
     done = sorted(cluster.finished, key=lambda r: int(r.request_id[1:]))
     assert len({r.request_id for r in done}) == len(done), "a request finished twice"
-    ttfts_s = np.array([r.first_token_time_s - r.arrival_time_s for r in done])
-    e2es_s = np.array([r.finish_time_s - r.arrival_time_s for r in done])
+    # from the request's arrival at the router (the instance sees it decision_latency_s later)
+    arrivals_s = np.array([requests[int(r.request_id[1:])].arrival_time_s for r in done])
+    ttfts_s = np.array([r.first_token_time_s for r in done]) - arrivals_s
+    e2es_s = np.array([r.finish_time_s for r in done]) - arrivals_s
     ttft_mean_s, ttft_p99_s = _mean_p99(list(ttfts_s))
     e2e_mean_s, e2e_p99_s = _mean_p99(list(e2es_s))
     tpots_s = [(r.finish_time_s - r.first_token_time_s) / (r.num_output_tokens - 1)
@@ -530,5 +675,6 @@ def simulate_point_latencies(spec: PolicySpec, rate_qps: float, requests: Sequen
         wall_s=time.perf_counter() - start_s,
         num_routers=config.num_routers,
         **_migration_fields(cluster),
+        **_shares(cluster, requests),
     )
     return result, PointLatencies(ttfts_s, e2es_s)
