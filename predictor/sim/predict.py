@@ -228,18 +228,6 @@ def predict_idle(snapshot: InstanceSnapshot, request: RequestState, batch_time: 
     return predict(InstanceSnapshot(config=snapshot.config, now_s=snapshot.now_s), request, batch_time)
 
 
-def queue_delay_s(snapshot: InstanceSnapshot, request: RequestState, batch_time: BatchTimeModel,
-                  ttft_s: float) -> float:
-    """How much of a predicted TTFT the requests already on the instance cause, seconds (>= 0).
-
-    ``ttft_s`` (the request's predicted TTFT on ``snapshot``) minus its TTFT on the same instance idle: the time
-    it waits for a slot, KV blocks or a share of the token budget, without its own prefill. Near 0 means the
-    instance would start it at once; a policy can probe further only when it is not (the idle TTFT costs one
-    small simulation: the request's own prefill chunks).
-    """
-    return max(ttft_s - predict_idle(snapshot, request, batch_time).ttft_s, 0.0)
-
-
 def marginal_cost_s(snapshot: InstanceSnapshot, request: RequestState, batch_time: BatchTimeModel,
                     base: Prediction) -> tuple[float, float]:
     """How much ``request``'s TTFT and E2E grow per request like it that arrives just before it, seconds.

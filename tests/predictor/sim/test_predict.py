@@ -407,23 +407,6 @@ def test_advance_decodes_refuses_a_mixed_batch() -> None:
         scheduler.advance_decodes(scheduler.schedule(), 1)
 
 
-def test_queue_delay_is_zero_on_an_idle_instance_and_grows_with_a_queue():
-    from predictor.sim import LinearBatchTimeModel
-    from predictor.sim.predict import queue_delay_s
-
-    model = LinearBatchTimeModel.default("llama-2-7b")
-    config = EngineConfig(max_num_seqs=2, max_num_batched_tokens=256, block_size=16, num_gpu_blocks=256)
-    new = RequestState("new", 100, 20)
-    idle = InstanceSnapshot(config=config, now_s=0.0)
-    assert queue_delay_s(idle, new, model, predict(idle, new, model).ttft_s) == 0.0
-    full = InstanceSnapshot(config=config, now_s=0.0, running=(
-        RequestState("a", 50, 200, num_computed_tokens=50, num_generated_tokens=1),
-        RequestState("b", 50, 200, num_computed_tokens=50, num_generated_tokens=1)))
-    busy = predict(full, new, model)
-    delay = queue_delay_s(full, new, model, busy.ttft_s)  # both slots taken: it waits ~199 decode steps
-    assert delay > 0.5 * busy.ttft_s and delay == pytest.approx(busy.ttft_s - predict(idle, new, model).ttft_s)
-
-
 # ---- instances of the benchmark's size, the compiled module, the pricing ----------------------------------------
 
 
