@@ -196,7 +196,11 @@ class Ledger:
         return True
 
     def release(self, request_id: str, now_s: float) -> bool:
-        """Removes a request that ended; returns False if it had already left the ledger."""
+        """Removes a request that ended; returns False if it had already left the ledger. A request the ledger
+        does not hold (with the plugin's state in use the sidecar admits none into it) costs no simulation."""
+        if self.scheduler.get_request(request_id) is None:  # advancing cannot bring it back
+            self._forget(request_id)
+            return False
         self.advance(now_s)
         self._forget(request_id)
         return self.scheduler.abort_request(request_id) is not None

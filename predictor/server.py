@@ -282,10 +282,17 @@ MAX_WATCH_INTERVAL_S = 1.0
 nor leave its state older than a second."""
 SHARED_STATE_MAX_AGE_S = 0.02
 """A watched state built for one router is sent to another as it is for this long, seconds (one default interval),
-if nothing it depends on changed (`Sidecar.state_version`: for a plugin state, the same publication, so the same
-queues): the streams of several extproc replicas then cost one snapshot."""
+if nothing it depends on changed (`Sidecar.state_version`): the streams of several extproc replicas then cost one
+snapshot (they wake together, on one poll of the state: `Sidecar._watch_loop`)."""
 WATCH_HEARTBEAT_S = 0.1
-"""Longest a Watch stream stays silent while nothing changes, seconds."""
+"""Longest a Watch stream stays silent while nothing changes, seconds: also how fresh the decode progress of an
+unchanged queue is at the router (a heartbeat carries the state of its moment), which meanwhile shifts each
+prediction by the state's age (``extproc/fleet_state.py``)."""
+ABSORB_INTERVAL_S = 0.1
+"""How often the plugin's newest state is absorbed (measured steps into calibration, first tokens and arrivals into
+the outcome and ingress checks), seconds: off the path of Predict and Watch, which only read queues. The plugin
+keeps its last 32 steps and 64 first tokens in every file (``predictor.vllm_plugin.publisher``): at this interval
+a reader misses no step of 3 ms or longer."""
 MAX_ROUTERS = 1024
 """Routers whose Admit numbers a sidecar remembers (``Sidecar.saw_admit``): far more extproc workers than a pool
 has, few enough that a flood of router ids costs nothing."""
@@ -422,19 +429,21 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         return pb.StateResponse(state_json=json.dumps(self._sidecar.state()))
 
     async def Watch(self, request, context):  # noqa: N802
-        """Protocol v1.2: the instance's state (``Sidecar.watched_state``) every ``interval_s`` (0: the sidecar's
-        ``watch_interval_s``; cut to [`MIN_WATCH_INTERVAL_S`, `MAX_WATCH_INTERVAL_S`]) until the router cancels; an
-        interval in which nothing changed (`Sidecar.state_version`) sends nothing, but never more than
-        `WATCH_HEARTBEAT_S` in a row (the router drops states older than its ``watch_max_age_s``, 0.25 s)."""
+        """Protocol v1.2: the instance's state (``Sidecar.watched_state``) when it changed (`Sidecar.state_version`:
+        queues, admissions and releases, refits; polled every ``interval_s``, 0: the sidecar's
+        ``watch_interval_s``, cut to [`MIN_WATCH_INTERVAL_S`, `MAX_WATCH_INTERVAL_S`]), at most once per interval,
+        and at least every `WATCH_HEARTBEAT_S` (the router drops states older than its ``watch_max_age_s``,
+        0.25 s), until the router cancels. The stream sleeps between changes: one task polls the state for every
+        stream (`Sidecar._watch_loop`) and wakes them together, so that they share one build."""
         sidecar = self._sidecar
         interval_s = request.interval_s if request.interval_s > 0 else sidecar.config.watch_interval_s
         interval_s = min(max(interval_s, MIN_WATCH_INTERVAL_S), MAX_WATCH_INTERVAL_S)  # NaN: the minimum
-        sidecar.num_watchers += 1
+        sidecar.add_watcher(interval_s)
         try:
             seq, sent_version, sent_s = 0, None, -math.inf
             while True:
                 now_s = time.monotonic()
-                state_version = sidecar.state_version(now_s)
+                state_version = sidecar.watch_version
                 version = (state_version, sidecar.admits_seen(request.router_id))
                 if version != sent_version or now_s - sent_s >= WATCH_HEARTBEAT_S:
                     seq += 1
@@ -445,9 +454,12 @@ class PredictorServicer(pb_grpc.PredictorServicer):
                         if not sidecar.watch_failed:
                             logger.exception("a state could not be sent to a watching router (logged once)")
                         sidecar.watch_failed = True
-                await asyncio.sleep(interval_s)
+                    if interval_s > sidecar.watch_poll_s:  # a slower stream than the poll: its own pace
+                        await asyncio.sleep(interval_s - sidecar.watch_poll_s)
+                # the poller moves the version at least every heartbeat; this timeout only covers a stalled poller
+                await sidecar.watch_changed(max(sent_s + WATCH_HEARTBEAT_S + interval_s - time.monotonic(), 0.0))
         finally:
-            sidecar.num_watchers -= 1
+            sidecar.remove_watcher(interval_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,6 +509,10 @@ class Sidecar:
         self.watch_failed = False
         self.num_changes = 0  # admissions and releases so far (a watched state is sent again when it moves)
         self._watch_cache: tuple[tuple, float, pb.InstanceState] | None = None  # (version, built at, message)
+        self.watch_version: tuple | None = None  # (`state_version`, heartbeats) at the last poll of `_watch_loop`
+        self._watch_intervals: list[float] = []  # the intervals of the open Watch streams, seconds
+        self._watch_event = asyncio.Event()  # set (and replaced) when `watch_version` moves
+        self._watch_task: asyncio.Task | None = None
         self._admits_seen: dict[int, int] = {}  # router id -> highest admit_seq handled, least recent first
         self.last_reconciled_s: float | None = None
         self._discovery_failed = False  # warned once that the backend is not readable yet
@@ -524,7 +540,6 @@ class Sidecar:
         if state is None or (state.pid, state.seq) == self._absorbed:
             return
         self._absorbed = (state.pid, state.seq)
-        self._last_absorb_s = now_s
         try:
             self._absorb(state, now_s)
         except Exception:  # noqa: BLE001
@@ -533,7 +548,6 @@ class Sidecar:
             self._absorb_failed = True
 
     _absorb_failed = False
-    _last_absorb_s = float("-inf")
 
     def _calibrate(self, now_s: float) -> None:
         """Refit when due (the ledger's engine then steps with the new model) and refresh the cached status that
@@ -695,11 +709,10 @@ class Sidecar:
             **self._calibration_fields())
 
     def _view(self, now_s: float, exclude: frozenset[str] | set[str] = frozenset()) -> _View:
-        """What a prediction at ``now_s`` simulates from: the plugin's state when it is in use (its steps and first
-        tokens absorbed on the way), else the ledger advanced to ``now_s``; less the held requests ``exclude``."""
+        """What a prediction at ``now_s`` simulates from: the plugin's state when it is in use, else the ledger
+        advanced to ``now_s``; less the held requests ``exclude``."""
         plugin_snapshot = self.plugin.snapshot(now_s)
-        if plugin_snapshot is not None:
-            self.absorb(self.plugin.last_state, now_s)
+        if plugin_snapshot is not None:  # its steps and first tokens are absorbed apart (`_absorb_loop`)
             state = self.plugin.last_state
             return _View(plugin_snapshot.without({pending_id(rid) for rid in exclude}), 0.0, state.age_s(now_s),
                          state.num_free_blocks, STATE_SOURCE_PLUGIN)
@@ -716,11 +729,60 @@ class Sidecar:
 
     def state_version(self, now_s: float) -> tuple:
         """What a watched state depends on, beyond the simulated clock and the watching router's own fields: equal
-        tuples, the same state (the plugin's publication, reconciliations, admissions and releases, holds, refits).
+        tuples, the same queues (for the plugin's state: the engine process and the ids of its running and waiting
+        requests, in order; reconciliations, admissions and releases, holds, refits). A publication that only
+        moves the requests' progress (tokens computed and generated) keeps the version: the router shifts its
+        predictions by the state's age meanwhile, and the heartbeat (`WATCH_HEARTBEAT_S`) carries the progress.
         Cheap: the plugin's file is re-read only when it changed."""
         plugin = self.plugin.reader.read(now_s) if self.plugin.reader is not None else None
-        return ((plugin.pid, plugin.seq) if plugin is not None else None, self.ledger.stats.num_reconciliations,
-                self.num_changes, self.calibrator.num_refits if self.calibrator is not None else 0)
+        queues = None if plugin is None else (plugin.pid, *(row[0] for row in plugin.running), None,
+                                             *(row[0] for row in plugin.waiting))
+        return (queues, self.ledger.stats.num_reconciliations, self.num_changes,
+                self.calibrator.num_refits if self.calibrator is not None else 0)
+
+    @property
+    def watch_poll_s(self) -> float:
+        """How often `_watch_loop` polls the state: the shortest interval an open Watch stream asked for, seconds."""
+        return min(self._watch_intervals, default=self.config.watch_interval_s)
+
+    def add_watcher(self, interval_s: float) -> None:
+        """Counts a Watch stream of ``interval_s`` seconds; starts `_watch_loop` with the first."""
+        self.num_watchers += 1
+        self._watch_intervals.append(interval_s)
+        if self._watch_task is None or self._watch_task.done():
+            self.watch_version = (self.state_version(time.monotonic()), 0)
+            self._watch_task = asyncio.create_task(self._watch_loop(), name="watch")
+
+    def remove_watcher(self, interval_s: float) -> None:
+        """Uncounts a Watch stream; `_watch_loop` ends after the last."""
+        self.num_watchers -= 1
+        self._watch_intervals.remove(interval_s)
+
+    async def watch_changed(self, timeout_s: float) -> None:
+        """Returns when `watch_version` moves, or after ``timeout_s`` seconds."""
+        event = self._watch_event
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout_s)
+
+    async def _watch_loop(self) -> None:
+        """While a router watches: polls `state_version` every `watch_poll_s` and moves `watch_version` (waking the
+        waiting streams, which then share one build) when it changed or `WATCH_HEARTBEAT_S` after the last move:
+        one stat of the plugin's file per poll, one parse per publication seen, no stream woken while the queues
+        stand still between heartbeats."""
+        moved_s = time.monotonic()
+        while self.num_watchers > 0:
+            await asyncio.sleep(self.watch_poll_s)
+            now_s = time.monotonic()
+            try:
+                version = self.state_version(now_s)
+            except Exception:  # noqa: BLE001 (never raises in practice; the streams must not lose their poller)
+                logger.exception("polling the state for watching routers failed")
+                continue
+            last, beats = self.watch_version
+            if version != last or now_s - moved_s >= WATCH_HEARTBEAT_S - self.watch_poll_s / 2:
+                self.watch_version, moved_s = (version, beats + 1), now_s
+                self._watch_event.set()
+                self._watch_event = asyncio.Event()
 
     def watched_state(self, router_id: int, seq: int, version: tuple | None = None) -> pb.InstanceState:
         """The state a watching router predicts from (protocol v1.2, ``predictor.instance_state``): what Predict
@@ -905,15 +967,15 @@ class Sidecar:
                 await asyncio.sleep(self.config.plugin_reconcile_interval_s if self.plugin.in_use
                                     else self.config.reconcile_interval_s)
 
-    async def _absorb_loop(self, interval_s: float = 0.5) -> None:
-        """Reads the plugin's state file between Predict calls, so calibration and first tokens keep up while no
-        request is routed here."""
+    async def _absorb_loop(self, interval_s: float = ABSORB_INTERVAL_S) -> None:
+        """Absorbs the plugin's newest state every ``interval_s`` seconds (`absorb`): calibration, first tokens and
+        arrivals, off the path of Predict and Watch."""
         while True:
             await asyncio.sleep(interval_s)
             if self.plugin.reader is not None:
                 now_s = time.monotonic()
-                if now_s - self._last_absorb_s >= interval_s:  # Predict calls absorb while traffic flows
-                    self.absorb(self.plugin.reader.read(now_s), now_s)
+                # also decides whether the plugin's state is in use while nothing asks (the scrape's interval)
+                self.absorb(self.plugin.read(now_s), now_s)
                 if self.calibrator is not None:  # a refit that came due after the last step (engine now idle)
                     try:
                         self._calibrate(now_s)
@@ -942,7 +1004,7 @@ class Sidecar:
 
     async def stop(self, grace_s: float = 2.0) -> None:
         await self._server.stop(grace_s)
-        for task in (self._task, getattr(self, "_absorb_task", None)):
+        for task in (self._task, getattr(self, "_absorb_task", None), self._watch_task):
             if task:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

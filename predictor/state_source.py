@@ -192,10 +192,13 @@ def _step(row, where: str) -> tuple[int, StepSample]:
 
 def _fast_first_token(row) -> tuple[str, float] | None:
     """A valid first-token (or arrival) row as ``(request id, time)``, else None."""
-    if (not isinstance(row, list) or len(row) != 2 or not isinstance(row[0], str) or not row[0]
-            or isinstance(row[1], bool) or not isinstance(row[1], int | float) or not math.isfinite(row[1])):
-        return None
-    return row[0], float(row[1])
+    if type(row) is list and len(row) == 2 and type(row[0]) is str and row[0]:  # noqa: E721
+        at = row[1]
+        if type(at) is float and -math.inf < at < math.inf:  # noqa: E721 (the writer's case: json floats)
+            return row[0], at
+        if not isinstance(at, bool) and isinstance(at, int | float) and math.isfinite(at):
+            return row[0], float(at)
+    return None
 
 
 def _first_token(row, where: str) -> tuple[str, float]:
@@ -573,8 +576,9 @@ class PluginStateSource:
         """True while the last ``snapshot`` came from the plugin's state (the ledger is then only a fallback)."""
         return bool(self._using_plugin)
 
-    def snapshot(self, now_s: float) -> InstanceSnapshot | None:
-        """The plugin's snapshot as of ``now_s``, or None when the ledger must be used (transitions logged)."""
+    def read(self, now_s: float) -> PluginState | None:
+        """The plugin's state as of ``now_s`` (also ``last_state``), or None when the ledger must be used; decides
+        `in_use` (transitions logged). One ``stat`` when the file did not change."""
         state = self.reader.read(now_s) if self.reader is not None else None
         using = state is not None
         if self.reader is not None and using != self._using_plugin:
@@ -584,6 +588,11 @@ class PluginStateSource:
                 logger.warning("state source: ledger (plugin state unavailable: %s)", self.reader.last_error)
             self._using_plugin = using
         self.last_state = state
+        return state
+
+    def snapshot(self, now_s: float) -> InstanceSnapshot | None:
+        """The plugin's snapshot as of ``now_s``, or None when the ledger must be used (`read`)."""
+        state = self.read(now_s)
         if state is None:
             return None
         snapshot = plugin_snapshot(state, now_s, self.admits.expected_output_tokens)

@@ -24,6 +24,7 @@ standard library, as the rest of ``predictor.sim``; loading a sample from disk i
 from __future__ import annotations
 
 import abc
+import bisect
 import logging
 import math
 from collections.abc import Sequence
@@ -131,6 +132,7 @@ class EmpiricalResidual(ResidualLengthModel):
         num_bins = min(num_bins, len(pred))
         self.bin_edges_tokens = np.unique(np.quantile(pred, np.linspace(0, 1, num_bins + 1)[1:-1]))
         bins = np.searchsorted(self.bin_edges_tokens, pred, side="right")
+        self._edges = self.bin_edges_tokens.tolist()
         self._bins = [self._table(true[bins == b]) for b in range(len(self.bin_edges_tokens) + 1)]
         self._pooled = self._table(true)
         tail = np.sort(true)[-MIN_SAMPLES_PER_ESTIMATE:]
@@ -138,28 +140,30 @@ class EmpiricalResidual(ResidualLengthModel):
         self.num_samples = len(true)
 
     @staticmethod
-    def _table(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _table(values: np.ndarray) -> tuple[list[float], list[float]]:
+        """Sorted values and their prefix sums, as Python lists: an estimate is a few ``bisect`` calls on them
+        (numpy's per-call overhead on one scalar was most of a sidecar's state build; same float64 sums)."""
         ordered = np.sort(values)
-        return ordered, np.concatenate(([0.0], np.cumsum(ordered)))
+        return ordered.tolist(), np.concatenate(([0.0], np.cumsum(ordered))).tolist()
 
     @staticmethod
-    def _conditional_mean(table: tuple[np.ndarray, np.ndarray], num_generated_tokens: int,
+    def _conditional_mean(table: tuple[list[float], list[float]], num_generated_tokens: int,
                           max_tokens: int | None) -> tuple[float, int]:
         ordered, prefix = table
         n = len(ordered)
-        lo = int(np.searchsorted(ordered, num_generated_tokens, side="right"))  # first L > generated
+        lo = bisect.bisect_right(ordered, num_generated_tokens)  # first L > generated
         count = n - lo
         if count == 0:
             return math.nan, 0
         if max_tokens is None:
             return (prefix[n] - prefix[lo]) / count, count
-        hi = max(int(np.searchsorted(ordered, max_tokens, side="left")), lo)  # first L >= cap
+        hi = max(bisect.bisect_left(ordered, max_tokens), lo)  # first L >= cap
         return (prefix[hi] - prefix[lo] + (n - hi) * max_tokens) / count, count
 
     def expected_output_tokens(self, num_predicted_tokens: int, num_generated_tokens: int,
                                max_tokens: int | None = None) -> int:
         cap = max_tokens if max_tokens is not None and max_tokens > num_generated_tokens else None
-        table = self._bins[int(np.searchsorted(self.bin_edges_tokens, num_predicted_tokens, side="right"))]
+        table = self._bins[bisect.bisect_right(self._edges, num_predicted_tokens)]
         mean, count = self._conditional_mean(table, num_generated_tokens, cap)
         if count < MIN_SAMPLES_PER_ESTIMATE:
             mean, count = self._conditional_mean(self._pooled, num_generated_tokens, cap)

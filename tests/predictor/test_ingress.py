@@ -1,5 +1,6 @@
 """The Admit -> engine delay: the estimator, and a sidecar that measures it from the plugin's arrivals."""
 
+import asyncio
 import json
 import math
 import time
@@ -9,7 +10,7 @@ import pytest
 
 from predictor.api import pb, pb_grpc
 from predictor.ingress import MAX_INGRESS_S, IngressDelayEstimator
-from predictor.server import Sidecar, SidecarConfig
+from predictor.server import ABSORB_INTERVAL_S, Sidecar, SidecarConfig
 from tests.predictor.test_state_source import _state_text
 
 
@@ -83,8 +84,14 @@ async def test_a_sidecar_measures_the_delay_from_admit_to_the_engine_and_adds_it
             # still on their way).
             arrivals = [[f"cmpl-r{i}-0-1a2b3c4d", admitted_s[i] + 0.3] for i in range(10)]
             path.write_text(_state_text(seq=2, published_monotonic_s=time.monotonic(), arrivals=arrivals))
+            # absorbed off the prediction's path, within ABSORB_INTERVAL_S
+            deadline_s = time.monotonic() + 5
+            while True:
+                state = json.loads((await stub.State(pb.StateRequest(), timeout=5)).state_json)
+                if state["ingress"]["num_observed"] == 10 or time.monotonic() > deadline_s:
+                    break
+                await asyncio.sleep(ABSORB_INTERVAL_S / 4)
             after = await stub.Predict(ask, timeout=5)
-            state = json.loads((await stub.State(pb.StateRequest(), timeout=5)).state_json)
     finally:
         await sidecar.stop(0)
     ingress = state["ingress"]
