@@ -404,8 +404,10 @@ def local_reply_config() -> dict[str, object]:
 
 
 def _local_reply_value() -> str:
-    """`local_reply_config` as the templates' ``${local_reply_config}`` (JSON is YAML; at the HCM's indentation)."""
-    return "local_reply_config: " + json.dumps(local_reply_config(), indent=2).replace("\n", "\n" + " " * 10)
+    """`local_reply_config` as the templates' ``${local_reply_config}``, at the HCM's indentation: one mapper per
+    line, each a JSON flow mapping (JSON is YAML)."""
+    mappers = [f"  - {json.dumps(mapper)}" for mapper in local_reply_config()["mappers"]]
+    return "\n".join(["local_reply_config:", "  mappers:", *mappers]).replace("\n", "\n" + " " * 10)
 
 
 def _timeout_values(per_try_timeout_s: float, per_try_idle_timeout_s: float) -> dict[str, str]:
