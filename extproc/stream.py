@@ -1,7 +1,8 @@
 """One ext_proc ``Process`` stream = one HTTP request: phase handling, body buffering, response ordering.
 
 Body modes (taken from ``protocol_config`` on the first message; Envoy 1.40 sends it):
-- no body (request headers carry ``end_of_stream``, e.g. GET): routed at once on the headers, no parsing.
+- no body (request headers carry ``end_of_stream``, e.g. GET): routed at once on the headers, no parsing; a POST
+  to an inference route without a body is answered 400 (``extproc.request.bodiless_request``).
 - ``BUFFERED``: headers are answered with CONTINUE; the whole body arrives in one message and its answer
   carries the destination header mutation (allowed on a body response only in this mode) and metadata.
 - ``FULL_DUPLEX_STREAMED``: the headers answer is held back until the body is complete and parsed; then the
@@ -36,7 +37,7 @@ from astrolabe.logs import bind_request
 from extproc import messages, wire
 from extproc.config import ConfigError, parse_ip_port
 from extproc.errors import ErrorCode, RoutingError
-from extproc.request import MAX_DECODED_FACTOR, RoutingRequest, parse_body
+from extproc.request import MAX_DECODED_FACTOR, RoutingRequest, bodiless_request, parse_body
 from extproc.decision import Decision
 from extproc.router import Router
 from extproc.spans import NO_SPAN, RequestSpan
@@ -142,9 +143,9 @@ class StreamHandler:
             served = _served_endpoint(message)
             if served is not None:
                 self.decision = self._router.served(self.decision, served)
-            refused = _refused_endpoint(message, self.decision.destination)
-            if refused is not None:
-                self._router.connect_failed(self.decision, refused)
+            failed = _failed_endpoint(message, self.decision.destination)
+            if failed is not None:
+                self._router.connect_failed(self.decision, failed)
             status = _upstream_status(message)
             if status is not None:
                 self._failed = status >= 400
@@ -173,7 +174,9 @@ class StreamHandler:
         self._span.start(values, self._request_id)
         bind_request(self._request_id, self._span.trace_id)
         if headers.end_of_stream or self._body_mode not in (_BodyMode.BUFFERED, _BodyMode.FULL_DUPLEX_STREAMED):
-            decision = await self._route(RoutingRequest(self._request_id, self._method, self._path))
+            request = (bodiless_request(self._request_id, self._method, self._path) if headers.end_of_stream
+                       else RoutingRequest(self._request_id, self._method, self._path))
+            decision = await self._route(request)
             return [messages.headers_route(decision.destination_value, self._span.upstream_headers())]
         self._phase = Phase.BODY
         if self._body_mode == _BodyMode.BUFFERED:
@@ -267,18 +270,23 @@ CONNECT_FAILURE_DETAILS = ("upstream_reset_before_response_started", "connection
 """``response.code_details`` of Envoy's own 503 when the upstream refused or never accepted the connection: it
 starts with the first and contains the second (e.g. ``upstream_reset_before_response_started{
 remote_connection_failure|delayed_connect_error:_Connection_refused}``, Envoy 1.40's ``ResponseCodeDetails``)."""
+PER_TRY_TIMEOUT_DETAILS = frozenset({"upstream_per_try_idle_timeout", "upstream_per_try_timeout"})
+"""``response.code_details`` of Envoy's own 504 when a try's deadline fired before the response started: the route's
+``per_try_idle_timeout`` (the backend sent no byte for that long: frozen, hung) or ``per_try_timeout`` (Envoy 1.40's
+``ResponseCodeDetails``). The backend accepted the connection and never answered: as unusable as one that refuses."""
 
 
-def _refused_endpoint(message: pb.ProcessingRequest, destination: str) -> str | None:
-    """The endpoint that refused the connection, when these response headers are Envoy's own reply to a connection
-    failure (``response.code_details``): its ``upstream.address`` (normalised), else ``destination``; None for
-    any other response."""
+def _failed_endpoint(message: pb.ProcessingRequest, destination: str) -> str | None:
+    """The endpoint that failed the request, when these response headers are Envoy's own reply to a connection
+    failure (`CONNECT_FAILURE_DETAILS`) or to a per-try deadline (`PER_TRY_TIMEOUT_DETAILS`) in
+    ``response.code_details``: its ``upstream.address`` (normalised), else ``destination``; None for any other
+    response."""
     attributes = message.attributes.get(EXT_PROC_ATTRIBUTES)
     if attributes is None or "response.code_details" not in attributes.fields:
         return None
     details = attributes.fields["response.code_details"].string_value
     prefix, marker = CONNECT_FAILURE_DETAILS
-    if not (details.startswith(prefix) and marker in details):
+    if not (details.startswith(prefix) and marker in details) and details not in PER_TRY_TIMEOUT_DETAILS:
         return None
     upstream = attributes.fields["upstream.address"].string_value if "upstream.address" in attributes.fields else ""
     try:

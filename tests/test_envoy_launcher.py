@@ -65,6 +65,12 @@ def _clusters(config: dict) -> dict[str, dict]:
     return {c["name"]: c for c in config["static_resources"]["clusters"]}
 
 
+def _ext_proc(config: dict) -> dict:
+    """The ExternalProcessor config of the ext_proc filter (inside its 431-skipping matcher)."""
+    (entry,) = [f for f in _http_filters(config) if f["name"] == "envoy.filters.http.ext_proc"]
+    return entry["typed_config"]["extension_config"]["typed_config"]
+
+
 def _child_pids(pid: int) -> list[int]:
     """Live children of ``pid``, read from /proc."""
     children = []
@@ -149,7 +155,7 @@ def test_print_config_is_yaml_with_the_documented_filters(mode: str, capsys: pyt
                      "envoy.filters.http.router"]
     removed = [m["remove"] for m in _http_filters(config)[0]["typed_config"]["mutations"]["request_mutations"]]
     assert _DESTINATION_HEADER in removed
-    ext_proc = _http_filters(config)[1]["typed_config"]
+    ext_proc = _ext_proc(config)
     assert ext_proc["processing_mode"] == _EXPECTED_MODES[mode]
     assert ext_proc["failure_mode_allow"] is False
     assert ext_proc["status_on_error"] == {"code": "ServiceUnavailable"}
@@ -259,7 +265,7 @@ def test_least_request_mode_is_plain_envoy_with_the_same_listener_route_and_limi
     assert health_check["no_traffic_interval"] == "1s"
 
     # The same listener, connection manager and upstream settings as the ext_proc templates.
-    for key in ("stat_prefix", "access_log", "codec_type", "stream_idle_timeout"):
+    for key in ("stat_prefix", "access_log", "codec_type", "stream_idle_timeout", "local_reply_config"):
         assert _hcm(config)[key] == _hcm(reference)[key], key
     assert _route(config)["timeout"] == _route(reference)["timeout"] == "0s"
     for key in ("retry_on", "num_retries"):
@@ -577,7 +583,7 @@ def test_the_pool_routes_with_override_host_and_reports_the_served_endpoint(mode
     (where that report arrives); without it: ORIGINAL_DST, response headers skipped."""
     default = yaml.safe_load(_render(mode))
     assert _clusters(default)["backends"]["type"] == "ORIGINAL_DST"
-    ext_proc = next(f for f in _http_filters(default) if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+    ext_proc = _ext_proc(default)
     assert ext_proc["processing_mode"]["response_header_mode"] == "SEND" and ext_proc["failure_mode_allow"] is False
     assert ext_proc["metadata_options"]["forwarding_namespaces"]["untyped"] == ["envoy.lb", "envoy.lb.subset_hint"]
     assert _route(default)["retry_policy"]["num_retries"] == 1
@@ -594,7 +600,7 @@ def test_the_pool_routes_with_override_host_and_reports_the_served_endpoint(mode
                                              "path": [{"key": "x-gateway-destination-endpoint-served"}]}
     (fallback,) = override["fallback_policy"]["policies"]
     assert fallback["typed_extension_config"]["name"] == "envoy.load_balancing_policies.least_request"
-    ext_proc = next(f for f in _http_filters(config) if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+    ext_proc = _ext_proc(config)
     assert ext_proc["processing_mode"]["response_header_mode"] == "SEND" and ext_proc["failure_mode_allow"] is True
     assert _route(config)["retry_policy"]["num_retries"] == launcher.POOL_RETRIES
     assert _clusters(yaml.safe_load(_render(mode, pool_addresses="vllm.ns.svc:8000")))["backends"]["type"] == \
@@ -618,7 +624,7 @@ def test_a_stream_refused_by_a_dead_replica_is_retried_at_once_on_another(mode: 
     after 25 ms, not the 1 s that Envoy's RetryPolicy defaults to (with every replica dead, each request waited
     ~2 s for its 503; measured)."""
     config = yaml.safe_load(_render(mode, extproc_address="127.0.0.1:9002,127.0.0.1:9003"))
-    ext_proc = next(f for f in _http_filters(config) if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+    ext_proc = _ext_proc(config)
     retry = ext_proc["grpc_service"]["retry_policy"]
     assert set(retry["retry_on"].split(",")) == {"connect-failure", "refused-stream", "reset-before-request"}
     assert retry["retry_back_off"]["base_interval"] == "0.025s" and retry["num_retries"] == 2
@@ -753,3 +759,57 @@ def test_extproc_tls_flags_have_no_use_in_least_request_mode(pem_files: dict, ca
             "--print-config"]
     assert launcher.main(argv) == 2
     assert "--extproc-tls-ca has no use" in caplog.text
+
+
+@pytest.mark.parametrize("mode", launcher.MODES)
+def test_every_template_formats_envoys_own_replies_as_openai_errors(mode: str) -> None:
+    """One local_reply_config (rendered from `launcher.local_reply_config`) in every template: a mapper per status
+    Envoy answers with, each an OpenAI-style body whose type is `extproc.errors.error_type`'s; no mapper takes the
+    extproc's own answers (details ``astrolabe_...``), and there is no top-level format that would."""
+    from extproc.errors import IMMEDIATE_RESPONSE_DETAILS_PREFIX, error_type
+
+    config = _hcm(yaml.safe_load(_render(mode)))["local_reply_config"]
+    assert config == launcher.local_reply_config() and "body_format" not in config
+    not_extproc = f"!response.code_details.startsWith('{IMMEDIATE_RESPONSE_DETAILS_PREFIX}')"
+    by_status = {}
+    for mapper in config["mappers"]:
+        expression = mapper["filter"]["extension_filter"]["typed_config"]["expression"]
+        assert expression.startswith(not_extproc), expression
+        error = mapper["body_format_override"]["json_format"]["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["param"] is None
+        assert error["code"] == "%RESPONSE_CODE%" and "%RESPONSE_CODE_DETAILS%" in error["message"]
+        status = expression.partition("response.code == ")[2].split(" ")[0]
+        by_status.setdefault(int(status) if status else None, error["type"])
+    assert {s: by_status[s] for s in launcher.LOCAL_REPLY_STATUSES} == {
+        s: error_type(s) for s in launcher.LOCAL_REPLY_STATUSES}
+    assert by_status[None] == "APIError"  # the last mapper takes any other status
+
+
+def test_the_extprocs_answers_carry_the_details_prefix_envoy_leaves_alone() -> None:
+    from extproc import messages
+    from extproc.errors import IMMEDIATE_RESPONSE_DETAILS_PREFIX, ErrorCode, RoutingError
+
+    for code in ErrorCode:
+        answer = messages.immediate_error(RoutingError(code, "m"))
+        assert answer.immediate_response.details.startswith(IMMEDIATE_RESPONSE_DETAILS_PREFIX), code
+
+
+@pytest.mark.parametrize("mode", launcher.EXTPROC_MODES)
+def test_the_ext_proc_filter_is_skipped_only_for_a_431(mode: str) -> None:
+    """Envoy's 431 (headers over its limit) must not wait for the processor: the codec closes the connection right
+    after it, and a reply the filter holds is lost (tests/integration/test_local_replies.py)."""
+    (entry,) = [f for f in _http_filters(yaml.safe_load(_render(mode))) if f["name"] == "envoy.filters.http.ext_proc"]
+    matcher = entry["typed_config"]
+    assert matcher["@type"].endswith("ExtensionWithMatcher")
+    (rule,) = matcher["xds_matcher"]["matcher_list"]["matchers"]
+    predicate = rule["predicate"]["single_predicate"]
+    assert predicate["input"]["typed_config"]["header_name"] == ":status"
+    assert predicate["value_match"] == {"exact": "431"}
+    assert rule["on_match"]["action"]["typed_config"]["@type"].endswith("SkipFilter")
+
+
+@pytest.mark.parametrize("mode", launcher.MODES)
+def test_retries_in_flight_are_not_capped_at_envoys_default(mode: str) -> None:
+    """Envoy's default max_retries (3 per cluster) refused a burst's retries down the fallback list."""
+    thresholds = _clusters(yaml.safe_load(_render(mode)))["backends"]["circuit_breakers"]["thresholds"][0]
+    assert thresholds["max_retries"] == launcher.DEFAULT_MAX_UPSTREAM_REQUESTS

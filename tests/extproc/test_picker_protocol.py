@@ -195,9 +195,13 @@ REFUSED = "upstream_reset_before_response_started{remote_connection_failure|dela
     (REFUSED, "10.9.9.9:80", False),  # an address outside the pool
     ("via_upstream", "{chosen}", False),  # the backend answered (whatever its status)
     ("upstream_reset_before_response_started{connection_termination}", "{chosen}", False),  # reset, not refused
-    ("upstream_per_try_idle_timeout", "{chosen}", False),
-], ids=["refused", "refused-no-address", "refused-outside", "answered", "terminated", "idle-timeout"])
-async def test_a_refused_connection_ejects_the_endpoint(code_details, upstream, ejected):
+    # Envoy's 504 when a try's deadline fired before the response started: a frozen backend, ejected the same way
+    ("upstream_per_try_idle_timeout", "{chosen}", True),
+    ("upstream_per_try_timeout", None, True),
+    ("upstream_response_timeout", "{chosen}", False),  # the route's overall timeout (ours is off): not the backend's
+], ids=["refused", "refused-no-address", "refused-outside", "answered", "terminated", "idle-timeout",
+        "per-try-timeout", "route-timeout"])
+async def test_a_refused_connection_or_a_per_try_timeout_ejects_the_endpoint(code_details, upstream, ejected):
     """Passive failure detection without --pool (ORIGINAL_DST: no outlier detection, no served endpoint)."""
     async with running_server({"policy": "round-robin", "drain_delay_s": 0, "health_check": {"interval_s": 60},
                                "endpoints": ENDPOINTS}) as (server, stub):
@@ -263,18 +267,20 @@ async def test_an_endpoint_answering_5xx_in_a_row_is_ejected(statuses, ejected):
 
 
 async def test_envoys_own_503_is_not_a_backend_answer():
-    """Envoy's local replies (no healthy upstream, a timeout) are not the backend's 5xx: they do not count."""
+    """Envoy's local replies (no healthy upstream, the route's timeout) are not the backend's 5xx: they do not count
+    (a per-try timeout does eject, as a refused connection: `test_a_refused_connection_or_a_per_try_timeout_...`)."""
     async with running_server({"policy": "round-robin", "drain_delay_s": 0, "health_check": {"interval_s": 60},
                                "endpoints": ENDPOINTS[:1]}) as (server, stub):
         address = ENDPOINTS[0]["address"]
         server.pool.set_healthy(address, True)
-        for _ in range(6):
+        for i in range(6):
             call = stub.Process()
             await call.write(headers_msg())
             await call.read()
             await call.write(body_msg(BODY))
             await call.read()
-            await call.write(_answered(504, "upstream_per_try_idle_timeout"))
+            await call.write(_answered(504, "upstream_response_timeout") if i % 2 else
+                             _answered(503, "no_healthy_upstream"))
             await call.read()
             await call.done_writing()
         assert server.pool.is_healthy(address)

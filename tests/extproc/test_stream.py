@@ -223,3 +223,30 @@ async def test_a_body_at_max_body_bytes_is_routed_and_one_byte_more_is_413(serve
     else:
         assert answer.immediate_response.status.code == 413
     await call.done_writing()
+
+
+@pytest.mark.parametrize("mode", [Mode.BUFFERED, Mode.FULL_DUPLEX_STREAMED], ids=["buffered", "full-duplex"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate", "/v1/%63ompletions?x=1"])
+async def test_a_post_without_a_body_to_an_inference_route_is_400(server, path, mode):
+    """Headers that end the stream (an empty body): nothing to route on, the backend would refuse it."""
+    srv, stub = server
+    call = stub.Process()
+    await call.write(headers_msg(path=path, eos=True, mode=mode))
+    response = await call.read()
+    await call.done_writing()
+    immediate = response.immediate_response
+    assert immediate.status.code == 400 and immediate.headers.set_headers[0].header.raw_value == b"application/json"
+    error = json.loads(immediate.body)["error"]
+    assert error["code"] == 400 and error["type"] == "BadRequestError" and "body is empty" in error["message"]
+    assert all(srv.pool.in_flight(e["address"]) == 0 for e in ENDPOINTS)
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/v1/embeddings"), ("POST", "/tokenize"), ("GET", "/v1/completions"),
+                                          ("DELETE", "/v1/chat/completions")])
+async def test_a_bodiless_request_elsewhere_is_routed_on_its_headers(server, method, path):
+    _, stub = server
+    call = stub.Process()
+    await call.write(headers_msg(method=method, path=path, eos=True, mode=Mode.FULL_DUPLEX_STREAMED))
+    response = await call.read()
+    await call.done_writing()
+    assert destination_of(response.request_headers.response) in {e["address"] for e in ENDPOINTS}

@@ -57,6 +57,7 @@ class Stack:
     mode: str
     env: dict[str, str] | None = None
     envoy_url: str = ""
+    admin_url: str = ""
     extproc_port: int = 0
     metrics_url: str = ""
     extproc: ManagedProcess | None = None
@@ -118,7 +119,7 @@ class Stack:
                                  "--admin-port", str(admin), "--extproc", f"127.0.0.1:{self.extproc_port}", *extra],
                                 name=f"envoy-{port}", log_path=self.tmp / f"envoy-{port}.log")
         proc.wait_http(f"http://127.0.0.1:{admin}/ready", timeout_s=20)
-        self.envoy_url = f"http://127.0.0.1:{port}"
+        self.envoy_url, self.admin_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
         if wait_routable:
             self.wait_routable()
         return self.envoy_url
