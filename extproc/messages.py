@@ -14,7 +14,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from extproc import wire
-from extproc.errors import RoutingError
+from extproc.errors import IMMEDIATE_RESPONSE_DETAILS_PREFIX, RoutingError
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -107,6 +107,6 @@ def immediate_error(error: RoutingError) -> pb.ProcessingResponse:
             status=http_status_pb2.HttpStatus(code=error.http_status),
             headers=pb.HeaderMutation(set_headers=[_set_header("content-type", wire.CONTENT_TYPE_JSON)]),
             body=error.json_body(),
-            details=f"astrolabe_{error.code.value}",
+            details=f"{IMMEDIATE_RESPONSE_DETAILS_PREFIX}{error.code.value}",
         )
     )

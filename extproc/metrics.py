@@ -23,7 +23,7 @@
   replica's own event-loop lag.
 - ``astrolabe_extproc_served_elsewhere_total``: requests the gateway reported served by another endpoint than the
   chosen one; ``astrolabe_extproc_connect_failures_total``: requests whose endpoint refused the connection (the
-  gateway's local 503), each taking the endpoint out of the pool until its next passing health check.
+  gateway's local 503) or let a per-try timeout fire (its 504), each taking the endpoint out of the pool until its next passing health check.
 - Label values come only from configuration (policy, endpoint and sidecar addresses) and fixed sets (outcomes,
   error codes, reasons, metrics), never from request fields (model, headers): a client cannot grow the series.
 - ``astrolabe_extproc_in_flight_requests{endpoint}``: this replica's in-flight count per endpoint (read live
@@ -131,8 +131,8 @@ class ExtprocMetrics:
             "astrolabe_extproc_served_elsewhere", "Requests the gateway reported served by a fallback endpoint, not "
             "the chosen one (x-gateway-destination-endpoint-served)", registry=self.registry)
         self.connect_failures = Counter(
-            "astrolabe_extproc_connect_failures", "Requests the gateway could not connect to their endpoint for "
-            "(passive failure detection: the endpoint leaves the pool until its next passing health check)",
+            "astrolabe_extproc_connect_failures", "Requests whose endpoint refused the gateway's connection or let "
+            "a per-try timeout fire (passive failure detection: the endpoint leaves the pool until its next passing health check)",
             registry=self.registry)
         self.consecutive_5xx_ejections = Counter(
             "astrolabe_extproc_consecutive_5xx_ejections", "Endpoints taken out of the pool after 5 answers in a "

@@ -394,16 +394,17 @@ class Router:
             self.metrics.consecutive_5xx_ejections.inc()
 
     def connect_failed(self, decision: Decision, address: str) -> None:
-        """The gateway reports that it could not connect to ``address`` for the request ``decision`` routed (its
+        """The gateway reports that ``address`` failed the request ``decision`` routed: it could not connect (its
         local 503 after the retries: ``response.code_details`` ``upstream_reset_before_response_started{...
-        connection_failure...}``, Envoy's `ResponseCodeDetails`). With ``passive_ejection`` that endpoint leaves the
+        connection_failure...}``, Envoy's `ResponseCodeDetails`) or a per-try timeout fired (its 504,
+        ``upstream_per_try_timeout`` / ``upstream_per_try_idle_timeout``: a frozen backend). With ``passive_ejection`` that endpoint leaves the
         pool until its next passing active health check, so that the requests after this one avoid it (without
         this a dead backend attracts traffic: its in-flight count falls to 0). An address outside the pool, or
         already unhealthy, changes nothing."""
         if not self._passive_ejection or not self.pool.has(address) or not self.pool.is_healthy(address):
             return
-        logger.warning("endpoint %s refused the connection for request %s: out of the pool until its next passing "
-                       "health check", address, decision.request_id)
+        logger.warning("endpoint %s refused the connection or let a per-try timeout fire for request %s: out of the "
+                       "pool until its next passing health check", address, decision.request_id)
         self.pool.set_healthy(address, False)
         self.metrics.connect_failures.inc()
 
