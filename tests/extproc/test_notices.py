@@ -31,27 +31,32 @@ def admit(predictors, address, i):
     predictors.admit(address, f"r{i}", 100, 50)
 
 
-async def test_notices_of_one_turn_are_one_message_and_the_sidecar_counts_them(sidecars):
+@pytest.fixture
+async def streaming(sidecars):
+    """A sidecar, its address, and a client whose notice stream to it is ready."""
     (sidecar,) = await sidecars(1)
     address = f"127.0.0.1:{sidecar.port}"
     predictors = client()
-    try:
-        predictors.connect([address])
-        stream = predictors.notice_streams[address]
-        await until(lambda: stream.ready)
-        for i in range(20):  # one turn of the event loop
-            admit(predictors, address, i)
-        assert predictors.num_admits_pending(address) == 20
-        await until(lambda: sidecar.ledger.num_unfinished() == 20)
-        assert stream.num_batches == 1 and stream.num_notices == 20
-        assert sidecar.admits_seen(predictors.router_id) == 20  # admit_seq travels as on a unary Admit
-        assert predictors.num_admits_pending(address) == 0
-        for i in range(20):
-            predictors.release(address, f"r{i}")
-        await until(lambda: sidecar.ledger.num_unfinished() == 0)
-        assert stream.num_batches == 2 and stream.num_lost == 0
-    finally:
-        await predictors.close()
+    predictors.connect([address])
+    await until(lambda: predictors.notice_streams[address].ready)
+    yield sidecar, address, predictors
+    await predictors.close()
+
+
+async def test_notices_of_one_turn_are_one_message_and_the_sidecar_counts_them(streaming):
+    sidecar, address, predictors = streaming
+    stream = predictors.notice_streams[address]
+    for i in range(20):  # one turn of the event loop
+        admit(predictors, address, i)
+    assert predictors.num_admits_pending(address) == 20
+    await until(lambda: sidecar.ledger.num_unfinished() == 20)
+    assert stream.num_batches == 1 and stream.num_notices == 20
+    assert sidecar.admits_seen(predictors.router_id) == 20  # admit_seq travels as on a unary Admit
+    assert predictors.num_admits_pending(address) == 0
+    for i in range(20):
+        predictors.release(address, f"r{i}")
+    await until(lambda: sidecar.ledger.num_unfinished() == 0)
+    assert stream.num_batches == 2 and stream.num_lost == 0
 
 
 async def test_notices_sent_before_the_stream_is_ready_go_unary(sidecars):
@@ -100,20 +105,13 @@ async def test_a_sidecar_without_notify_gets_unary_calls(sidecars):
         await server.stop(0)
 
 
-async def test_an_invalid_admit_on_the_stream_is_skipped_and_the_stream_goes_on(sidecars):
-    (sidecar,) = await sidecars(1)
-    address = f"127.0.0.1:{sidecar.port}"
-    predictors = client()
-    try:
-        predictors.connect([address])
-        stream = predictors.notice_streams[address]
-        await until(lambda: stream.ready)
-        assert stream.offer(admit=pb.AdmitRequest(request_id=""))  # no request id: INVALID_ARGUMENT as a call
-        admit(predictors, address, 1)
-        await until(lambda: sidecar.ledger.num_unfinished() == 1)
-        assert stream.ready
-    finally:
-        await predictors.close()
+async def test_an_invalid_admit_on_the_stream_is_skipped_and_the_stream_goes_on(streaming):
+    sidecar, address, predictors = streaming
+    stream = predictors.notice_streams[address]
+    assert stream.offer(admit=pb.AdmitRequest(request_id=""))  # no request id: INVALID_ARGUMENT as a call
+    admit(predictors, address, 1)
+    await until(lambda: sidecar.ledger.num_unfinished() == 1)
+    assert stream.ready
 
 
 async def test_the_stream_is_reopened_when_the_sidecar_comes_back():
