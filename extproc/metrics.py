@@ -74,6 +74,14 @@ class _PredictorCollector(Collector):
         yield CounterMetricFamily("astrolabe_extproc_predictor_late_excused",
                                   "Late Predict calls blamed on this replica's event-loop lag",
                                   value=self._predictors.num_late_excused)
+        notices = CounterMetricFamily(
+            "astrolabe_extproc_notices", "Admit and Release notices on each sidecar's notice stream (extproc/notices.py) "
+            "by outcome: sent, or lost (queued on a stream that broke, or beyond the queue's cap while the sidecar did "
+            "not read); a lost notice heals when the sidecar reconciles", labels=["predictor", "outcome"])
+        for address, stream in list(self._predictors.notice_streams.items()):
+            notices.add_metric([address, "sent"], stream.num_notices)
+            notices.add_metric([address, "lost"], stream.num_lost)
+        yield notices
 
 
 class _FleetCollector(Collector):

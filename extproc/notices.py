@@ -13,19 +13,21 @@ NOTE: the rule, per sidecar.
   unary call: nothing is written into a stream the sidecar might not read. A sidecar that answers UNIMPLEMENTED
   (protocol v1.2 or older) is never asked again: unary for good.
 - **One batch per turn.** A notice wakes the stream's writer, which runs after the current turn of the event loop:
-  every notice queued meanwhile goes in the same message, Admits first, then Releases, in the order queued (the
-  sidecar handles them in that order, so an Admit always precedes its request's Release).
+  every notice queued meanwhile (at most `MAX_BATCH_NOTICES` a message) goes in the same message, Admits first,
+  then Releases, each in the order queued (the sidecar handles them in that order, so an Admit always precedes its
+  request's Release).
 - **A broken stream loses what it held**, as unary calls to a dead sidecar do (the sidecar reconciles its counts
   with its engine: ``predictor/state_source.py``): notices queued but not written are dropped and counted
   (``num_lost``), later notices go unary, and the stream is reopened after a backoff (``min_backoff_s``, doubling
   to ``max_backoff_s``).
 - **A sidecar that stops reading** (frozen) leaves its notices queued: at most `MAX_QUEUED_NOTICES`, then the
-  oldest are dropped (``num_lost``).
+  oldest are dropped, in the order queued (``num_lost``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -37,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 MAX_QUEUED_NOTICES = 10_000
 """Most notices waiting for one sidecar's stream (a frozen sidecar's): ~1 MB of messages."""
+MAX_BATCH_NOTICES = 512
+"""Most notices in one message: a sidecar handles a message in one go (a break-it pass sent 100k Admits in one and
+held the sidecar's Predicts for 3.4 s); 512 take it ~10 ms."""
 
 
 class NoticeStream:
@@ -48,7 +53,7 @@ class NoticeStream:
             (``PredictorStub.Notify``).
         min_backoff_s, max_backoff_s: wait before reopening a broken stream, seconds: the first, and the cap of its
             doubling per failure in a row.
-        on_written: called with the number of Admits of each batch handed to gRPC.
+        on_gone: called with the number of Admits that left the queue: handed to gRPC in a batch, or lost.
 
     Attributes:
         ready: the sidecar reads this stream now (`offer` takes notices).
@@ -57,15 +62,14 @@ class NoticeStream:
     """
 
     def __init__(self, address: str, open_call: Callable[[AsyncIterator[pb.NoticeBatch]], grpc.aio.StreamUnaryCall],
-                 min_backoff_s: float, max_backoff_s: float, on_written: Callable[[int], None] | None = None) -> None:
+                 min_backoff_s: float, max_backoff_s: float, on_gone: Callable[[int], None] | None = None) -> None:
         self.address = address
         self._open_call = open_call
         self._min_backoff_s, self._max_backoff_s = min_backoff_s, max_backoff_s
-        self._on_written = on_written
+        self._on_gone = on_gone
         self.ready = self.unsupported = False
         self.num_batches = self.num_notices = self.num_lost = 0
-        self._admits: list[pb.AdmitRequest] = []
-        self._releases: list[pb.ReleaseRequest] = []
+        self._queue: collections.deque[pb.AdmitRequest | pb.ReleaseRequest] = collections.deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -75,17 +79,20 @@ class NoticeStream:
         if not self.ready:
             self.start()
             return False
-        if admit is not None:
-            self._admits.append(admit)
-        if release is not None:
-            self._releases.append(release)
-        excess = len(self._admits) + len(self._releases) - MAX_QUEUED_NOTICES
-        if excess > 0:  # the oldest go; Admits first (a lost Release heals when the sidecar reconciles)
-            num_admits = min(excess, len(self._admits))
-            del self._admits[:num_admits], self._releases[:excess - num_admits]
-            self.num_lost += excess
+        queue = self._queue
+        for notice in (admit, release):
+            if notice is not None:
+                queue.append(notice)
+        if len(queue) > MAX_QUEUED_NOTICES:  # the oldest go
+            self._lose([queue.popleft() for _ in range(len(queue) - MAX_QUEUED_NOTICES)])
         self._wake.set()
         return True
+
+    def _lose(self, notices) -> None:
+        self.num_lost += len(notices)
+        num_admits = sum(isinstance(n, pb.AdmitRequest) for n in notices)
+        if num_admits and self._on_gone is not None:
+            self._on_gone(num_admits)
 
     def start(self) -> None:
         """Opens the stream in the background (once; never for a sidecar without Notify)."""
@@ -103,20 +110,24 @@ class NoticeStream:
     async def _batches(self, wake: asyncio.Event) -> AsyncIterator[pb.NoticeBatch]:
         """The messages of one call; ``wake`` is that call's (a broken call's writer may outlive it in gRPC: it must
         not take the next call's notices)."""
+        queue = self._queue
         while True:
             await wake.wait()
             if wake is not self._wake:
                 return
             wake.clear()
-            if not (self._admits or self._releases):
-                continue
-            admits, releases, self._admits, self._releases = self._admits, self._releases, [], []
-            batch = pb.NoticeBatch(admits=admits, releases=releases)
-            self.num_batches += 1
-            self.num_notices += len(admits) + len(releases)
-            if self._on_written is not None and admits:
-                self._on_written(len(admits))
-            yield batch
+            while queue:
+                admits, releases = [], []
+                for _ in range(min(len(queue), MAX_BATCH_NOTICES)):
+                    notice = queue.popleft()
+                    (admits if isinstance(notice, pb.AdmitRequest) else releases).append(notice)
+                self.num_batches += 1
+                self.num_notices += len(admits) + len(releases)
+                if self._on_gone is not None and admits:
+                    self._on_gone(len(admits))
+                yield pb.NoticeBatch(admits=admits, releases=releases)
+                if wake is not self._wake:
+                    return
 
     async def _run(self) -> None:
         backoff_s = self._min_backoff_s
@@ -142,7 +153,8 @@ class NoticeStream:
                 call.cancel()
                 self._wake = asyncio.Event()
                 wake.set()  # its writer, if still waiting, ends
-                self.num_lost += len(self._admits) + len(self._releases)
-                self._admits, self._releases = [], []
+                lost = list(self._queue)
+                self._queue.clear()
+                self._lose(lost)
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, self._max_backoff_s)

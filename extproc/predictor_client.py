@@ -552,7 +552,8 @@ class PredictorClient:
 
     def num_admits_pending(self, address: str) -> int:
         """Admits sent to the sidecar at ``address`` whose call has not ended yet (answered, failed or timed
-        out); on a notice stream, until gRPC took the batch that carries it (its handling is not confirmed)."""
+        out); on a notice stream, until gRPC took the batch that carries it (its handling is not confirmed) or it
+        was lost."""
         return self._num_admits_pending.get(address, 0)
 
     def release(self, address: str, request_id: str, failed: bool = False) -> None:
@@ -569,13 +570,13 @@ class PredictorClient:
             return None
         stream = self.notice_streams.get(address)
         if stream is None:
-            def written(num_admits: int) -> None:
+            def gone(num_admits: int) -> None:
                 if address in self._num_admits_pending:
                     self._num_admits_pending[address] -= num_admits
 
             stream = self.notice_streams[address] = NoticeStream(
                 address, lambda batches: self._stub(address).Notify(batches), self.config.min_backoff_s,
-                self.config.max_backoff_s, on_written=written)
+                self.config.max_backoff_s, on_gone=gone)
         return stream
 
     def _notify(self, address: str, call, span: trace.Span | None = None, admit: bool = False) -> None:

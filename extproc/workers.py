@@ -34,6 +34,10 @@ Lifecycle:
   ``failure_mode_allow`` behaviour, as for one process that dies). A restarted worker that exits before it is
   ready ends the supervisor with status 1 (after stopping the others), so that the orchestrator restarts the pod
   rather than the pod serving on fewer workers for good.
+- A ready worker's event loop beats every `HEARTBEAT_INTERVAL_S` (one byte on a pipe); one silent for
+  `STALL_TIMEOUT_S` (SIGSTOP, a hung loop) is SIGKILLed and restarted as above (ERROR): a hung worker keeps the
+  connections the kernel gave it, and a break-it pass measured no request at all succeeding for 12 s while one of 2
+  workers was stopped.
 - SIGTERM or SIGINT to the supervisor: passed to every worker, which drains as one process does (readiness
   NOT_SERVING, ``drain_delay_s``, then ``grace_period_s``); the supervisor waits for them, SIGKILLs any worker
   still running `KILL_MARGIN_S` after that, and exits 0.
@@ -43,9 +47,11 @@ Lifecycle:
 Metrics (``metrics_listen``): each worker serves its own registry on an ephemeral loopback port; the supervisor
 serves ``metrics_listen`` and on each scrape reads every ready worker's and adds them up, sample by sample
 (`merge_expositions`): counters and histograms are sums over the workers, as are gauges except
-`GAUGE_COMBINE`'s (an endpoint is healthy if every worker's checks pass; a sidecar's state age is the oldest). A
-worker being restarted is missing from the sum until it is ready, and its counters start again from 0: the
-sums go down then, which Prometheus reads as a counter reset. Why not prometheus-client's multiprocess mode
+`GAUGE_COMBINE`'s (an endpoint is healthy if every worker's checks pass; a sidecar's state age is the oldest). The
+workers are read in parallel; one that does not answer within `SCRAPE_TIMEOUT_S` (busy, stopped) counts with the
+last exposition read from it, so that the sums do not go down. A worker being restarted is missing from the sum
+until it is ready, and its counters start again from 0: the sums go down then, which Prometheus reads as a counter
+reset. Why not prometheus-client's multiprocess mode
 (``PROMETHEUS_MULTIPROC_DIR``): the extproc exports its pool gauges and its per-sidecar call and prediction
 counts from custom collectors read at scrape time (``extproc.metrics``), and "custom collectors do not work" in
 that mode (prometheus-client's documentation, "Multiprocess Mode").
@@ -56,6 +62,8 @@ Decision log (``decision_log_path``): every worker appends to the same file, who
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import ipaddress
@@ -90,8 +98,15 @@ RESTART_DELAY_S = 1.0
 KILL_MARGIN_S = 5.0
 """At shutdown, time past ``drain_delay_s + grace_period_s`` after which a worker still running gets SIGKILL,
 seconds (a worker's own drain ends by then, its tracer's flush included)."""
-SCRAPE_TIMEOUT_S = 2.0
-"""Longest wait for one worker's /metrics during a scrape of the supervisor's, seconds."""
+SCRAPE_TIMEOUT_S = 1.0
+"""Longest wait for one worker's /metrics during a scrape of the supervisor's, seconds (the workers are read in
+parallel; one that does not answer in time counts with its last exposition read)."""
+HEARTBEAT_INTERVAL_S = 0.5
+"""A ready worker's event loop writes one byte to its supervisor this often, seconds."""
+STALL_TIMEOUT_S = 5.0
+"""A ready worker whose heartbeat stops this long (a stopped process, an event loop that hangs) is SIGKILLed and
+restarted, seconds: the kernel keeps handing it connections (SO_REUSEPORT), so a hung worker would take its share of
+Envoy's connections, and with them all requests on them, for as long as it hangs."""
 GAUGE_COMBINE: dict[str, Callable[[Sequence[float]], float]] = {
     "astrolabe_extproc_endpoint_healthy": min,
     "astrolabe_extproc_watched_state_age_seconds": max,
@@ -214,18 +229,28 @@ class _WorkersCollector(Collector):
     def __init__(self, ports: Callable[[], list[int]]) -> None:
         self._ports = ports
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self._last: dict[int, str] = {}  # metrics port -> the last exposition read from it
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="scrape")
 
     def describe(self):
         return []  # nothing is read at registration
 
+    def _read(self, port: int) -> str:
+        with self._opener.open(f"http://127.0.0.1:{port}/metrics", timeout=SCRAPE_TIMEOUT_S) as response:
+            return response.read().decode()
+
     def collect(self):
+        ports = self._ports()
         texts = []
-        for port in self._ports():
+        for port, future in [(port, self._executor.submit(self._read, port)) for port in ports]:
             try:
-                with self._opener.open(f"http://127.0.0.1:{port}/metrics", timeout=SCRAPE_TIMEOUT_S) as response:
-                    texts.append(response.read().decode())
-            except OSError as exc:  # a worker that is just dying: missing from this scrape
-                logger.warning("metrics of the worker on port %d not read: %s", port, exc)
+                self._last[port] = future.result()
+            except OSError as exc:  # busy or stopped: its last exposition (none: a worker just started)
+                logger.warning("metrics of the worker on port %d not read (%s): its last ones are used", port, exc)
+            if port in self._last:
+                texts.append(self._last[port])
+        for port in set(self._last) - set(ports):  # a worker gone (restarted: a new port)
+            del self._last[port]
         yield from merge_expositions(texts)
 
 
@@ -233,9 +258,10 @@ class _WorkersCollector(Collector):
 
 
 def _worker_main(index: int, config: ExtprocConfig, config_path: Path | None, overrides: Mapping[str, Any],
-                 ready) -> None:
+                 ready, beats) -> None:
     """A worker process: one whole extproc on the shared port; sends ``(pid, metrics port)`` on ``ready`` once it
-    serves; exits with `extproc.server.run`'s status."""
+    serves, then writes a byte to ``beats`` every `HEARTBEAT_INTERVAL_S` from its event loop; exits with
+    `extproc.server.run`'s status."""
     from extproc.server import run  # noqa: PLC0415 (imported in the worker, after spawn)
 
     setup_logging(config.log_level, config.log_format)
@@ -244,6 +270,16 @@ def _worker_main(index: int, config: ExtprocConfig, config_path: Path | None, ov
     def on_ready(server) -> None:
         ready.send((os.getpid(), server.metrics_port))
         ready.close()
+        fd = beats.fileno()
+        os.set_blocking(fd, False)  # a supervisor that does not read (stopped) must not block the event loop
+        loop = asyncio.get_running_loop()
+
+        def beat() -> None:
+            with contextlib.suppress(BlockingIOError, BrokenPipeError):
+                os.write(fd, b".")
+            loop.call_later(HEARTBEAT_INTERVAL_S, beat)
+
+        beat()
 
     parent = multiprocessing.parent_process()
     raise SystemExit(run(config, config_path, overrides, reuse_port=True, on_ready=on_ready,
@@ -256,7 +292,9 @@ class _Worker:
     index: int
     process: multiprocessing.process.BaseProcess
     ready: multiprocessing.connection.Connection
+    beats: multiprocessing.connection.Connection
     started_s: float
+    last_beat_s: float = 0.0
     metrics_port: int = 0
     is_ready: bool = False
     restarted: bool = False
@@ -280,12 +318,15 @@ class _Supervisor:
 
     def start(self, index: int, restarted: bool = False) -> _Worker:
         receive, send = self._context.Pipe(duplex=False)
+        beats, beat = self._context.Pipe(duplex=False)
         process = self._context.Process(
             target=_worker_main, name=f"astrolabe-extproc-worker-{index}",
-            args=(index, self._config, self._config_path, self._overrides, send))
+            args=(index, self._config, self._config_path, self._overrides, send, beat))
         process.start()
         send.close()  # the worker holds the only write end: its death reads as EOF here
-        worker = _Worker(index, process, receive, time.monotonic(), restarted=restarted)
+        beat.close()
+        os.set_blocking(beats.fileno(), False)
+        worker = _Worker(index, process, receive, beats, time.monotonic(), restarted=restarted)
         logger.info("worker %d started (pid %d)", index, process.pid)
         return worker
 
@@ -303,6 +344,21 @@ class _Supervisor:
                 pass
         return ready
 
+    def kill_stalled(self) -> None:
+        """Reads the ready workers' heartbeats; SIGKILLs one silent for `STALL_TIMEOUT_S` (its death then restarts
+        it)."""
+        now_s = time.monotonic()
+        for worker in self.workers:
+            if not worker.is_ready or not worker.process.is_alive():
+                continue
+            with contextlib.suppress(BlockingIOError, OSError):
+                while os.read(worker.beats.fileno(), 4096):
+                    worker.last_beat_s = now_s
+            if now_s - worker.last_beat_s > STALL_TIMEOUT_S:
+                logger.error("worker %d (pid %d) gave no sign of life for %.1f s (stopped, or its event loop hangs): "
+                             "SIGKILL", worker.index, worker.process.pid, now_s - worker.last_beat_s)
+                worker.process.kill()
+
     def take_ready(self, worker: _Worker) -> bool:
         """Reads ``worker``'s ready message if one came; True when it did."""
         try:
@@ -312,6 +368,7 @@ class _Supervisor:
         except (EOFError, OSError):  # it died before it was ready
             return False
         worker.is_ready = True
+        worker.last_beat_s = time.monotonic()
         worker.ready.close()
         return True
 
@@ -381,10 +438,13 @@ def _run(supervisor: _Supervisor, config: ExtprocConfig) -> int:
     restarts: dict[int, float] = {}  # worker index -> when it may start again
     try:
         while not supervisor.signals:
-            timeout_s = max(0.0, min(restarts.values()) - time.monotonic()) if restarts else None
+            timeout_s = HEARTBEAT_INTERVAL_S
+            if restarts:
+                timeout_s = min(timeout_s, max(0.0, min(restarts.values()) - time.monotonic()))
             supervisor.wait(timeout_s)
             if supervisor.signals:  # a worker that ends now ends by the same signal (its process group's)
                 break
+            supervisor.kill_stalled()
             for worker in supervisor.workers:
                 if not worker.is_ready and supervisor.take_ready(worker):
                     logger.info("worker %d (pid %d) ready", worker.index, worker.process.pid)
@@ -396,13 +456,15 @@ def _run(supervisor: _Supervisor, config: ExtprocConfig) -> int:
                     logger.error("worker %d (pid %d) exited with status %s before it was ready: stopping the "
                                  "others", worker.index, worker.process.pid, status)
                     supervisor.stop_all()
-                    return 1 if all_ready or not status else status
+                    # its own status when it failed its first start (2: configuration), else 1 (a signal too)
+                    return status if not all_ready and status and status > 0 else 1
                 logger.warning("worker %d (pid %d) exited with status %s: restarting it", worker.index,
                                worker.process.pid, status)
                 restarts[worker.index] = worker.started_s + RESTART_DELAY_S
             for index, when_s in list(restarts.items()):
                 if time.monotonic() >= when_s:
                     del restarts[index]
+                    supervisor.workers[index].beats.close()
                     supervisor.workers[index] = supervisor.start(index, restarted=True)
             if not all_ready and all(w.is_ready for w in supervisor.workers):
                 all_ready = True

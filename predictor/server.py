@@ -276,6 +276,8 @@ SIMULATION_SPAN = "astrolabe.simulate"
 PROTOCOL_REVISION = 3
 """``PredictResponse.protocol_revision``: the revision of ``predictor.proto`` v1 this sidecar speaks (3 = v1.3:
 holding Predicts since v1.1, Watch since v1.2, Notify streams since v1.3)."""
+NOTICES_PER_TURN = 256
+"""Notices a Notify stream handles before it lets the event loop run others (``PredictorServicer.Notify``)."""
 MIN_WATCH_INTERVAL_S = 0.005
 MAX_WATCH_INTERVAL_S = 1.0
 """Bounds of a Watch stream's interval, seconds: a router cannot make a sidecar send more than 200 states a second,
@@ -408,12 +410,15 @@ class PredictorServicer(pb_grpc.PredictorServicer):
     async def Notify(self, request_iterator, context):  # noqa: N802
         """Protocol v1.3: a router's Admits and Releases, batched (``NoticeBatch``), handled as the unary calls are,
         in order, until the router ends the stream. An invalid Admit is logged and skipped (the stream goes on: a
-        notice has no caller waiting for its answer)."""
+        notice has no caller waiting for its answer). Every `NOTICES_PER_TURN` notices the event loop gets a turn, so
+        that a huge message does not hold up the Predicts and Watch streams meanwhile."""
         await context.send_initial_metadata(((NOTIFY_READY_KEY, str(PROTOCOL_REVISION)),))
         num_admits = num_releases = 0
         async for batch in request_iterator:
             for admit in batch.admits:
                 num_admits += 1
+                if num_admits % NOTICES_PER_TURN == 0:
+                    await asyncio.sleep(0)
                 with request_context(admit.request_id):
                     try:
                         self._apply_admit(admit)
@@ -421,6 +426,8 @@ class PredictorServicer(pb_grpc.PredictorServicer):
                         logger.warning("Admit of %r skipped: %s", admit.request_id, exc)
             for release in batch.releases:
                 num_releases += 1
+                if num_releases % NOTICES_PER_TURN == 0:
+                    await asyncio.sleep(0)
                 with request_context(release.request_id):
                     self._release(release)
         return pb.NotifyResponse(num_admits=num_admits, num_releases=num_releases)

@@ -59,6 +59,15 @@ async def test_notices_of_one_turn_are_one_message_and_the_sidecar_counts_them(s
     assert stream.num_batches == 2 and stream.num_lost == 0
 
 
+async def test_a_big_turn_is_cut_into_messages_of_at_most_max_batch_notices(monkeypatch, streaming):
+    monkeypatch.setattr(notices, "MAX_BATCH_NOTICES", 8)
+    sidecar, address, predictors = streaming
+    for i in range(20):
+        admit(predictors, address, i)
+    await until(lambda: sidecar.ledger.num_unfinished() == 20)
+    assert predictors.notice_streams[address].num_batches == 3
+
+
 async def test_notices_sent_before_the_stream_is_ready_go_unary(sidecars):
     (sidecar,) = await sidecars(1)
     address = f"127.0.0.1:{sidecar.port}"
@@ -141,19 +150,19 @@ async def test_the_stream_is_reopened_when_the_sidecar_comes_back():
 
 
 async def test_a_stream_that_is_not_read_keeps_at_most_the_cap(monkeypatch, sidecars):
-    """A frozen sidecar: what waits is bounded, the oldest go first (Admits before Releases)."""
+    """A frozen sidecar: what waits is bounded, the oldest go first; the Admits lost leave the pending count."""
     monkeypatch.setattr(notices, "MAX_QUEUED_NOTICES", 3)
     (sidecar,) = await sidecars(1)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.port}")
-    stream = NoticeStream("frozen", pb_grpc.PredictorStub(channel).Notify, 0.05, 0.2)
+    gone = []
+    stream = NoticeStream("frozen", pb_grpc.PredictorStub(channel).Notify, 0.05, 0.2, on_gone=gone.append)
     try:
         stream.ready = True  # as if the sidecar had said it reads, before the writer runs
         for i in range(4):
             assert stream.offer(admit=pb.AdmitRequest(request_id=f"a{i}"))
         assert stream.offer(release=pb.ReleaseRequest(request_id="a3"))
-        assert stream.num_lost == 2
-        assert [a.request_id for a in stream._admits] == ["a2", "a3"]
-        assert [r.request_id for r in stream._releases] == ["a3"]
+        assert stream.num_lost == 2 and sum(gone) == 2  # the oldest, in the order queued
+        assert [n.request_id for n in stream._queue] == ["a2", "a3", "a3"]
     finally:
         await stream.close()
         await channel.close()

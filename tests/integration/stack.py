@@ -142,7 +142,7 @@ class Stack:
         series at the same moment with `metric`."""
         from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
 
-        return [sample for family in text_string_to_metric_families(httpx.get(self.metrics_url, timeout=2).text)
+        return [sample for family in text_string_to_metric_families(httpx.get(self.metrics_url, timeout=5).text)
                 for sample in family.samples]
 
     def metric(self, series: str, samples: list | None = None) -> float:

@@ -6,6 +6,7 @@ supervisor (SIGTERM drains them all; SIGKILL of the supervisor ends them too).""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -21,6 +22,7 @@ import httpx
 import pytest
 
 from astrolabe.procs import ProcessGroup, free_port, pid_alive
+from extproc.workers import STALL_TIMEOUT_S
 from tests.integration.stack import Stack, poll_until
 
 pytestmark = [pytest.mark.envoy]
@@ -116,6 +118,26 @@ def test_a_dead_worker_is_restarted(stack):
     assert new[1] == old[1] and not pid_alive(old[0])
     assert "worker 0 (pid %d) exited with status -9: restarting it" % old[0] in stack.extproc.log_path.read_text()
     statuses = asyncio.run(_requests(stack.envoy_url, "after-restart", 16))
+    assert statuses == [200] * 16
+
+
+def test_a_stopped_worker_is_killed_and_restarted_and_its_sums_do_not_drop(stack):
+    """SIGSTOP: the worker's heartbeat stops, the supervisor SIGKILLs it after STALL_TIMEOUT_S and restarts it
+    (a hung worker keeps the connections the kernel gave it); meanwhile the summed counters keep its last values."""
+    asyncio.run(_requests(stack.envoy_url, "before-stop", 16))
+    routed_before = stack.metric('astrolabe_extproc_requests_total{outcome="routed"}')
+    old = worker_pids(stack)
+    os.kill(old[1], signal.SIGSTOP)
+    try:
+        assert stack.metric('astrolabe_extproc_requests_total{outcome="routed"}') == routed_before
+        new = poll_until(lambda: (lambda p: p if p.get(1, old[1]) != old[1] else None)(worker_pids(stack)),
+                         STALL_TIMEOUT_S + 30, "worker 1 killed and restarted")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(old[1], signal.SIGCONT)
+    assert new[0] == old[0] and not pid_alive(old[1])
+    assert f"worker 1 (pid {old[1]}) gave no sign of life" in stack.extproc.log_path.read_text()
+    statuses = asyncio.run(_requests(stack.envoy_url, "after-stall", 16))
     assert statuses == [200] * 16
 
 
