@@ -47,7 +47,7 @@ from pathlib import Path
 from bench import demo_fleet, demo_tracing
 from bench.decisions import read_decisions, summarize_decisions
 from bench.demo_fleet import (ENVOY_LEAST_REQUEST, EngineSettings, RouterTier, RouterTracing, cpu_seconds,
-                               scrape_sum, wait_idle)
+                               group_cpu_seconds, scrape_sum, wait_idle)
 from bench.demo_tracing import DemoTracing
 from bench.loadgen import RequestResult, replay
 from astrolabe.procs import ProcessGroup, exit_status_of
@@ -395,8 +395,9 @@ def _replay_policy(procs: ProcessGroup, cfg: DemoConfig, plan: TracePlan, policy
                                                     tracing=tracing, label=label)
     sidecar_cpu_s = sum(cpu_seconds(pid) for pid in sidecar_pids)
     # during the replays only: a router's start-up (imports, the tagger, the first states) is not a request's cost
-    extproc_cpu_s = sum(cpu_seconds(p.pid) for p in tier.extprocs)
-    envoy_cpu_s = sum(cpu_seconds(p.pid) for p in tier.envoys)
+    # each launcher's whole process group: the Envoy binary `astrolabe envoy` runs, an extproc's workers
+    groups = {**{p.pid: "extproc" for p in tier.extprocs}, **{p.pid: "envoy" for p in tier.envoys}}
+    tier_cpu_s = group_cpu_seconds(groups)
     results_by_seed: dict[int, list[RequestResult]] = {}
     try:
         for seed, trace in plan.traces.items():
@@ -411,8 +412,8 @@ def _replay_policy(procs: ProcessGroup, cfg: DemoConfig, plan: TracePlan, policy
         num_predictions = sum(scrape_sum(u, "astrolabe_extproc_predictions_total") for u in tier.metrics_urls)
         num_fallbacks = sum(scrape_sum(u, 'astrolabe_extproc_decisions_total{basis="fallback"}')
                             for u in tier.metrics_urls)
-        extproc_cpu_s = sum(cpu_seconds(p.pid) for p in tier.extprocs) - extproc_cpu_s
-        envoy_cpu_s = sum(cpu_seconds(p.pid) for p in tier.envoys) - envoy_cpu_s
+        tier_cpu_s = group_cpu_seconds(groups) - tier_cpu_s
+        extproc_cpu_s, envoy_cpu_s = tier_cpu_s["extproc"], tier_cpu_s["envoy"]
         sidecar_cpu_s = sum(cpu_seconds(pid) for pid in sidecar_pids) - sidecar_cpu_s
     finally:
         tier.stop()

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,6 +137,33 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _proc_stats():
+    """(pid, the fields of /proc/<pid>/stat after the command name) of every live process (Linux)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            yield int(stat.parent.name), stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (Linux /proc), e.g. an extproc supervisor and its workers."""
+    return [pid for pid, fields in _proc_stats() if int(fields[2]) == pgid]
+
+
+def group_cpu_seconds(pgids: dict[int, str]) -> Counter:
+    """CPU seconds so far (user + system, Linux /proc) of every live process in the process groups ``pgids``
+    (group id -> label), summed per label: a `astrolabe.procs.ManagedProcess` leads its own group, so the Envoy that
+    an ``astrolabe envoy`` launcher runs is counted with it."""
+    totals: Counter = Counter()
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    for _, fields in _proc_stats():
+        label = pgids.get(int(fields[2]))
+        if label is not None:
+            totals[label] += (int(fields[11]) + int(fields[12])) / ticks_per_s
+    return totals
 
 
 def wait_grpc_ready(proc: ManagedProcess, address: str, timeout_s: float) -> None:

@@ -55,7 +55,7 @@ from astrolabe.cli import HelpFormatter
 from astrolabe.logs import setup_logging
 from bench import stats
 from bench.decisions import read_decisions
-from bench.demo_fleet import cpu_seconds
+from bench.demo_fleet import cpu_seconds, group_cpu_seconds, group_pids
 from bench.extproc_drive import MODEL, START_TIMEOUT_S, drive_block, prompts, start_extproc, start_fleet
 from bench.fast_backend import INSTANCE_HEADER
 from astrolabe.procs import ManagedProcess, ProcessGroup, exit_status_of, free_port
@@ -283,20 +283,6 @@ def _cpu_sets() -> tuple[set[int], set[int]] | None:
     return {EXTPROC_CPU}, allowed - {EXTPROC_CPU}
 
 
-def _proc_stats():
-    """(pid, the fields of /proc/<pid>/stat after the command name) of every live process (Linux)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            yield int(stat.parent.name), stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited meanwhile
-
-
-def group_pids(pgid: int) -> list[int]:
-    """The live processes of process group ``pgid`` (Linux /proc), e.g. an extproc supervisor and its workers."""
-    return [pid for pid, fields in _proc_stats() if int(fields[2]) == pgid]
-
-
 def _group_cpu(proc: ManagedProcess) -> float:
     """CPU seconds so far of ``proc`` and every process of its group (an extproc's workers)."""
     return group_cpu_seconds({proc.pid: "extproc"})["extproc"]
@@ -483,17 +469,6 @@ ROLES = ("extproc", "sidecar", "envoy", "fast")
 """Process name prefixes whose CPU the Envoy section reports (``fast`` = the backends)."""
 
 
-def group_cpu_seconds(pgids: dict[int, str]) -> Counter:
-    """CPU seconds so far (user + system, Linux /proc) of every live process in the process groups ``pgids``
-    (group id -> label), summed per label: a `astrolabe.procs.ManagedProcess` leads its own group, so the Envoy that
-    an ``astrolabe envoy`` launcher runs is counted with it."""
-    totals: Counter = Counter()
-    ticks_per_s = os.sysconf("SC_CLK_TCK")
-    for _, fields in _proc_stats():
-        label = pgids.get(int(fields[2]))
-        if label is not None:
-            totals[label] += (int(fields[11]) + int(fields[12])) / ticks_per_s
-    return totals
 
 
 def _cpu_of(procs: ProcessGroup) -> Counter:
