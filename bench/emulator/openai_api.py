@@ -17,6 +17,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -82,6 +84,23 @@ def _check_type(body: dict[str, Any], key: str, types: tuple[type, ...], default
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         raise ApiError(400, f"'{key}' has the wrong type: {type(value).__name__}", param=key)
     return value
+
+
+_COUNT = TypeAdapter(int)
+"""Counts read as vLLM's request models read them: pydantic's lax ``int`` (``"4"`` and ``4.0`` are 4, ``4.5`` and
+``true`` are refused; vllm/entrypoints/openai/protocol.py ``max_tokens: Optional[int]``)."""
+
+
+def _count(body: dict[str, Any], key: str, default: int | None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    try:
+        if isinstance(value, bool):
+            raise ValueError("a boolean is not a count")
+        return _COUNT.validate_python(value)
+    except (ValidationError, ValueError):
+        raise ApiError(400, f"'{key}' must be an integer, got {value!r}", param=key) from None
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -166,19 +185,19 @@ def parse_request(raw_body: bytes, is_chat: bool) -> ParsedRequest:
     """
     body = json_object(raw_body)
     model = _check_type(body, "model", (str,), None)  # None: the served model, as vLLM does
-    if _check_type(body, "n", (int,), 1) != 1:
+    if _count(body, "n", 1) != 1:
         raise ApiError(400, "only n=1 is supported by the emulator", param="n")
     stream = _check_type(body, "stream", (bool,), False)
     stream_options = _check_type(body, "stream_options", (dict,), {})
     ignore_eos = _check_type(body, "ignore_eos", (bool,), False)
     if is_chat:
         prompt_text, num_ids = apply_chat_template(body.get("messages")), None
-        max_tokens = _check_type(body, "max_completion_tokens", (int,), None)
+        max_tokens = _count(body, "max_completion_tokens", None)
         if max_tokens is None:
-            max_tokens = _check_type(body, "max_tokens", (int,), None)
+            max_tokens = _count(body, "max_tokens", None)
     else:
         prompt_text, num_ids = _parse_prompt(body.get("prompt"))
-        max_tokens = _check_type(body, "max_tokens", (int,), DEFAULT_COMPLETION_MAX_TOKENS)
+        max_tokens = _count(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     return ParsedRequest(is_chat=is_chat, model=model, prompt_text=prompt_text, num_prompt_token_ids=num_ids,

@@ -49,7 +49,7 @@ def test_prompt_forms(prompt: object, text: str | None, num_ids: int | None) -> 
         (_body(prompt=7), False, "prompt"),
         (_body(prompt=[]), False, "prompt"),
         (_body(prompt="x", n=2), False, "n"),
-        (_body(prompt="x", max_tokens="5"), False, "max_tokens"),
+        (_body(prompt="x", max_tokens="5.5"), False, "max_tokens"),
         (_body(prompt="x", max_tokens=True), False, "max_tokens"),
         (_body(prompt="x", max_tokens=0), False, "max_tokens"),
         (_body(prompt="x", stream="yes"), False, "stream"),
@@ -70,6 +70,12 @@ def test_bad_requests_are_400(raw: bytes, is_chat: bool, param: str | None) -> N
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["type"] == "BadRequestError" and body["error"]["code"] == 400
     assert body["error"]["param"] == param and body["error"]["message"]
+
+
+@pytest.mark.parametrize("value", ["4", 4.0, 4])
+def test_max_tokens_is_read_as_vllm_reads_it(value) -> None:
+    """pydantic's lax int, as vLLM's request models (and the extproc) read it."""
+    assert parse_request(_body(prompt="x", max_tokens=value), is_chat=False).max_tokens == 4
 
 
 def test_batch_prompt_message_is_clear() -> None:
