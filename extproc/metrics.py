@@ -23,7 +23,10 @@
   replica's own event-loop lag.
 - ``astrolabe_extproc_served_elsewhere_total``: requests the gateway reported served by another endpoint than the
   chosen one; ``astrolabe_extproc_connect_failures_total``: requests whose endpoint refused the connection (the
-  gateway's local 503) or let a per-try timeout fire (its 504), each taking the endpoint out of the pool until its next passing health check.
+  gateway's local 503) or let a per-try timeout fire (its 504), each taking the endpoint out of the pool until its
+  next passing health check.
+- ``astrolabe_extproc_notices_total{predictor, outcome}``: Admit and Release notices on each sidecar's notice
+  stream (``extproc.notices.NOTICE_OUTCOMES``: sent, lost), read at scrape time.
 - Label values come only from configuration (policy, endpoint and sidecar addresses) and fixed sets (outcomes,
   error codes, reasons, metrics), never from request fields (model, headers): a client cannot grow the series.
 - ``astrolabe_extproc_in_flight_requests{endpoint}``: this replica's in-flight count per endpoint (read live
@@ -39,6 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from extproc.notices import NOTICE_OUTCOMES
 from extproc.pool import EndpointPool
 from predictor.outcomes import RATIO_BUCKETS
 
@@ -79,8 +83,8 @@ class _PredictorCollector(Collector):
             "by outcome: sent, or lost (queued on a stream that broke, or beyond the queue's cap while the sidecar did "
             "not read); a lost notice heals when the sidecar reconciles", labels=["predictor", "outcome"])
         for address, stream in list(self._predictors.notice_streams.items()):
-            notices.add_metric([address, "sent"], stream.num_notices)
-            notices.add_metric([address, "lost"], stream.num_lost)
+            for outcome, count in zip(NOTICE_OUTCOMES, (stream.num_notices, stream.num_lost)):
+                notices.add_metric([address, outcome], count)
         yield notices
 
 

@@ -37,6 +37,9 @@ from predictor.api import NOTIFY_READY_KEY, pb
 
 logger = logging.getLogger(__name__)
 
+NOTICE_OUTCOMES = ("sent", "lost")
+"""What became of a notice on a stream (``astrolabe_extproc_notices_total``'s ``outcome``): written in a message, or
+lost (module docstring)."""
 MAX_QUEUED_NOTICES = 10_000
 """Most notices waiting for one sidecar's stream (a frozen sidecar's): ~1 MB of messages."""
 MAX_BATCH_NOTICES = 512

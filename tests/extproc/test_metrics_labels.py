@@ -16,6 +16,7 @@ from google.protobuf import struct_pb2
 
 from extproc.errors import ErrorCode
 from extproc.fleet_state import OUTCOMES as LOCAL_OUTCOMES
+from extproc.notices import NOTICE_OUTCOMES
 from extproc.predictor_client import OUTCOMES
 from extproc.router import FALLBACK_REASONS
 from tests.extproc.test_stream import ENDPOINTS, body_msg, headers_msg, running_server
@@ -59,7 +60,8 @@ async def test_label_values_are_never_request_content():
                           _served(f"10.8.8.{i}:8000"))  # routed; a served endpoint outside the pool is ignored
         allowed = ({e["address"] for e in ENDPOINTS} | {SIDECAR, "astrolabe", "routed", "fallback", "e2e", "ttft",
                                                         "failed"}
-                   | {code.value for code in ErrorCode} | set(OUTCOMES) | set(LOCAL_OUTCOMES) | set(FALLBACK_REASONS))
+                   | {code.value for code in ErrorCode} | set(OUTCOMES) | set(LOCAL_OUTCOMES) | set(FALLBACK_REASONS)
+                       | set(NOTICE_OUTCOMES))
         seen = set()
         for family in srv.metrics.registry.collect():
             for sample in family.samples:
