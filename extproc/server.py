@@ -610,5 +610,5 @@ def main(argv: list[str]) -> int:
     if config.workers > 1:
         from extproc.workers import supervise  # noqa: PLC0415 (one process needs no supervisor)
 
-        return supervise(config, args.config, overrides)
+        return supervise(config, args.config, overrides, run)
     return run(config, args.config, overrides)

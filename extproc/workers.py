@@ -258,12 +258,10 @@ class _WorkersCollector(Collector):
 
 
 def _worker_main(index: int, config: ExtprocConfig, config_path: Path | None, overrides: Mapping[str, Any],
-                 ready, beats) -> None:
-    """A worker process: one whole extproc on the shared port; sends ``(pid, metrics port)`` on ``ready`` once it
-    serves, then writes a byte to ``beats`` every `HEARTBEAT_INTERVAL_S` from its event loop; exits with
-    `extproc.server.run`'s status."""
-    from extproc.server import run  # noqa: PLC0415 (imported in the worker, after spawn)
-
+                 ready, beats, run: Callable[..., int]) -> None:
+    """A worker process: one whole extproc on the shared port (``run``: `extproc.server.run`, pickled by name, so
+    this module needs no import of the server's); sends ``(pid, metrics port)`` on ``ready`` once it serves, then
+    writes a byte to ``beats`` every `HEARTBEAT_INTERVAL_S` from its event loop; exits with ``run``'s status."""
     setup_logging(config.log_level, config.log_format)
     logger.info("worker %d (pid %d) starting", index, os.getpid())
 
@@ -301,7 +299,9 @@ class _Worker:
 
 
 class _Supervisor:
-    def __init__(self, config: ExtprocConfig, config_path: Path | None, overrides: Mapping[str, Any]) -> None:
+    def __init__(self, config: ExtprocConfig, config_path: Path | None, overrides: Mapping[str, Any],
+                 run: Callable[..., int]) -> None:
+        self._run = run
         self._config = config
         self._config_path = config_path
         self._overrides = dict(overrides)
@@ -321,7 +321,7 @@ class _Supervisor:
         beats, beat = self._context.Pipe(duplex=False)
         process = self._context.Process(
             target=_worker_main, name=f"astrolabe-extproc-worker-{index}",
-            args=(index, self._config, self._config_path, self._overrides, send, beat))
+            args=(index, self._config, self._config_path, self._overrides, send, beat, self._run))
         process.start()
         send.close()  # the worker holds the only write end: its death reads as EOF here
         beat.close()
@@ -394,8 +394,11 @@ class _Supervisor:
         self._wake_w.close()
 
 
-def supervise(config: ExtprocConfig, config_path: Path | None, overrides: Mapping[str, Any]) -> int:
-    """Runs ``config.workers`` extproc workers on ``config.listen`` until SIGTERM or SIGINT (module docstring);
+def supervise(config: ExtprocConfig, config_path: Path | None, overrides: Mapping[str, Any],
+              run: Callable[..., int]) -> int:
+    """Runs ``config.workers`` extproc workers on ``config.listen`` until SIGTERM or SIGINT (module docstring), each
+    calling ``run`` (`extproc.server.run`) with ``reuse_port``, ``on_ready``, ``parent_fd`` and
+    ``max_connection_age_s``;
     returns the exit status: 0 after a drain, 2 for a configuration that cannot be served (logged: ``listen`` or
     ``metrics_listen`` in use here, or a worker's own start-up error), 1 when a restarted worker failed to start.
     """
@@ -407,7 +410,7 @@ def supervise(config: ExtprocConfig, config_path: Path | None, overrides: Mappin
     # The workers' own values, also applied to each file they reload (where they are no change of the file's).
     worker_overrides = {**overrides, "listen": reservation.listen,
                         "metrics_listen": "127.0.0.1:0" if config.metrics_listen else None}
-    supervisor = _Supervisor(replace_config(config, **worker_overrides), config_path, worker_overrides)
+    supervisor = _Supervisor(replace_config(config, **worker_overrides), config_path, worker_overrides, run)
     metrics_server = None
     try:
         if config.metrics_listen:  # before any worker starts, so that a busy port leaves nothing running

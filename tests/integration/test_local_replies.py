@@ -15,6 +15,7 @@ import signal
 import httpx
 import pytest
 
+from astrolabe.envoy import DEFAULT_BUFFER_LIMIT_BYTES
 from astrolabe.procs import ProcessGroup, free_port
 from tests.extproc.fuzz_bodies import assert_openai_error
 from tests.integration.stack import PY, Stack, signal_process
@@ -23,8 +24,8 @@ pytestmark = [pytest.mark.envoy]
 
 MODEL = "m"
 DOOMED_MODEL = "doomed"
-ENVOY_BUFFER_BYTES = 16 * 1024 * 1024
-"""Buffered mode's per-connection buffer (`astrolabe.envoy.DEFAULT_BUFFER_LIMIT_BYTES`): a larger body is Envoy's 413."""
+ENVOY_BUFFER_BYTES = DEFAULT_BUFFER_LIMIT_BYTES
+"""Buffered mode's per-connection buffer: a larger body is Envoy's 413."""
 
 
 @pytest.fixture(scope="module", params=["full-duplex", "buffered"])
