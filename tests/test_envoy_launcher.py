@@ -764,9 +764,9 @@ def test_extproc_tls_flags_have_no_use_in_least_request_mode(pem_files: dict, ca
 @pytest.mark.parametrize("mode", launcher.MODES)
 def test_every_template_formats_envoys_own_replies_as_openai_errors(mode: str) -> None:
     """One local_reply_config (rendered from `launcher.local_reply_config`) in every template: a mapper per status
-    Envoy answers with, each an OpenAI-style body whose type is `extproc.errors.error_type`'s; no mapper takes the
+    Envoy answers with, each an OpenAI-style body whose type is `astrolabe.openai_errors.error_type`'s; no mapper takes the
     extproc's own answers (details ``astrolabe_...``), and there is no top-level format that would."""
-    from extproc.errors import IMMEDIATE_RESPONSE_DETAILS_PREFIX, error_type
+    from astrolabe.openai_errors import IMMEDIATE_RESPONSE_DETAILS_PREFIX, error_type
 
     config = _hcm(yaml.safe_load(_render(mode)))["local_reply_config"]
     assert config == launcher.local_reply_config() and "body_format" not in config
@@ -787,7 +787,8 @@ def test_every_template_formats_envoys_own_replies_as_openai_errors(mode: str) -
 
 def test_the_extprocs_answers_carry_the_details_prefix_envoy_leaves_alone() -> None:
     from extproc import messages
-    from extproc.errors import IMMEDIATE_RESPONSE_DETAILS_PREFIX, ErrorCode, RoutingError
+    from astrolabe.openai_errors import IMMEDIATE_RESPONSE_DETAILS_PREFIX
+    from extproc.errors import ErrorCode, RoutingError
 
     for code in ErrorCode:
         answer = messages.immediate_error(RoutingError(code, "m"))
