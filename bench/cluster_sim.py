@@ -33,9 +33,9 @@ NOTE: the decision path (``ClusterConfig.staleness_s``, ``decision_latency_s``),
   ``FleetState.predict`` queues its own unseen Admits; other replicas' dispatches are seen only from the first
   state that includes them. A state includes a request once the request has reached its instance (the Admit
   and the request travel about as long);
-- **the state's age**: as ``FleetState.predict`` does, TTFT and E2E shrink by ``min(age, the wait the state's
-  own requests cause)`` plus ``min(time since the replica's first unseen dispatch there, the wait the unseen
-  dispatches add)``;
+- **the state's age**: with the router's own function (``extproc.fleet_state.predict_from_state``), TTFT and E2E
+  shrink by ``min(age, the wait the state's own requests cause)`` plus ``min(time since the replica's first unseen
+  dispatch there, the wait the unseen dispatches add)``;
 - **decision latency**: every request (every policy's) reaches its instance ``decision_latency_s`` after it
   arrived; TTFT and E2E are measured from the arrival, so they include it. The replica counts the request in
   flight from the decision.
@@ -62,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from bench.migration import MigrationController, MigrationParams
+from extproc.fleet_state import predict_from_state
 from extproc.policies.base import EndpointMetrics, EndpointView, Policy, Prediction
 from extproc.policies.least_requests import LeastRequestsPolicy
 from extproc.policies.registry import build_policy
@@ -75,9 +76,7 @@ from predictor.sim import (
     SimRequest,
     StepResult,
     blocks_for_tokens,
-    predict,
 )
-from predictor.sim.predict import predict_idle
 from predictor.sim.residual import FixedExtraTokens, ResidualLengthModel
 
 logger = logging.getLogger(__name__)
@@ -503,28 +502,18 @@ class _Cluster:
     def predict(self, i: int, request_id: str, request: ClusterRequest, router: _Router | None = None) -> Prediction:
         """The prediction for ``request`` on instance ``i`` that ``router`` (default: the first replica) decides
         with (module NOTEs): from the exact state at the decision, or from the last state published, with the
-        replica's own unseen dispatches queued in and the state's age taken off as ``extproc/fleet_state.py``
-        ``FleetState.predict`` does."""
+        replica's own unseen dispatches queued in and the state's age taken off by the router's own
+        ``extproc.fleet_state.predict_from_state``."""
         router = router or self.routers[0]
         now_s = request.arrival_time_s
         snapshot, seen = self.published[i] if self.published else self._sidecar_state(i, now_s)
         unseen = self._unseen(router, i, seen) if self.tracks_unseen else []
-        new = snapshot.fit_request(self._expected_state(request_id, request))
-        batch_time = self.batch_times[i]
-        idle = predict_idle(snapshot, new, batch_time)
-        age_s = max(now_s - snapshot.now_s, 0.0)
-        state_queue_s = 0.0
-        if unseen:
-            if age_s > 0 and (snapshot.running or snapshot.waiting):
-                state_queue_s = max(predict(snapshot, new, batch_time).ttft_s - idle.ttft_s, 0.0)
-            snapshot = dataclasses.replace(snapshot, waiting=(*snapshot.waiting, *(
-                snapshot.fit_request(self._expected_state(f"unseen-{u_id}", u)) for _, u_id, u in unseen)))
-        result = predict(snapshot, new, batch_time)
-        queue_s = max(result.ttft_s - idle.ttft_s, 0.0)
-        if unseen:
-            shift_s = min(age_s, state_queue_s) + min(max(now_s - unseen[0][0], 0.0), max(queue_s - state_queue_s, 0.0))
-        else:
-            shift_s = min(age_s, queue_s)
+        priced = predict_from_state(
+            snapshot, self._expected_state(request_id, request),
+            [self._expected_state(f"unseen-{u_id}", u) for _, u_id, u in unseen], self.batch_times[i],
+            max(now_s - snapshot.now_s, 0.0), max(now_s - unseen[0][0], 0.0) if unseen else 0.0)
+        result, idle, queue_s, shift_s, snapshot = (priced.result, priced.idle, priced.queue_s, priced.shift_s,
+                                                    priced.snapshot)
         self.num_predictions += 1
         factor = 1.0
         if self.config.prediction_noise_frac > 0:

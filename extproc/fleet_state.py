@@ -40,6 +40,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -49,8 +50,9 @@ from extproc.predictor_client import PredictorClient
 from predictor.api import pb
 from predictor.instance_state import WatchedState, decode
 from predictor.residual_rules import ResidualRules
-from predictor.sim.predict import predict, predict_idle
-from predictor.sim.snapshot import RequestState
+from predictor.sim.batch_time import BatchTimeModel
+from predictor.sim.predict import Prediction as SimPrediction, predict, predict_idle
+from predictor.sim.snapshot import InstanceSnapshot, RequestState
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,53 @@ class _Watched:
         if self.decoded is None or self.decoded.seq != self.message.seq:
             self.decoded = decode(self.message)
         return self.decoded
+
+
+@dataclass(frozen=True, slots=True)
+class PricedState:
+    """`predict_from_state`'s answer.
+
+    Attributes:
+        snapshot: the state with the unseen dispatches queued in.
+        result: the new request's prediction on ``snapshot`` (seconds from the state's clock).
+        idle: its prediction on the instance idle.
+        queue_s: ``result``'s TTFT less the idle TTFT, seconds (>= 0): the wait the requests there cause.
+        shift_s: how much of that wait has passed since the state was taken, seconds (>= 0): taken off the TTFT,
+            E2E and queue by the caller.
+    """
+
+    snapshot: InstanceSnapshot
+    result: SimPrediction
+    idle: SimPrediction
+    queue_s: float
+    shift_s: float
+
+
+def predict_from_state(snapshot: InstanceSnapshot, new: RequestState, unseen: Sequence[RequestState],
+                       batch_time: BatchTimeModel, age_s: float, since_first_s: float) -> PricedState:
+    """A new request priced on a state ``age_s`` seconds old with this router's ``unseen`` dispatches (the ones the
+    state does not include yet, oldest first, the first sent ``since_first_s`` seconds ago) queued in after its
+    waiting requests. The state's queue has moved on while it travelled, by up to its age; the wait the unseen
+    dispatches add began only when they were sent (by up to ``since_first_s``): ``shift_s``. Shared by
+    `FleetState.predict` and the cluster simulation's stale states (``bench/cluster_sim.py``).
+
+    Raises:
+        ValueError: a request that can never fit the instance (as ``predictor.sim.predict.predict``).
+    """
+    new = snapshot.fit_request(new)
+    idle = predict_idle(snapshot, new, batch_time)
+    state_queue_s = 0.0  # the wait the state's own requests cause (only needed beside unseen dispatches)
+    if unseen:
+        if age_s > 0 and (snapshot.running or snapshot.waiting):
+            state_queue_s = max(predict(snapshot, new, batch_time).ttft_s - idle.ttft_s, 0.0)
+        snapshot = dataclasses.replace(snapshot, waiting=(*snapshot.waiting, *map(snapshot.fit_request, unseen)))
+    result = predict(snapshot, new, batch_time)
+    queue_s = max(result.ttft_s - idle.ttft_s, 0.0)
+    if unseen:
+        shift_s = min(age_s, state_queue_s) + min(since_first_s, max(queue_s - state_queue_s, 0.0))
+    else:
+        shift_s = min(age_s, queue_s)
+    return PricedState(snapshot, result, idle, queue_s, shift_s)
 
 
 class FleetState:
@@ -232,34 +281,18 @@ class FleetState:
         snapshot = state.snapshot
         unseen = self._client.admits_after(address, state.admits_seen)
         try:
-            new = snapshot.fit_request(RequestState("new", max(num_prompt_tokens, 1),
-                                                    self._expected(num_output_tokens, max_tokens, length_source),
-                                                    max_new_tokens=max_tokens))
-            idle = predict_idle(snapshot, new, state.batch_time)
-            # The wait the state's own requests cause (None: the prediction's own, there being no unseen dispatch)
-            state_queue_s = None
-            if unseen:
-                state_queue_s = 0.0
-                if age_s > 0 and (snapshot.running or snapshot.waiting):
-                    state_queue_s = max(predict(snapshot, new, state.batch_time).ttft_s - idle.ttft_s, 0.0)
-                snapshot = dataclasses.replace(snapshot, waiting=(*snapshot.waiting, *(
-                    snapshot.fit_request(RequestState(f"unseen-{a.seq}", max(a.num_prompt_tokens, 1),
-                                                      self._expected(a.num_output_tokens, a.max_tokens,
-                                                                     a.length_source),
-                                                      max_new_tokens=a.max_tokens))
-                    for a in unseen)))
-            result = predict(snapshot, new, state.batch_time)
+            new = RequestState("new", max(num_prompt_tokens, 1),
+                               self._expected(num_output_tokens, max_tokens, length_source), max_new_tokens=max_tokens)
+            priced = predict_from_state(
+                snapshot, new, [RequestState(f"unseen-{a.seq}", max(a.num_prompt_tokens, 1),
+                                             self._expected(a.num_output_tokens, a.max_tokens, a.length_source),
+                                             max_new_tokens=a.max_tokens) for a in unseen],
+                state.batch_time, age_s, max(self._clock() - unseen[0].sent_s, 0.0) if unseen else 0.0)
         except ValueError:  # e.g. a prompt larger than the instance's KV cache (Predict's INVALID_ARGUMENT)
             counts["invalid"] += 1
             return None
-        queue_s = max(result.ttft_s - idle.ttft_s, 0.0)
-        # The state's queue has moved on while the state travelled, by up to its age; the wait this replica's
-        # unseen dispatches add began only when they were sent (by up to the time since the first of them).
-        if state_queue_s is None:
-            shift_s = min(age_s, queue_s)
-        else:
-            since_first_s = max(self._clock() - unseen[0].sent_s, 0.0)
-            shift_s = min(age_s, state_queue_s) + min(since_first_s, max(queue_s - state_queue_s, 0.0))
+        result, idle, queue_s, shift_s = priced.result, priced.idle, priced.queue_s, priced.shift_s
+        snapshot = priced.snapshot
         ttft_s, e2e_s = state.corrections.apply(result.ttft_s + state.lag_s - shift_s,
                                                 result.e2e_s + state.lag_s - shift_s)
         if not (math.isfinite(ttft_s) and math.isfinite(e2e_s)):

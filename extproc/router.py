@@ -33,6 +33,7 @@ Predict and Admit calls get theirs from the predictor client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -218,19 +219,17 @@ class Router:
 
         def local_predict(predictor: str):
             start_s = self._clock()
+            span_scope = (contextlib.nullcontext() if self._tracer is None else self._tracer.start_as_current_span(
+                LOCAL_PREDICT_SPAN, attributes={SERVER_ADDRESS: host_port(predictor)[0], ADMIT_ID: ledger_id}))
             try:
-                if self._tracer is None:
-                    return fleet.predict(predictor, num_prompt_tokens, num_output_tokens,
-                                         max_tokens=request.max_tokens, length_source=length_source)
-                with self._tracer.start_as_current_span(LOCAL_PREDICT_SPAN, attributes={
-                        SERVER_ADDRESS: host_port(predictor)[0], ADMIT_ID: ledger_id}) as span:
+                with span_scope as span:
                     prediction = fleet.predict(predictor, num_prompt_tokens, num_output_tokens,
                                                max_tokens=request.max_tokens, length_source=length_source)
-                    if span.is_recording() and prediction is not None:
+                    if span is not None and span.is_recording() and prediction is not None:
                         span.set_attributes({PREDICTED_TTFT_S: prediction.ttft_s, PREDICTED_E2E_S: prediction.e2e_s,
                                              PREDICTED_QUEUE_S: prediction.queue_s,
                                              STATE_AGE_S: prediction.state_age_s})
-                    elif span.is_recording():
+                    elif span is not None and span.is_recording():
                         span.set_status(Status(StatusCode.ERROR, "no prediction"))
                     return prediction
             finally:
@@ -397,8 +396,8 @@ class Router:
         """The gateway reports that ``address`` failed the request ``decision`` routed: it could not connect (its
         local 503 after the retries: ``response.code_details`` ``upstream_reset_before_response_started{...
         connection_failure...}``, Envoy's `ResponseCodeDetails`) or a per-try timeout fired (its 504,
-        ``upstream_per_try_timeout`` / ``upstream_per_try_idle_timeout``: a frozen backend). With ``passive_ejection`` that endpoint leaves the
-        pool until its next passing active health check, so that the requests after this one avoid it (without
+        ``upstream_per_try_timeout`` / ``upstream_per_try_idle_timeout``: a frozen backend). With
+        ``passive_ejection`` that endpoint leaves the pool until its next passing active health check, so that the requests after this one avoid it (without
         this a dead backend attracts traffic: its in-flight count falls to 0). An address outside the pool, or
         already unhealthy, changes nothing."""
         if not self._passive_ejection or not self.pool.has(address) or not self.pool.is_healthy(address):
