@@ -92,8 +92,8 @@ class DecisionLog:
         admit_id = decision.request_id if decision.request_id != request.request_id else ""
         trace_id, span_id = current_trace()
         record = {
-            "time_unix_s": round(time.time(), 6), "pid": self._pid, "request_id": request.request_id, "trace_id": trace_id,
-            "span_id": span_id, "model": None if request.model is None else clip_text(request.model),
+            "time_unix_s": round(time.time(), 6), "pid": self._pid, "request_id": request.request_id,
+            "trace_id": trace_id, "span_id": span_id, "model": None if request.model is None else clip_text(request.model),
             "max_tokens": request.max_tokens, "admit_id": admit_id,
             "policy": decision.policy, "basis": decision.basis, "fallback_reason": decision.fallback_reason,
             "destination": decision.destination,

@@ -79,7 +79,8 @@ class _PredictorCollector(Collector):
                                   "Late Predict calls blamed on this replica's event-loop lag",
                                   value=self._predictors.num_late_excused)
         notices = CounterMetricFamily(
-            "astrolabe_extproc_notices", "Admit and Release notices on each sidecar's notice stream (extproc/notices.py) "
+            "astrolabe_extproc_notices",
+            "Admit and Release notices on each sidecar's notice stream (extproc/notices.py) "
             "by outcome: sent, or lost (queued on a stream that broke, or beyond the queue's cap while the sidecar did "
             "not read); a lost notice heals when the sidecar reconciles", labels=["predictor", "outcome"])
         for address, stream in list(self._predictors.notice_streams.items()):
@@ -144,7 +145,8 @@ class ExtprocMetrics:
             "the chosen one (x-gateway-destination-endpoint-served)", registry=self.registry)
         self.connect_failures = Counter(
             "astrolabe_extproc_connect_failures", "Requests whose endpoint refused the gateway's connection or let "
-            "a per-try timeout fire (passive failure detection: the endpoint leaves the pool until its next passing health check)",
+            "a per-try timeout fire (passive failure detection: the endpoint leaves the pool until its next passing "
+            "health check)",
             registry=self.registry)
         self.consecutive_5xx_ejections = Counter(
             "astrolabe_extproc_consecutive_5xx_ejections", "Endpoints taken out of the pool after 5 answers in a "

@@ -397,9 +397,9 @@ class Router:
         local 503 after the retries: ``response.code_details`` ``upstream_reset_before_response_started{...
         connection_failure...}``, Envoy's `ResponseCodeDetails`) or a per-try timeout fired (its 504,
         ``upstream_per_try_timeout`` / ``upstream_per_try_idle_timeout``: a frozen backend). With
-        ``passive_ejection`` that endpoint leaves the pool until its next passing active health check, so that the requests after this one avoid it (without
-        this a dead backend attracts traffic: its in-flight count falls to 0). An address outside the pool, or
-        already unhealthy, changes nothing."""
+        ``passive_ejection`` that endpoint leaves the pool until its next passing active health check, so that the
+        requests after this one avoid it (without this a dead backend attracts traffic: its in-flight count falls to
+        0). An address outside the pool, or already unhealthy, changes nothing."""
         if not self._passive_ejection or not self.pool.has(address) or not self.pool.is_healthy(address):
             return
         logger.warning("endpoint %s refused the connection or let a per-try timeout fire for request %s: out of the "

@@ -521,7 +521,8 @@ async def _flush_every(log: DecisionLog, interval_s: float) -> None:
 
 async def serve(config: ExtprocConfig, config_path: Path | None, tracing: Tracing | None = None,
                 overrides: Mapping[str, Any] | None = None, *, reuse_port: bool = False,
-                max_connection_age_s: float | None = None, on_ready: Callable[[ExtprocServer], None] | None = None, parent_fd: int | None = None) -> None:
+                max_connection_age_s: float | None = None, on_ready: Callable[[ExtprocServer], None] | None = None,
+                parent_fd: int | None = None) -> None:
     """Runs until SIGTERM or SIGINT, then shuts down gracefully.
 
     Args:
