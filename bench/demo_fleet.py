@@ -130,20 +130,33 @@ def start_sidecars(procs: ProcessGroup, instances: Sequence[str], engine: Engine
     return {instance: address for _, instance, address in started}
 
 
+def _stat_fields(stat: Path) -> list[str]:
+    """The fields of a /proc/<pid>/stat file after the command name (which may hold spaces and parentheses).
+
+    Raises:
+        OSError: the process is gone.
+    """
+    return stat.read_text().rsplit(")", 1)[1].split()
+
+
+def _cpu_s(fields: list[str]) -> float:
+    """User + system CPU time of `_stat_fields`, seconds (utime and stime, in clock ticks)."""
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of process ``pid`` so far, seconds (Linux /proc); 0.0 if it is gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return _cpu_s(_stat_fields(Path(f"/proc/{pid}/stat")))
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _proc_stats():
     """(pid, the fields of /proc/<pid>/stat after the command name) of every live process (Linux)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            yield int(stat.parent.name), stat.read_text().rsplit(")", 1)[1].split()
+            yield int(stat.parent.name), _stat_fields(stat)
         except OSError:
             continue  # exited meanwhile
 
@@ -158,11 +171,10 @@ def group_cpu_seconds(pgids: dict[int, str]) -> Counter:
     (group id -> label), summed per label: a `astrolabe.procs.ManagedProcess` leads its own group, so the Envoy that
     an ``astrolabe envoy`` launcher runs is counted with it."""
     totals: Counter = Counter()
-    ticks_per_s = os.sysconf("SC_CLK_TCK")
     for _, fields in _proc_stats():
         label = pgids.get(int(fields[2]))
         if label is not None:
-            totals[label] += (int(fields[11]) + int(fields[12])) / ticks_per_s
+            totals[label] += _cpu_s(fields)
     return totals
 
 
