@@ -150,13 +150,12 @@ class Router:
             raise RoutingError(ErrorCode.NO_HEALTHY_ENDPOINT,
                                f"no healthy endpoint serves model {request.model!r}" if request.model
                                else "no healthy endpoint")
-        in_flight = [self.pool.in_flight(e.address) for e in healthy]
-        mean_in_flight = sum(in_flight) / len(in_flight)
-        return [EndpointView(e.address, n, e.predictor,
+        # mean_in_flight is set where a policy reads it: on the scored candidates, as of the choice
+        # (`_with_current_load`)
+        return [EndpointView(e.address, self.pool.in_flight(e.address), e.predictor,
                              metrics=scraper.get(e.address) if scraper is not None else None,
-                             num_recent_requests=self.pool.num_dispatched_since(e.address, since_s),
-                             mean_in_flight=mean_in_flight)
-                for e, n in zip(healthy, in_flight)]
+                             num_recent_requests=self.pool.num_dispatched_since(e.address, since_s))
+                for e in healthy]
 
     async def route(self, request: RoutingRequest) -> Decision:
         """Chooses the destination and counts the request in flight there until ``release``.
