@@ -27,6 +27,7 @@ from pathlib import Path
 
 from extproc.lengths import MAX_TOKENIZED_CHARS, count_prompt_tokens, extrapolated_tokens
 from extproc.request import RoutingRequest
+from tagger.tokenizer import num_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class _ModelTokenizer:
         return len(ids)
 
     def _text_tokens(self, text: str, *, special: bool) -> int:
-        return extrapolated_tokens(text, lambda t: len(self.tokenizer.encode(t, add_special_tokens=special).ids))
+        return extrapolated_tokens(text, lambda t: num_tokens(self.tokenizer, t, special=special))
 
 
 def _read(path: Path) -> str:
