@@ -15,7 +15,11 @@ Three sections, all real processes on loopback (`bench.extproc_drive`):
    concurrency 1 (p50 / p99 of headers-sent to routing-answer) and a saturation block at ``--concurrency``
    (decisions/s over the block's wall time, and decisions per CPU-second of the extproc process from /proc:
    the capacity of one core, whether or not the client saturated it; ``busy`` = the extproc's CPU / wall time
-   says how close to saturation the block came).
+   says how close to saturation the block came), and the CPU of the 2 sidecar processes over the same blocks,
+   summed, per decision (/proc, the same reader; the emulators not counted). The sidecars serve every extproc of
+   the section all along (state streams, engine polling), so ``random`` and ``least-requests``, which call no
+   sidecar, measure that background: the astrolabe rows' CPU above it = theirs minus ``random``'s sidecar cores
+   times their blocks' wall time.
 2. **Envoy** (``envoy``): latency added by the router through real Envoy. The same 2 `bench.fast_backend`
    instances (they answer at once, whatever the prompt: the backend's cost is constant, so the difference is the
    route's) with their sidecars, reached (a) by an Envoy with a static route and its own ``LEAST_REQUEST``
@@ -137,6 +141,11 @@ def abba(round_index: int) -> tuple[str, str]:
     return ("static", "extproc") if round_index % 2 == 0 else ("extproc", "static")
 
 
+def _ratio(numerator: float, denominator: float) -> float:
+    """``numerator / denominator``, NaN where nothing was measured (``denominator`` <= 0)."""
+    return numerator / denominator if denominator > 0 else math.nan
+
+
 @dataclass(slots=True)
 class PolicyCapacity:
     """One policy's capacity-section figures, pooled over rounds.
@@ -147,6 +156,7 @@ class PolicyCapacity:
         num_saturated: decisions in the saturation blocks.
         saturated_wall_s: their wall time, seconds.
         saturated_cpu_s: the extproc process's CPU (user + system) over them, seconds.
+        saturated_sidecar_cpu_s: the sidecar processes' CPU (user + system) over them, summed, seconds.
         bases: decision basis (``extproc.router``) -> count, over every measured decision.
         deciders: the deciding process's pid -> its measured decisions (several: an extproc's workers).
     """
@@ -156,20 +166,36 @@ class PolicyCapacity:
     num_saturated: int = 0
     saturated_wall_s: float = 0.0
     saturated_cpu_s: float = 0.0
+    saturated_sidecar_cpu_s: float = 0.0
     bases: Counter = field(default_factory=Counter)
     deciders: Counter = field(default_factory=Counter)
 
     @property
     def decisions_per_s(self) -> float:
-        return self.num_saturated / self.saturated_wall_s if self.saturated_wall_s > 0 else math.nan
+        return _ratio(self.num_saturated, self.saturated_wall_s)
 
     @property
     def decisions_per_cpu_s(self) -> float:
-        return self.num_saturated / self.saturated_cpu_s if self.saturated_cpu_s > 0 else math.nan
+        return _ratio(self.num_saturated, self.saturated_cpu_s)
 
     @property
     def busy_frac(self) -> float:
-        return self.saturated_cpu_s / self.saturated_wall_s if self.saturated_wall_s > 0 else math.nan
+        return _ratio(self.saturated_cpu_s, self.saturated_wall_s)
+
+    @property
+    def sidecar_cpu_s_per_decision(self) -> float:
+        """The sidecars' CPU per saturated decision, seconds (NaN: none measured)."""
+        return _ratio(self.saturated_sidecar_cpu_s, self.num_saturated)
+
+    @property
+    def sidecar_cores(self) -> float:
+        """The sidecars' CPU / wall time of the saturation blocks (NaN: none measured)."""
+        return _ratio(self.saturated_sidecar_cpu_s, self.saturated_wall_s)
+
+    def sidecar_cpu_s_above(self, background_cores: float) -> float:
+        """The sidecars' CPU per saturated decision above a background of ``background_cores`` (CPU / wall time
+        of sidecars that no extproc calls, e.g. in ``random``'s blocks) over these blocks' wall time, seconds."""
+        return _ratio(self.saturated_sidecar_cpu_s - background_cores * self.saturated_wall_s, self.num_saturated)
 
 
 @dataclass(slots=True)
@@ -305,7 +331,8 @@ def run_capacity(num_rounds: int, num_latency: int, num_saturated: int, concurre
     results = {p: PolicyCapacity(p) for p in policies}
     with tempfile.TemporaryDirectory(prefix="astrolabe-extproc-bench-") as folder, ProcessGroup() as procs:
         tmp = Path(folder)
-        fleet, _ = start_fleet(procs, tmp)
+        fleet, sidecars = start_fleet(procs, tmp)
+        sidecar_groups = {s.pid: "sidecars" for s in sidecars}  # their process groups: the emulators not counted
         extprocs = {p: start_extproc(procs, tmp, f"extproc-{p}", fleet, **_extproc_args(p)) for p in policies}
         cpu_sets = _cpu_sets()
         if cpu_sets is not None:
@@ -326,10 +353,13 @@ def run_capacity(num_rounds: int, num_latency: int, num_saturated: int, concurre
                 for p in rotated(list(policies), round_index):
                     proc, address, _ = extprocs[p]
                     results[p].latency_s += drive_block(address, latency_bodies, f"lat{round_index}", 1)
+                    sidecars_before_s = group_cpu_seconds(sidecar_groups)["sidecars"]
                     cpu_before_s, start_s = _group_cpu(proc), time.perf_counter()
                     drive_block(address, saturated_bodies, f"sat{round_index}", concurrency, _connections(p))
                     results[p].saturated_wall_s += time.perf_counter() - start_s
                     results[p].saturated_cpu_s += _group_cpu(proc) - cpu_before_s
+                    results[p].saturated_sidecar_cpu_s += (group_cpu_seconds(sidecar_groups)["sidecars"]
+                                                           - sidecars_before_s)
                     results[p].num_saturated += len(saturated_bodies)
         finally:
             if cpu_sets is not None:
@@ -351,9 +381,11 @@ def format_capacity(results: Sequence[PolicyCapacity], concurrency: int) -> str:
         rows.append([r.policy, str(len(r.latency_s)), fmt_ms(stats.p50(np.array(r.latency_s))),
                      fmt_ms(stats.p99(np.array(r.latency_s))), str(r.num_saturated), f"{r.decisions_per_s:.0f}",
                      f"{r.busy_frac:.2f}", f"{r.decisions_per_cpu_s:.0f}", f"{1e3 / r.decisions_per_cpu_s:.3f}",
-                     on_predictions])
+                     fmt_ms(r.sidecar_cpu_s_per_decision), on_predictions])
     lines = [_table(["policy", "decisions c=1", "p50 ms", "p99 ms", f"decisions c={concurrency}", "decisions/s",
-                     "busy", "decisions/CPU-s", "CPU ms/decision", "on predictions"], rows)]
+                     "busy", "decisions/CPU-s", "extproc CPU ms/decision", "sidecars CPU ms/decision",
+                     "on predictions"],
+                    rows)]
     by_policy = {r.policy: r for r in results}
     astrolabe = by_policy.get("astrolabe")
     if astrolabe is not None:
@@ -371,6 +403,12 @@ def format_capacity(results: Sequence[PolicyCapacity], concurrency: int) -> str:
                          f" x one process's (1 = no shared bottleneck); driven over {TWO_WORKERS_CONNECTIONS} "
                          f"connections, all its processes on the extproc's CPU; decisions per worker "
                          f"{'/'.join(str(n) for n in sorted(two.deciders.values(), reverse=True)) or '-'}")
+        background = by_policy.get("random")
+        if background is not None:
+            above = [f"{r.policy} {fmt_ms(r.sidecar_cpu_s_above(background.sidecar_cores))}"
+                     for r in results if r.policy.startswith("astrolabe")]
+            lines.append(f"sidecars' CPU ms/decision above the background ({background.sidecar_cores:.2f} sidecar "
+                         f"cores in random's blocks, times each row's wall time): {', '.join(above)}")
         for baseline in ("random", "least-requests"):
             if baseline in by_policy and len(by_policy[baseline].latency_s) == len(astrolabe.latency_s):
                 ratio = stats.paired_ratio_ci(astrolabe.latency_s, by_policy[baseline].latency_s, stats.p50)
@@ -380,8 +418,12 @@ def format_capacity(results: Sequence[PolicyCapacity], concurrency: int) -> str:
     lines.append("latency = ext_proc headers sent -> routing answer received, client side (what Envoy waits), at "
                  "concurrency 1; decisions/s = saturation blocks' decisions / their wall time; busy = the extproc's "
                  "CPU / wall time in them (< ~0.9: the client or the sidecars, not the extproc, set the pace); "
-                 "decisions/CPU-s = decisions / the extproc process's user+system CPU: one core's capacity; on "
-                 "predictions = decisions where both probed sidecars answered in time (predict_timeout_s 0.2)")
+                 "decisions/CPU-s = decisions / the extproc process's user+system CPU: one core's capacity; "
+                 "sidecars CPU ms/decision = the 2 sidecar processes' user+system CPU over the same blocks, summed, / "
+                 "decisions (emulators not counted; the sidecars serve every extproc of the section all along: state "
+                 "streams, engine polling, so random's and least-requests' rows, which call no sidecar, are that "
+                 "background); on predictions = decisions where both probed sidecars answered in time "
+                 "(predict_timeout_s 0.2)")
     return "\n".join(lines)
 
 

@@ -57,6 +57,14 @@ def test_policy_capacity_ratios():
     assert np.isnan(eb.PolicyCapacity("random").decisions_per_cpu_s)  # nothing measured: NaN, not a crash
 
 
+def test_sidecar_cpu_per_decision_and_above_the_background():
+    r = eb.PolicyCapacity("astrolabe", num_saturated=1000, saturated_wall_s=2.0, saturated_sidecar_cpu_s=1.5)
+    assert (r.sidecar_cpu_s_per_decision, r.sidecar_cores) == (1.5e-3, 0.75)
+    assert r.sidecar_cpu_s_above(0.25) == pytest.approx(1e-3)  # 1.5 s - 0.25 cores x 2 s, over 1000 decisions
+    idle = eb.PolicyCapacity("random")
+    assert np.isnan(idle.sidecar_cpu_s_per_decision) and np.isnan(idle.sidecar_cpu_s_above(0.25))
+
+
 def test_fmt_ms():
     assert (eb.fmt_ms(0.0012345), eb.fmt_ms(float("nan"))) == ("1.234", "-")
 
@@ -102,8 +110,13 @@ def test_processing_messages_carry_the_body_and_destination_is_read_back():
 
 def test_formats_name_every_figure():
     capacity = [eb.PolicyCapacity(p, latency_s=[1e-3, 2e-3], num_saturated=10, saturated_wall_s=0.01,
-                                  saturated_cpu_s=0.008, bases=Counter(prediction=12)) for p in eb.POLICIES]
+                                  saturated_cpu_s=0.008, saturated_sidecar_cpu_s=0.004 if p == "random" else 0.006,
+                                  bases=Counter(prediction=12)) for p in eb.POLICIES]
     text = eb.format_capacity(capacity, 32)
+    header, _, *rows = text.splitlines()
+    column = header.index("sidecars CPU ms/decision")
+    assert [row[column:column + len("sidecars CPU ms/decision")].strip() for row in rows[:2]] == ["0.400", "0.600"]
+    assert "(0.40 sidecar cores in random's blocks" in text and "astrolabe 0.200" in text  # (0.006 - 0.4 x 0.01) / 10
     assert all(p in text for p in eb.POLICIES) and "x the goal of 1000/s per core" in text
     assert "astrolabe with 2 workers: 1250 decisions per CPU-second summed" in text and "1.00 x one process" in text
     cell = eb.AddedLatency("astrolabe", "full-duplex", "small", 200.0, static_s=[1e-3] * 60,
