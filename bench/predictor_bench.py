@@ -13,7 +13,7 @@ States: a Llama-2-7B (H200 profile) instance with the paper's limits (max_num_se
 virtual time by `Engine` from a burst of requests; every request that finishes is replaced at once so the
 instance always holds `size` requests; the state is taken after a random number of steps (so the queue holds
 waiting, prefilling, decoding and preempted requests at mixed progress). Lengths: ShareGPT first exchanges
-(`bench.workloads` cache, prompt + output <= 4,096 tokens) when the cache file exists, else a seeded
+(`tagger.sharegpt` cache, prompt + output <= 4,096 tokens) when the cache file exists, else a seeded
 log-normal (prompt median 160 tokens, output median 200 tokens, sigma 1.0, similar to ShareGPT), capped alike.
 """
 
@@ -77,10 +77,10 @@ def load_lengths(rng: random.Random, use_sharegpt: bool = True) -> list[tuple[in
     """(prompt tokens, output tokens) pairs, ShareGPT if its cache exists and use_sharegpt, else log-normal."""
     if use_sharegpt:
         try:
-            from bench import workloads
+            from tagger import sharegpt
 
-            if workloads.DEFAULT_CACHE_PATH.exists():
-                pairs = workloads.load_sharegpt_pairs()
+            if sharegpt.DEFAULT_CACHE_PATH.exists():
+                pairs = sharegpt.load_sharegpt_pairs()
                 lengths = [
                     (p.num_prompt_tokens, p.num_output_tokens)
                     for p in pairs

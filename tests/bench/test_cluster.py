@@ -22,8 +22,9 @@ from bench.cluster_sim import (
 )
 from extproc.policies.base import EndpointView
 from predictor.sim.residual import ExactLengths, FixedExtraTokens
-from bench.workloads import SharegptPair, WorkloadError, arrival_offsets_s
+from bench.workloads import WorkloadError, arrival_offsets_s
 from predictor.sim import EngineConfig
+from tagger.sharegpt import SharegptPair
 
 QUICK_POLICIES = "random,least-requests,envoy-least-request,min-qpm,infaas,llumnix,gie,astrolabe-paper,astrolabe-k2"
 

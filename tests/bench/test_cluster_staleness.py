@@ -15,9 +15,9 @@ from bench.cluster_sim import (
     simulate_point,
     simulate_point_latencies,
 )
-from bench.workloads import SharegptPair
 from extproc.policies.base import Policy
 from predictor.sim import EngineConfig
+from tagger.sharegpt import SharegptPair
 
 
 class Emptiest(Policy):

@@ -33,7 +33,6 @@ from bench.migration import (
     stage_transfer_s,
 )
 from bench.stats import Interval
-from bench.workloads import SharegptPair
 from predictor.sim import (
     Engine,
     EngineConfig,
@@ -41,6 +40,7 @@ from predictor.sim import (
     SimRequest,
     blocks_for_tokens,
 )
+from tagger.sharegpt import SharegptPair
 
 
 class ConstantStepTime:

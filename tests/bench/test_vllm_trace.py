@@ -5,7 +5,7 @@ import random
 import pytest
 
 from bench.vllm_trace import tiny_trace, truncate_prompt
-from bench.workloads import SharegptPair
+from tagger.sharegpt import SharegptPair
 from tagger.tokenizer import count_tokens
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
+import sys
 
 import pytest
 
@@ -37,14 +40,16 @@ def test_a_configured_tokenizer_file_counts_as_that_model_and_others_fall_back_w
     assert counter.count(ids) == 3  # token ids are counted as given
 
 
-def test_a_model_directory_with_a_chat_template_counts_chat_prompts_as_the_template_renders_them(tmp_path):
-    pytest.importorskip("transformers")
+def test_a_model_directory_with_a_chat_template_counts_chat_prompts_as_the_template_renders_them(tmp_path, caplog):
+    # The base install renders chat templates (transformers is a dependency, torch is not).
     from tokenizers import Tokenizer
 
     from deploy.vllm.make_tiny_model import _write_tokenizer
 
     _write_tokenizer(tokenizer_path(), tmp_path)  # the real-vLLM tier's tiny model's tokenizer and template
-    counter = PromptTokenCounter({"tiny": str(tmp_path)})
+    with caplog.at_level(logging.INFO, logger="extproc.prompt_tokens"):
+        counter = PromptTokenCounter({"tiny": str(tmp_path)})
+    assert "with its chat template" in caplog.text and "counted without" not in caplog.text
     rendered = f"system: Be brief.\nuser: {TEXT}\nassistant:"  # deploy/vllm/make_tiny_model.CHAT_TEMPLATE
     expected = len(Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(rendered,
                                                                                add_special_tokens=False).ids)
@@ -62,7 +67,6 @@ def test_a_tokenizer_that_cannot_load_is_a_config_error_naming_the_model(tmp_pat
 
 
 def test_a_long_chat_is_estimated_without_rendering_megabytes(tmp_path):
-    pytest.importorskip("transformers")
     from extproc.lengths import MAX_TOKENIZED_CHARS
 
     from deploy.vllm.make_tiny_model import _write_tokenizer
@@ -78,7 +82,6 @@ def test_a_long_chat_is_estimated_without_rendering_megabytes(tmp_path):
 
 
 def test_a_chat_template_that_raises_falls_back_to_the_messages_text(tmp_path):
-    pytest.importorskip("transformers")
     from deploy.vllm.make_tiny_model import _write_tokenizer
 
     _write_tokenizer(tokenizer_path(), tmp_path)
@@ -99,3 +102,27 @@ def test_the_tokenizers_mapping_can_be_set_from_the_environment(tmp_path):
     config = load_config(path, environ={"ASTROLABE_EXTPROC_TOKENIZERS": "{m: /models/m}",
                                         "ASTROLABE_EXTPROC_TOKENIZERS__OTHER": "/models/o"})
     assert config.tokenizers == {"m": "/models/m", "other": "/models/o"}
+
+
+def test_loading_a_chat_template_writes_only_the_services_own_log_lines(tmp_path):
+    """transformers (no torch) logs through the root handler: a JSON-logging extproc's stderr stays JSON lines."""
+    from deploy.vllm.make_tiny_model import _write_tokenizer
+
+    _write_tokenizer(tokenizer_path(), tmp_path)
+    code = (
+        "import sys\n"
+        "from astrolabe.logs import setup_logging\n"
+        "from extproc.prompt_tokens import PromptTokenCounter\n"
+        "from extproc.request import parse_body\n"
+        "setup_logging('INFO', 'json')\n"
+        f"counter = PromptTokenCounter({{'tiny': {str(tmp_path)!r}}})\n"
+        # Longer than the tiny model's 512 positions: transformers warns, through our handler.
+        "body = ('{\"model\": \"tiny\", \"messages\": [{\"role\": \"user\", \"content\": \"' + 'prefill ' * 600"
+        " + '\"}]}').encode()\n"
+        "print(counter.count(parse_body('r', 'POST', '/v1/chat/completions', body)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert int(result.stdout) > 600
+    records = [json.loads(line) for line in result.stderr.splitlines()]  # every line is one JSON object
+    assert any(r["logger"] == "extproc.prompt_tokens" and "with its chat template" in r["message"] for r in records)
+    assert not any("PyTorch was not found" in r["message"] for r in records)

@@ -1,9 +1,12 @@
 """tagger.data: de-duplication and the seeded split."""
 
+import subprocess
+import sys
+
 import pytest
 
-from bench.workloads import SharegptPair
 from tagger.data import SPLIT_SEED, DataError, Example, examples_from_pairs, load_split, split_examples
+from tagger.sharegpt import SharegptPair
 
 
 def _pair(i, prompt, num_output_tokens=10):
@@ -47,3 +50,10 @@ def test_standard_split_of_sharegpt():
     prompts_train = {e.prompt.strip() for e in split.train}
     assert not prompts_train & {e.prompt.strip() for e in split.test}
     assert all(e.num_output_tokens >= 1 for e in split.train + split.test)
+
+
+def test_the_tagger_reads_sharegpt_without_importing_the_benchmarks():
+    """Production code must not import bench/: the tagger's data path loads only tagger.sharegpt."""
+    code = "import sys, tagger.data; print(sorted(m for m in sys.modules if m.split('.')[0] == 'bench'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
