@@ -439,7 +439,9 @@ def run_policies(cfg: DemoConfig, plan: TracePlan, log_dir: Path) -> int:
     """
     runs: list[PolicyRun] = []
     tracing = None
-    with ProcessGroup() as procs, contextlib.ExitStack() as cleanup:
+    # The processes stop before the cleanup runs (the ``with`` exits right to left): a sidecar still running when
+    # the emulators' state folder is removed would warn that their state is unavailable.
+    with contextlib.ExitStack() as cleanup, ProcessGroup() as procs:
         # The receiver starts first, so it stops last: it gets what every other process exports as it stops.
         tracing = cfg.tracing and demo_tracing.start(procs, cfg.tracing, log_dir)
         service_env = tracing.service_env() if tracing else None

@@ -193,6 +193,9 @@ def test_demo_fails_with_status_2_when_a_process_fails_to_start(tmp_path: Path) 
         "--num-instances", "1", "--num-requests", "5", "--rate-qps", "1", "--policies", "random",
         "--max-num-seqs", "8", "--max-num-batched-tokens", "4", "--no-progress", "--log-dir", str(tmp_path),
     ]
+    # the sidecars stopped before their emulators and their state files: no warning at shutdown
+    sidecar_logs = sorted(tmp_path.glob("sidecar-*.log"))
+    assert len(sidecar_logs) == 2 and not [p for p in sidecar_logs if "state unavailable" in p.read_text()]
     done = _run_demo(argv, timeout_s=60)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "a process failed to start" in done.stderr and "max_num_batched_tokens" in done.stderr
