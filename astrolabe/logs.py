@@ -8,8 +8,9 @@ and the request context that every line logged while handling a request carries 
 
 A JSON line is one object with ``time`` (UTC, ISO 8601 with milliseconds), ``level``, ``logger`` and
 ``message``, plus, when known: ``request_id``, ``trace_id`` and ``span_id`` (lower-case hex, W3C widths),
-``exception`` (the formatted traceback) and ``stack``. A text line is
-``<time> <LEVEL> <logger> [request_id=.. trace_id=..]: <message>``, the bracket only when known.
+``exception`` (the formatted traceback) and ``stack``; in a worker process (`set_worker`: the extproc's
+``workers`` > 1) also ``worker`` (its index, 0-based) and ``pid``. A text line is
+``<time> <LEVEL> <logger> [worker=.. pid=.. request_id=.. trace_id=..]: <message>``, the bracket only when known.
 
 NOTE: where the request context comes from. The extproc serves many ext_proc streams on one asyncio loop; each
 gRPC call runs in a task of its own, and a ``ContextVar`` is per task (asyncio copies the context into each task
@@ -58,6 +59,18 @@ class RequestContext:
 _CURRENT: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("astrolabe_request", default=None)
 
 
+_WORKER: int | None = None
+"""This process's worker index (`set_worker`), or None: not one of several workers."""
+
+
+def set_worker(index: int | None) -> None:
+    """Marks every line this process logs from now on with ``worker=index`` and its pid (None: no mark), so that
+    the lines of N worker processes sharing one stderr can be told apart. A process-wide setting: a worker process
+    calls it once at start (``extproc.workers``)."""
+    global _WORKER
+    _WORKER = index
+
+
 def bind_request(request_id: str | None, trace_id: str | None = None) -> None:
     """Makes ``request_id`` (and ``trace_id``, 32 hex digits) the request context of the current task and of the
     tasks it starts from now on, until the task ends or the next bind.
@@ -99,10 +112,11 @@ def current_trace() -> tuple[str | None, str | None]:
 
 
 class RequestContextFilter(logging.Filter):
-    """Adds ``request_id``, ``trace_id`` and ``span_id`` (each None when unknown) to every record it sees (module
-    NOTE for where they come from); never drops a record."""
+    """Adds ``worker`` (`set_worker`), ``request_id``, ``trace_id`` and ``span_id`` (each None when unknown) to
+    every record it sees (module NOTE for where they come from); never drops a record."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        record.worker = _WORKER
         bound = _CURRENT.get()
         record.request_id = bound.request_id if bound is not None else None
         record.trace_id, record.span_id = current_trace()
@@ -115,6 +129,8 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = {"time": _iso_utc(record.created), "level": record.levelname, "logger": record.name,
                 "message": record.getMessage()}
+        if getattr(record, "worker", None) is not None:
+            line["worker"], line["pid"] = record.worker, record.process
         for key in ("request_id", "trace_id", "span_id"):
             value = getattr(record, key, None)
             if value is not None:
@@ -127,14 +143,17 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
-    """``<time> <LEVEL> <logger> [request_id=.. trace_id=..]: <message>``; the bracket only when known."""
+    """``<time> <LEVEL> <logger> [worker=.. pid=.. request_id=.. trace_id=..]: <message>``; the bracket only when
+    known."""
 
     def __init__(self) -> None:
         super().__init__(_TEXT_FORMAT)
 
     def format(self, record: logging.LogRecord) -> str:
-        known = [f"{key}={value}" for key in ("request_id", "trace_id")
-                 if (value := getattr(record, key, None)) is not None]
+        worker = getattr(record, "worker", None)
+        known = [f"worker={worker}", f"pid={record.process}"] if worker is not None else []
+        known += [f"{key}={value}" for key in ("request_id", "trace_id")
+                  if (value := getattr(record, key, None)) is not None]
         record.context = f" [{' '.join(known)}]" if known else ""
         return super().format(record)
 

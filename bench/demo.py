@@ -145,6 +145,7 @@ class DemoConfig:
     output_length_source: str = "tagger"
     predict_timeout_s: float = 0.02
     backend: str = "emulator"
+    workers: int = 1
     tracing: DemoTracing | None = None
 
     @property
@@ -219,6 +220,9 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
     p.add_argument("--output-length-source", choices=("fixed", "oracle", "tagger"), default="tagger",
                    help="predicted output tokens sent to sidecars (extproc output_length.source)")
     p.add_argument("--predict-timeout-s", type=float, default=0.02, help="deadline of one Predict call")
+    p.add_argument("--workers", type=int, default=1,
+                   help="worker processes of each extproc (its 'workers' key: > 1 is a supervisor and N workers "
+                        "sharing the port, extproc/workers.py)")
     p.add_argument("--backend", choices=("emulator", "vllm"), default="emulator",
                    help="vllm: at most 2 real vLLM servers (tiny model on CPU; make install-vllm), bench/demo_vllm.py")
     demo_tracing.add_arguments(p)
@@ -255,7 +259,7 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
     num_requests = ns.num_requests if ns.num_requests is not None else num_requests
     for name, value in (("num-instances", ns.num_instances), ("num-requests", num_requests),
                         ("stream-interval", values["stream_interval"]), ("num-routers", values["num_routers"]),
-                        ("max-output-tokens", values["max_output_tokens"])):
+                        ("max-output-tokens", values["max_output_tokens"]), ("workers", ns.workers)):
         if value < 1:
             p.error(f"--{name} must be >= 1")
     if not seeds:
@@ -269,7 +273,7 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
         max_model_len=ns.max_model_len, body_mode=ns.body_mode, request_timeout_s=ns.request_timeout_s,
         log_dir=ns.log_dir, progress=ns.progress, state_source=ns.state_source, astrolabe_k=ns.astrolabe_k,
         astrolabe_metric=ns.astrolabe_metric, output_length_source=ns.output_length_source,
-        predict_timeout_s=ns.predict_timeout_s, backend=ns.backend, tracing=tracing, **values)
+        predict_timeout_s=ns.predict_timeout_s, backend=ns.backend, tracing=tracing, workers=ns.workers, **values)
 
 
 def _held_out_pairs(max_model_len: int, max_output_tokens: int):
@@ -328,7 +332,7 @@ def plan_trace(cfg: DemoConfig) -> TracePlan:
 
 def extproc_config(cfg: DemoConfig, policy: str, instances: Sequence[str], sidecars: dict[str, str]) -> dict:
     """The extproc YAML of ``policy`` (without the per-replica listen addresses and decision log)."""
-    config: dict = {"policy": policy, "seed": cfg.seed,
+    config: dict = {"policy": policy, "seed": cfg.seed, "workers": cfg.workers,
                     "endpoints": [{"address": a, "models": [_model(cfg)],
                                    **({"predictor": sidecars[a]} if a in sidecars else {})} for a in instances]}
     if policy == "astrolabe":
@@ -369,7 +373,8 @@ def format_header(cfg: DemoConfig, plan: TracePlan, instances: Sequence[str]) ->
          "requests over the Envoys; envoy-least-request = the same Envoys with LEAST_REQUEST and no extproc"
          if cfg.num_routers > 1 else
          f"routers: 1 replica: one Envoy ({cfg.body_mode} ext_proc) and one extproc, which sees every request; "
-         "envoy-least-request = the same Envoy with LEAST_REQUEST and no extproc"),
+         "envoy-least-request = the same Envoy with LEAST_REQUEST and no extproc")
+        + (f"; each extproc runs {cfg.workers} worker processes" if cfg.workers > 1 else ""),
         f"sidecars: {state}; astrolabe k={cfg.astrolabe_k}, metric {cfg.astrolabe_metric}, output lengths from "
         f"{cfg.output_length_source}",
         f"time: emulated H200 step times x {cfg.time_scale:g}; all times are emulator wall-clock seconds",
@@ -439,7 +444,9 @@ def run_policies(cfg: DemoConfig, plan: TracePlan, log_dir: Path) -> int:
     """
     runs: list[PolicyRun] = []
     tracing = None
-    with ProcessGroup() as procs, contextlib.ExitStack() as cleanup:
+    # The processes stop before the cleanup runs (the ``with`` exits right to left): a sidecar still running when
+    # the emulators' state folder is removed would warn that their state is unavailable.
+    with contextlib.ExitStack() as cleanup, ProcessGroup() as procs:
         # The receiver starts first, so it stops last: it gets what every other process exports as it stops.
         tracing = cfg.tracing and demo_tracing.start(procs, cfg.tracing, log_dir)
         service_env = tracing.service_env() if tracing else None

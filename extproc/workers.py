@@ -56,6 +56,9 @@ reset. Why not prometheus-client's multiprocess mode
 counts from custom collectors read at scrape time (``extproc.metrics``), and "custom collectors do not work" in
 that mode (prometheus-client's documentation, "Multiprocess Mode").
 
+Logs: every worker writes to the supervisor's stderr; each of its lines names it (``worker=<index> pid=<pid>`` in
+text, ``worker`` and ``pid`` keys in JSON: ``astrolabe.logs.set_worker``); the supervisor's lines carry neither.
+
 Decision log (``decision_log_path``): every worker appends to the same file, whole lines per write under
 ``O_APPEND`` (``extproc.decision_log``); each record's ``pid`` names the worker that decided.
 """
@@ -85,7 +88,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from astrolabe.logs import setup_logging
+from astrolabe.logs import set_worker, setup_logging
 from extproc.config import ConfigError, ExtprocConfig, replace_config
 
 logger = logging.getLogger(__name__)
@@ -262,6 +265,7 @@ def _worker_main(index: int, config: ExtprocConfig, config_path: Path | None, ov
     """A worker process: one whole extproc on the shared port (``run``: `extproc.server.run`, pickled by name, so
     this module needs no import of the server's); sends ``(pid, metrics port)`` on ``ready`` once it serves, then
     writes a byte to ``beats`` every `HEARTBEAT_INTERVAL_S` from its event loop; exits with ``run``'s status."""
+    set_worker(index)  # every line of this process says which worker wrote it
     setup_logging(config.log_level, config.log_format)
     logger.info("worker %d (pid %d) starting", index, os.getpid())
 

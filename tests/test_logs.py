@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import logging
+import os
 
 import pytest
 from opentelemetry import trace
@@ -100,6 +101,23 @@ def test_a_text_line_names_the_request_only_when_known(captured):
     plain, about = buffer.getvalue().splitlines()
     assert plain.endswith(" INFO tests.logs.captured: plain")
     assert about.endswith(f" INFO tests.logs.captured [request_id=req-1 trace_id={TRACE_ID}]: about a request")
+
+
+def test_a_worker_process_names_itself_on_every_line(captured):
+    logger, buffer, set_format = captured
+    logs.set_worker(3)
+    try:
+        logger.info("json")
+        set_format("text")
+        with logs.request_context("req-1"):
+            logger.info("text")
+    finally:
+        logs.set_worker(None)
+    logger.info("not a worker")
+    json_line, text_line, after = buffer.getvalue().splitlines()
+    assert (json.loads(json_line)["worker"], json.loads(json_line)["pid"]) == (3, os.getpid())
+    assert text_line.endswith(f" INFO tests.logs.captured [worker=3 pid={os.getpid()} request_id=req-1]: text")
+    assert after.endswith(" INFO tests.logs.captured: not a worker")
 
 
 async def test_each_task_has_its_own_request_and_tasks_it_starts_inherit_it(captured):

@@ -15,6 +15,7 @@ figure the emulator reports is in its own wall-clock seconds. An idle engine wai
 With a state file configured, the loop publishes the scheduler's state in the vLLM plugin's format
 (:mod:`bench.emulator.state_publisher`) where vLLM's plugin does: at start, after each step's update, after
 ``add_request``, and after an abort. The loop's thread only copies the counters; a writer thread writes the file.
+`EngineLoop.stop` deletes the file (the emulator's clean exit, SIGTERM and SIGINT included).
 Each step also goes into the file's ``steps`` with its measured wall time (from the previous step's end while the
 engine stays busy, else from just before ``schedule``, to just after the update), which is what a sidecar calibrates from: on a loaded CPU a step runs late and the next ones
 catch up to the deadline, so single steps scatter around the modelled time while their mean stays on it.
@@ -148,8 +149,8 @@ class EngineLoop:
                 pass
             self._task = None
         if self._state_publisher is not None:
-            # Writes the last (empty) state and ends the writer thread, off the event loop.
-            await asyncio.to_thread(self._state_publisher.close)
+            # Ends the writer thread and deletes the state file (nothing left in /dev/shm), off the event loop.
+            await asyncio.to_thread(self._state_publisher.close, remove=True)
 
     def add_request(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int,
                     planned_finish_reason: str, stream_interval: int, max_tokens: int | None = None) -> RequestHandle:

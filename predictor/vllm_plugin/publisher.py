@@ -46,6 +46,7 @@ inside vLLM's processes).
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -259,17 +260,36 @@ class StatePublisher:
             "arrivals": [list(event) for event in self._arrivals],
         }
 
-    def close(self, timeout_s: float = 2.0) -> None:
-        """Write the state handed over last, if any, end the writer thread and publish no more.
+    def close(self, timeout_s: float = 2.0, *, remove: bool = False) -> None:
+        """Write the state handed over last, if any (none with ``remove``), end the writer thread and publish no
+        more.
 
-        Blocks up to ``timeout_s`` seconds for the last write. The vLLM plugin never calls it (its writer dies
-        with the engine process); the emulator does when it stops.
+        Blocks up to ``timeout_s`` seconds for the writer thread. The vLLM plugin never calls it (its writer dies
+        with the engine process); the emulator does when it stops, with ``remove``.
+
+        Args:
+            timeout_s: longest wait for the writer thread, seconds.
+            remove: then delete the state file (and a temporary one left beside it), so that a stopped engine
+                leaves nothing in /dev/shm; a reader then finds no file, as before the engine started, and falls
+                back as it does for a dead writer's file. Kept when the writer thread is still running after
+                ``timeout_s`` (its next replace would bring the file back).
         """
         self._closing = True
+        if remove:
+            self._pending.clear()
         writer = self._writer
         if writer is not None:
             self._wake.set()
             writer.join(timeout_s)
+        if not remove:
+            return
+        if writer is not None and writer.is_alive():
+            logger.warning("astrolabe state plugin: the writer of %s did not end within %.1f s; file kept",
+                           self.path, timeout_s)
+            return
+        for path in (self.path, self._tmp_path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def _hand_over(self, state: dict) -> None:
         self._pending.append(state)

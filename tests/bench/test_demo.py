@@ -32,12 +32,22 @@ def test_defaults_meet_the_documented_sizing() -> None:
     assert (small.num_routers, small.arrival, small.max_num_seqs) == (1, "poisson", 16)  # a flag beats the preset
 
 
+def test_workers_reach_every_extproc_config() -> None:
+    instances, sidecars = ["127.0.0.1:1", "127.0.0.1:2"], {"127.0.0.1:1": "127.0.0.1:3", "127.0.0.1:2": "127.0.0.1:4"}
+    for argv, workers in (([], 1), (["--workers", "2"], 2)):
+        cfg = demo._parse_args(argv)
+        assert cfg.workers == workers
+        for policy in ("astrolabe", "least-requests"):
+            assert demo.extproc_config(cfg, policy, instances, sidecars)["workers"] == workers
+
+
 @pytest.mark.parametrize(
     "argv",
     [["--policies", " , "], ["--num-instances", "0"], ["--time-scale", "0"], ["--load", "0.5", "--rate-qps", "3"],
-     ["--quick", "--thorough"], ["--seeds", "a"], ["--num-routers", "0"], ["--setting", "huge"], ["--policies", "foo"]],
+     ["--quick", "--thorough"], ["--seeds", "a"], ["--num-routers", "0"], ["--setting", "huge"], ["--policies", "foo"],
+     ["--workers", "0"]],
     ids=["no-policies", "no-instances", "zero-time-scale", "load-and-rate", "two-modes", "bad-seeds", "no-routers",
-         "unknown-setting", "unknown-policy"],
+         "unknown-setting", "unknown-policy", "no-workers"],
 )
 def test_bad_arguments_exit_with_usage_error(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -183,6 +193,9 @@ def test_demo_traces_its_traced_phase_to_the_file(tmp_path: Path) -> None:
             "router backends egress")
     assert "traces: 3 traces" in done.stdout and "astrolabe-emulator: llm_request (SERVER)" in done.stdout
     assert not [pid for pid in _started_pids(done.stderr) if pid_alive(pid)]
+    # the sidecars stopped before their emulators and their state files: no warning at shutdown
+    sidecar_logs = sorted(tmp_path.glob("sidecar-*.log"))
+    assert len(sidecar_logs) == 2 and not [p for p in sidecar_logs if "state unavailable" in p.read_text()]
 
 
 @pytest.mark.envoy

@@ -1031,8 +1031,9 @@ def _patch(envoyfilter: dict, apply_to: str, name: str | None = None) -> dict:
     return patches[0]
 
 
-def _rendered_template_filters() -> tuple[dict, dict]:
-    """(ext_proc filter, backends cluster) of envoy/envoy-full-duplex.yaml as the launcher renders it."""
+def _rendered_template_filters() -> tuple[dict, dict, dict]:
+    """(ext_proc filter inside its matcher, backends cluster, HttpConnectionManager) of
+    envoy/envoy-full-duplex.yaml as the launcher renders it."""
     from astrolabe.envoy import render_config
 
     config = yaml.safe_load(render_config("full-duplex", listen_address="0.0.0.0", listen_port=8080,
@@ -1041,7 +1042,7 @@ def _rendered_template_filters() -> tuple[dict, dict]:
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
     (backends,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "backends"]
-    return ext_proc["typed_config"]["extension_config"], backends  # inside the matcher that skips it for a 431
+    return ext_proc, backends, hcm
 
 
 def test_envoyfilter_matches_our_envoy_config_and_the_istio_objects():
@@ -1049,11 +1050,26 @@ def test_envoyfilter_matches_our_envoy_config_and_the_istio_objects():
 
     objects = build("overlays/istio-envoyfilter")
     envoyfilter = _envoyfilter(objects)
-    ext_proc = _patch(envoyfilter, "HTTP_FILTER", "envoy.filters.http.ext_proc")["patch"]["value"]
-    template_ext_proc, template_backends = _rendered_template_filters()
+    matcher = _patch(envoyfilter, "HTTP_FILTER", "envoy.filters.http.ext_proc")["patch"]["value"]
+    template_matcher, template_backends, template_hcm = _rendered_template_filters()
+    # The same matcher that skips the filter for a 431, around the same processor settings.
+    assert matcher["typed_config"]["@type"] == template_matcher["typed_config"]["@type"]
+    assert matcher["typed_config"]["xds_matcher"] == template_matcher["typed_config"]["xds_matcher"]
+    ext_proc = matcher["typed_config"]["extension_config"]
+    template_ext_proc = template_matcher["typed_config"]["extension_config"]
+    assert ext_proc["name"] == template_ext_proc["name"] == matcher["name"]
     for key in ("processing_mode", "failure_mode_allow", "status_on_error", "allow_mode_override",
                 "response_attributes"):
         assert ext_proc["typed_config"][key] == template_ext_proc["typed_config"][key], key
+    # The same local replies (OpenAI-style JSON), merged into the gateway listener's HttpConnectionManager.
+    hcm_patch = _patch(envoyfilter, "NETWORK_FILTER")
+    assert hcm_patch["patch"]["operation"] == "MERGE"
+    assert hcm_patch["match"]["listener"] == {
+        **_patch(envoyfilter, "HTTP_FILTER", "envoy.filters.http.ext_proc")["match"]["listener"],
+        "filterChain": {"filter": {"name": "envoy.filters.network.http_connection_manager"}}}
+    hcm = hcm_patch["patch"]["value"]["typed_config"]
+    assert hcm["@type"] == template_hcm["@type"]
+    assert hcm["local_reply_config"] == template_hcm["local_reply_config"]
     # The ext_proc cluster is Istio's outbound cluster of the picker Service.
     service = find(objects, "Service", "astrolabe-extproc")
     port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc-ext-proc")
@@ -1090,17 +1106,21 @@ def _envoy_validate(config: dict, tmp_path: Path) -> subprocess.CompletedProcess
 
 @pytest.mark.envoy
 def test_envoyfilter_patches_make_a_config_envoy_accepts(tmp_path):
-    """The EnvoyFilter's patches applied by hand to a minimal gateway-like config, validated by Envoy 1.40.
+    """The EnvoyFilter's patches applied by hand to a minimal gateway-like config, validated by Envoy 1.40, then
+    served (`_serve_envoyfilter_config`).
 
     Istio applies them to its own generated config; this checks the patch values are valid Envoy API (field
-    names, enums, the per-route enabling of the disabled-by-default ext_proc filter), not Istio's merge.
+    names, enums, the per-route enabling of the disabled-by-default ext_proc filter inside its 431 matcher, the
+    local replies), not Istio's merge.
     """
     envoyfilter = _envoyfilter(build("overlays/istio-envoyfilter"))
     mutation = _patch(envoyfilter, "HTTP_FILTER", "envoy.filters.http.header_mutation")["patch"]["value"]
     ext_proc = _patch(envoyfilter, "HTTP_FILTER", "envoy.filters.http.ext_proc")["patch"]["value"]
     route_merge = _patch(envoyfilter, "HTTP_ROUTE")["patch"]["value"]
     original_dst = _patch(envoyfilter, "CLUSTER")["patch"]["value"]
-    extproc_cluster = ext_proc["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+    hcm_merge = _patch(envoyfilter, "NETWORK_FILTER")["patch"]["value"]["typed_config"]
+    extproc_cluster = ext_proc["typed_config"]["extension_config"]["typed_config"]["grpc_service"]["envoy_grpc"][
+        "cluster_name"]
     route = {"name": "astrolabe", "match": {"prefix": "/"}, "route": {"cluster": "nominal"}}
     route["route"].update(route_merge["route"])
     route["typed_per_filter_config"] = route_merge["typed_per_filter_config"]
@@ -1123,6 +1143,7 @@ def test_envoyfilter_patches_make_a_config_envoy_accepts(tmp_path):
             "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
                      "HttpConnectionManager",
             "stat_prefix": "gateway",
+            "local_reply_config": hcm_merge["local_reply_config"],
             "route_config": {"name": "http.80", "virtual_hosts": [
                 {"name": "all", "domains": ["*"], "routes": [route]},
                 {"name": "other", "domains": ["other.example"], "routes": [
@@ -1132,6 +1153,52 @@ def test_envoyfilter_patches_make_a_config_envoy_accepts(tmp_path):
                      original_dst]}}
     result = _envoy_validate(config, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+    _serve_envoyfilter_config(config, tmp_path)
+
+
+def _serve_envoyfilter_config(config: dict, tmp_path: Path) -> None:
+    """Runs Envoy with the patched config, every upstream and the picker unreachable (nothing listens on their
+    ports): the `astrolabe` route tries the picker (the route enables the filter inside its 431 matcher), the other
+    virtual host does not, and both replies, and the 431 for oversized headers, are the OpenAI-style JSON errors
+    of the local_reply_config patch."""
+    import http.client
+
+    from astrolabe.envoy import envoy_command
+    from astrolabe.procs import ProcessGroup, free_port
+
+    config = copy.deepcopy(config)
+    port, admin_port = free_port(), free_port()
+    config["static_resources"]["listeners"][0]["address"]["socket_address"].update(address="127.0.0.1",
+                                                                                   port_value=port)
+    for cluster in config["static_resources"]["clusters"]:
+        for locality in cluster.get("load_assignment", {}).get("endpoints", []):
+            for endpoint in locality["lb_endpoints"]:
+                endpoint["endpoint"]["address"]["socket_address"]["port_value"] = free_port()
+    config["admin"] = {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}}
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+    def post(host: str, **headers: str) -> tuple[int, dict]:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            connection.request("POST", "/v1/completions", body=b'{"model": "m", "prompt": "x"}',
+                               headers={"Host": host, "content-type": "application/json", **headers})
+            response = connection.getresponse()
+            assert response.getheader("content-type") == "application/json"
+            return response.status, json.loads(response.read())["error"]
+        finally:
+            connection.close()
+
+    with ProcessGroup() as procs:
+        envoy = procs.start(envoy_command(path, concurrency=1), name="envoyfilter-envoy",
+                            log_path=tmp_path / "envoy.log")
+        envoy.wait_http(f"http://127.0.0.1:{admin_port}/ready", 30)
+        status, error = post("gateway.example")
+        assert (status, error["type"]) == (503, "ServiceUnavailableError") and "ext_proc" in error["message"], error
+        status, error = post("other.example")
+        assert status == 503 and "ext_proc" not in error["message"], error
+        status, error = post("gateway.example", **{"x-big": "a" * 70 * 1024})  # over Envoy's 60 KiB
+        assert (status, error["type"]) == (431, "RequestHeaderFieldsTooLargeError"), error
 
 
 def _standalone_render_args(text: str) -> list[str]:

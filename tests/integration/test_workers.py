@@ -160,7 +160,11 @@ def test_sigterm_to_the_supervisor_ends_every_worker(stack, tmp_path):
         os.kill(proc.pid, signal.SIGTERM)  # the supervisor alone, as Kubernetes signals PID 1
         assert proc.wait(30) == 0, proc.log_tail()
         assert not any(pid_alive(pid) for pid in pids)
-        assert proc.log_tail().count("extproc stopped") == 2  # each worker drained
+        stopped = [line for line in proc.log_tail().splitlines() if "extproc stopped" in line]
+        # each worker drained, and its lines name it
+        named = sorted((int(i), int(pid)) for line in stopped
+                       for i, pid in re.findall(r"\[worker=(\d+) pid=(\d+)\]", line))
+        assert [i for i, _ in named] == [0, 1] and {pid for _, pid in named} == set(pids), stopped
 
         proc, pids = _supervisor(tmp_path, path, procs, "sigkill")
         os.kill(proc.pid, signal.SIGKILL)  # no chance to stop them: they watch their parent

@@ -203,6 +203,7 @@ async def test_chat_requests_are_named_chatcmpl_and_an_abort_is_published(tmp_pa
             assert busy.running[0][0] == "chatcmpl-r1-0" and busy.running[0][4] == 500
         # The client went away mid-stream: the emulator aborts the request and publishes at once.
         await _read_until(path, lambda s: s.num_unfinished == 0)
+    assert not path.exists()  # a stopped emulator leaves no state file
 
 
 def _free_port() -> int:
@@ -295,6 +296,7 @@ async def test_a_sidecar_in_plugin_mode_predicts_from_an_emulator_process(tmp_pa
     finally:
         code, stderr = await _tear_down(channel, sidecar, proc)
     assert code == 0, stderr
+    assert list(tmp_path.iterdir()) == []  # SIGTERM: the emulator deleted its state file
 
 
 async def test_a_sidecar_calibrates_to_an_engine_it_has_never_seen_and_checks_every_prediction(tmp_path):
