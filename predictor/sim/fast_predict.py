@@ -34,6 +34,11 @@ the next completion or the first step whose block demand exceeds the free blocks
 for why admission cannot become possible in between); such a run is applied at once and priced in closed form.
 Every other step is simulated exactly, walking only prefills, block requesters and preemption victims.
 
+NOTE: prefix caching is NOT modelled here: blocks are counts, a request never hits. A request with block keys
+(`RequestState.block_keys`, in the snapshot or the new one) raises `PrefixCacheNotModelled` when it is reached,
+and `predictor.sim.predict.predict` then predicts with the `Scheduler` instead (which models the hits), so
+requests with keys never get a prediction from this module.
+
 NOTE: the module is also compiled as is with mypyc where the build can (see `predictor.sim.predict`): keep every
 attribute typed (the `_Rec` annotations, `isinstance` rather than `__class__` checks) so mypy accepts it and the
 compiled classes get native fields; the .py stays the reference and both must give identical results.
@@ -60,6 +65,16 @@ _NO_SEQ = 1 << 62
 _INF = float("inf")
 _NONE: list = []
 """Shared empty list (no starved decodes); never mutated."""
+
+
+class PrefixCacheNotModelled(Exception):
+    """A request with block keys reached this module, which does not model prefix caching (caller: step the
+    `Scheduler` instead)."""
+
+
+def _refuse_block_keys(state: RequestState) -> None:
+    if state.block_keys:
+        raise PrefixCacheNotModelled(f"request {state.request_id!r} has block keys: prefix caching is not modelled")
 
 
 class CountsBatchTimeModel(Protocol):
@@ -130,7 +145,9 @@ def _waiting_rec(config: EngineConfig, state: RequestState) -> _Rec:
 
     Raises:
         ValueError: If it has computed tokens, a bad length, or could never fit (see `_check_fits`).
+        PrefixCacheNotModelled: If it has block keys.
     """
+    _refuse_block_keys(state)
     if state.num_computed_tokens:
         raise ValueError(
             f"request {state.request_id!r} must be WAITING or PREEMPTED with no computed tokens, got "
@@ -669,7 +686,9 @@ class _FastScheduler:
         self.waiting.append(target)
 
     def restore_running(self, state: RequestState) -> None:
-        """Append one running snapshot request (checks of `Scheduler.restore_running`)."""
+        """Append one running snapshot request (checks of `Scheduler.restore_running`; `PrefixCacheNotModelled` if
+        it has block keys)."""
+        _refuse_block_keys(state)
         block_size = self.block_size
         num_computed = state.num_computed_tokens
         num_generated = state.num_generated_tokens
@@ -720,6 +739,7 @@ def simulate_until_finished(
     Raises:
         ValueError: For an invalid snapshot or request (as `InstanceSnapshot.to_scheduler` and
             `Scheduler.add_request`), or a non-positive step time from the model.
+        PrefixCacheNotModelled: A request in the snapshot or the new one has block keys.
     """
     sim = _FastScheduler(snapshot.config, batch_time)
     sim.load(snapshot, request)

@@ -12,7 +12,9 @@ library and `predictor.sim`.
   event. It is VERIFIED against `Scheduler` by the Hypothesis test
   `tests/predictor/sim/test_predict.py::test_predict_equals_stepping_and_leaves_state_unchanged` (>= 1000
   generated states and configs: same TTFT/E2E up to float rounding, same step and preemption counts);
-- the SGLang rules ("sglang"; fast_predict does not know them) and other models use `_predict_with_scheduler`:
+- states with prefix caching (a request with `RequestState.block_keys`; fast_predict does not model hits and
+  refuses them), the SGLang rules ("sglang"; fast_predict does not know them) and other models use
+  `_predict_with_scheduler`:
   the real `Scheduler`, skipping pure-decode runs (verified for SGLang by
   `tests/predictor/sim/test_sglang_scheduler.py::test_sglang_predict_equals_stepping`). It costs O(running
   requests) per simulated step, far more than the event-driven path (`astrolabe bench sglang-model` measures it).
@@ -189,7 +191,8 @@ def predict(
         request: The new request (no progress); its id must not be in the snapshot.
         batch_time: Step execution-time model. With `step_time_from_counts_s` and
             `decode_run_time_from_counts_s` (as `LinearBatchTimeModel`) and the vLLM V1 rules the event-driven
-            path (`predictor.sim.fast_predict`) is used; otherwise the `Scheduler` with decode runs skipped.
+            path (`predictor.sim.fast_predict`) is used, unless a request has block keys; otherwise the
+            `Scheduler` with decode runs skipped.
         compiled: False runs the pure-Python `fast_predict` even where the compiled one is loaded (the
             reference, for tests and benchmarks); the results are identical.
 
@@ -207,7 +210,10 @@ def predict(
         if request.num_computed_tokens or request.num_generated_tokens:
             raise ValueError(f"new request {request.request_id!r} must have no computed or generated tokens")
         module = _FAST_PREDICT if compiled else _load_python_fast_predict()
-        result = module.simulate_until_finished(snapshot, request, batch_time)
+        try:
+            result = module.simulate_until_finished(snapshot, request, batch_time)
+        except module.PrefixCacheNotModelled:
+            return _predict_with_scheduler(snapshot, request, batch_time)
         return Prediction(
             ttft_s=result.ttft_s,
             e2e_s=result.e2e_s,
