@@ -253,7 +253,8 @@ def marginal_cost_s(snapshot: InstanceSnapshot, request: RequestState, batch_tim
         (TTFT growth, E2E growth), seconds, each >= 0; (0, 0) if the simulation with the twin cannot run.
     """
     twin = RequestState(f"{request.request_id}~ahead", request.num_prompt_tokens, request.num_output_tokens,
-                        arrival_time_s=request.arrival_time_s, max_new_tokens=request.max_new_tokens)
+                        arrival_time_s=request.arrival_time_s, max_new_tokens=request.max_new_tokens,
+                        block_keys=request.block_keys)
     try:
         later = predict(replace(snapshot, waiting=(*snapshot.waiting, twin)), request, batch_time)
     except ValueError:

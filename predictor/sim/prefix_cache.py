@@ -120,11 +120,8 @@ class PrefixCachePool(BlockPool):
 
         Source: block_pool.py `BlockPool.get_new_blocks` (``free_block_queue.popleft``, `_maybe_evict_cached_block`).
         """
-        if num_blocks < 0:
-            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        if num_blocks > self._num_free_blocks:
+        if not super().allocate(num_blocks):
             return False
-        self._num_free_blocks -= num_blocks
         if not self._num_cached_free:
             return True  # every free block is anonymous: a count (BlockPool's cost)
         queue = self._queue
@@ -152,16 +149,9 @@ class PrefixCachePool(BlockPool):
         Raises:
             ValueError: If num_blocks < 0 or more blocks would be free than exist (a double free).
         """
-        if num_blocks < 0:
-            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        if self._num_free_blocks + num_blocks > self._num_gpu_blocks:
-            raise ValueError(
-                f"freeing {num_blocks} blocks would exceed num_gpu_blocks={self._num_gpu_blocks} "
-                f"(free={self._num_free_blocks})"
-            )
+        super().free(num_blocks)
         if num_blocks and self._num_cached_free:
             self._append_run(num_blocks)
-        self._num_free_blocks += num_blocks
 
     # ---- identified blocks ---------------------------------------------------------------------------------
     def cache_block(self, key: int) -> int:

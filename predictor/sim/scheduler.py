@@ -60,7 +60,8 @@ NOTE: a second implementation of the vLLM V1 rules, specialised for fast predict
 Hypothesis test `tests/predictor/sim/test_predict.py::test_predict_equals_stepping_and_leaves_state_unchanged`
 (>= 1000 random states and configurations: same TTFT/E2E, step and preemption counts as stepping this scheduler).
 A change to the V1 path of `schedule()` or `update_after_step()` must be mirrored there and pass that test. The
-SGLang rules exist only here (`predictor.sim.predict` steps this class for SGLang configs).
+SGLang rules and prefix caching exist only here (`predictor.sim.predict` steps this class for SGLang configs and
+for states with block keys, which fast_predict refuses).
 
 NOTE: invariants, asserted at the end of `schedule()` and checked by the property tests:
 - both styles: len(running) <= max_num_seqs; free + used blocks == num_gpu_blocks, and used blocks == sum over
@@ -311,6 +312,13 @@ class Scheduler:
 
     Args:
         config: Engine settings; `config.scheduling` picks the rule set.
+
+    Attributes:
+        prefix_cache_queries: Tokens looked up in the prefix cache at admissions (first admissions only), tokens
+            (vLLM ``vllm:prefix_cache_queries``); 0 under the SGLang rules.
+        prefix_cache_hits: Of those, tokens found cached, tokens (vLLM ``vllm:prefix_cache_hits``).
+        prefix_cache_preempted_queries, prefix_cache_preempted_hits: The same for re-admissions of preempted
+            requests (vLLM's `PrefixCacheStats` counts them apart).
     """
 
     def __init__(self, config: EngineConfig) -> None:

@@ -28,6 +28,15 @@ def _run_to_completion(scheduler: Scheduler) -> list[ScheduledBatch]:
     return batches
 
 
+def _warmed(tokens: list[int], num_gpu_blocks: int) -> Scheduler:
+    """A scheduler that has served one keyed request "a" with these tokens (1 output token): its blocks are
+    cached and free."""
+    scheduler = Scheduler(EngineConfig(block_size=BS, num_gpu_blocks=num_gpu_blocks))
+    scheduler.add_request(_keyed("a", tokens, 1))
+    _run_to_completion(scheduler)
+    return scheduler
+
+
 def test_a_prompt_of_exactly_two_blocks_repeated_hits_one_block_not_two():
     scheduler = Scheduler(EngineConfig(block_size=16, num_gpu_blocks=64))
     tokens = list(range(32))
@@ -66,10 +75,8 @@ def test_a_repeated_prompt_prefills_only_the_tokens_it_does_not_hit():
 
 
 def test_a_hit_touches_the_freed_blocks_and_shares_blocks_in_use():
-    scheduler = Scheduler(EngineConfig(block_size=BS, num_gpu_blocks=16))
     tokens = list(range(12))
-    scheduler.add_request(_keyed("a", tokens, 1))
-    _run_to_completion(scheduler)
+    scheduler = _warmed(tokens, num_gpu_blocks=16)
     pool = scheduler.prefix_cache
     assert pool.num_cached_free_blocks == 3 and scheduler.num_free_blocks == 16
     scheduler.add_request(_keyed("b", tokens + [99], 5))
@@ -87,10 +94,8 @@ def test_a_hit_touches_the_freed_blocks_and_shares_blocks_in_use():
 
 
 def test_a_finished_requests_tail_block_is_evicted_first():
-    scheduler = Scheduler(EngineConfig(block_size=BS, num_gpu_blocks=5))
     tokens = list(range(12))
-    scheduler.add_request(_keyed("a", tokens, 1))
-    _run_to_completion(scheduler)
+    scheduler = _warmed(tokens, num_gpu_blocks=5)
     # free queue, head first: the 2 never-used blocks, then a's blocks tail first
     pool = scheduler.prefix_cache
     assert pool.free_queue()[:2] == [None, None] and [pool.key_of(b) for b in pool.free_queue()[2:]] == list(
