@@ -89,7 +89,8 @@ def block_key(parent_key: int | None, token_ids: Sequence[int], extra_keys: Sequ
     return int.from_bytes(digest.digest(), "little")
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, extra_keys: Sequence[str | int | bytes] = ()) -> tuple[int, ...]:
+def block_keys(token_ids: Sequence[int], block_size: int,
+               extra_keys: Sequence[str | int | bytes] = ()) -> tuple[int, ...]:
     """Keys of the full blocks of a token sequence, first block first (the tokens of a partial last block get none).
 
     Args:

@@ -277,7 +277,8 @@ class PrefixCachePool(BlockPool):
         assert len(free_cached) == self._num_cached_free
         assert all(self._ref[b] == 0 for b in free_cached), "a free block is referenced"
         assert all(n >= 1 for n in self._queue.values())
-        assert sum(1 for n in self._ref.values() if n == 0) == self._num_cached_free, "a block is unreferenced, not free"
+        num_unreferenced = sum(1 for n in self._ref.values() if n == 0)
+        assert num_unreferenced == self._num_cached_free, "a cached block is unreferenced but not free"
         assert self._num_extra_refs == sum(n - 1 for n in self._ref.values() if n > 1)
         for key, blocks in self._blocks_of_key.items():
             assert blocks and all(self._key_of[b] == key for b in blocks)

@@ -65,8 +65,9 @@ for states with block keys, which fast_predict refuses).
 
 NOTE: invariants, asserted at the end of `schedule()` and checked by the property tests:
 - both styles: len(running) <= max_num_seqs; free + used blocks == num_gpu_blocks, and used blocks == sum over
-  running requests of the blocks they hold, less the extra references on shared cached blocks; after `update_after_step`, a running request holds exactly
-  blocks_for_tokens(num_computed_tokens) blocks (or more, if a snapshot gave it more);
+  running requests of the blocks they hold, less the extra references on shared cached blocks; after
+  `update_after_step`, a running request holds exactly blocks_for_tokens(num_computed_tokens) blocks (or more,
+  if a snapshot gave it more);
 - vllm-v1: total scheduled tokens <= max_num_batched_tokens;
 - sglang: a batch is prefill-only (num_decode_seqs == 0, and with chunked prefill on, total tokens <=
   max_num_batched_tokens) or decode-only (num_prefill_tokens == 0, one token per running request, at most
@@ -742,7 +743,8 @@ class Scheduler:
         return True
 
     def _free_blocks(self, request: SimRequest) -> None:
-        """Free a request's blocks; its cached ones stay reusable, its tail evicted first (`PrefixCachePool.release`)."""
+        """Free a request's blocks; its cached ones stay reusable, its tail is evicted first
+        (`PrefixCachePool.release`)."""
         num_held = self._num_blocks_held.pop(request.request_id, 0)
         block_ids = self._block_ids.pop(request.request_id, None)
         if block_ids:
