@@ -31,6 +31,12 @@ blocks cannot cover (a preemption would follow). A waiting request cannot become
 the sequence cap, the token budget and the head-of-queue request stay fixed and free blocks only shrink, so
 admission can only change after a completion. The first token of the new request is never inside a run (it is
 sampled by a prefill step). So a run is applied at once and priced in closed form (`decode_run_time_s`).
+With prefix caching (requests with block keys) the run's allocations may also evict cached blocks that the head
+would hit. That does not make it admissible either: a block's parent is freed with it or later (every holder of a
+block holds its parent and frees the child first), so evictions shorten the head's hit from its end, one block
+per allocated block, and each lost hit block raises the head's need by one block (its new tokens grow) or, with
+its chunk capped by the budget, lowers it by at most the one block the eviction took from the free ones
+(checked by `tests/predictor/sim/test_predict_prefix_cache.py::test_predict_from_keyed_states_equals_stepping`).
 
 Under the SGLang rules the same holds for a different reason. There admission COULD become possible inside a
 run, since the reservations shrink as requests generate (each running request reserves ratio x its remaining

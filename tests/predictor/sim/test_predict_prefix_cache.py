@@ -98,3 +98,59 @@ def test_predict_with_keys_equals_stepping(num_steps, prefix_blocks, num_output,
     assert math.isclose(fast.ttft_s, slow.ttft_s, rel_tol=1e-9) and math.isclose(fast.e2e_s, slow.e2e_s, rel_tol=1e-9)
     assert (fast.num_steps, fast.num_preemptions) == (slow.num_steps, slow.num_preemptions)
     event(f"preemptions: {min(slow.num_preemptions, 2)}")
+
+
+@st.composite
+def keyed_states(draw):
+    """A live scheduler's state after some steps of mixed keyed / keyless requests over a few shared prefixes,
+    small token budgets and caches (capped chunks, evictions, preemptions, duplicate keys), and a new request."""
+    block_size = draw(st.sampled_from([2, 4]))
+    config = EngineConfig(max_num_seqs=draw(st.integers(1, 6)), max_num_batched_tokens=draw(st.integers(6, 40)),
+                          block_size=block_size, num_gpu_blocks=draw(st.integers(12, 60)),
+                          long_prefill_token_threshold=draw(st.sampled_from([0, 0, 7])))
+    prefixes = [list(range(100, 130)), list(range(200, 216)), [5] * 24]
+
+    def tokens() -> list[int]:
+        return draw(st.sampled_from(prefixes))[:draw(st.integers(0, 30))] + draw(
+            st.lists(st.integers(0, 3), min_size=1, max_size=8))
+
+    scheduler = Scheduler(config)
+    arrivals = []
+    for index in range(draw(st.integers(0, 10))):
+        prompt, num_output = tokens(), draw(st.integers(1, 30))
+        if -(-(len(prompt) + num_output + 10) // block_size) > config.num_gpu_blocks:
+            continue
+        keys = block_keys(prompt, block_size) if draw(st.booleans()) else None
+        arrivals.append((draw(st.integers(0, 15)), SimRequest(f"r{index}", len(prompt), num_output, 0.0,
+                                                              block_keys=keys)))
+    arrivals.sort(key=lambda item: item[0])
+    num_steps = draw(st.integers(0, 30))
+    for step in range(num_steps):
+        while arrivals and arrivals[0][0] <= step:
+            scheduler.add_request(arrivals.pop(0)[1])
+        scheduler.update_after_step(scheduler.schedule(), float(step))
+    snapshot = InstanceSnapshot.from_scheduler(scheduler, now_s=float(num_steps))
+    snapshot = InstanceSnapshot(config, snapshot.now_s, (*snapshot.waiting, *(RequestState.from_sim_request(r)
+                                for _, r in arrivals)), snapshot.running)
+    prompt = tokens()
+    num_output = draw(st.integers(1, 40))
+    if -(-(len(prompt) + num_output + 10) // block_size) > config.num_gpu_blocks:
+        num_output = 1
+    keys = block_keys(prompt, block_size) if draw(st.booleans()) else None
+    return snapshot, RequestState("new", len(prompt), num_output, block_keys=keys)
+
+
+@settings(max_examples=600, deadline=None)
+@given(keyed_states())
+def test_predict_from_keyed_states_equals_stepping(case):
+    snapshot, target = case
+    try:
+        slow = predict_by_stepping(snapshot, target, LLAMA)
+    except ValueError:
+        event("invalid")
+        return
+    fast = predict(snapshot, target, LLAMA)
+    assert math.isclose(fast.ttft_s, slow.ttft_s, rel_tol=1e-9) and math.isclose(fast.e2e_s, slow.e2e_s, rel_tol=1e-9)
+    assert (fast.num_steps, fast.num_preemptions) == (slow.num_steps, slow.num_preemptions)
+    event(f"skipped: {fast.num_steps_simulated < fast.num_steps}")
+    event(f"preemptions: {min(slow.num_preemptions, 2)}")
