@@ -34,9 +34,9 @@ sampled by a prefill step). So a run is applied at once and priced in closed for
 With prefix caching (requests with block keys) the run's allocations may also evict cached blocks that the head
 would hit. That does not make it admissible either: a block's parent is freed with it or later (every holder of a
 block holds its parent and frees the child first), so evictions shorten the head's hit from its end, one block
-per allocated block, and each lost hit block raises the head's need by one block (its new tokens grow) or, with
-its chunk capped by the budget, lowers it by at most the one block the eviction took from the free ones
-(checked by `tests/predictor/sim/test_predict_prefix_cache.py::test_predict_from_keyed_states_equals_stepping`).
+per allocated block; each allocated block lowers the free blocks by one, and each lost hit block lowers the
+head's need by at most one (a free hit block it no longer takes, offset by one more new block unless its chunk
+is capped by the budget), so the head's shortfall never shrinks (checked by `tests/predictor/sim/test_predict_prefix_cache.py::test_predict_from_keyed_states_equals_stepping`).
 
 Under the SGLang rules the same holds for a different reason. There admission COULD become possible inside a
 run, since the reservations shrink as requests generate (each running request reserves ratio x its remaining
