@@ -12,8 +12,8 @@ library and `predictor.sim`.
   event. It is VERIFIED against `Scheduler` by the Hypothesis test
   `tests/predictor/sim/test_predict.py::test_predict_equals_stepping_and_leaves_state_unchanged` (>= 1000
   generated states and configs: same TTFT/E2E up to float rounding, same step and preemption counts);
-- states with prefix caching (a request with `RequestState.block_keys`; fast_predict does not model hits and
-  refuses them), the SGLang rules ("sglang"; fast_predict does not know them) and other models use
+- states where a request's block keys reach past its prompt (fast_predict models prefix caching for prompt keys
+  only, and refuses them), the SGLang rules ("sglang"; fast_predict does not know them) and other models use
   `_predict_with_scheduler`:
   the real `Scheduler`, skipping pure-decode runs (verified for SGLang by
   `tests/predictor/sim/test_sglang_scheduler.py::test_sglang_predict_equals_stepping`). It costs O(running
@@ -189,7 +189,8 @@ def predict(
     Gives the same times as `predict_by_stepping` up to float rounding and the same step and preemption
     counts (the property tests check this). Under the vLLM V1 rules with `LinearBatchTimeModel` it costs
     O(1)-O(log n) per event (completion, admission, prefill chunk, preemption); about 1 ms for a 256-request
-    instance in pure Python, 0.46 ms compiled (`astrolabe bench predictor`). Under the SGLang rules it steps the
+    instance in pure Python, 0.46 ms compiled (`astrolabe bench predictor`). Requests with block keys add
+    O(their blocks) to each admission and completion (the prefix-cache pool is pure Python). Under the SGLang rules it steps the
     `Scheduler` (pure-decode runs skipped), O(running requests) per simulated step.
 
     Args:
@@ -197,7 +198,8 @@ def predict(
         request: The new request (no progress); its id must not be in the snapshot.
         batch_time: Step execution-time model. With `step_time_from_counts_s` and
             `decode_run_time_from_counts_s` (as `LinearBatchTimeModel`) and the vLLM V1 rules the event-driven
-            path (`predictor.sim.fast_predict`) is used, unless a request has block keys; otherwise the
+            path (`predictor.sim.fast_predict`) is used, unless a request's block keys reach past its prompt;
+            otherwise the
             `Scheduler` with decode runs skipped.
         compiled: False runs the pure-Python `fast_predict` even where the compiled one is loaded (the
             reference, for tests and benchmarks); the results are identical.

@@ -60,8 +60,9 @@ NOTE: a second implementation of the vLLM V1 rules, specialised for fast predict
 Hypothesis test `tests/predictor/sim/test_predict.py::test_predict_equals_stepping_and_leaves_state_unchanged`
 (>= 1000 random states and configurations: same TTFT/E2E, step and preemption counts as stepping this scheduler).
 A change to the V1 path of `schedule()` or `update_after_step()` must be mirrored there and pass that test. The
-SGLang rules and prefix caching exist only here (`predictor.sim.predict` steps this class for SGLang configs and
-for states with block keys, which fast_predict refuses).
+SGLang rules exist only here (`predictor.sim.predict` steps this class for SGLang configs, and for states whose
+block keys reach past a prompt, which fast_predict refuses); prefix caching for prompt keys is mirrored there
+(verified by `tests/predictor/sim/test_predict_prefix_cache.py::test_predict_from_keyed_states_equals_stepping`).
 
 NOTE: invariants, asserted at the end of `schedule()` and checked by the property tests:
 - both styles: len(running) <= max_num_seqs; free + used blocks == num_gpu_blocks, and used blocks == sum over

@@ -1,5 +1,6 @@
-"""Tests for predictions of states with prefix caching (requests with block keys): fast_predict refuses them and
-`predict` steps the `Scheduler` instead, equal to stepping; snapshots keep keys and rebuild shared blocks."""
+"""Tests for predictions of states with prefix caching (requests with block keys): fast_predict models prompt keys
+and equals stepping; keys past the prompt are refused there and `predict` steps the `Scheduler` instead, equal to
+stepping too; snapshots keep keys and rebuild shared blocks."""
 
 from __future__ import annotations
 
@@ -41,18 +42,35 @@ def _live_scheduler(num_steps: int) -> Scheduler:
     return scheduler
 
 
-def test_fast_predict_refuses_block_keys_and_predict_steps_the_scheduler_instead():
+def _fast_modules() -> list:
+    """The pure-Python fast_predict, and the compiled one where it is built and current."""
+    python = predict_module._load_python_fast_predict()
+    return [python] if predict_module._FAST_PREDICT is python else [python, predict_module._FAST_PREDICT]
+
+
+def test_fast_predict_models_prompt_keys_equal_to_stepping():
     snapshot = InstanceSnapshot.from_scheduler(_live_scheduler(5), now_s=10.0)
     target = _keyed_state("new", SYSTEM_PROMPT + [9] * 7, 50)
-    module = predict_module._load_python_fast_predict()
-    with pytest.raises(module.PrefixCacheNotModelled):
-        module.simulate_until_finished(snapshot, target, LLAMA)
-    with pytest.raises(predict_module._FAST_PREDICT.PrefixCacheNotModelled):  # the compiled one too, if built
-        predict_module._FAST_PREDICT.simulate_until_finished(snapshot, target, LLAMA)
+    slow = predict_by_stepping(snapshot, target, LLAMA)
+    for module in _fast_modules():
+        fast = module.simulate_until_finished(snapshot, target, LLAMA)
+        assert math.isclose(fast.ttft_s, slow.ttft_s, rel_tol=1e-9)
+        assert math.isclose(fast.e2e_s, slow.e2e_s, rel_tol=1e-9)
+        assert fast.num_steps == slow.num_steps and fast.num_steps_simulated < fast.num_steps
+
+
+def test_keys_past_the_prompt_are_refused_by_fast_predict_and_predicted_by_stepping():
+    live = _live_scheduler(5)
+    snapshot = InstanceSnapshot.from_scheduler(live, now_s=10.0)
+    tokens = SYSTEM_PROMPT + [9] * 7  # 327 tokens: 20 full blocks; 2 more keys name output blocks
+    target = RequestState("new", len(tokens), 50, block_keys=block_keys(tokens + [1] * 40, BS))
+    for module in _fast_modules():
+        with pytest.raises(module.PrefixCacheNotModelled):
+            module.simulate_until_finished(snapshot, target, LLAMA)
     fast, slow = predict(snapshot, target, LLAMA), predict_by_stepping(snapshot, target, LLAMA)
     assert math.isclose(fast.ttft_s, slow.ttft_s, rel_tol=1e-9) and math.isclose(fast.e2e_s, slow.e2e_s, rel_tol=1e-9)
     assert fast.num_steps == slow.num_steps
-    assert fast.num_steps_simulated < fast.num_steps  # decode runs are still skipped
+    assert fast.num_steps_simulated < fast.num_steps  # the Scheduler path still skips decode runs
 
 
 def test_a_prompt_that_shares_the_running_prefix_is_predicted_faster():
@@ -152,5 +170,6 @@ def test_predict_from_keyed_states_equals_stepping(case):
     fast = predict(snapshot, target, LLAMA)
     assert math.isclose(fast.ttft_s, slow.ttft_s, rel_tol=1e-9) and math.isclose(fast.e2e_s, slow.e2e_s, rel_tol=1e-9)
     assert (fast.num_steps, fast.num_preemptions) == (slow.num_steps, slow.num_preemptions)
+    assert predict(snapshot, target, LLAMA, compiled=False) == fast  # the compiled module, where built, is identical
     event(f"skipped: {fast.num_steps_simulated < fast.num_steps}")
     event(f"preemptions: {min(slow.num_preemptions, 2)}")
