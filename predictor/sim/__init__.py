@@ -14,8 +14,10 @@ from predictor.sim.batch_time import (
     load_profile,
     mape,
 )
+from predictor.sim.block_hash import block_key, block_keys
 from predictor.sim.engine import Engine, StepResult, measure_capacity_qps
 from predictor.sim.kv_blocks import BlockPool, blocks_for_tokens
+from predictor.sim.prefix_cache import PrefixCachePool
 from predictor.sim.predict import Prediction, predict, predict_by_stepping
 from predictor.sim.request import RequestStatus, SimRequest
 from predictor.sim.scheduler import EngineConfig, ScheduledBatch, Scheduler, StepOutput
@@ -29,6 +31,7 @@ __all__ = [
     "InstanceSnapshot",
     "LinearBatchTimeModel",
     "Prediction",
+    "PrefixCachePool",
     "ProfileRow",
     "RequestState",
     "RequestStatus",
@@ -37,6 +40,8 @@ __all__ = [
     "SimRequest",
     "StepOutput",
     "StepResult",
+    "block_key",
+    "block_keys",
     "blocks_for_tokens",
     "fit_linear",
     "known_models",

@@ -34,6 +34,16 @@ the next completion or the first step whose block demand exceeds the free blocks
 for why admission cannot become possible in between); such a run is applied at once and priced in closed form.
 Every other step is simulated exactly, walking only prefills, block requesters and preemption victims.
 
+NOTE: prefix caching (requests with `RequestState.block_keys`) is modelled for keys of PROMPT blocks: from the
+first keyed request on, a `predictor.sim.prefix_cache.PrefixCachePool` (the scheduler's own pool class) mirrors
+every block change in the order `Scheduler` makes it (running reservations, then admissions with their hits;
+preemptions at once; a step's finishes in schedule order), `num_free_blocks` follows its count after releases
+(blocks shared with running requests stay used), and a keyed queue head is admitted by an exact step (its hits
+depend on what the decodes' blocks evict first). Keys of prompt blocks are all cached by the end of a prefill, so a
+decode never names a block. Keys past the prompt's full blocks (output blocks a driver knows) raise
+`PrefixCacheNotModelled` when the request is reached, and `predictor.sim.predict.predict` then steps the
+`Scheduler` instead. Requests without keys cost what they did (one `pool is None` test per event).
+
 NOTE: the module is also compiled as is with mypyc where the build can (see `predictor.sim.predict`): keep every
 attribute typed (the `_Rec` annotations, `isinstance` rather than `__class__` checks) so mypy accepts it and the
 compiled classes get native fields; the .py stays the reference and both must give identical results.
@@ -50,6 +60,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+from predictor.sim.prefix_cache import PrefixCachePool
 from predictor.sim.scheduler import EngineConfig, check_request_fits
 from predictor.sim.snapshot import NUM_EXTRA_OUTPUT_TOKENS_WHEN_OVERDUE, InstanceSnapshot, RequestState
 
@@ -60,6 +71,21 @@ _NO_SEQ = 1 << 62
 _INF = float("inf")
 _NONE: list = []
 """Shared empty list (no starved decodes); never mutated."""
+
+
+class PrefixCacheNotModelled(Exception):
+    """A request whose block keys reach past its prompt's full blocks reached this module, which models only
+    prompt keys (caller: step the `Scheduler` instead)."""
+
+
+def _prompt_block_keys(state: RequestState, block_size: int) -> tuple[int, ...] | None:
+    """The request's block keys (None if it has none); `PrefixCacheNotModelled` if they name output blocks."""
+    keys = state.block_keys
+    if not keys:
+        return None
+    if len(keys) > state.num_prompt_tokens // block_size:
+        raise PrefixCacheNotModelled(f"request {state.request_id!r} has block keys past its prompt")
+    return keys
 
 
 class CountsBatchTimeModel(Protocol):
@@ -93,7 +119,7 @@ class _Rec:
     __slots__ = (
         "seq", "num_prompt_tokens", "num_output_tokens", "num_computed_tokens", "num_generated_tokens",
         "num_blocks_held", "is_decode", "anchor", "boundary", "phase", "finish_step", "heap_id", "chunk",
-        "is_target",
+        "is_target", "keys", "block_ids",
     )
     seq: int
     num_prompt_tokens: int
@@ -109,6 +135,8 @@ class _Rec:
     heap_id: int
     chunk: int
     is_target: bool
+    keys: tuple[int, ...] | None
+    block_ids: list[int] | None
 
     def __init__(self, num_prompt_tokens: int, num_output_tokens: int, num_generated_tokens: int) -> None:
         # seq is set on admission; anchor, boundary, phase (-1: irregular, else boundary % block_size) and
@@ -123,6 +151,8 @@ class _Rec:
         self.heap_id = -1
         self.chunk = 0
         self.is_target = False
+        self.keys = None
+        self.block_ids = None
 
 
 def _waiting_rec(config: EngineConfig, state: RequestState) -> _Rec:
@@ -130,7 +160,9 @@ def _waiting_rec(config: EngineConfig, state: RequestState) -> _Rec:
 
     Raises:
         ValueError: If it has computed tokens, a bad length, or could never fit (see `_check_fits`).
+        PrefixCacheNotModelled: If its block keys reach past its prompt.
     """
+    keys = _prompt_block_keys(state, config.block_size)
     if state.num_computed_tokens:
         raise ValueError(
             f"request {state.request_id!r} must be WAITING or PREEMPTED with no computed tokens, got "
@@ -148,7 +180,9 @@ def _waiting_rec(config: EngineConfig, state: RequestState) -> _Rec:
         num_max_tokens > config.max_num_batched_tokens + 1 and not config.enable_chunked_prefill
     ):
         check_request_fits(config, state.request_id, num_prompt_tokens, num_output_tokens)  # raises, with details
-    return _Rec(num_prompt_tokens, num_output_tokens, num_generated_tokens)
+    rec = _Rec(num_prompt_tokens, num_output_tokens, num_generated_tokens)
+    rec.keys = keys
+    return rec
 
 
 def _seq_of(rec: _Rec) -> int:
@@ -174,6 +208,10 @@ class _FastScheduler:
         self.prefills: list[_Rec] = []
         self.waiting: deque[_Rec | RequestState] = deque()
         self.num_free_blocks = config.num_gpu_blocks
+        # Prefix caching: the pool is made when the first request with block keys appears (until then every
+        # block is anonymous and num_free_blocks is the whole state); then it mirrors every block change.
+        self.pool: PrefixCachePool | None = None
+        self.releases: list[_Rec] = []
         self.step = 0
         self.next_seq = 0
         self.next_heap_id = 0
@@ -298,9 +336,58 @@ class _FastScheduler:
         """The first waiting request, converted (and validated) on first look."""
         head = self.waiting[0]
         if not isinstance(head, _Rec):
-            head = _waiting_rec(self.config, head)
+            head = self.convert(head)
             self.waiting[0] = head
         return head
+
+    def convert(self, state: RequestState) -> _Rec:
+        """A waiting snapshot request as a `_Rec` (`_waiting_rec`), making the pool if it has block keys."""
+        rec = _waiting_rec(self.config, state)
+        if rec.keys is not None:
+            self.ensure_pool()
+        return rec
+
+    # ---- prefix caching (mirrors Scheduler: `_take_blocks`, `_cache_full_blocks`, `_free_blocks`) --------------
+    def ensure_pool(self) -> PrefixCachePool:
+        pool = self.pool
+        if pool is None:
+            pool = PrefixCachePool(self.config.num_gpu_blocks)
+            pool.allocate(self.config.num_gpu_blocks - self.num_free_blocks)
+            self.pool = pool
+        return pool
+
+    def cache_full_blocks(self, rec: _Rec, num_tokens: int) -> None:
+        """Name the keyed blocks that `num_tokens` tokens of `rec` fill (`Scheduler._cache_full_blocks`)."""
+        keys = rec.keys
+        pool = self.pool
+        assert keys is not None and pool is not None
+        block_ids = rec.block_ids
+        if block_ids is None:
+            block_ids = rec.block_ids = []
+        num_full = min(num_tokens // self.block_size, len(keys))
+        for index in range(len(block_ids), num_full):
+            block_ids.append(pool.cache_block(keys[index]))
+
+    def release(self, rec: _Rec, pool: PrefixCachePool) -> None:
+        block_ids = rec.block_ids
+        if block_ids:
+            pool.release(block_ids, rec.num_blocks_held - len(block_ids))
+        else:
+            pool.free(rec.num_blocks_held)
+        rec.block_ids = None
+
+    def flush_releases(self) -> None:
+        """Free the blocks of the requests that finished in this step, in schedule (seq) order as
+        `Scheduler.update_after_step` does."""
+        pool = self.pool
+        releases = self.releases
+        if pool is None or not releases:
+            return
+        releases.sort(key=_seq_of)
+        for rec in releases:
+            self.release(rec, pool)
+        releases.clear()
+        self.num_free_blocks = pool.num_free_blocks  # blocks shared with running requests stay used
 
     def preempt_last(self) -> _Rec:
         """Pop the last running request, free its blocks, put it at the front of the waiting queue."""
@@ -309,7 +396,11 @@ class _FastScheduler:
             self.leave_decode(victim)
         else:
             self.prefills.remove(victim)
-        self.num_free_blocks += victim.num_blocks_held
+        if self.pool is not None:
+            self.release(victim, self.pool)  # blocks it shares with running requests stay used
+            self.num_free_blocks = self.pool.num_free_blocks
+        else:
+            self.num_free_blocks += victim.num_blocks_held
         victim.num_blocks_held = 0
         victim.num_computed_tokens = 0
         victim.chunk = 0
@@ -321,7 +412,10 @@ class _FastScheduler:
         """Remove a running request that sampled its last token (counters explicit, not a decode);
         inlined in `finish_decodes`."""
         self.running.remove(rec)
-        self.num_free_blocks += rec.num_blocks_held
+        if self.pool is not None:
+            self.releases.append(rec)  # freed by flush_releases
+        else:
+            self.num_free_blocks += rec.num_blocks_held
         if rec.is_target:
             self.e2e_s = self.elapsed_s
 
@@ -339,8 +433,12 @@ class _FastScheduler:
         budget = self.max_num_batched_tokens - num_decodes  # > 0: decodes < max_num_seqs <= the budget
         head = waiting[0]
         if not isinstance(head, _Rec):
-            head = _waiting_rec(self.config, head)
+            head = self.convert(head)
             waiting[0] = head
+        if head.keys is not None:
+            # Its hits depend on what the decodes' blocks evict first: the exact step does it in that order.
+            self.step_exact()
+            return True
         num_new_tokens = head.num_prompt_tokens + head.num_generated_tokens
         threshold = self.threshold
         if 0 < threshold < num_new_tokens:
@@ -357,6 +455,8 @@ class _FastScheduler:
             return False
         # Admit the head (as `admit` would), then any more that fit.
         self.num_free_blocks = num_free - num_new_blocks
+        if self.pool is not None:
+            self.pool.allocate(self.phase_counts[(step + 1) % self.block_size] + num_new_blocks)
         waiting.popleft()
         head.seq = self.next_seq
         self.next_seq += 1
@@ -367,11 +467,12 @@ class _FastScheduler:
         num_tokens = num_new_tokens
         attention_work = num_new_tokens * num_new_tokens
         budget -= num_new_tokens
+        context = self.sum_computed_minus_anchor + num_decodes * (step + 1)
         if budget > 0 and waiting and len(self.running) < self.max_num_seqs:
-            num_more_tokens, more_work = self.admit(budget)
+            num_more_tokens, more_work, more_context = self.admit(budget)
             num_tokens += num_more_tokens
             attention_work += more_work
-        context = self.sum_computed_minus_anchor + num_decodes * (step + 1)
+            context += more_context
         num_seqs = num_decodes + len(self.prefills)
         duration_s = self.step_time(num_decodes + num_tokens, attention_work, context, num_seqs)
         if not (duration_s > 0 and duration_s != _INF):
@@ -411,6 +512,8 @@ class _FastScheduler:
         if not (duration_s > 0 and last_s > 0 and duration_s != _INF):
             raise ValueError(f"batch-time model returned {duration_s!r} s for a decode run of {num_decodes} seqs")
         self.num_free_blocks -= demand
+        if self.pool is not None:
+            self.pool.allocate(demand)
         self.step = step + num_steps
         self.num_steps += num_steps
         self.num_steps_simulated += 1
@@ -430,9 +533,13 @@ class _FastScheduler:
             assert rec.finish_step == step
             self.leave_decode(rec)
             self.running.remove(rec)
-            self.num_free_blocks += rec.num_blocks_held
+            if self.pool is not None:
+                self.releases.append(rec)  # freed by flush_releases
+            else:
+                self.num_free_blocks += rec.num_blocks_held
             if rec.is_target:
                 self.e2e_s = self.elapsed_s
+        self.flush_releases()
 
     # ---- one exact step ------------------------------------------------------------------------------------
     def cut_budget(self, budget: int) -> int:
@@ -495,6 +602,9 @@ class _FastScheduler:
             self.num_free_blocks -= num_needed
             for rec, num_new in prefill_needs:
                 rec.num_blocks_held += num_new
+            if self.pool is not None:
+                self.pool.allocate(num_needed)
+                self.cache_prefill_blocks()
             return False
         # Short of blocks: replay the reservations in schedule order. Block requesters: decodes at a block
         # boundary now (phase match; prefills and irregular decodes have phase -1), prefills needing blocks.
@@ -511,17 +621,31 @@ class _FastScheduler:
                 victim = self.preempt_last()
                 cutoff_seq = victim.seq
                 if victim is rec:
+                    if self.pool is not None:
+                        self.cache_prefill_blocks()
                     return True
             self.num_free_blocks -= num_new
+            if self.pool is not None:
+                self.pool.allocate(num_new)
             if not rec.is_decode:
                 rec.num_blocks_held += num_new
+        if self.pool is not None:
+            self.cache_prefill_blocks()
         return cutoff_seq != _NO_SEQ
 
-    def admit(self, num_budget_tokens: int) -> tuple[int, int]:
+    def cache_prefill_blocks(self) -> None:
+        """Cache the keyed blocks the scheduled prefill chunks fill (preempted ones have no chunk), schedule order:
+        a prefill before every preemption victim, so naming its blocks after the preemptions changes nothing."""
+        for rec in self.prefills:
+            if rec.chunk and rec.keys is not None:
+                self.cache_full_blocks(rec, rec.num_computed_tokens + rec.chunk)
+
+    def admit(self, num_budget_tokens: int) -> tuple[int, int, int]:
         """Admit waiting requests FCFS as `Scheduler._schedule_waiting` does.
 
         Returns:
-            (tokens scheduled, prefill attention work) of the admitted requests.
+            (tokens scheduled, prefill attention work, decode context) of the admitted requests: a recomputation
+            whose prefix-cache hit leaves one token past its prompt counts as a decode (`Scheduler._add_to_batch`).
         """
         block_size = self.block_size
         threshold = self.threshold
@@ -529,29 +653,55 @@ class _FastScheduler:
         running = self.running
         num_tokens = 0
         attention_work = 0
+        context = 0
         while waiting and num_budget_tokens > 0 and len(running) < self.max_num_seqs:
             head = self.head()
             num_new_tokens = head.num_prompt_tokens + head.num_generated_tokens
+            keys = head.keys
+            pool = self.pool
+            hits = _NONE
+            if keys is not None:
+                assert pool is not None
+                hits = pool.lookup(keys, (num_new_tokens - 1) // block_size)  # the last token is recomputed
+            num_hit_tokens = len(hits) * block_size
+            num_new_tokens -= num_hit_tokens
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             if not self.chunked and num_new_tokens > num_budget_tokens:
                 break
             num_new_tokens = min(num_new_tokens, num_budget_tokens)
-            num_new_blocks = -(-num_new_tokens // block_size)
-            if num_new_blocks > self.num_free_blocks:
-                break  # strict FCFS
-            self.num_free_blocks -= num_new_blocks
+            num_blocks = -(-(num_hit_tokens + num_new_tokens) // block_size)
+            if keys is None:
+                if num_blocks > self.num_free_blocks:
+                    break  # strict FCFS
+                self.num_free_blocks -= num_blocks
+                if pool is not None:
+                    pool.allocate(num_blocks)
+            else:
+                assert pool is not None
+                num_taken = num_blocks - len(hits) + pool.num_free_among(hits)
+                if num_taken > self.num_free_blocks:
+                    break  # strict FCFS
+                self.num_free_blocks -= num_taken
+                pool.touch(hits)
+                pool.allocate(num_blocks - len(hits))
+                head.block_ids = hits
+                head.num_computed_tokens = num_hit_tokens
+                self.cache_full_blocks(head, num_hit_tokens + num_new_tokens)
             waiting.popleft()
             head.seq = self.next_seq
             self.next_seq += 1
-            head.num_blocks_held = num_new_blocks
+            head.num_blocks_held = num_blocks
             head.chunk = num_new_tokens
             running.append(head)
             self.prefills.append(head)
             num_tokens += num_new_tokens
-            attention_work += num_new_tokens * num_new_tokens
+            if num_new_tokens == 1 and num_hit_tokens >= head.num_prompt_tokens:
+                context += num_hit_tokens + 1
+            else:
+                attention_work += num_new_tokens * (num_hit_tokens + num_new_tokens)
             num_budget_tokens -= num_new_tokens
-        return num_tokens, attention_work
+        return num_tokens, attention_work, context
 
     def step_exact(self) -> None:
         """Simulate one engine step exactly (`Scheduler.schedule` then `update_after_step`)."""
@@ -598,10 +748,11 @@ class _FastScheduler:
                     attention_work += chunk * (num_computed + chunk)
         if not preempted and self.waiting and len(running) < self.max_num_seqs and num_tokens < budget:
             num_admitted_seqs = len(self.prefills)
-            num_admitted_tokens, admitted_work = self.admit(budget - num_tokens)
+            num_admitted_tokens, admitted_work, admitted_context = self.admit(budget - num_tokens)
             num_seqs += len(self.prefills) - num_admitted_seqs
             num_tokens += num_admitted_tokens
             attention_work += admitted_work
+            context += admitted_context
         assert num_seqs, "scheduler made no progress with unfinished requests"
         duration_s = self.step_time(num_tokens, attention_work, context, num_seqs)
         if not (duration_s > 0 and duration_s != _INF):
@@ -643,6 +794,7 @@ class _FastScheduler:
         heap = self.finish_heap
         if heap and heap[0][0] <= self.step:
             self.finish_decodes()
+        self.flush_releases()
 
     # ---- setup ---------------------------------------------------------------------------------------------
     def load(self, snapshot: InstanceSnapshot, request: RequestState) -> None:
@@ -664,12 +816,15 @@ class _FastScheduler:
         for state in snapshot.running:
             self.restore_running(state)
         self.waiting.extend(snapshot.waiting)
-        target = _waiting_rec(config, request)
+        target = self.convert(request)
         target.is_target = True
         self.waiting.append(target)
 
     def restore_running(self, state: RequestState) -> None:
-        """Append one running snapshot request (checks of `Scheduler.restore_running`)."""
+        """Append one running snapshot request (checks of `Scheduler.restore_running`, which it mirrors: its full
+        computed blocks already cached by a request restored before it are shared; `PrefixCacheNotModelled` if its
+        block keys reach past its prompt)."""
+        keys = _prompt_block_keys(state, self.block_size)
         block_size = self.block_size
         num_computed = state.num_computed_tokens
         num_generated = state.num_generated_tokens
@@ -686,10 +841,24 @@ class _FastScheduler:
                 f"request {state.request_id!r} holds {num_held} blocks, fewer than the {num_needed} its "
                 f"{num_computed} computed tokens need"
             )
-        if num_held > self.num_free_blocks:
+        hits = _NONE
+        pool = self.pool
+        if keys is not None:
+            pool = self.ensure_pool()
+            hits = pool.lookup(keys, num_computed // block_size)
+        num_taken = num_held - len(hits) + (pool.num_free_among(hits) if pool is not None and hits else 0)
+        if num_taken > self.num_free_blocks:
             raise ValueError(f"request {state.request_id!r}: {num_held} blocks wanted, {self.num_free_blocks} free")
-        self.num_free_blocks -= num_held
+        self.num_free_blocks -= num_taken
         rec = _Rec(state.num_prompt_tokens, num_generated + state.num_remaining_output_tokens, num_generated)
+        if pool is not None:
+            pool.touch(hits)
+            pool.allocate(num_held - len(hits))
+            if keys is not None:
+                rec.keys = keys
+                rec.block_ids = list(hits)
+                rec.num_blocks_held = num_held
+                self.cache_full_blocks(rec, num_computed)
         rec.num_computed_tokens = num_computed
         rec.num_blocks_held = num_held
         rec.seq = self.next_seq
@@ -720,6 +889,7 @@ def simulate_until_finished(
     Raises:
         ValueError: For an invalid snapshot or request (as `InstanceSnapshot.to_scheduler` and
             `Scheduler.add_request`), or a non-positive step time from the model.
+        PrefixCacheNotModelled: A request in the snapshot or the new one has block keys past its prompt.
     """
     sim = _FastScheduler(snapshot.config, batch_time)
     sim.load(snapshot, request)

@@ -4,8 +4,9 @@ Owns `BlockPool` (how many of the instance's GPU KV blocks are free) and `blocks
 place in the code base where a token count becomes a block count. Imports only the standard library.
 
 Source: vllm/v1/core/kv_cache_manager.py `KVCacheManager.allocate_slots` and vllm/v1/core/block_pool.py
-(vLLM V1). Differences: no prefix caching and no block identities (a request's blocks are a count, held by
-the scheduler), so there is no eviction order to model; one KV-cache group.
+(vLLM V1). Differences: no block identities (a request's blocks are a count, held by the scheduler), so no
+prefix caching and no eviction order; one KV-cache group. `predictor.sim.prefix_cache.PrefixCachePool` extends
+it with prefix caching (the scheduler's pool).
 """
 
 from __future__ import annotations

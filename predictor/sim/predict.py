@@ -12,7 +12,9 @@ library and `predictor.sim`.
   event. It is VERIFIED against `Scheduler` by the Hypothesis test
   `tests/predictor/sim/test_predict.py::test_predict_equals_stepping_and_leaves_state_unchanged` (>= 1000
   generated states and configs: same TTFT/E2E up to float rounding, same step and preemption counts);
-- the SGLang rules ("sglang"; fast_predict does not know them) and other models use `_predict_with_scheduler`:
+- states where a request's block keys reach past its prompt (fast_predict models prefix caching for prompt keys
+  only, and refuses them), the SGLang rules ("sglang"; fast_predict does not know them) and other models use
+  `_predict_with_scheduler`:
   the real `Scheduler`, skipping pure-decode runs (verified for SGLang by
   `tests/predictor/sim/test_sglang_scheduler.py::test_sglang_predict_equals_stepping`). It costs O(running
   requests) per simulated step, far more than the event-driven path (`astrolabe bench sglang-model` measures it).
@@ -29,6 +31,12 @@ blocks cannot cover (a preemption would follow). A waiting request cannot become
 the sequence cap, the token budget and the head-of-queue request stay fixed and free blocks only shrink, so
 admission can only change after a completion. The first token of the new request is never inside a run (it is
 sampled by a prefill step). So a run is applied at once and priced in closed form (`decode_run_time_s`).
+With prefix caching (requests with block keys) the run's allocations may also evict cached blocks that the head
+would hit. That does not make it admissible either: a block's parent is freed with it or later (every holder of a
+block holds its parent and frees the child first), so evictions shorten the head's hit from its end, one block
+per allocated block; each allocated block lowers the free blocks by one, and each lost hit block lowers the
+head's need by at most one (a free hit block it no longer takes, offset by one more new block unless its chunk
+is capped by the budget), so the head's shortfall never shrinks (checked by `tests/predictor/sim/test_predict_prefix_cache.py::test_predict_from_keyed_states_equals_stepping`).
 
 Under the SGLang rules the same holds for a different reason. There admission COULD become possible inside a
 run, since the reservations shrink as requests generate (each running request reserves ratio x its remaining
@@ -181,7 +189,8 @@ def predict(
     Gives the same times as `predict_by_stepping` up to float rounding and the same step and preemption
     counts (the property tests check this). Under the vLLM V1 rules with `LinearBatchTimeModel` it costs
     O(1)-O(log n) per event (completion, admission, prefill chunk, preemption); about 1 ms for a 256-request
-    instance in pure Python, 0.46 ms compiled (`astrolabe bench predictor`). Under the SGLang rules it steps the
+    instance in pure Python, 0.46 ms compiled (`astrolabe bench predictor`). Requests with block keys add
+    O(their blocks) to each admission and completion (the prefix-cache pool is pure Python). Under the SGLang rules it steps the
     `Scheduler` (pure-decode runs skipped), O(running requests) per simulated step.
 
     Args:
@@ -189,7 +198,9 @@ def predict(
         request: The new request (no progress); its id must not be in the snapshot.
         batch_time: Step execution-time model. With `step_time_from_counts_s` and
             `decode_run_time_from_counts_s` (as `LinearBatchTimeModel`) and the vLLM V1 rules the event-driven
-            path (`predictor.sim.fast_predict`) is used; otherwise the `Scheduler` with decode runs skipped.
+            path (`predictor.sim.fast_predict`) is used, unless a request's block keys reach past its prompt;
+            otherwise the
+            `Scheduler` with decode runs skipped.
         compiled: False runs the pure-Python `fast_predict` even where the compiled one is loaded (the
             reference, for tests and benchmarks); the results are identical.
 
@@ -207,7 +218,10 @@ def predict(
         if request.num_computed_tokens or request.num_generated_tokens:
             raise ValueError(f"new request {request.request_id!r} must have no computed or generated tokens")
         module = _FAST_PREDICT if compiled else _load_python_fast_predict()
-        result = module.simulate_until_finished(snapshot, request, batch_time)
+        try:
+            result = module.simulate_until_finished(snapshot, request, batch_time)
+        except module.PrefixCacheNotModelled:
+            return _predict_with_scheduler(snapshot, request, batch_time)
         return Prediction(
             ttft_s=result.ttft_s,
             e2e_s=result.e2e_s,
@@ -247,7 +261,8 @@ def marginal_cost_s(snapshot: InstanceSnapshot, request: RequestState, batch_tim
         (TTFT growth, E2E growth), seconds, each >= 0; (0, 0) if the simulation with the twin cannot run.
     """
     twin = RequestState(f"{request.request_id}~ahead", request.num_prompt_tokens, request.num_output_tokens,
-                        arrival_time_s=request.arrival_time_s, max_new_tokens=request.max_new_tokens)
+                        arrival_time_s=request.arrival_time_s, max_new_tokens=request.max_new_tokens,
+                        block_keys=request.block_keys)
     try:
         later = predict(replace(snapshot, waiting=(*snapshot.waiting, twin)), request, batch_time)
     except ValueError:

@@ -52,6 +52,15 @@ class SimRequest:
             tokens, >= 1; None = not set by the client. Read only by the SGLang rules, which reserve KV for it
             (`predictor.sim.scheduler.Scheduler.sglang_max_new_tokens`); it does not stop the request (that is
             num_output_tokens), and the vLLM V1 rules ignore it.
+        block_keys: Keys of the request's full KV blocks, first block first (`predictor.sim.block_hash.block_keys`
+            over its token ids with the instance's block size): at least the prompt's full blocks, and may go on
+            over output tokens the driver knows (so that a recomputation after preemption, or a later request
+            that extends this one, can hit them); at most (prompt + output tokens) // block_size keys. None or ()
+            = unknown tokens: the request never hits the prefix cache and leaves nothing in it (the behaviour
+            without prefix caching). Read only by the vLLM V1 rules (`predictor.sim.scheduler`).
+        num_cached_tokens: Prompt tokens found in the prefix cache at the request's first admission (vLLM
+            `Request.num_cached_tokens`, reported as ``usage.prompt_tokens_details.cached_tokens``); None before
+            its first admission.
 
     Raises:
         ValueError: On construction, if a token count is out of range.
@@ -68,6 +77,8 @@ class SimRequest:
     finish_time_s: float | None = None
     num_preemptions: int = 0
     max_new_tokens: int | None = None
+    block_keys: tuple[int, ...] | None = None
+    num_cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 1:

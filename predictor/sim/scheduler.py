@@ -26,9 +26,22 @@ clock (callers pass the time).
   survivors; every decode step without retraction lowers it by a fixed decay, down to a floor; it is reset
   when the engine goes idle. Details and constants: the `SGLANG_*` constants and `Scheduler._schedule_sglang`.
 
+Prefix caching (vllm-v1 only): a request that carries block keys (`SimRequest.block_keys`) is looked up in the
+instance's prefix cache when it is admitted (`predictor.sim.prefix_cache.PrefixCachePool`): the longest run of
+cached keys from its first block, at most num_tokens - 1 tokens, is taken as computed (its prefill starts there
+and it needs new blocks only for the rest); its blocks are cached as they fill; when it finishes, is preempted
+or aborted, its blocks stay cached but free (reverse order) until an allocation evicts them, least recently
+freed first. Requests without keys behave as without prefix caching (they never hit and leave nothing cached)
+but take blocks from the same pool, evicting cached ones. The counters `prefix_cache_queries` /
+`prefix_cache_hits` (tokens; vLLM's ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``) count every
+admission, keyed or not, except recomputations of preempted requests (`prefix_cache_preempted_*`).
+Source: vllm/v1/core/kv_cache_manager.py `KVCacheManager.get_computed_blocks`, `allocate_slots`.
+
 Simplifications (both styles):
-- no prefix caching (a request never finds its KV cached; SGLang's radix cache would let it), no block
-  identities: KV is counted in blocks (SGLang: pages of `page_size` tokens, `block_size` here);
+- SGLang rules: no prefix caching (its radix cache is not modelled; block keys are ignored); vllm-v1: only the
+  blocks a request's keys name can be hit (the driver decides how far they reach into the output);
+- KV is counted in blocks (SGLang: pages of `page_size` tokens, `block_size` here); only cached blocks have
+  identities;
 - no speculative decoding, no lookahead slots, no structured output, no multimodal encoder budget, no LoRA;
 - no swapping (neither engine swaps by default): preemption / retraction frees the KV and the request recomputes;
 - no priorities beyond FCFS (SGLang's default `schedule_policy` is "fcfs"; "lpm" keeps FCFS order too when no
@@ -47,12 +60,15 @@ NOTE: a second implementation of the vLLM V1 rules, specialised for fast predict
 Hypothesis test `tests/predictor/sim/test_predict.py::test_predict_equals_stepping_and_leaves_state_unchanged`
 (>= 1000 random states and configurations: same TTFT/E2E, step and preemption counts as stepping this scheduler).
 A change to the V1 path of `schedule()` or `update_after_step()` must be mirrored there and pass that test. The
-SGLang rules exist only here (`predictor.sim.predict` steps this class for SGLang configs).
+SGLang rules exist only here (`predictor.sim.predict` steps this class for SGLang configs, and for states whose
+block keys reach past a prompt, which fast_predict refuses); prefix caching for prompt keys is mirrored there
+(verified by `tests/predictor/sim/test_predict_prefix_cache.py::test_predict_from_keyed_states_equals_stepping`).
 
 NOTE: invariants, asserted at the end of `schedule()` and checked by the property tests:
 - both styles: len(running) <= max_num_seqs; free + used blocks == num_gpu_blocks, and used blocks == sum over
-  running requests of the blocks they hold; after `update_after_step`, a running request holds exactly
-  blocks_for_tokens(num_computed_tokens) blocks (or more, if a snapshot gave it more);
+  running requests of the blocks they hold, less the extra references on shared cached blocks; after
+  `update_after_step`, a running request holds exactly blocks_for_tokens(num_computed_tokens) blocks (or more,
+  if a snapshot gave it more);
 - vllm-v1: total scheduled tokens <= max_num_batched_tokens;
 - sglang: a batch is prefill-only (num_decode_seqs == 0, and with chunked prefill on, total tokens <=
   max_num_batched_tokens) or decode-only (num_prefill_tokens == 0, one token per running request, at most
@@ -69,7 +85,8 @@ import collections
 import logging
 from dataclasses import dataclass, field
 
-from predictor.sim.kv_blocks import BlockPool, blocks_for_tokens
+from predictor.sim.kv_blocks import blocks_for_tokens
+from predictor.sim.prefix_cache import PrefixCachePool
 from predictor.sim.request import RequestStatus, SimRequest
 
 logger = logging.getLogger(__name__)
@@ -297,6 +314,13 @@ class Scheduler:
 
     Args:
         config: Engine settings; `config.scheduling` picks the rule set.
+
+    Attributes:
+        prefix_cache_queries: Tokens looked up in the prefix cache at admissions (first admissions only), tokens
+            (vLLM ``vllm:prefix_cache_queries``); 0 under the SGLang rules.
+        prefix_cache_hits: Of those, tokens found cached, tokens (vLLM ``vllm:prefix_cache_hits``).
+        prefix_cache_preempted_queries, prefix_cache_preempted_hits: The same for re-admissions of preempted
+            requests (vLLM's `PrefixCacheStats` counts them apart).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -304,8 +328,16 @@ class Scheduler:
         self.waiting: collections.deque[SimRequest] = collections.deque()
         self.running: list[SimRequest] = []
         self.num_preemptions_total = 0
-        self._pool = BlockPool(config.num_gpu_blocks)
+        self._pool = PrefixCachePool(config.num_gpu_blocks)
         self._num_blocks_held: dict[str, int] = {}
+        # vLLM V1 prefix caching (requests with block keys): the ids of the cached blocks that start each keyed
+        # request's block table (the rest of its held blocks are anonymous), and vLLM's prefix-cache counters.
+        self._prefix_caching = config.scheduling == "vllm-v1"
+        self._block_ids: dict[str, list[int]] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.prefix_cache_preempted_queries = 0
+        self.prefix_cache_preempted_hits = 0
         self._requests: dict[str, SimRequest] = {}
         # SGLang rules only (see SGLangState): admission state, and what the last schedule() decided.
         self._sglang = config.scheduling == "sglang"
@@ -328,12 +360,23 @@ class Scheduler:
 
     @property
     def kv_cache_usage_frac(self) -> float:
-        """Used / total KV blocks, in [0, 1] (vLLM `kv_cache_usage_perc` is this fraction too)."""
+        """Used / total KV blocks, in [0, 1] (vLLM `kv_cache_usage_perc` is this fraction too: cached blocks that
+        no request holds count as free)."""
         return self._pool.num_used_blocks / self._pool.num_gpu_blocks
 
+    @property
+    def prefix_cache(self) -> PrefixCachePool:
+        """The instance's block pool with its prefix cache (read it; do not change it)."""
+        return self._pool
+
     def num_blocks_held(self, request_id: str) -> int:
-        """KV blocks held by one request (0 if unknown or not running)."""
+        """KV blocks in one request's block table (0 if unknown or not running); blocks it shares with other
+        requests (prefix-cache hits) count for each of them."""
         return self._num_blocks_held.get(request_id, 0)
+
+    def cached_block_ids(self, request_id: str) -> tuple[int, ...]:
+        """Ids of the cached (keyed) blocks that start a running request's block table (`PrefixCachePool`)."""
+        return tuple(self._block_ids.get(request_id, ()))
 
     def has_unfinished_requests(self) -> bool:
         """True while any request waits or runs."""
@@ -412,6 +455,15 @@ class Scheduler:
         if request.num_generated_tokens >= request.num_output_tokens:
             raise ValueError(f"request {request.request_id!r} has already generated all its output tokens")
         check_request_fits(cfg, request.request_id, request.num_prompt_tokens, request.num_output_tokens)
+        self._check_block_keys(request)
+
+    def _check_block_keys(self, request: SimRequest) -> None:
+        keys = request.block_keys
+        if keys and len(keys) * self.config.block_size > request.num_prompt_tokens + request.num_output_tokens:
+            raise ValueError(
+                f"request {request.request_id!r} has {len(keys)} block keys, more than the full blocks of its "
+                f"{request.num_prompt_tokens + request.num_output_tokens} tokens (block_size={self.config.block_size})"
+            )
 
     def abort_request(self, request_id: str) -> SimRequest | None:
         """Remove an unfinished request from waiting or running and free its blocks.
@@ -467,11 +519,17 @@ class Scheduler:
                 f"request {request.request_id!r} holds {num_blocks_held} blocks, fewer than the {num_needed} its "
                 f"{request.num_computed_tokens} computed tokens need"
             )
-        if not self._pool.allocate(num_blocks_held):
+        self._check_block_keys(request)
+        hit_ids: list[int] = []
+        if request.block_keys and self._prefix_caching:
+            # Rebuild sharing: its computed full blocks already cached (by a request restored before it) are shared.
+            hit_ids = self._pool.lookup(request.block_keys, request.num_computed_tokens // self.config.block_size)
+        if not self._take_blocks(request, hit_ids, num_blocks_held):
             raise ValueError(
                 f"request {request.request_id!r}: {num_blocks_held} blocks wanted, {self._pool.num_free_blocks} free"
             )
-        self._num_blocks_held[request.request_id] = num_blocks_held
+        if request.block_keys and self._prefix_caching:
+            self._cache_full_blocks(request, request.num_computed_tokens)
         self._requests[request.request_id] = request
         self.running.append(request)
 
@@ -566,22 +624,100 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, token_budget: int) -> None:
         """Admit waiting requests in FCFS order while budget, max_num_seqs and blocks allow."""
+        block_size = self.config.block_size
         while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            hit_ids: list[int] = []
+            if request.block_keys and self._prefix_caching:
+                # The last token is always recomputed (its logits are needed): hits stop at num_tokens - 1.
+                hit_ids = self._pool.lookup(request.block_keys, (request.num_tokens - 1) // block_size)
+            num_hit_tokens = len(hit_ids) * block_size
+            num_new_tokens = request.num_tokens - num_hit_tokens
             threshold = self.config.long_prefill_token_threshold
             if 0 < threshold < num_new_tokens:
                 num_new_tokens = threshold
             if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
                 break
             num_new_tokens = min(num_new_tokens, token_budget)
-            if not self._reserve_blocks(request, num_new_tokens):
+            if hit_ids or request.block_keys:
+                if not self._admit_with_hits(request, hit_ids, num_new_tokens):
+                    break
+            elif not self._reserve_blocks(request, num_new_tokens):
                 break  # strict FCFS: nobody behind it jumps the queue
+            self._record_prefix_cache_lookup(request, num_hit_tokens)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._add_to_batch(batch, request, num_new_tokens)
             token_budget -= num_new_tokens
+
+    def _admit_with_hits(self, request: SimRequest, hit_ids: list[int], num_new_tokens: int) -> bool:
+        """Blocks for a keyed waiting request: take its hit blocks and new ones for `num_new_tokens` more tokens,
+        cache its newly full blocks, and start it at the hit; False (nothing changed) if the blocks are short.
+
+        Source: kv_cache_manager.py `KVCacheManager.allocate_slots` (blocks to allocate = new blocks + hit blocks
+        that are free, checked against the free blocks; hits touched before new blocks are taken, so the request
+        never evicts its own hits; `cache_full_blocks` up to the tokens scheduled).
+        """
+        block_size = self.config.block_size
+        num_hit_tokens = len(hit_ids) * block_size
+        if not self._take_blocks(request, hit_ids, blocks_for_tokens(num_hit_tokens + num_new_tokens, block_size)):
+            return False
+        request.num_computed_tokens = num_hit_tokens
+        self._cache_full_blocks(request, num_hit_tokens + num_new_tokens)
+        return True
+
+    def _take_blocks(self, request: SimRequest, hit_ids: list[int], num_blocks: int) -> bool:
+        """Give a request that holds nothing a table of `num_blocks` blocks starting with the cached `hit_ids`;
+        False (nothing changed) if fewer blocks are free than the new ones plus the free hit blocks."""
+        num_new_blocks = num_blocks - len(hit_ids)
+        if num_new_blocks + self._pool.num_free_among(hit_ids) > self._pool.num_free_blocks:
+            return False
+        self._pool.touch(hit_ids)
+        allocated = self._pool.allocate(num_new_blocks)
+        assert allocated
+        self._num_blocks_held[request.request_id] = num_blocks
+        if hit_ids:
+            self._block_ids[request.request_id] = hit_ids
+        return True
+
+    def _cache_full_blocks(self, request: SimRequest, num_tokens: int) -> None:
+        """Name by their keys the blocks of a keyed request that `num_tokens` tokens fill (those it holds).
+
+        Source: block_pool.py `BlockPool.cache_full_blocks`, called by `KVCacheManager.allocate_slots` for the
+        tokens scheduled (``min(num_computed + num_new, num_tokens)``).
+        """
+        keys = request.block_keys
+        assert keys is not None
+        num_full = min(num_tokens // self.config.block_size, len(keys))
+        block_ids = self._block_ids.get(request.request_id)
+        if block_ids is None:
+            if not num_full:
+                return
+            block_ids = self._block_ids[request.request_id] = []
+        for index in range(len(block_ids), num_full):
+            block_ids.append(self._pool.cache_block(keys[index]))
+
+    def _record_prefix_cache_lookup(self, request: SimRequest, num_hit_tokens: int) -> None:
+        """Count an admitted request's prefix-cache lookup (every request is looked up; one without keys misses)
+        and set its cached-token count at its first admission.
+
+        Source: kv_cache_manager.py `KVCacheManager.record_prefix_cache_stats` (called by the scheduler at
+        admission: "unscheduled lookups are not counted"), vllm/v1/metrics/stats.py `PrefixCacheStats.record`
+        (queries += num_tokens, hits += hit tokens; recomputations of preempted requests counted apart), exported
+        as ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``; vllm/v1/core/sched/scheduler.py (``if
+        request.num_cached_tokens < 0: request.num_cached_tokens = num_computed_tokens``).
+        """
+        if not self._prefix_caching:
+            return
+        if request.num_preemptions:
+            self.prefix_cache_preempted_queries += request.num_tokens
+            self.prefix_cache_preempted_hits += num_hit_tokens
+        else:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_hit_tokens
 
     def _num_new_tokens(self, request: SimRequest, token_budget: int) -> int:
         """Tokens a running request computes this step: the rest of its prefill (capped) or one decode."""
@@ -597,14 +733,25 @@ class Scheduler:
         num_held = self._num_blocks_held.get(request.request_id, 0)
         if num_needed <= num_held:
             # Most decodes stay inside their last block; this early exit is the scheduler's hot path.
+            if request.block_keys and self._prefix_caching:
+                self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
             return True
         if not self._pool.allocate(num_needed - num_held):
             return False
         self._num_blocks_held[request.request_id] = num_needed
+        if request.block_keys and self._prefix_caching:
+            self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
         return True
 
     def _free_blocks(self, request: SimRequest) -> None:
-        self._pool.free(self._num_blocks_held.pop(request.request_id, 0))
+        """Free a request's blocks; its cached ones stay reusable, its tail is evicted first
+        (`PrefixCachePool.release`)."""
+        num_held = self._num_blocks_held.pop(request.request_id, 0)
+        block_ids = self._block_ids.pop(request.request_id, None)
+        if block_ids:
+            self._pool.release(block_ids, num_held - len(block_ids))
+        else:
+            self._pool.free(num_held)
 
     def _preempt(self, request: SimRequest, batch: ScheduledBatch, to_front: bool = True) -> None:
         """Free all blocks of a (removed) running request and put it back in the waiting queue: at the front (vLLM
@@ -637,7 +784,7 @@ class Scheduler:
         assert batch.total_num_scheduled_tokens == sum(batch.num_scheduled_tokens.values())
         assert batch.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
-        assert self._pool.num_used_blocks == sum(self._num_blocks_held.values())
+        assert self._pool.num_used_blocks == sum(self._num_blocks_held.values()) - self._pool.num_extra_refs
         assert self._pool.num_free_blocks + self._pool.num_used_blocks == self.config.num_gpu_blocks
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
 
@@ -727,6 +874,9 @@ class Scheduler:
             num_needed = blocks_for_tokens(request.num_computed_tokens, block_size)
             if num_needed > held.get(request.request_id, 0):
                 held[request.request_id] = num_needed
+            if request.block_keys and self._prefix_caching:
+                # Stepping caches at each schedule() up to computed + 1 tokens: after the run, up to its new context.
+                self._cache_full_blocks(request, request.num_computed_tokens)
         if self._sglang:
             # Each of the num_steps - 1 skipped decode steps decays the ratio once, as stepping would (one by one:
             # the same float result as stepping).
@@ -1043,7 +1193,7 @@ class Scheduler:
         elif cfg.enable_chunked_prefill:
             assert batch.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
         assert len(self.running) <= cfg.max_num_seqs
-        assert self._pool.num_used_blocks == sum(self._num_blocks_held.values())
+        assert self._pool.num_used_blocks == sum(self._num_blocks_held.values()) - self._pool.num_extra_refs
         assert self._pool.num_free_blocks + self._pool.num_used_blocks == cfg.num_gpu_blocks
         assert all(r.status == RequestStatus.RUNNING for r in self.running)
         assert 0.0 < self._new_token_ratio <= 1.0

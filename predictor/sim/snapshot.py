@@ -6,7 +6,12 @@ independent `Scheduler` in that state). Copies are explicit, field by field: a p
 scheduler and never touches the caller's objects. Imports only the standard library and `predictor.sim`.
 
 NOTE: KV blocks are stored per running request (`RequestState.num_blocks_held`); the free blocks are the rest
-of `config.num_gpu_blocks`, so block accounting is consistent by construction.
+of `config.num_gpu_blocks`, so block accounting is consistent by construction. With prefix caching (requests
+with `RequestState.block_keys`, vllm-v1 rules) a block shared by running requests is in each one's count, so
+`num_used_blocks` is an upper bound there; `to_scheduler` shares such blocks again (a running request's full
+computed blocks whose keys an earlier running request cached). A snapshot does not carry the cached blocks no
+request holds (the free-but-reusable ones): a simulation from it starts with an empty cache apart from the
+running requests' blocks.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class RequestState:
             PREEMPTED.
         max_new_tokens: Its output cap (OpenAI ``max_tokens``), tokens, >= 1; None = not set. Only the SGLang
             rules read it (`SimRequest.max_new_tokens`).
+        block_keys: Keys of its full KV blocks (`SimRequest.block_keys`); None = unknown tokens (no prefix
+            caching for it).
     """
 
     request_id: str
@@ -57,6 +64,7 @@ class RequestState:
     num_blocks_held: int | None = None
     num_preemptions: int = 0
     max_new_tokens: int | None = None
+    block_keys: tuple[int, ...] | None = None
 
     @property
     def num_remaining_output_tokens(self) -> int:
@@ -81,6 +89,7 @@ class RequestState:
             status=status,
             num_preemptions=self.num_preemptions,
             max_new_tokens=self.max_new_tokens,
+            block_keys=self.block_keys,
         )
 
     @classmethod
@@ -96,6 +105,7 @@ class RequestState:
             num_blocks_held=num_blocks_held,
             num_preemptions=request.num_preemptions,
             max_new_tokens=request.max_new_tokens,
+            block_keys=request.block_keys,
         )
 
 

@@ -1,0 +1,285 @@
+"""The KV block pool with prefix caching: cached blocks by key, reference counts and the LRU free queue.
+
+Owns `PrefixCachePool`, a `predictor.sim.kv_blocks.BlockPool` (the same count API, which the scheduler uses for
+requests without block keys) that also gives identities to the blocks a key names. Pure and synchronous: imports
+only the standard library and `predictor.sim`.
+
+Source: vllm/v1/core/block_pool.py `BlockPool` (`get_cached_block`, `cache_full_blocks`, `get_new_blocks`,
+`_maybe_evict_cached_block`, `touch`, `free_blocks`), vllm/v1/core/kv_cache_utils.py `FreeKVCacheBlockQueue`,
+vllm/v1/core/kv_cache_manager.py `KVCacheManager.get_computed_blocks` / `allocate_slots` and
+single_type_kv_cache_manager.py `SingleTypeKVCacheManager.free` (vLLM V1). The rules kept:
+- a block whose reference count drops to 0 goes to the TAIL of the free queue and keeps its key: it is free (an
+  allocation may take it) but still reusable; a request frees its blocks in REVERSE order (its tail block first),
+  so its last blocks are evicted first;
+- an allocation takes blocks from the HEAD of the free queue (least recently freed) and drops the key of each
+  cached block it takes (eviction);
+- a hit on a free cached block takes it out of the free queue and counts a reference ("touch"); a hit on a block
+  in use only counts a reference: blocks shared by running requests are held once;
+- the cache does not deduplicate: two requests that compute the same block at the same time both register it, and
+  a lookup returns the first registered.
+
+Representation (ours): only blocks that carry a key have an identity (an int id from a counter, not vLLM's block
+id). A request's other blocks (its partial last block, blocks past its keys) are anonymous and counted, as in
+`BlockPool`. The free queue is an ordered dict of entries, a cached block (id -> 1) or a run of anonymous free
+blocks (a negative id -> its count); it is kept only while some cached block is free: otherwise every free block
+is anonymous, their order does not matter, and the pool is a count (the cost of `BlockPool` for requests
+without keys). Not modelled: the null block (block 0, never free in vLLM), KV cache groups and hybrid models,
+KV events.
+
+NOTE: invariants (`check_invariants`, asserted by the property tests): free blocks == the free queue's total;
+no identified block is both in the free queue and referenced; each cached key maps to live blocks with that key.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from predictor.sim.kv_blocks import BlockPool
+
+logger = logging.getLogger(__name__)
+
+
+class PrefixCachePool(BlockPool):
+    """KV blocks of one instance: counts, plus identities, reference counts and LRU order for cached blocks.
+
+    Anonymous blocks: `allocate` / `free` (`BlockPool`'s API; `allocate` evicts cached free blocks in LRU order).
+    Identified blocks: `cache_block` names one of the caller's anonymous blocks by its key, `lookup` finds the
+    longest cached prefix of a key chain, `touch` takes references on hit blocks, `release` frees a request's
+    blocks in vLLM's order.
+
+    Args:
+        num_gpu_blocks: Total KV blocks (vLLM `num_gpu_blocks`), >= 1.
+
+    Raises:
+        ValueError: If num_gpu_blocks < 1.
+    """
+
+    __slots__ = ("_queue", "_key_of", "_ref", "_blocks_of_key", "_num_cached_free", "_num_extra_refs", "_next_id",
+                 "_next_run_id", "num_evicted_blocks")
+
+    def __init__(self, num_gpu_blocks: int) -> None:
+        super().__init__(num_gpu_blocks)
+        self._queue: OrderedDict[int, int] = OrderedDict()
+        self._key_of: dict[int, int] = {}
+        self._ref: dict[int, int] = {}
+        self._blocks_of_key: dict[int, list[int]] = {}
+        self._num_cached_free = 0
+        self._num_extra_refs = 0
+        self._next_id = 0
+        self._next_run_id = -1
+        self.num_evicted_blocks = 0
+        """Cached blocks evicted by allocations so far (vLLM: a `BlockRemoved` KV event each)."""
+
+    # ---- views ---------------------------------------------------------------------------------------------
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that carry a key (in use or free-but-reusable)."""
+        return len(self._key_of)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still carry a key (evictable, reusable by a hit)."""
+        return self._num_cached_free
+
+    @property
+    def num_extra_refs(self) -> int:
+        """Sum over cached blocks of (references - 1) where > 0: how much the holders' block counts exceed the
+        used blocks (a block shared by n requests is used once, held n times)."""
+        return self._num_extra_refs
+
+    def ref_count(self, block_id: int) -> int:
+        """References on a cached block (0: free but reusable; unknown ids: 0)."""
+        return self._ref.get(block_id, 0)
+
+    def key_of(self, block_id: int) -> int | None:
+        """The key of a cached block, or None if the id is not (or no longer) cached."""
+        return self._key_of.get(block_id)
+
+    def free_queue(self) -> list[int | None]:
+        """The free queue, head (next evicted) first: a cached block's id, or None for an anonymous free block
+        (for tests and debugging; O(free blocks))."""
+        if not self._num_cached_free:
+            return [None] * self._num_free_blocks
+        order: list[int | None] = []
+        for entry, count in self._queue.items():
+            order.extend([entry] if entry >= 0 else [None] * count)
+        return order
+
+    # ---- anonymous blocks ----------------------------------------------------------------------------------
+    def allocate(self, num_blocks: int) -> bool:
+        """Take `num_blocks` anonymous blocks from the head of the free queue (all or nothing), evicting the cached
+        blocks among them (their keys are dropped).
+
+        Returns:
+            True if taken; False (nothing changed) if fewer are free.
+
+        Raises:
+            ValueError: If num_blocks < 0.
+
+        Source: block_pool.py `BlockPool.get_new_blocks` (``free_block_queue.popleft``, `_maybe_evict_cached_block`).
+        """
+        if not super().allocate(num_blocks):
+            return False
+        if not self._num_cached_free:
+            return True  # every free block is anonymous: a count (BlockPool's cost)
+        queue = self._queue
+        num_left = num_blocks
+        while num_left:
+            entry = next(iter(queue))
+            count = queue[entry]
+            if entry >= 0:
+                del queue[entry]
+                self._evict(entry)
+                num_left -= 1
+            elif count > num_left:
+                queue[entry] = count - num_left
+                num_left = 0
+            else:
+                del queue[entry]
+                num_left -= count
+        if not self._num_cached_free:
+            queue.clear()
+        return True
+
+    def free(self, num_blocks: int) -> None:
+        """Return `num_blocks` anonymous blocks to the TAIL of the free queue.
+
+        Raises:
+            ValueError: If num_blocks < 0 or more blocks would be free than exist (a double free).
+        """
+        super().free(num_blocks)
+        if num_blocks and self._num_cached_free:
+            self._append_run(num_blocks)
+
+    # ---- identified blocks ---------------------------------------------------------------------------------
+    def cache_block(self, key: int) -> int:
+        """Give one of the caller's anonymous (held) blocks the identity of a full block with this key.
+
+        The block stays held (one reference); no count changes. A key already cached gets a second block (vLLM
+        does not deduplicate; `lookup` returns the first).
+
+        Returns:
+            The block's id.
+
+        Source: block_pool.py `BlockPool.cache_full_blocks`.
+        """
+        block_id = self._next_id
+        self._next_id += 1
+        self._key_of[block_id] = key
+        self._ref[block_id] = 1
+        blocks = self._blocks_of_key.get(key)
+        if blocks is None:
+            self._blocks_of_key[key] = [block_id]
+        else:
+            blocks.append(block_id)
+        return block_id
+
+    def lookup(self, keys: Sequence[int], max_blocks: int) -> list[int]:
+        """The cached blocks of the longest prefix of `keys` whose every key is cached, at most `max_blocks`.
+
+        Returns:
+            Block ids, one per hit key, in key order (no reference taken: see `touch`).
+
+        Source: kv_cache_manager.py `KVCacheManager.get_computed_blocks`; single_type_kv_cache_manager.py
+        `FullAttentionManager.find_longest_cache_hit` (stop at the first miss); block_pool.py `get_cached_block`.
+        """
+        hits: list[int] = []
+        blocks_of_key = self._blocks_of_key
+        for key in keys[:max(max_blocks, 0)]:
+            blocks = blocks_of_key.get(key)
+            if not blocks:
+                break
+            hits.append(blocks[0])
+        return hits
+
+    def num_free_among(self, block_ids: Sequence[int]) -> int:
+        """How many of these cached blocks are free (a hit on them takes them out of the free blocks)."""
+        ref = self._ref
+        return sum(1 for block_id in block_ids if not ref[block_id])
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take one reference on each hit block; a free one leaves the free queue.
+
+        Raises:
+            ValueError: An id that is not cached (state unchanged only if it is the first).
+
+        Source: block_pool.py `BlockPool.touch`.
+        """
+        for block_id in block_ids:
+            refs = self._ref.get(block_id)
+            if refs is None:
+                raise ValueError(f"block {block_id} is not cached")
+            if refs == 0:
+                del self._queue[block_id]
+                self._num_cached_free -= 1
+                self._num_free_blocks -= 1
+            else:
+                self._num_extra_refs += 1
+            self._ref[block_id] = refs + 1
+        if not self._num_cached_free:
+            self._queue.clear()
+
+    def release(self, block_ids: Sequence[int], num_anonymous: int) -> None:
+        """Free one holder's blocks in vLLM's order: its table is `block_ids` (cached, in table order) followed by
+        `num_anonymous` anonymous blocks; they are freed last block first, so the tail is evicted first. A cached
+        block still referenced by another holder only loses a reference.
+
+        Raises:
+            ValueError: As `free`, or an id that is not cached or not referenced.
+
+        Source: single_type_kv_cache_manager.py `SingleTypeKVCacheManager.free` (``reversed(req_blocks)``),
+        block_pool.py `BlockPool.free_blocks` (``free_block_queue.append`` when the count reaches 0).
+        """
+        self.free(num_anonymous)
+        for block_id in reversed(block_ids):
+            refs = self._ref.get(block_id, 0)
+            if refs <= 0:
+                raise ValueError(f"block {block_id} is not cached or not referenced")
+            self._ref[block_id] = refs - 1
+            if refs > 1:
+                self._num_extra_refs -= 1
+                continue
+            if not self._num_cached_free and self._num_free_blocks:
+                self._append_run(self._num_free_blocks)  # materialise the anonymous free blocks ahead of it
+            self._queue[block_id] = 1
+            self._num_cached_free += 1
+            self._num_free_blocks += 1
+
+    # ---- internals -----------------------------------------------------------------------------------------
+    def _append_run(self, num_blocks: int) -> None:
+        queue = self._queue
+        if queue:
+            tail = next(reversed(queue))
+            if tail < 0:
+                queue[tail] += num_blocks
+                return
+        queue[self._next_run_id] = num_blocks
+        self._next_run_id -= 1
+
+    def _evict(self, block_id: int) -> None:
+        key = self._key_of.pop(block_id)
+        del self._ref[block_id]
+        blocks = self._blocks_of_key[key]
+        blocks.remove(block_id)
+        if not blocks:
+            del self._blocks_of_key[key]
+        self._num_cached_free -= 1
+        self.num_evicted_blocks += 1
+
+    def check_invariants(self) -> None:
+        """Assert the pool's invariants (see the module docstring); O(cached blocks)."""
+        queued = sum(self._queue.values()) if self._num_cached_free else self._num_free_blocks
+        assert queued == self._num_free_blocks, (queued, self._num_free_blocks)
+        assert 0 <= self._num_free_blocks <= self._num_gpu_blocks
+        free_cached = [b for b in self._queue if b >= 0]
+        assert len(free_cached) == self._num_cached_free
+        assert all(self._ref[b] == 0 for b in free_cached), "a free block is referenced"
+        assert all(n >= 1 for n in self._queue.values())
+        num_unreferenced = sum(1 for n in self._ref.values() if n == 0)
+        assert num_unreferenced == self._num_cached_free, "a cached block is unreferenced but not free"
+        assert self._num_extra_refs == sum(n - 1 for n in self._ref.values() if n > 1)
+        for key, blocks in self._blocks_of_key.items():
+            assert blocks and all(self._key_of[b] == key for b in blocks)
+        assert sum(len(b) for b in self._blocks_of_key.values()) == len(self._key_of)
