@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 OTEL_PROTO_VERSION   := 1.45.2
 GOOGLEAPIS_VERSION   := 1.76.0
 
-.PHONY: install install-tagger install-vllm demo test test-vllm mutation clean
+.PHONY: install install-tagger install-vllm demo test test-scale test-vllm mutation clean
 
 install: $(STAMP)
 
@@ -89,8 +89,13 @@ test-sglang: install-sglang
 demo: install
 	$(VENV)/bin/astrolabe demo $(ARGS)
 
+# The scale tier (tests/integration/test_scale.py: 2 x 2,000 streams and two 130 s requests, ~2.5 min of wall
+# time) runs in its own target, which .ci/run also runs.
 test: install install-tagger
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not scale" $(PYTEST_ARGS)
+
+test-scale: install
+	$(PY) -m pytest -q -m scale tests/integration/test_scale.py $(PYTEST_ARGS)
 
 # Mutation testing of the routing and prediction core ([tool.mutmut] in pyproject.toml; not in CI: over an hour on
 # 2 cores). Prints each mutant's fate; `$(VENV)/bin/mutmut show NAME` shows one. The selected tests start gRPC

@@ -1,6 +1,7 @@
 """Thousands of open streams through real Envoy (full-duplex) and one extproc (astrolabe, 2 predictor sidecars) in
 front of 2 streaming `bench.fast_backend` instances, and two long requests meanwhile (`bench.streams.run`: one
-run, ~2.5 minutes, shared by every test here).
+run, ~2.5 minutes, shared by every test here). Its own tier: `make test-scale` (`.ci/run` runs it after
+`make test`, which leaves it out to stay near 15 minutes).
 
 The scale part: 2 rounds of `NUM_STREAMS` streams, each 20 chunks 1 s apart, opened at 250/s, so all of a round
 are open together for ~10 s. The long part, while the rounds run: one streamed request with a chunk every ~19 s
@@ -28,7 +29,7 @@ import pytest
 
 from bench import streams
 
-pytestmark = [pytest.mark.envoy, pytest.mark.slow]
+pytestmark = [pytest.mark.envoy, pytest.mark.slow, pytest.mark.scale]
 
 NUM_STREAMS = 2000
 TOKENS = 20
