@@ -150,7 +150,7 @@ def test_quick_run_reports_every_section_with_every_request_routed():
     section_1, rest = out.split("2. latency added through Envoy")
     section_2 = rest.split("3. where")[0]
     capacity = {line.split()[0]: line.split() for line in section_1.splitlines()
-                if len(line.split()) == 10 and line.split()[0] in eb.POLICIES}  # the table's rows
+                if len(line.split()) == 11 and line.split()[0] in eb.POLICIES}  # the table's rows
     assert set(capacity) == set(eb.POLICIES)
     assert all(row[1] == "10" and row[4] == "40" for row in capacity.values())  # every decision counted
     assert capacity["astrolabe"][-1].endswith("%")  # the share decided on predictions
