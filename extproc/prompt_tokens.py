@@ -39,6 +39,16 @@ class TokenizerLoadError(ValueError):
     """A configured tokenizer cannot be loaded (the message names the model and the path)."""
 
 
+VERY_LONG_TOKENS = 1 << 62
+"""`model_max_length` given to transformers: no limit of its own on what it counts."""
+MAX_TEMPLATE_MESSAGES = 256
+"""Most messages a chat template is rendered over for one request; a longer chat's template tokens are
+extrapolated from its first `MAX_TEMPLATE_MESSAGES` (`_ModelTokenizer._template_overhead`)."""
+MAX_ROLE_CHARS = 64
+"""A role's characters rendered into an extrapolated template (real roles are a word: system, user,
+assistant, tool, developer); a longer role's excess is not counted."""
+
+
 class _ModelTokenizer:
     """One model's tokenizer: the fast tokenizer (``tokenizers``) and, when available, its chat template."""
 
@@ -59,7 +69,9 @@ class _ModelTokenizer:
         if location.is_dir() and ((location / "chat_template.jinja").exists()
                                   or "chat_template" in _read(location / "tokenizer_config.json")):
             try:
-                self.chat = _auto_tokenizer().from_pretrained(str(location))
+                # model_max_length: the model's context is the engine's to enforce; counting tokens past it is
+                # no error here (transformers would warn "indexing errors" for a model nothing here runs).
+                self.chat = _auto_tokenizer().from_pretrained(str(location), model_max_length=VERY_LONG_TOKENS)
             except ImportError:
                 logger.warning("tokenizers.%s: transformers is not installed: chat prompts are counted without "
                                "the chat template (it is a dependency of astrolabe: pip install "
@@ -70,18 +82,27 @@ class _ModelTokenizer:
 
     def count(self, request: RoutingRequest) -> int:
         text = request.prompt_text or ""
-        if request.chat_messages is not None and self.chat is not None:
+        messages = request.chat_messages
+        if messages is not None and self.chat is not None:
             try:
-                if len(text) <= MAX_TOKENIZED_CHARS:
-                    return max(self._template_tokens(request.chat_messages), 1)
-                # A long chat: the template's own tokens (rendered with empty contents) plus the contents'
-                # tokens, extrapolated like a long completion, so no request tokenizes megabytes on the loop.
-                overhead = self._template_tokens(tuple((role, "") for role, _ in request.chat_messages))
-                return max(overhead + self._text_tokens(text, special=False), 1)
+                if len(messages) <= MAX_TEMPLATE_MESSAGES and len(text) + sum(
+                        len(role) for role, _ in messages) <= MAX_TOKENIZED_CHARS:
+                    return max(self._template_tokens(messages), 1)
+                return max(self._template_overhead(messages) + self._text_tokens(text, special=False), 1)
             except Exception as exc:  # noqa: BLE001 (a template may raise_exception, e.g. roles must alternate)
                 # The engine will refuse such a request itself (400); routing counts the text without the template.
                 logger.debug("tokenizers.%s: chat template failed (%s); counting the messages' text", self.model, exc)
-        return max(self._text_tokens(text, special=request.chat_messages is None), 1)
+        return max(self._text_tokens(text, special=messages is None), 1)
+
+    def _template_overhead(self, messages: tuple[tuple[str, str], ...]) -> int:
+        """The template's own tokens for a long chat (over `MAX_TOKENIZED_CHARS` or `MAX_TEMPLATE_MESSAGES`),
+        bounded like a long text's count: rendered with empty contents and roles clipped to `MAX_ROLE_CHARS`,
+        over at most `MAX_TEMPLATE_MESSAGES` messages and scaled by the messages' count, so that neither a
+        megabyte of content, nor a megabyte role, nor 200,000 messages renders in full on the event loop
+        (rendering costs about 0.06 ms a message, tokens)."""
+        sample = messages[:MAX_TEMPLATE_MESSAGES]
+        overhead = self._template_tokens(tuple((role[:MAX_ROLE_CHARS], "") for role, _ in sample))
+        return round(overhead * len(messages) / len(sample))
 
     def _template_tokens(self, messages: tuple[tuple[str, str], ...]) -> int:
         ids = self.chat.apply_chat_template([{"role": role, "content": content} for role, content in messages],

@@ -300,6 +300,7 @@ class _Worker:
     metrics_port: int = 0
     is_ready: bool = False
     restarted: bool = False
+    killed: bool = False  # SIGKILLed by the watchdog, not reaped yet
 
 
 class _Supervisor:
@@ -353,8 +354,8 @@ class _Supervisor:
         it)."""
         now_s = time.monotonic()
         for worker in self.workers:
-            if not worker.is_ready or not worker.process.is_alive():
-                continue
+            if not worker.is_ready or worker.killed or not worker.process.is_alive():
+                continue  # a killed worker is restarted once its death is reaped: one kill, one log line
             with contextlib.suppress(BlockingIOError, OSError):
                 while os.read(worker.beats.fileno(), 4096):
                     worker.last_beat_s = now_s
@@ -362,6 +363,7 @@ class _Supervisor:
                 logger.error("worker %d (pid %d) gave no sign of life for %.1f s (stopped, or its event loop hangs): "
                              "SIGKILL", worker.index, worker.process.pid, now_s - worker.last_beat_s)
                 worker.process.kill()
+                worker.killed = True
 
     def take_ready(self, worker: _Worker) -> bool:
         """Reads ``worker``'s ready message if one came; True when it did."""
