@@ -11,8 +11,9 @@ GOOGLEAPIS_VERSION   := 1.76.0
 
 install: $(STAMP)
 
-# setup.py and fast_predict.py: the compiled predictor (mypyc) is rebuilt when its source changes.
-$(STAMP): pyproject.toml Makefile setup.py predictor/sim/fast_predict.py
+# setup.py's compiled sources: the compiled predictor and block pools (mypyc) are rebuilt when their source changes.
+$(STAMP): pyproject.toml Makefile setup.py predictor/sim/fast_predict.py predictor/sim/kv_blocks.py \
+          predictor/sim/prefix_cache.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'

@@ -15,6 +15,11 @@ instance always holds `size` requests; the state is taken after a random number 
 waiting, prefilling, decoding and preempted requests at mixed progress). Lengths: ShareGPT first exchanges
 (`tagger.sharegpt` cache, prompt + output <= 4,096 tokens) when the cache file exists, else a seeded
 log-normal (prompt median 160 tokens, output median 200 tokens, sigma 1.0, similar to ShareGPT), capped alike.
+
+`--shared-prefix TOKENS` gives every request (in the states and the new ones) prefix-cache block keys
+(`predictor.sim.block_hash.block_keys`): its prompt starts with none, the first half or all of one system prompt
+of TOKENS tokens (a third each, cut to the prompt's length), the rest of its tokens its own; the rows then time
+predictions that track KV block identities (the prefix-cache pool).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import dataclass, field
 
 from astrolabe.cli import HelpFormatter
 from predictor.sim.batch_time import LinearBatchTimeModel
+from predictor.sim.block_hash import block_keys
 from predictor.sim.engine import Engine
 from predictor.sim.predict import FAST_PREDICT_IMPLEMENTATION, Prediction, predict, predict_by_stepping
 from predictor.sim.request import SimRequest
@@ -102,10 +108,22 @@ def load_lengths(rng: random.Random, use_sharegpt: bool = True) -> list[tuple[in
     return lengths
 
 
+def prompt_block_keys(num_prompt_tokens: int, shared_prefix_tokens: int, rng: random.Random) -> tuple[int, ...] | None:
+    """Block keys of a prompt that starts with none, half or all of a `shared_prefix_tokens`-token system prompt
+    (one third each), its other tokens random; None if shared_prefix_tokens is 0 (no keys)."""
+    if not shared_prefix_tokens:
+        return None
+    num_shared = min(rng.choice((0, shared_prefix_tokens // 2, shared_prefix_tokens)), num_prompt_tokens)
+    token_ids = list(range(num_shared)) + [rng.randrange(1 << 31) for _ in range(num_prompt_tokens - num_shared)]
+    return block_keys(token_ids, BENCH_CONFIG.block_size)
+
+
 def build_state(
-    num_requests: int, lengths: Sequence[tuple[int, int]], rng: random.Random, model: LinearBatchTimeModel
+    num_requests: int, lengths: Sequence[tuple[int, int]], rng: random.Random, model: LinearBatchTimeModel,
+    shared_prefix_tokens: int = 0,
 ) -> InstanceSnapshot:
-    """An instance holding `num_requests` requests at mixed progress (see the module docstring).
+    """An instance holding `num_requests` requests at mixed progress (see the module docstring); with block keys
+    (`prompt_block_keys`) if shared_prefix_tokens > 0.
 
     Raises:
         ValueError: If num_requests < 1.
@@ -120,7 +138,9 @@ def build_state(
         scheduler = engine.scheduler
         while len(scheduler.waiting) + len(scheduler.running) < num_requests:
             num_prompt_tokens, num_output_tokens = rng.choice(lengths)
-            engine.add_request(SimRequest(f"r{next_id}", num_prompt_tokens, num_output_tokens, engine.now_s))
+            keys = prompt_block_keys(num_prompt_tokens, shared_prefix_tokens, rng)
+            engine.add_request(SimRequest(f"r{next_id}", num_prompt_tokens, num_output_tokens, engine.now_s,
+                                          block_keys=keys))
             next_id += 1
 
     top_up()
@@ -175,10 +195,11 @@ def run_size(
     rng: random.Random,
     model: LinearBatchTimeModel,
     compiled: bool = True,
+    shared_prefix_tokens: int = 0,
 ) -> SizeResult:
     """Time `predict` num_predictions times and `predict_by_stepping` num_baseline times over num_states states
-    (`compiled`: passed on to `predict`)."""
-    states = [build_state(num_requests, lengths, rng, model) for _ in range(num_states)]
+    (`compiled`: passed on to `predict`; shared_prefix_tokens > 0: requests with block keys, `prompt_block_keys`)."""
+    states = [build_state(num_requests, lengths, rng, model, shared_prefix_tokens) for _ in range(num_states)]
 
     def fast_predict(snapshot: InstanceSnapshot, target: RequestState, model: LinearBatchTimeModel) -> Prediction:
         return predict(snapshot, target, model, compiled=compiled)
@@ -191,7 +212,8 @@ def run_size(
     for i in range(num_predictions):
         snapshot = states[i % num_states]
         num_prompt_tokens, num_output_tokens = rng.choice(lengths)
-        target = RequestState(f"new{i}", num_prompt_tokens, num_output_tokens, snapshot.now_s)
+        target = RequestState(f"new{i}", num_prompt_tokens, num_output_tokens, snapshot.now_s,
+                              block_keys=prompt_block_keys(num_prompt_tokens, shared_prefix_tokens, rng))
         latency_ms, cpu_ms, prediction = _timed_cpu(fast_predict, snapshot, target, model)
         predict_ms.append(latency_ms)
         predict_cpu_ms.append(cpu_ms)
@@ -250,9 +272,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="few states and calls (a smoke run)")
     parser.add_argument("--python", action="store_true",
                         help="time the pure-Python fast_predict even where the compiled one is loaded")
+    parser.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                        help="give requests prefix-cache block keys, sharing a system prompt of TOKENS tokens "
+                             "(0: no keys)")
     args = parser.parse_args(argv)
     if args.quick:
         args.states, args.predictions, args.baseline = 2, 6, 2
+    if args.shared_prefix < 0:
+        parser.error("--shared-prefix must be >= 0")
     if min(args.sizes) < 1 or args.states < 1 or args.predictions < 1 or not 1 <= args.baseline <= args.predictions:
         parser.error("sizes, --states and --predictions must be >= 1 and 1 <= --baseline <= --predictions")
     rng = random.Random(args.seed)
@@ -268,10 +295,12 @@ def main(argv: list[str]) -> int:
             rng=rng,
             model=model,
             compiled=not args.python,
+            shared_prefix_tokens=args.shared_prefix,
         )
         for size in args.sizes
     ]
     implementation = "python" if args.python else FAST_PREDICT_IMPLEMENTATION
-    print(f"predictor latency, {args.model}, {BENCH_CONFIG}, fast_predict: {implementation}")
+    keys = f", block keys (shared prefix {args.shared_prefix} tokens)" if args.shared_prefix else ""
+    print(f"predictor latency, {args.model}, {BENCH_CONFIG}, fast_predict: {implementation}{keys}")
     print(format_table(results))
     return 0

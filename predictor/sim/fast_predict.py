@@ -365,8 +365,8 @@ class _FastScheduler:
         if block_ids is None:
             block_ids = rec.block_ids = []
         num_full = min(num_tokens // self.block_size, len(keys))
-        for index in range(len(block_ids), num_full):
-            block_ids.append(pool.cache_block(keys[index]))
+        if num_full > len(block_ids):
+            block_ids.extend(pool.cache_blocks(keys[len(block_ids):num_full]))
 
     def release(self, rec: _Rec, pool: PrefixCachePool) -> None:
         block_ids = rec.block_ids

@@ -26,6 +26,10 @@ is anonymous, their order does not matter, and the pool is a count (the cost of 
 without keys). Not modelled: the null block (block 0, never free in vLLM), KV cache groups and hybrid models,
 KV events.
 
+NOTE: compiled with mypyc where the build can (setup.py, with `predictor.sim.kv_blocks`, whose `BlockPool` it
+extends): every prediction with block keys runs this pool's per-block work. Keep every attribute and local typed so
+mypy accepts it; the tests run whichever is loaded.
+
 NOTE: invariants (`check_invariants`, asserted by the property tests): free blocks == the free queue's total;
 no identified block is both in the free queue and referenced; each cached key maps to live blocks with that key.
 """
@@ -125,20 +129,31 @@ class PrefixCachePool(BlockPool):
         if not self._num_cached_free:
             return True  # every free block is anonymous: a count (BlockPool's cost)
         queue = self._queue
+        key_of = self._key_of
+        ref = self._ref
+        blocks_of_key = self._blocks_of_key
         num_left = num_blocks
+        num_evicted = 0
         while num_left:
-            entry = next(iter(queue))
-            count = queue[entry]
-            if entry >= 0:
-                del queue[entry]
-                self._evict(entry)
+            entry, count = queue.popitem(last=False)
+            if entry >= 0:  # a cached free block: evict it (block_pool.py `_maybe_evict_cached_block`)
+                key = key_of.pop(entry)
+                del ref[entry]
+                blocks = blocks_of_key[key]
+                if len(blocks) == 1:
+                    del blocks_of_key[key]
+                else:
+                    blocks.remove(entry)
+                num_evicted += 1
                 num_left -= 1
             elif count > num_left:
                 queue[entry] = count - num_left
+                queue.move_to_end(entry, last=False)
                 num_left = 0
             else:
-                del queue[entry]
                 num_left -= count
+        self._num_cached_free -= num_evicted
+        self.num_evicted_blocks += num_evicted
         if not self._num_cached_free:
             queue.clear()
         return True
@@ -165,16 +180,31 @@ class PrefixCachePool(BlockPool):
 
         Source: block_pool.py `BlockPool.cache_full_blocks`.
         """
+        return self.cache_blocks((key,))[0]
+
+    def cache_blocks(self, keys: Sequence[int]) -> list[int]:
+        """`cache_block` for each key in order (one call for a request's newly full blocks).
+
+        Returns:
+            The blocks' ids, in key order.
+        """
         block_id = self._next_id
-        self._next_id += 1
-        self._key_of[block_id] = key
-        self._ref[block_id] = 1
-        blocks = self._blocks_of_key.get(key)
-        if blocks is None:
-            self._blocks_of_key[key] = [block_id]
-        else:
-            blocks.append(block_id)
-        return block_id
+        key_of = self._key_of
+        ref = self._ref
+        blocks_of_key = self._blocks_of_key
+        block_ids: list[int] = []
+        for key in keys:
+            key_of[block_id] = key
+            ref[block_id] = 1
+            blocks = blocks_of_key.get(key)
+            if blocks is None:
+                blocks_of_key[key] = [block_id]
+            else:
+                blocks.append(block_id)
+            block_ids.append(block_id)
+            block_id += 1
+        self._next_id = block_id
+        return block_ids
 
     def lookup(self, keys: Sequence[int], max_blocks: int) -> list[int]:
         """The cached blocks of the longest prefix of `keys` whose every key is cached, at most `max_blocks`.
@@ -207,19 +237,28 @@ class PrefixCachePool(BlockPool):
 
         Source: block_pool.py `BlockPool.touch`.
         """
+        ref = self._ref
+        queue = self._queue
+        num_taken_free = 0
+        num_extra_refs = 0
         for block_id in block_ids:
-            refs = self._ref.get(block_id)
+            refs = ref.get(block_id)
             if refs is None:
+                self._num_cached_free -= num_taken_free
+                self._num_free_blocks -= num_taken_free
+                self._num_extra_refs += num_extra_refs
                 raise ValueError(f"block {block_id} is not cached")
             if refs == 0:
-                del self._queue[block_id]
-                self._num_cached_free -= 1
-                self._num_free_blocks -= 1
+                del queue[block_id]
+                num_taken_free += 1
             else:
-                self._num_extra_refs += 1
-            self._ref[block_id] = refs + 1
+                num_extra_refs += 1
+            ref[block_id] = refs + 1
+        self._num_cached_free -= num_taken_free
+        self._num_free_blocks -= num_taken_free
+        self._num_extra_refs += num_extra_refs
         if not self._num_cached_free:
-            self._queue.clear()
+            queue.clear()
 
     def release(self, block_ids: Sequence[int], num_anonymous: int) -> None:
         """Free one holder's blocks in vLLM's order: its table is `block_ids` (cached, in table order) followed by
@@ -233,17 +272,19 @@ class PrefixCachePool(BlockPool):
         block_pool.py `BlockPool.free_blocks` (``free_block_queue.append`` when the count reaches 0).
         """
         self.free(num_anonymous)
+        ref = self._ref
+        queue = self._queue
         for block_id in reversed(block_ids):
-            refs = self._ref.get(block_id, 0)
+            refs = ref.get(block_id, 0)
             if refs <= 0:
                 raise ValueError(f"block {block_id} is not cached or not referenced")
-            self._ref[block_id] = refs - 1
+            ref[block_id] = refs - 1
             if refs > 1:
                 self._num_extra_refs -= 1
                 continue
             if not self._num_cached_free and self._num_free_blocks:
                 self._append_run(self._num_free_blocks)  # materialise the anonymous free blocks ahead of it
-            self._queue[block_id] = 1
+            queue[block_id] = 1
             self._num_cached_free += 1
             self._num_free_blocks += 1
 
@@ -257,16 +298,6 @@ class PrefixCachePool(BlockPool):
                 return
         queue[self._next_run_id] = num_blocks
         self._next_run_id -= 1
-
-    def _evict(self, block_id: int) -> None:
-        key = self._key_of.pop(block_id)
-        del self._ref[block_id]
-        blocks = self._blocks_of_key[key]
-        blocks.remove(block_id)
-        if not blocks:
-            del self._blocks_of_key[key]
-        self._num_cached_free -= 1
-        self.num_evicted_blocks += 1
 
     def check_invariants(self) -> None:
         """Assert the pool's invariants (see the module docstring); O(cached blocks)."""

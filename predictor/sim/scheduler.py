@@ -695,8 +695,8 @@ class Scheduler:
             if not num_full:
                 return
             block_ids = self._block_ids[request.request_id] = []
-        for index in range(len(block_ids), num_full):
-            block_ids.append(self._pool.cache_block(keys[index]))
+        if num_full > len(block_ids):
+            block_ids.extend(self._pool.cache_blocks(keys[len(block_ids):num_full]))
 
     def _record_prefix_cache_lookup(self, request: SimRequest, num_hit_tokens: int) -> None:
         """Count an admitted request's prefix-cache lookup (every request is looked up; one without keys misses)

@@ -46,3 +46,19 @@ def test_unknown_benchmark_and_percentile() -> None:
     assert bench_main([]) == 2
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile([1.0, 2.0], 99) == 2.0
+
+
+def test_shared_prefix_states_carry_block_keys_that_share_the_system_prompt(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rng = random.Random(5)
+    lengths = load_lengths(rng, use_sharegpt=False)
+    snapshot = build_state(64, lengths, rng, LinearBatchTimeModel.default("llama-2-7b"), shared_prefix_tokens=64)
+    requests = [*snapshot.running, *snapshot.waiting]
+    assert all(r.block_keys is not None and len(r.block_keys) == r.num_prompt_tokens // BENCH_CONFIG.block_size
+               for r in requests)
+    first_keys = [r.block_keys[0] for r in requests if r.block_keys]
+    assert max(first_keys.count(k) for k in first_keys) > 1  # some requests start with the same system prompt
+    assert len(set(first_keys)) > 1  # and some do not
+    assert bench_main(["predictor", "--quick", "--lognormal", "--sizes", "16", "--shared-prefix", "64"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith("block keys (shared prefix 64 tokens)")

@@ -491,6 +491,23 @@ def test_a_compiled_module_older_than_its_source_is_not_used(
         sys.modules.pop(predict_module._PYTHON_FAST_PREDICT, None)
 
 
+def test_a_compiled_block_pool_older_than_its_source_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "prefix_cache.py").write_text("")
+    extension = tmp_path / "prefix_cache.cpython-311-x86_64-linux-gnu.so"
+    extension.write_bytes(b"")  # never imported: only its name and age are read
+    compiled = ModuleType("predictor.sim.prefix_cache")
+    compiled.__file__ = str(extension)
+    monkeypatch.setattr(predict_module, "_prefix_cache", compiled)
+    os.utime(extension, (time.time() + 60, time.time() + 60))
+    predict_module._choose_fast_predict()
+    assert "prefix_cache" not in caplog.text
+    os.utime(extension, (time.time() - 60, time.time() - 60))
+    predict_module._choose_fast_predict()
+    assert "prefix_cache.cpython-311-x86_64-linux-gnu.so is older than its .py" in caplog.text
+
+
 # ---- the price of one more request (marginal_cost_s) ---------------------------------------------------------
 
 
