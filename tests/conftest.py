@@ -1,0 +1,17 @@
+"""Session checks shared by every test tier."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Refuses to run on a compiled block pool older than its source (predictor/sim/kv_blocks.py or
+    prefix_cache.py edited or checked out since `make install` built it): unlike the fast predictor, which falls
+    back to its .py, the scheduler imports the extension whatever its age, so the tests would test stale code."""
+    from predictor.sim import kv_blocks, prefix_cache
+    from predictor.sim.predict import _is_stale
+
+    stale = [module.__name__ for module in (kv_blocks, prefix_cache) if _is_stale(module)]
+    if stale:
+        pytest.exit(f"compiled {', '.join(stale)} older than the .py: rebuild with `make install`", returncode=2)
