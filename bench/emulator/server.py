@@ -604,6 +604,9 @@ def _parse_args(argv: Sequence[str]) -> tuple[EmulatorConfig, argparse.Namespace
     a = p.parse_args(list(argv))
     if a.scheduling is None:
         a.scheduling = "sglang" if a.api == "sglang" else "vllm-v1"
+    if a.state_path is not None and (not Path(a.state_path).parent.is_dir() or Path(a.state_path).is_dir()):
+        # Else the publisher fails in its thread and the emulator serves on with no state for its sidecar to read.
+        p.error(f"--state-path {a.state_path}: must name a file in an existing folder")
     try:
         config = EmulatorConfig(
             engine=engine_from_args(a), batch_time_model=a.batch_time_model, served_model_name=a.served_model_name,

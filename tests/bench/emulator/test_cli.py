@@ -125,3 +125,12 @@ def test_bad_flag_exits_2() -> None:
     done = subprocess.run([sys.executable, "-m", "astrolabe", "emulator", "--time-scale", "0"],
                           capture_output=True, timeout=60)
     assert done.returncode == 2 and b"time_scale" in done.stderr
+
+
+def test_a_state_path_in_a_missing_folder_exits_2(tmp_path) -> None:
+    """A state file that cannot be written is refused at start, not logged once while the emulator serves on with
+    no state for its sidecar (a newcomer's pass)."""
+    for path in (tmp_path / "missing" / "state", tmp_path):
+        done = subprocess.run([sys.executable, "-m", "astrolabe", "emulator", "--state-path", str(path)],
+                              capture_output=True, timeout=60)
+        assert done.returncode == 2 and b"--state-path" in done.stderr, done.stderr
