@@ -36,7 +36,8 @@ would hit. That does not make it admissible either: a block's parent is freed wi
 block holds its parent and frees the child first), so evictions shorten the head's hit from its end, one block
 per allocated block; each allocated block lowers the free blocks by one, and each lost hit block lowers the
 head's need by at most one (a free hit block it no longer takes, offset by one more new block unless its chunk
-is capped by the budget), so the head's shortfall never shrinks (checked by `tests/predictor/sim/test_predict_prefix_cache.py::test_predict_from_keyed_states_equals_stepping`).
+is capped by the budget), so the head's shortfall never shrinks (checked by
+`tests/predictor/sim/test_predict_prefix_cache.py::test_predict_from_keyed_states_equals_stepping`).
 
 Under the SGLang rules the same holds for a different reason. There admission COULD become possible inside a
 run, since the reservations shrink as requests generate (each running request reserves ratio x its remaining
@@ -205,8 +206,8 @@ def predict(
     O(1)-O(log n) per event (completion, admission, prefill chunk, preemption); about 1 ms for a 256-request
     instance in pure Python, 0.46 ms compiled (`astrolabe bench predictor`). Requests with block keys add
     O(their blocks) to each admission and completion (the prefix-cache pool, compiled with fast_predict where the
-    build can: 2.6 ms p50 at 256 keyed requests, `astrolabe bench predictor --shared-prefix 512`). Under the SGLang rules it steps the
-    `Scheduler` (pure-decode runs skipped), O(running requests) per simulated step.
+    build can: 2.6 ms p50 at 256 keyed requests, `astrolabe bench predictor --shared-prefix 512`). Under the
+    SGLang rules it steps the `Scheduler` (pure-decode runs skipped), O(running requests) per simulated step.
 
     Args:
         snapshot: Instance state; not modified.
@@ -214,8 +215,7 @@ def predict(
         batch_time: Step execution-time model. With `step_time_from_counts_s` and
             `decode_run_time_from_counts_s` (as `LinearBatchTimeModel`) and the vLLM V1 rules the event-driven
             path (`predictor.sim.fast_predict`) is used, unless a request's block keys reach past its prompt;
-            otherwise the
-            `Scheduler` with decode runs skipped.
+            otherwise the `Scheduler` with decode runs skipped.
         compiled: False runs the pure-Python `fast_predict` even where the compiled one is loaded (the
             reference, for tests and benchmarks); the results are identical.
 
