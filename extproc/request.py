@@ -68,6 +68,10 @@ class RoutingRequest:
         num_sequences: engine requests this HTTP request becomes, >= 1: ``n`` (choices per prompt) times the
             prompts of a completions request (a list of prompts is one engine request each; vLLM's serving_completion
             fans them out, and its engine runs each of the ``n`` choices as a request of its own).
+        block_keys: keys of the prompt's full KV blocks, first block first (``predictor.sim.block_hash.block_keys``
+            over the prompt's token ids as the engine sees them, chat template applied, at the pool's block size);
+            None when not computed (no tokenizer, a prompt list, prefix caching off). Routers compare them with
+            the block keys each instance holds or caches.
     """
 
     request_id: str
@@ -84,6 +88,7 @@ class RoutingRequest:
     chat_messages: tuple[tuple[str, str], ...] | None = None
     allowed_endpoints: frozenset[str] | None = None
     num_sequences: int = 1
+    block_keys: tuple[int, ...] | None = None
 
 
 MAX_CHOICES = 128

@@ -91,6 +91,9 @@ class EndpointView:
         num_unseen_dispatches: requests this replica dispatched there that its sidecar's answer for this request
             does not include (``extproc/router.py``); a policy prices them with ``Prediction.*_per_request``;
             0 when not asked.
+        num_prefix_blocks_cached: leading blocks of ``RoutingRequest.block_keys`` that the endpoint's last
+            published state holds or caches (the router's view of its prefix cache); None = unknown (no state, or
+            the request has no block keys).
     """
 
     address: str
@@ -101,6 +104,7 @@ class EndpointView:
     num_recent_requests: int = 0
     mean_in_flight: float = 0.0
     num_unseen_dispatches: int = 0
+    num_prefix_blocks_cached: int | None = None
 
 
 class Policy(abc.ABC):
@@ -137,6 +141,11 @@ class Policy(abc.ABC):
             ``scored`` followed by them; empty for no second round.
         """
         return ()
+
+    def on_finished(self, request: RoutingRequest, address: str) -> None:
+        """``request``, routed to ``address`` by this policy object, has ended (its ext_proc stream closed, or in
+        the cluster simulation its last token was produced). Default: nothing. Policies with their own
+        bookkeeping of in-flight work (a cache-aware router's active blocks or tokens) release it here."""
 
     @abc.abstractmethod
     def choose(self, request: RoutingRequest, endpoints: Sequence[EndpointView]) -> EndpointView | None:

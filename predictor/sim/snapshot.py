@@ -121,6 +121,9 @@ class InstanceSnapshot:
         num_preemptions_total: Preemptions so far (carried over, informational).
         sglang: SGLang's admission state (new_token_ratio, batch_is_full, finished requests not yet filtered);
             None = the state after idle (`SGLangState()`). Read only when `config.scheduling` is "sglang".
+        cached_block_keys: keys of the cached blocks no request holds (free but reusable, vllm-v1 rules), in
+            eviction order (least recently freed first); the other free blocks are anonymous and are taken
+            before these. () = none (or not known).
     """
 
     config: EngineConfig
@@ -129,6 +132,7 @@ class InstanceSnapshot:
     running: tuple[RequestState, ...] = ()
     num_preemptions_total: int = 0
     sglang: SGLangState | None = None
+    cached_block_keys: tuple[int, ...] = ()
 
     @property
     def num_used_blocks(self) -> int:
