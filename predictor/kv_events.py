@@ -325,7 +325,10 @@ class KvEventSubscriber:
     """Subscribes to one engine's KV events (ZMQ SUB) and applies them to a `KvEventIndex`.
 
     Args:
-        endpoint: the publisher's ZMQ endpoint, e.g. ``tcp://10.0.0.5:5557`` (vLLM binds ``tcp://*:5557``).
+        endpoint: the publisher's ZMQ endpoint, e.g. ``tcp://10.0.0.5:5557``. vLLM BINDS only an endpoint with a
+            wildcard (``tcp://*:5557``, its documented default) or an ipc/inproc one and CONNECTS to any other
+            (``ZmqEventPublisher._is_bind_endpoint``), so configure the engine with ``tcp://*:PORT`` and give the
+            subscriber the engine's address and PORT.
         index: the index to feed.
         topic: the publisher's topic (vLLM's ``kv_events_config.topic``, default "").
 
