@@ -1,0 +1,222 @@
+"""``dynamo-kv``: NVIDIA Dynamo's KV router cost, with its approximate indexer (``--no-kv-events``).
+
+Rule, per request with n block keys (prompt tokens: ``approx_prefix_index.prompt_tokens``):
+- overlap(w) = the run of the request's leading block keys that endpoint w holds in the approximate index (the
+  radix tree's ``find_matches``: an endpoint drops out at its first missing block);
+- prefill blocks(w) = (w's active prefill tokens + prompt tokens - overlap(w) * block_size) / block_size;
+- decode blocks(w) = w's active blocks (distinct block keys of its active requests) + the request's blocks not
+  among them;
+- logit(w) = ``overlap_score_weight`` * prefill blocks(w) + decode blocks(w);
+- temperature 0 (default): the smallest logit, ties uniformly at random; temperature > 0: softmax sampling of the
+  logits normalised by their range (lower is better).
+Bookkeeping fed by its own decisions: the chosen endpoint's index gains the request's blocks, expiring ``ttl_s``
+after the decision (clock: ``RoutingRequest.arrival_time_s``; an entry routed again is renewed), the oldest entries
+pruned down to ``prune_target_ratio * max_tree_size`` when the index exceeds ``max_tree_size``; its active blocks
+and prefill tokens grow by the request's, released in ``on_finished``.
+Defaults (``KvRouterConfig``): overlap_score_weight 1.0, router_temperature 0.0, router_ttl_secs 120,
+router_max_tree_size 2**20, router_prune_target_ratio 0.8; block_size = the pool's KV block size (16).
+Without block keys: overlap and new blocks are 0, the cost is load only (prefill tokens of the request from its ids
+or text, upstream's behaviour for a request without a token sequence).
+Cost per decision: O(block keys x endpoints) set lookups.
+
+Source: ai-dynamo/dynamo ``lib/llm/src/kv_router/scheduler.rs`` (DefaultWorkerSelector.select_worker: the logit,
+softmax_sample), ``lib/llm/src/kv_router/sequence.rs`` (ActiveSequences: potential_blocks_and_tokens, new_blocks,
+new_tokens, mark_prefill_completed), ``lib/llm/src/kv_router.rs`` / ``lib/llm/src/kv_router/config.rs``
+(KvRouterConfig defaults, PruneConfig for the approximate indexer), ``docs/router/kv_cache_routing.md``
+(``--no-kv-events``: TTL expiry and pruning). The newest selector (``lib/kv-router/src/scheduling/selector/
+default.rs``) generalises the logit with an overlap credit and a prefill load scale; this is the classic form.
+Simplified: active prefill tokens are released when the request ends (upstream: at its first token, when prefill
+completes) and active blocks hold the prompt's blocks only (``router_track_output_blocks`` is off by default
+upstream); no router-side queue (``router_queue_threshold``); the prompt's partial last block is not counted.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from extproc.policies.approx_prefix_index import prompt_tokens
+from extproc.policies.base import EndpointView, Policy, min_random_tie
+
+TYPE = "dynamo-kv"
+
+_NONE: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """``overlap_score_weight`` (>= 0), ``router_temperature`` (>= 0), ``ttl_s`` (> 0, seconds),
+    ``max_tree_size`` (index entries, >= 1), ``prune_target_ratio`` in (0, 1], ``block_size`` (tokens, >= 1)."""
+
+    overlap_score_weight: float = 1.0
+    router_temperature: float = 0.0
+    ttl_s: float = 120.0
+    max_tree_size: int = 2 ** 20
+    prune_target_ratio: float = 0.8
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("overlap_score_weight", "router_temperature", "ttl_s", "prune_target_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"policy {TYPE!r}: {name} must be a finite number >= 0, got {value!r}")
+        if self.ttl_s <= 0 or not 0 < self.prune_target_ratio <= 1:
+            raise ValueError(f"policy {TYPE!r}: ttl_s must be > 0 and prune_target_ratio in (0, 1], "
+                             f"got {self.ttl_s} and {self.prune_target_ratio}")
+        for name in ("max_tree_size", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"policy {TYPE!r}: {name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(slots=True)
+class _Active:
+    """One endpoint's active requests as the router sees them (``ActiveSequences``)."""
+
+    blocks: dict[int, int]
+    """Block key -> number of active requests holding it."""
+    prefill_tokens: int = 0
+
+
+class DynamoKvPolicy(Policy):
+    TYPE = TYPE
+
+    def __init__(self, params: Params, rng: random.Random) -> None:
+        self.params = params
+        self._rng = rng
+        self._expiry: dict[tuple[int, str], float] = {}
+        """(block key, endpoint) -> when the approximate index forgets it, seconds."""
+        self._holders: dict[int, set[str]] = {}
+        self._order: deque[tuple[float, int, str]] = deque()
+        """(expiry, key, endpoint) in insertion order = expiry order (one TTL); stale rows are skipped."""
+        self._active: dict[str, _Active] = {}
+        self._requests: dict[tuple[str, str], list[tuple[tuple[int, ...], int]]] = {}
+
+    def overlaps(self, keys: Sequence[int], endpoints: Sequence[EndpointView]) -> dict[str, int]:
+        """Leading blocks of ``keys`` each endpoint holds in the approximate index (absent = 0)."""
+        result: dict[str, int] = {}
+        alive = {e.address for e in endpoints}
+        depth = 0
+        for key in keys:
+            still = alive & self._holders.get(key, _NONE)
+            if depth:
+                for address in alive - still:
+                    result[address] = depth
+            alive = still
+            if not alive:
+                break
+            depth += 1
+        for address in alive:
+            result[address] = depth
+        return result
+
+    def logits(self, request, endpoints: Sequence[EndpointView]) -> list[float]:
+        """The router's cost of each endpoint (same order), in blocks; lower is better."""
+        p = self.params
+        self._expire(request.arrival_time_s)
+        keys = request.block_keys or ()
+        overlaps = self.overlaps(keys, endpoints) if keys else {}
+        isl = prompt_tokens(request, p.block_size)
+        result = []
+        for e in endpoints:
+            active = self._active.get(e.address)
+            new_tokens = max(isl - overlaps.get(e.address, 0) * p.block_size, 0)
+            if active is None:
+                prefill_tokens, decode_blocks = new_tokens, len(keys)
+            else:
+                prefill_tokens = active.prefill_tokens + new_tokens
+                held = active.blocks
+                decode_blocks = len(held) + sum(1 for k in keys if k not in held)
+            result.append(p.overlap_score_weight * prefill_tokens / p.block_size + decode_blocks)
+        return result
+
+    def choose(self, request, endpoints: Sequence[EndpointView]) -> EndpointView | None:
+        p = self.params
+        logits = self.logits(request, endpoints)
+        if p.router_temperature > 0:
+            index = self._softmax_sample(logits)
+        else:
+            index = min_random_tie(range(len(endpoints)), logits.__getitem__, self._rng)
+        chosen = endpoints[index]
+        keys = tuple(request.block_keys or ())
+        overlap = self.overlaps(keys, (chosen,)).get(chosen.address, 0) if keys else 0
+        new_tokens = max(prompt_tokens(request, p.block_size) - overlap * p.block_size, 0)
+        self._record(keys, chosen.address, request.arrival_time_s)
+        active = self._active.setdefault(chosen.address, _Active({}))
+        for key in keys:
+            active.blocks[key] = active.blocks.get(key, 0) + 1
+        active.prefill_tokens += new_tokens
+        self._requests.setdefault((request.request_id, chosen.address), []).append((keys, new_tokens))
+        return chosen
+
+    def on_finished(self, request, address: str) -> None:
+        records = self._requests.get((request.request_id, address))
+        if not records:
+            return
+        keys, tokens = records.pop()
+        if not records:
+            del self._requests[(request.request_id, address)]
+        active = self._active[address]
+        active.prefill_tokens -= tokens
+        for key in keys:
+            count = active.blocks[key] - 1
+            if count:
+                active.blocks[key] = count
+            else:
+                del active.blocks[key]
+        if not active.blocks and active.prefill_tokens <= 0:
+            del self._active[address]
+
+    def index_size(self) -> int:
+        """(block key, endpoint) entries in the approximate index."""
+        return len(self._expiry)
+
+    def _record(self, keys: Sequence[int], address: str, now_s: float) -> None:
+        expiry = now_s + self.params.ttl_s
+        for key in keys:
+            self._expiry[(key, address)] = expiry
+            self._holders.setdefault(key, set()).add(address)
+            self._order.append((expiry, key, address))
+        if len(self._expiry) > self.params.max_tree_size:
+            target = int(self.params.prune_target_ratio * self.params.max_tree_size)
+            while len(self._expiry) > target:
+                self._drop_oldest()
+
+    def _expire(self, now_s: float) -> None:
+        order = self._order
+        while order and order[0][0] <= now_s:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        expiry, key, address = self._order.popleft()
+        if self._expiry.get((key, address)) != expiry:
+            return  # renewed since: a later row holds it
+        del self._expiry[(key, address)]
+        holders = self._holders[key]
+        holders.discard(address)
+        if not holders:
+            del self._holders[key]
+
+    def _softmax_sample(self, logits: Sequence[float]) -> int:
+        """Upstream ``softmax_sample``: logits scaled by their range, negated, divided by the temperature."""
+        low, high = min(logits), max(logits)
+        if high == low:
+            return self._rng.randrange(len(logits))
+        scaled = [-(v / (high - low)) / self.params.router_temperature for v in logits]
+        top = max(scaled)
+        weights = [math.exp(v - top) for v in scaled]
+        return self._rng.choices(range(len(logits)), weights=weights)[0]
+
+
+_KNOWN = sorted(f.name for f in fields(Params))
+
+
+def build(params: Mapping[str, Any], rng: random.Random) -> DynamoKvPolicy:
+    unknown = set(params) - set(_KNOWN)
+    if unknown:
+        raise ValueError(f"policy {TYPE!r}: unknown parameter(s) {sorted(unknown)}; known: {_KNOWN}")
+    return DynamoKvPolicy(Params(**params), rng)
