@@ -110,8 +110,9 @@ class DynamoKvPolicy(Policy):
             if not alive:
                 break
             depth += 1
-        for address in alive:
-            result[address] = depth
+        if depth:
+            for address in alive:
+                result[address] = depth
         return result
 
     def logits(self, request, endpoints: Sequence[EndpointView]) -> list[float]:
