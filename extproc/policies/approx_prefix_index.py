@@ -18,7 +18,7 @@ O(sum of capacities).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 from extproc.request import RoutingRequest
 
@@ -106,6 +106,23 @@ class ApproxPrefixIndex:
 
 
 _EMPTY: set[str] = set()
+
+
+def leading_run(keys: Sequence[int], held: Container[int]) -> int:
+    """How many of ``keys``, from the first, ``held`` contains, by bisection: O(log len(keys)) lookups.
+
+    Exact when ``held`` is a set of whole prefixes (with each key, the keys of its prefix), as the blocks of a set of
+    requests are: ``keys`` are chain hashes, so a key held means its prefix's keys are held too. For a set that is
+    not (an LRU that evicted a prefix's first blocks), it is some run boundary, not necessarily the first.
+    """
+    low, high = 0, len(keys)
+    while low < high:
+        middle = (low + high) // 2
+        if keys[middle] in held:
+            low = middle + 1
+        else:
+            high = middle
+    return low
 
 
 def prompt_tokens(request: RoutingRequest, block_size: int) -> int:

@@ -2,22 +2,23 @@
 
 Rule, per request with n block keys (prompt tokens: ``approx_prefix_index.prompt_tokens``):
 - overlap(w) = the run of the request's leading block keys that endpoint w holds in the approximate index (the
-  radix tree's ``find_matches``: an endpoint drops out at its first missing block);
+  radix tree's ``find_matches``: an endpoint drops out at its first missing block; found by bisection, since what an
+  endpoint holds is a set of whole prefixes: ``approx_prefix_index.leading_run``);
 - prefill blocks(w) = (w's active prefill tokens + prompt tokens - overlap(w) * block_size) / block_size;
 - decode blocks(w) = w's active blocks (distinct block keys of its active requests) + the request's blocks not
-  among them;
+  among them (all past the leading run it shares with them);
 - logit(w) = ``overlap_score_weight`` * prefill blocks(w) + decode blocks(w);
 - temperature 0 (default): the smallest logit, ties uniformly at random; temperature > 0: softmax sampling of the
   logits normalised by their range (lower is better).
 Bookkeeping fed by its own decisions: the chosen endpoint's index gains the request's blocks, expiring ``ttl_s``
-after the decision (clock: ``RoutingRequest.arrival_time_s``; an entry routed again is renewed), the oldest entries
-pruned down to ``prune_target_ratio * max_tree_size`` when the index exceeds ``max_tree_size``; its active blocks
+after the decision (clock: ``RoutingRequest.arrival_time_s``; an entry routed again is renewed), the oldest decisions'
+entries pruned down to ``prune_target_ratio * max_tree_size`` when the index exceeds ``max_tree_size``; its active blocks
 and prefill tokens grow by the request's, released in ``on_finished``.
 Defaults (``KvRouterConfig``): overlap_score_weight 1.0, router_temperature 0.0, router_ttl_secs 120,
 router_max_tree_size 2**20, router_prune_target_ratio 0.8; block_size = the pool's KV block size (16).
 Without block keys: overlap and new blocks are 0, the cost is load only (prefill tokens of the request from its ids
 or text, upstream's behaviour for a request without a token sequence).
-Cost per decision: O(block keys x endpoints) set lookups.
+Cost per decision: O(endpoints x log(block keys)) dict lookups, plus O(block keys) to record the decision.
 
 Source: ai-dynamo/dynamo ``lib/llm/src/kv_router/scheduler.rs`` (DefaultWorkerSelector.select_worker: the logit,
 softmax_sample), ``lib/llm/src/kv_router/sequence.rs`` (ActiveSequences: potential_blocks_and_tokens, new_blocks,
@@ -34,17 +35,15 @@ from __future__ import annotations
 
 import math
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from extproc.policies.approx_prefix_index import prompt_tokens
-from extproc.policies.base import EndpointView, Policy, min_random_tie
+from extproc.policies.approx_prefix_index import leading_run, prompt_tokens
+from extproc.policies.base import EndpointView, Policy, build_params, check_number, min_random_tie
 
 TYPE = "dynamo-kv"
-
-_NONE: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,24 +59,19 @@ class Params:
     block_size: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("overlap_score_weight", "router_temperature", "ttl_s", "prune_target_ratio"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"policy {TYPE!r}: {name} must be a finite number >= 0, got {value!r}")
-        if self.ttl_s <= 0 or not 0 < self.prune_target_ratio <= 1:
-            raise ValueError(f"policy {TYPE!r}: ttl_s must be > 0 and prune_target_ratio in (0, 1], "
-                             f"got {self.ttl_s} and {self.prune_target_ratio}")
-        for name in ("max_tree_size", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"policy {TYPE!r}: {name} must be an integer >= 1, got {value!r}")
+        check_number(TYPE, "overlap_score_weight", self.overlap_score_weight, 0)
+        check_number(TYPE, "router_temperature", self.router_temperature, 0)
+        check_number(TYPE, "ttl_s", self.ttl_s, 0, low_open=True)
+        check_number(TYPE, "prune_target_ratio", self.prune_target_ratio, 0, 1, low_open=True)
+        check_number(TYPE, "max_tree_size", self.max_tree_size, 1, integer=True)
+        check_number(TYPE, "block_size", self.block_size, 1, integer=True)
 
 
 @dataclass(slots=True)
 class _Active:
     """One endpoint's active requests as the router sees them (``ActiveSequences``)."""
 
-    blocks: dict[int, int]
+    blocks: Counter[int]
     """Block key -> number of active requests holding it."""
     prefill_tokens: int = 0
 
@@ -88,31 +82,22 @@ class DynamoKvPolicy(Policy):
     def __init__(self, params: Params, rng: random.Random) -> None:
         self.params = params
         self._rng = rng
-        self._expiry: dict[tuple[int, str], float] = {}
-        """(block key, endpoint) -> when the approximate index forgets it, seconds."""
-        self._holders: dict[int, set[str]] = {}
-        self._order: deque[tuple[float, int, str]] = deque()
-        """(expiry, key, endpoint) in insertion order = expiry order (one TTL); stale rows are skipped."""
+        self._index: dict[str, dict[int, float]] = {}
+        """Endpoint -> block key -> when the approximate index forgets it, seconds."""
+        self._size = 0
+        self._order: deque[tuple[float, str, tuple[int, ...]]] = deque()
+        """(expiry, endpoint, keys) per decision, oldest first (one TTL: also expiry order)."""
         self._active: dict[str, _Active] = {}
         self._requests: dict[tuple[str, str], list[tuple[tuple[int, ...], int]]] = {}
 
     def overlaps(self, keys: Sequence[int], endpoints: Sequence[EndpointView]) -> dict[str, int]:
         """Leading blocks of ``keys`` each endpoint holds in the approximate index (absent = 0)."""
-        result: dict[str, int] = {}
-        alive = {e.address for e in endpoints}
-        depth = 0
-        for key in keys:
-            still = alive & self._holders.get(key, _NONE)
-            if depth:
-                for address in alive - still:
-                    result[address] = depth
-            alive = still
-            if not alive:
-                break
-            depth += 1
-        if depth:
-            for address in alive:
-                result[address] = depth
+        result = {}
+        for e in endpoints:
+            held = self._index.get(e.address)
+            run = leading_run(keys, held) if held else 0
+            if run:
+                result[e.address] = run
         return result
 
     def logits(self, request, endpoints: Sequence[EndpointView]) -> list[float]:
@@ -130,8 +115,7 @@ class DynamoKvPolicy(Policy):
                 prefill_tokens, decode_blocks = new_tokens, len(keys)
             else:
                 prefill_tokens = active.prefill_tokens + new_tokens
-                held = active.blocks
-                decode_blocks = len(held) + sum(1 for k in keys if k not in held)
+                decode_blocks = len(active.blocks) + len(keys) - leading_run(keys, active.blocks)
             result.append(p.overlap_score_weight * prefill_tokens / p.block_size + decode_blocks)
         return result
 
@@ -147,9 +131,8 @@ class DynamoKvPolicy(Policy):
         overlap = self.overlaps(keys, (chosen,)).get(chosen.address, 0) if keys else 0
         new_tokens = max(prompt_tokens(request, p.block_size) - overlap * p.block_size, 0)
         self._record(keys, chosen.address, request.arrival_time_s)
-        active = self._active.setdefault(chosen.address, _Active({}))
-        for key in keys:
-            active.blocks[key] = active.blocks.get(key, 0) + 1
+        active = self._active.setdefault(chosen.address, _Active(Counter()))
+        active.blocks.update(keys)
         active.prefill_tokens += new_tokens
         self._requests.setdefault((request.request_id, chosen.address), []).append((keys, new_tokens))
         return chosen
@@ -163,28 +146,32 @@ class DynamoKvPolicy(Policy):
             del self._requests[(request.request_id, address)]
         active = self._active[address]
         active.prefill_tokens -= tokens
+        blocks = active.blocks
         for key in keys:
-            count = active.blocks[key] - 1
+            count = blocks[key] - 1
             if count:
-                active.blocks[key] = count
+                blocks[key] = count
             else:
-                del active.blocks[key]
-        if not active.blocks and active.prefill_tokens <= 0:
+                del blocks[key]
+        if not blocks and active.prefill_tokens <= 0:
             del self._active[address]
 
     def index_size(self) -> int:
-        """(block key, endpoint) entries in the approximate index."""
-        return len(self._expiry)
+        """(endpoint, block key) entries in the approximate index."""
+        return self._size
 
-    def _record(self, keys: Sequence[int], address: str, now_s: float) -> None:
+    def _record(self, keys: tuple[int, ...], address: str, now_s: float) -> None:
+        if not keys:
+            return
         expiry = now_s + self.params.ttl_s
-        for key in keys:
-            self._expiry[(key, address)] = expiry
-            self._holders.setdefault(key, set()).add(address)
-            self._order.append((expiry, key, address))
-        if len(self._expiry) > self.params.max_tree_size:
+        held = self._index.setdefault(address, {})
+        before = len(held)
+        held.update(dict.fromkeys(keys, expiry))
+        self._size += len(held) - before
+        self._order.append((expiry, address, keys))
+        if self._size > self.params.max_tree_size:
             target = int(self.params.prune_target_ratio * self.params.max_tree_size)
-            while len(self._expiry) > target:
+            while self._size > target:
                 self._drop_oldest()
 
     def _expire(self, now_s: float) -> None:
@@ -193,14 +180,17 @@ class DynamoKvPolicy(Policy):
             self._drop_oldest()
 
     def _drop_oldest(self) -> None:
-        expiry, key, address = self._order.popleft()
-        if self._expiry.get((key, address)) != expiry:
-            return  # renewed since: a later row holds it
-        del self._expiry[(key, address)]
-        holders = self._holders[key]
-        holders.discard(address)
-        if not holders:
-            del self._holders[key]
+        """Forgets the oldest decision's blocks, except those a later decision renewed (a prefix of them: what is
+        left stays a set of whole prefixes)."""
+        expiry, address, keys = self._order.popleft()
+        held = self._index[address]
+        before = len(held)
+        for key in keys:
+            if held.get(key) == expiry:
+                del held[key]
+        self._size -= before - len(held)
+        if not held:
+            del self._index[address]
 
     def _softmax_sample(self, logits: Sequence[float]) -> int:
         """Upstream ``softmax_sample``: logits scaled by their range, negated, divided by the temperature."""
@@ -213,11 +203,5 @@ class DynamoKvPolicy(Policy):
         return self._rng.choices(range(len(logits)), weights=weights)[0]
 
 
-_KNOWN = sorted(f.name for f in fields(Params))
-
-
 def build(params: Mapping[str, Any], rng: random.Random) -> DynamoKvPolicy:
-    unknown = set(params) - set(_KNOWN)
-    if unknown:
-        raise ValueError(f"policy {TYPE!r}: unknown parameter(s) {sorted(unknown)}; known: {_KNOWN}")
-    return DynamoKvPolicy(Params(**params), rng)
+    return DynamoKvPolicy(build_params(TYPE, Params, params), rng)

@@ -33,7 +33,7 @@ from typing import Any
 
 from extproc.policies import gie
 from extproc.policies.approx_prefix_index import ApproxPrefixIndex
-from extproc.policies.base import EndpointView, Policy, min_random_tie
+from extproc.policies.base import EndpointView, Policy, check_number, min_random_tie, reject_unknown_params
 
 TYPE = "gie-prefix"
 
@@ -54,13 +54,9 @@ class Params:
     max_prefix_blocks: int = DEFAULT_MAX_PREFIX_BLOCKS
 
     def __post_init__(self) -> None:
-        value = self.prefix_weight
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise ValueError(f"policy {TYPE!r}: prefix_weight must be a number >= 0, got {value!r}")
-        for name in ("lru_capacity_per_server", "max_prefix_blocks"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"policy {TYPE!r}: {name} must be an integer >= 1, got {value!r}")
+        check_number(TYPE, "prefix_weight", self.prefix_weight, 0)
+        check_number(TYPE, "lru_capacity_per_server", self.lru_capacity_per_server, 1, integer=True)
+        check_number(TYPE, "max_prefix_blocks", self.max_prefix_blocks, 1, integer=True)
 
 
 class GiePrefixPolicy(Policy):
@@ -94,12 +90,9 @@ class GiePrefixPolicy(Policy):
 
 
 _LOAD_KEYS = frozenset({"queue_weight", "kv_cache_weight"})
-_KNOWN = sorted(_LOAD_KEYS | {"prefix_weight", "lru_capacity_per_server", "max_prefix_blocks"})
 
 
 def build(params: Mapping[str, Any], rng: random.Random) -> GiePrefixPolicy:
-    unknown = set(params) - set(_KNOWN)
-    if unknown:
-        raise ValueError(f"policy {TYPE!r}: unknown parameter(s) {sorted(unknown)}; known: {_KNOWN}")
+    reject_unknown_params(TYPE, params, _LOAD_KEYS | {"prefix_weight", "lru_capacity_per_server", "max_prefix_blocks"})
     load = gie.Params(**{k: v for k, v in params.items() if k in _LOAD_KEYS})
     return GiePrefixPolicy(Params(load, **{k: v for k, v in params.items() if k not in _LOAD_KEYS}), rng)

@@ -41,11 +41,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from extproc.policies.approx_prefix_index import ApproxPrefixIndex, prompt_tokens
-from extproc.policies.base import EndpointView, Policy, min_random_tie
+from extproc.policies.base import EndpointView, Policy, build_params, check_number, min_random_tie
 
 TYPE = "llm-d"
 
@@ -81,24 +81,12 @@ class Params:
     lru_capacity_per_server: int = DEFAULT_LRU_CAPACITY_PER_SERVER
 
     def __post_init__(self) -> None:
-        def number(name: str) -> float:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"policy {TYPE!r}: {name} must be a number, got {value!r}")
-            return value
-
-        if not 0 < number("affinity_threshold") <= 1:
-            raise ValueError(f"policy {TYPE!r}: affinity_threshold must be in (0, 1], got {self.affinity_threshold}")
-        if not 0 <= number("exploration_probability") <= 1:
-            raise ValueError(f"policy {TYPE!r}: exploration_probability must be in [0, 1], "
-                             f"got {self.exploration_probability}")
-        if number("max_tokens_in_flight_penalty") < 0:
-            raise ValueError(f"policy {TYPE!r}: max_tokens_in_flight_penalty must be >= 0, "
-                             f"got {self.max_tokens_in_flight_penalty}")
+        check_number(TYPE, "affinity_threshold", self.affinity_threshold, 0, 1, low_open=True)
+        check_number(TYPE, "exploration_probability", self.exploration_probability, 0, 1)
+        check_number(TYPE, "max_tokens_in_flight_penalty", self.max_tokens_in_flight_penalty, 0)
         for name in ("queue_threshold_tokens", "block_size", "hash_block_tokens", "max_prefix_tokens_to_match",
                      "lru_capacity_per_server"):
-            if not isinstance(getattr(self, name), int) or number(name) < 1:
-                raise ValueError(f"policy {TYPE!r}: {name} must be an integer >= 1, got {getattr(self, name)!r}")
+            check_number(TYPE, name, getattr(self, name), 1, integer=True)
         if self.hash_block_tokens % self.block_size:
             raise ValueError(f"policy {TYPE!r}: hash_block_tokens ({self.hash_block_tokens}) must be a multiple of "
                              f"block_size ({self.block_size})")
@@ -182,11 +170,5 @@ class LlmdBaselinePolicy(Policy):
             self.in_flight_tokens.pop(address, None)
 
 
-_KNOWN = sorted(f.name for f in fields(Params))
-
-
 def build(params: Mapping[str, Any], rng: random.Random) -> LlmdBaselinePolicy:
-    unknown = set(params) - set(_KNOWN)
-    if unknown:
-        raise ValueError(f"policy {TYPE!r}: unknown parameter(s) {sorted(unknown)}; known: {_KNOWN}")
-    return LlmdBaselinePolicy(Params(**params), rng)
+    return LlmdBaselinePolicy(build_params(TYPE, Params, params), rng)

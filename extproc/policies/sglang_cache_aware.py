@@ -35,11 +35,11 @@ from __future__ import annotations
 import random
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from extproc.policies.approx_prefix_index import ApproxPrefixIndex
-from extproc.policies.base import EndpointView, Policy, min_random_tie
+from extproc.policies.base import EndpointView, Policy, build_params, check_number, min_random_tie
 
 TYPE = "sglang-cache-aware"
 
@@ -57,18 +57,10 @@ class Params:
     max_tree_size: int = 2 ** 20
 
     def __post_init__(self) -> None:
-        for name in ("cache_threshold", "balance_rel_threshold"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"policy {TYPE!r}: {name} must be a number, got {value!r}")
-        if not 0 <= self.cache_threshold <= 1:
-            raise ValueError(f"policy {TYPE!r}: cache_threshold must be in [0, 1], got {self.cache_threshold}")
-        if self.balance_rel_threshold < 1:
-            raise ValueError(f"policy {TYPE!r}: balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}")
-        for name, low in (("balance_abs_threshold", 0), ("max_tree_size", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"policy {TYPE!r}: {name} must be an integer >= {low}, got {value!r}")
+        check_number(TYPE, "cache_threshold", self.cache_threshold, 0, 1)
+        check_number(TYPE, "balance_abs_threshold", self.balance_abs_threshold, 0, integer=True)
+        check_number(TYPE, "balance_rel_threshold", self.balance_rel_threshold, 1)
+        check_number(TYPE, "max_tree_size", self.max_tree_size, 1, integer=True)
 
 
 class SglangCacheAwarePolicy(Policy):
@@ -117,11 +109,5 @@ class SglangCacheAwarePolicy(Policy):
         return ((key ^ self._salt ^ (base * 0x9E3779B97F4A7C15)) * 0xBF58476D1CE4E5B9) & _MASK64
 
 
-_KNOWN = sorted(f.name for f in fields(Params))
-
-
 def build(params: Mapping[str, Any], rng: random.Random) -> SglangCacheAwarePolicy:
-    unknown = set(params) - set(_KNOWN)
-    if unknown:
-        raise ValueError(f"policy {TYPE!r}: unknown parameter(s) {sorted(unknown)}; known: {_KNOWN}")
-    return SglangCacheAwarePolicy(Params(**params), rng)
+    return SglangCacheAwarePolicy(build_params(TYPE, Params, params), rng)

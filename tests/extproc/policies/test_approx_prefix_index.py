@@ -1,6 +1,6 @@
 import pytest
 
-from extproc.policies.approx_prefix_index import ApproxPrefixIndex, prompt_tokens
+from extproc.policies.approx_prefix_index import ApproxPrefixIndex, leading_run, prompt_tokens
 from extproc.request import RoutingRequest
 
 
@@ -47,3 +47,10 @@ def test_bad_capacity():
 ])
 def test_prompt_tokens(request_, expected):
     assert prompt_tokens(request_, 16) == expected
+
+
+@pytest.mark.parametrize("held, expected", [(set(), 0), ({1}, 1), ({1, 2, 3}, 3), ({1, 2, 3, 4, 5}, 5),
+                                            ({1, 2, 3, 4, 5, 99}, 5)])
+def test_leading_run_of_a_set_of_whole_prefixes(held, expected):
+    assert leading_run((1, 2, 3, 4, 5), held) == expected
+    assert leading_run((), held) == 0

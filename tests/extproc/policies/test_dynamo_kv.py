@@ -33,10 +33,10 @@ def test_logit_is_weighted_prefill_blocks_plus_active_blocks():
 
 def test_overlap_is_each_endpoints_own_leading_run():
     policy = build({}, random.Random(0))
-    policy.choose(req("a", (1, 2, 4)), [A])
+    policy.choose(req("a", (1, 2)), [A])
     policy.choose(req("b", (1, 2, 3, 4)), [B])
     assert policy.overlaps((1, 2, 3, 4), [A, B]) == {A.address: 2, B.address: 4}
-    assert policy.overlaps((9, 1), [A, B]) == {}
+    assert policy.overlaps((9, 10), [A, B]) == {}
 
 
 def test_index_entries_expire_after_the_ttl():
@@ -64,8 +64,10 @@ def test_index_is_pruned_to_the_target_ratio():
     policy.choose(req("r1", tuple(range(6))), [A])
     assert policy.index_size() == 6
     policy.choose(req("r2", tuple(range(100, 106))), [B])
-    assert policy.index_size() == 8
-    assert policy.overlaps(tuple(range(6)), [A]) == {}  # the oldest (A's first blocks) went first
+    # 12 > 10: whole decisions are forgotten, oldest first, until at most 8 entries are left
+    assert policy.index_size() == 6
+    assert policy.overlaps(tuple(range(6)), [A]) == {}
+    assert policy.overlaps(tuple(range(100, 106)), [B]) == {B.address: 6}
 
 
 def test_temperature_zero_is_argmin_and_positive_temperature_samples():
