@@ -16,6 +16,9 @@ entries pruned down to ``prune_target_ratio * max_tree_size`` when the index exc
 and prefill tokens grow by the request's, released in ``on_finished``.
 Defaults (``KvRouterConfig``): overlap_score_weight 1.0, router_temperature 0.0, router_ttl_secs 120,
 router_max_tree_size 2**20, router_prune_target_ratio 0.8; block_size = the pool's KV block size (16).
+Precise variant (``dynamo-kv-precise``, or ``precise: true``): overlap(w) = ``EndpointView.num_prefix_blocks_cached``
+(the engine's published cache state, as Dynamo's ``KvIndexer`` sees it from KV events; unknown = 0); no approximate
+index is kept.
 Without block keys: overlap and new blocks are 0, the cost is load only (prefill tokens of the request from its ids
 or text, upstream's behaviour for a request without a token sequence).
 Cost per decision: O(endpoints x log(block keys)) dict lookups, plus O(block keys) to record the decision.
@@ -37,19 +40,28 @@ import math
 import random
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from extproc.policies.approx_prefix_index import leading_run, prompt_tokens
-from extproc.policies.base import EndpointView, Policy, build_params, check_number, min_random_tie
+from extproc.policies.base import (
+    EndpointView,
+    Policy,
+    build_params,
+    check_number,
+    min_random_tie,
+    reject_unknown_params,
+)
 
 TYPE = "dynamo-kv"
+PRECISE_TYPE = "dynamo-kv-precise"
 
 
 @dataclass(frozen=True, slots=True)
 class Params:
     """``overlap_score_weight`` (>= 0), ``router_temperature`` (>= 0), ``ttl_s`` (> 0, seconds),
-    ``max_tree_size`` (index entries, >= 1), ``prune_target_ratio`` in (0, 1], ``block_size`` (tokens, >= 1)."""
+    ``max_tree_size`` (index entries, >= 1), ``prune_target_ratio`` in (0, 1], ``block_size`` (tokens, >= 1),
+    ``precise`` (overlaps from ``EndpointView.num_prefix_blocks_cached``, Dynamo with KV events)."""
 
     overlap_score_weight: float = 1.0
     router_temperature: float = 0.0
@@ -57,8 +69,11 @@ class Params:
     max_tree_size: int = 2 ** 20
     prune_target_ratio: float = 0.8
     block_size: int = 16
+    precise: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.precise, bool):
+            raise ValueError(f"policy {TYPE!r}: precise must be true or false, got {self.precise!r}")
         check_number(TYPE, "overlap_score_weight", self.overlap_score_weight, 0)
         check_number(TYPE, "router_temperature", self.router_temperature, 0)
         check_number(TYPE, "ttl_s", self.ttl_s, 0, low_open=True)
@@ -100,12 +115,19 @@ class DynamoKvPolicy(Policy):
                 result[e.address] = run
         return result
 
+    def _overlaps(self, keys: Sequence[int], endpoints: Sequence[EndpointView]) -> dict[str, int]:
+        if not keys:
+            return {}
+        if self.params.precise:
+            return {e.address: min(e.num_prefix_blocks_cached or 0, len(keys)) for e in endpoints}
+        return self.overlaps(keys, endpoints)
+
     def logits(self, request, endpoints: Sequence[EndpointView]) -> list[float]:
         """The router's cost of each endpoint (same order), in blocks; lower is better."""
         p = self.params
         self._expire(request.arrival_time_s)
         keys = request.block_keys or ()
-        overlaps = self.overlaps(keys, endpoints) if keys else {}
+        overlaps = self._overlaps(keys, endpoints)
         isl = prompt_tokens(request, p.block_size)
         result = []
         for e in endpoints:
@@ -128,9 +150,10 @@ class DynamoKvPolicy(Policy):
             index = min_random_tie(range(len(endpoints)), logits.__getitem__, self._rng)
         chosen = endpoints[index]
         keys = tuple(request.block_keys or ())
-        overlap = self.overlaps(keys, (chosen,)).get(chosen.address, 0) if keys else 0
+        overlap = self._overlaps(keys, (chosen,)).get(chosen.address, 0)
         new_tokens = max(prompt_tokens(request, p.block_size) - overlap * p.block_size, 0)
-        self._record(keys, chosen.address, request.arrival_time_s)
+        if not p.precise:
+            self._record(keys, chosen.address, request.arrival_time_s)
         active = self._active.setdefault(chosen.address, _Active(Counter()))
         active.blocks.update(keys)
         active.prefill_tokens += new_tokens
@@ -205,3 +228,9 @@ class DynamoKvPolicy(Policy):
 
 def build(params: Mapping[str, Any], rng: random.Random) -> DynamoKvPolicy:
     return DynamoKvPolicy(build_params(TYPE, Params, params), rng)
+
+
+def build_precise(params: Mapping[str, Any], rng: random.Random) -> DynamoKvPolicy:
+    """``dynamo-kv-precise``: ``dynamo-kv`` with ``precise: true`` (its own ``precise`` parameter is refused)."""
+    reject_unknown_params(PRECISE_TYPE, params, {f.name for f in fields(Params)} - {"precise"})
+    return build({**params, "precise": True}, rng)

@@ -19,6 +19,10 @@ Defaults: the guide's configuration (``affinityThreshold`` 0.80, ``maxTokensInFl
 ``maxTTFTPenaltyMs`` 0 = that gate off, ``maxPrefixTokensToMatch`` 40,960, token-load ``queueThresholdTokens``
 4,194,304, 64-token hash blocks); the 286,720-token release was calibrated for Qwen3-32B on 2 x H100 (TP 2):
 tune it per fleet.
+Precise variant (``llm-d-precise``, or ``precise: true``): the match of step 2 is the endpoint's
+``EndpointView.num_prefix_blocks_cached`` (what its engine's published state caches, as llm-d's KV-event-fed
+``precise-prefix-cache`` producer sees it) in whole hashes, its uncached tokens prompt - cached blocks * block_size;
+no approximate index is kept.
 Inputs: ``RoutingRequest.block_keys`` (prompt tokens: ``approx_prefix_index.prompt_tokens``), ``EndpointView.metrics``
 only for ``num_gpu_blocks``; never fails on missing metrics. Without block keys there are no hashes: nothing is
 sticky and the choice is the token load alone (upstream without prefix matches).
@@ -41,13 +45,21 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from extproc.policies.approx_prefix_index import ApproxPrefixIndex, prompt_tokens
-from extproc.policies.base import EndpointView, Policy, build_params, check_number, min_random_tie
+from extproc.policies.base import (
+    EndpointView,
+    Policy,
+    build_params,
+    check_number,
+    min_random_tie,
+    reject_unknown_params,
+)
 
 TYPE = "llm-d"
+PRECISE_TYPE = "llm-d-precise"
 
 DEFAULT_LRU_CAPACITY_PER_SERVER = 31250
 """Index entries per endpoint when its metrics give no ``num_gpu_blocks`` (upstream ``defaultLRUCapacityPerServer``,
@@ -69,6 +81,9 @@ class Params:
         hash_block_tokens: tokens per index hash, a multiple of ``block_size`` (llm-d's minimum, 64).
         max_prefix_tokens_to_match: prompt tokens hashed at most, >= 1 (``maxPrefixTokensToMatch``).
         lru_capacity_per_server: index entries per endpoint without ``num_gpu_blocks`` (``lruCapacityPerServer``).
+        precise: match from ``EndpointView.num_prefix_blocks_cached`` (the engines' published cache state, llm-d's
+            ``precise-prefix-cache`` producer fed by KV events) instead of the approximate index; an endpoint
+            without that state matches nothing.
     """
 
     affinity_threshold: float = 0.80
@@ -79,6 +94,7 @@ class Params:
     hash_block_tokens: int = 64
     max_prefix_tokens_to_match: int = 40960
     lru_capacity_per_server: int = DEFAULT_LRU_CAPACITY_PER_SERVER
+    precise: bool = False
 
     def __post_init__(self) -> None:
         check_number(TYPE, "affinity_threshold", self.affinity_threshold, 0, 1, low_open=True)
@@ -87,9 +103,14 @@ class Params:
         for name in ("queue_threshold_tokens", "block_size", "hash_block_tokens", "max_prefix_tokens_to_match",
                      "lru_capacity_per_server"):
             check_number(TYPE, name, getattr(self, name), 1, integer=True)
+        if not isinstance(self.precise, bool):
+            raise ValueError(f"policy {TYPE!r}: precise must be true or false, got {self.precise!r}")
         if self.hash_block_tokens % self.block_size:
             raise ValueError(f"policy {TYPE!r}: hash_block_tokens ({self.hash_block_tokens}) must be a multiple of "
                              f"block_size ({self.block_size})")
+
+
+_PARAM_NAMES = tuple(f.name for f in fields(Params))
 
 
 class LlmdBaselinePolicy(Policy):
@@ -117,10 +138,15 @@ class LlmdBaselinePolicy(Policy):
     def choose(self, request, endpoints: Sequence[EndpointView]) -> EndpointView | None:
         p = self.params
         hashes = self.hashes(request.block_keys)
-        counts = self.index.match_counts(hashes) if hashes else {}
         prompt = prompt_tokens(request, p.block_size)
-        uncached = {e.address: prompt - min(counts.get(e.address, 0) * p.hash_block_tokens, prompt)
-                    for e in endpoints}
+        if p.precise:
+            cached_blocks = {e.address: e.num_prefix_blocks_cached or 0 for e in endpoints}
+            counts = {a: min(n // self._group, len(hashes)) for a, n in cached_blocks.items()}
+            uncached = {a: prompt - min(n * p.block_size, prompt) for a, n in cached_blocks.items()}
+        else:
+            counts = self.index.match_counts(hashes) if hashes else {}
+            uncached = {e.address: prompt - min(counts.get(e.address, 0) * p.hash_block_tokens, prompt)
+                        for e in endpoints}
         kept = self._filter(endpoints, counts, len(hashes))
         load = self.in_flight_tokens
         threshold = p.queue_threshold_tokens
@@ -129,8 +155,9 @@ class LlmdBaselinePolicy(Policy):
             return 1.0 - min(load.get(e.address, 0) + uncached[e.address], threshold) / threshold
 
         chosen = min_random_tie(kept, lambda e: -score(e), self._rng)
-        capacity = chosen.metrics.num_gpu_blocks if chosen.metrics is not None else None
-        self.index.add(hashes, chosen.address, capacity or None)
+        if not p.precise:
+            capacity = chosen.metrics.num_gpu_blocks if chosen.metrics is not None else None
+            self.index.add(hashes, chosen.address, capacity or None)
         tokens = uncached[chosen.address]
         load[chosen.address] = load.get(chosen.address, 0) + tokens
         self._charged.setdefault((request.request_id, chosen.address), []).append(tokens)
@@ -172,3 +199,9 @@ class LlmdBaselinePolicy(Policy):
 
 def build(params: Mapping[str, Any], rng: random.Random) -> LlmdBaselinePolicy:
     return LlmdBaselinePolicy(build_params(TYPE, Params, params), rng)
+
+
+def build_precise(params: Mapping[str, Any], rng: random.Random) -> LlmdBaselinePolicy:
+    """``llm-d-precise``: ``llm-d`` with ``precise: true`` (its own ``precise`` parameter is refused)."""
+    reject_unknown_params(PRECISE_TYPE, params, set(_PARAM_NAMES) - {"precise"})
+    return build({**params, "precise": True}, rng)

@@ -33,8 +33,10 @@ _FACTORIES: dict[str, Callable[[Mapping[str, Any], random.Random], Policy]] = {
     gie.TYPE: gie.build,
     gie_prefix.TYPE: gie_prefix.build,
     llmd_baseline.TYPE: llmd_baseline.build,
+    llmd_baseline.PRECISE_TYPE: llmd_baseline.build_precise,
     sglang_cache_aware.TYPE: sglang_cache_aware.build,
     dynamo_kv.TYPE: dynamo_kv.build,
+    dynamo_kv.PRECISE_TYPE: dynamo_kv.build_precise,
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)

@@ -92,3 +92,16 @@ def test_without_keys_cost_is_the_prompt_tokens_load():
 def test_bad_params(params):
     with pytest.raises(ValueError):
         build(params, random.Random(0))
+
+
+def test_precise_variant_takes_overlaps_from_the_published_cache_state():
+    from extproc.policies.registry import build_policy
+    policy = build_policy("dynamo-kv-precise", {}, random.Random(0))
+    warm = EndpointView(A.address, num_prefix_blocks_cached=3)
+    cold = EndpointView(B.address, num_prefix_blocks_cached=None)
+    # A: (80 - 48) / 16 = 2 + 5 new blocks -> 7; B: 80 / 16 = 5 + 5 -> 10
+    assert policy.logits(req("r", (1, 2, 3, 5, 6)), [warm, cold]) == [7.0, 10.0]
+    assert policy.choose(req("r", (1, 2, 3, 5, 6)), [warm, cold]) == warm
+    assert policy.index_size() == 0
+    with pytest.raises(ValueError):
+        build_policy("dynamo-kv-precise", {"precise": False}, random.Random(0))

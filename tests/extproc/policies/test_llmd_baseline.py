@@ -88,3 +88,19 @@ def test_index_size_follows_the_endpoints_gpu_blocks():
 def test_bad_params(params):
     with pytest.raises(ValueError):
         build(params, random.Random(0))
+
+
+def test_precise_variant_matches_the_published_cache_state():
+    from extproc.policies.registry import build_policy
+    policy = build_policy("llm-d-precise", {}, random.Random(0))
+    policy.choose(req("l", L), [A])  # A: 512 in-flight tokens, B idle
+    warm = EndpointView(A.address, num_prefix_blocks_cached=16)
+    cold = EndpointView(B.address, num_prefix_blocks_cached=None)
+    assert policy.choose(req("k", K), [warm, cold]) == warm  # 4/4 hashes cached: sticky
+    partly = EndpointView(A.address, num_prefix_blocks_cached=12)  # 3/4: not sticky; 512 + 64 > 0 + 256
+    assert policy.choose(req("k2", K), [partly, cold]) == cold
+    assert policy.index.size(A.address) == 0 and policy.in_flight_tokens == {A.address: 512, B.address: 256}
+    with pytest.raises(ValueError):
+        build_policy("llm-d-precise", {"precise": False}, random.Random(0))
+    with pytest.raises(ValueError):
+        build({"precise": "yes"}, random.Random(0))
