@@ -11,9 +11,9 @@ Rule, per request with n block keys (prompt tokens: ``approx_prefix_index.prompt
 - temperature 0 (default): the smallest logit, ties uniformly at random; temperature > 0: softmax sampling of the
   logits normalised by their range (lower is better).
 Bookkeeping fed by its own decisions: the chosen endpoint's index gains the request's blocks, expiring ``ttl_s``
-after the decision (clock: ``RoutingRequest.arrival_time_s``; an entry routed again is renewed), the oldest decisions'
-entries pruned down to ``prune_target_ratio * max_tree_size`` when the index exceeds ``max_tree_size``; its active blocks
-and prefill tokens grow by the request's, released in ``on_finished``.
+after the decision (clock: ``RoutingRequest.arrival_time_s``; an entry routed again is renewed), the oldest
+decisions' entries pruned down to ``prune_target_ratio * max_tree_size`` when the index exceeds ``max_tree_size``;
+its active blocks and prefill tokens grow by the request's, released in ``on_finished``.
 Defaults (``KvRouterConfig``): overlap_score_weight 1.0, router_temperature 0.0, router_ttl_secs 120,
 router_max_tree_size 2**20, router_prune_target_ratio 0.8; block_size = the pool's KV block size (16).
 Precise variant (``dynamo-kv-precise``, or ``precise: true``): overlap(w) = ``EndpointView.num_prefix_blocks_cached``
