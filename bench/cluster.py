@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import math
 import multiprocessing
@@ -60,6 +61,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -125,6 +127,24 @@ def migrate_label(bandwidth_gbytes_per_s: float) -> str:
     return f"{LLUMNIX_MIGRATE}-bw{bandwidth_gbytes_per_s:g}"
 
 
+def _label_params(label: str, assignments: str) -> dict[str, Any]:
+    """``key=value:key=value`` -> params; values are JSON numbers or true/false, else strings.
+
+    Raises:
+        ValueError: an assignment without ``=``.
+    """
+    params: dict[str, Any] = {}
+    for assignment in assignments.split(":"):
+        key, sep, text = assignment.partition("=")
+        if not sep or not key:
+            raise ValueError(f"policy label {label!r}: expected NAME:KEY=VALUE[:KEY=VALUE...], got {assignment!r}")
+        try:
+            params[key] = json.loads(text)
+        except json.JSONDecodeError:
+            params[key] = text
+    return params
+
+
 def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthModel | None = None,
                 migration: MigrationParams | None = None) -> PolicySpec:
     """Maps a label to a policy.
@@ -136,13 +156,18 @@ def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthMo
     ``-noextra`` (no second round of probes) and ``-stale<S>`` (its sidecars' states published every S seconds,
     replacing ``--staleness-s`` for this label: ``bench.cluster_sim`` NOTE on the decision path);
     ``llumnix-migrate`` (``llumnix`` dispatch + live migration with ``migration``, default `MigrationParams()`)
-    and ``llumnix-migrate-bw<X>`` (the same at X GB/s).
+    and ``llumnix-migrate-bw<X>`` (the same at X GB/s); a registry name other than astrolabe followed by
+    ``:KEY=VALUE[:KEY=VALUE...]`` sets its parameters (e.g. ``llm-d:max_tokens_in_flight_penalty=50000``, for
+    tuning a baseline; checked when the policy is built).
 
     Raises:
         ValueError: unknown label.
     """
     if label == ENVOY_LEAST_REQUEST or label in POLICY_NAMES and label != "astrolabe":
         return PolicySpec(label, label)
+    name, _, assignments = label.partition(":")
+    if assignments and name in POLICY_NAMES and name != "astrolabe":
+        return PolicySpec(label, name, _label_params(label, assignments))
     migrate = _MIGRATE_LABEL.fullmatch(label)
     if migrate is not None:
         params = migration or MigrationParams()

@@ -10,7 +10,8 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
     workers: 1                      # extproc processes serving on it (> 1: a supervisor and N workers sharing the
                                     # port with SO_REUSEPORT, extproc/workers.py); the --workers flag wins
     policy: astrolabe               # astrolabe | random | round-robin | least-requests | min-qpm | infaas |
-                                    # llumnix | gie
+                                    # llumnix | gie | gie-prefix | llm-d | llm-d-precise | sglang-cache-aware |
+                                    # dynamo-kv | dynamo-kv-precise
     policy_params: {}               # typed per policy, e.g. {k: 2, metric: e2e} for astrolabe
     output_length:                  # predicted output tokens sent to predictors (extproc/lengths.py)
       source: tagger                # tagger | fixed | oracle

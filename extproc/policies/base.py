@@ -7,8 +7,10 @@ never block. Randomness comes only from the ``random.Random`` the registry injec
 from __future__ import annotations
 
 import abc
+import dataclasses
+import math
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -204,3 +206,44 @@ def reject_params(policy_type: str, params: Mapping[str, Any]) -> None:
     """
     if params:
         raise ValueError(f"policy {policy_type!r} takes no parameters, got {sorted(params)}")
+
+
+P = TypeVar("P")
+
+
+def reject_unknown_params(policy_type: str, params: Mapping[str, Any], known: Iterable[str]) -> None:
+    """For policies with parameters: a key outside ``known`` is an error.
+
+    Raises:
+        ValueError: ``params`` has a key not in ``known``.
+    """
+    known = sorted(known)
+    unknown = set(params) - set(known)
+    if unknown:
+        raise ValueError(f"policy {policy_type!r}: unknown parameter(s) {sorted(unknown)}; known: {known}")
+
+
+def build_params(policy_type: str, params_type: Callable[..., P], params: Mapping[str, Any]) -> P:
+    """``params_type(**params)`` for a dataclass of parameters that validates itself.
+
+    Raises:
+        ValueError: a key that is not a field of ``params_type``, or what ``params_type`` raises.
+    """
+    reject_unknown_params(policy_type, params, (f.name for f in dataclasses.fields(params_type)))
+    return params_type(**params)
+
+
+def check_number(policy_type: str, name: str, value: Any, low: float, high: float = math.inf, *,
+                 integer: bool = False, low_open: bool = False) -> None:
+    """A parameter must be a finite number (an integer when ``integer``) in [low, high] ((low, high] when
+    ``low_open``).
+
+    Raises:
+        ValueError: it is not, with the parameter's name and value.
+    """
+    kinds = int if integer else int | float
+    if (isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value)
+            or value < low or value > high or (low_open and value == low)):
+        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ValueError(f"policy {policy_type!r}: {name} must be {'an integer' if integer else 'a number'} in "
+                         f"{bounds}, got {value!r}")

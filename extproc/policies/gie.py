@@ -5,7 +5,7 @@ Rule: total = queue_weight * queue_score + kv_cache_weight * kv_score, choose th
   endpoint when all wait equally (``queue-scorer``);
 - kv_score = 1 - kv_cache_usage_frac (``kv-cache-utilization-scorer``);
 - weights 2 and 2 by default, as GIE's default profile (which also has ``prefix-cache-scorer`` at weight 3,
-  left out here because neither the simulator nor this router models prefix caching).
+  left out here: ``gie-prefix``, ``extproc/policies/gie_prefix.py``, is the whole profile).
 Ties: uniformly at random (GIE's ``max-score-picker`` shuffles before a stable sort).
 Inputs: ``EndpointView.metrics`` (``num_requests_waiting``, ``kv_cache_usage_frac``), scraped at an interval
 (GIE refreshes every 50 ms).

@@ -6,7 +6,20 @@ import random
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from extproc.policies import gie, infaas, least_requests, llumnix, min_qpm, power_of_k, random_choice, round_robin
+from extproc.policies import (
+    dynamo_kv,
+    gie,
+    gie_prefix,
+    infaas,
+    least_requests,
+    llmd_baseline,
+    llumnix,
+    min_qpm,
+    power_of_k,
+    random_choice,
+    round_robin,
+    sglang_cache_aware,
+)
 from extproc.policies.base import Policy
 
 _FACTORIES: dict[str, Callable[[Mapping[str, Any], random.Random], Policy]] = {
@@ -18,6 +31,12 @@ _FACTORIES: dict[str, Callable[[Mapping[str, Any], random.Random], Policy]] = {
     infaas.TYPE: infaas.build,
     llumnix.TYPE: llumnix.build,
     gie.TYPE: gie.build,
+    gie_prefix.TYPE: gie_prefix.build,
+    llmd_baseline.TYPE: llmd_baseline.build,
+    llmd_baseline.PRECISE_TYPE: llmd_baseline.build_precise,
+    sglang_cache_aware.TYPE: sglang_cache_aware.build,
+    dynamo_kv.TYPE: dynamo_kv.build,
+    dynamo_kv.PRECISE_TYPE: dynamo_kv.build_precise,
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)

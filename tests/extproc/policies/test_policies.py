@@ -15,7 +15,8 @@ EPS = [EndpointView("10.0.0.1:80", 3), EndpointView("10.0.0.2:80", 1), EndpointV
 
 def test_registry_names():
     assert set(POLICY_NAMES) == {"astrolabe", "random", "round-robin", "least-requests", "min-qpm", "infaas",
-                                 "llumnix", "gie"}
+                                 "llumnix", "gie", "gie-prefix", "llm-d", "llm-d-precise",
+                                 "sglang-cache-aware", "dynamo-kv", "dynamo-kv-precise"}
 
 
 @pytest.mark.parametrize("name", ["random", "round-robin", "least-requests"])
