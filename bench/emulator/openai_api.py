@@ -244,9 +244,12 @@ def usage_json(num_prompt_tokens: int, num_completion_tokens: int,
     return usage
 
 
-def prompt_tokens_details(is_chat: bool, num_cached_tokens: int, num_created_cache_tokens: int) -> dict[str, Any]:
+def prompt_tokens_details(is_chat: bool, num_cached_tokens: int, num_created_cache_tokens: int,
+                          stream: bool = False) -> dict[str, Any]:
     """``usage.prompt_tokens_details`` as vLLM writes it with ``--enable-prompt-tokens-details`` (tokens): the
-    prompt tokens found in the prefix cache and, for chat, the prompt tokens this request wrote into it.
+    prompt tokens found in the prefix cache and, for chat, the prompt tokens this request wrote into it. A
+    completion's has only ``cached_tokens`` when streamed (vLLM serializes chunks with ``exclude_unset``) and
+    null ``created_cache_tokens`` / ``multimodal_tokens`` otherwise (as a real vLLM 0.32 answered here).
 
     Source: vllm/entrypoints/openai/chat_completion/serving.py ``_make_prompt_tokens_details`` (``cached_tokens``,
     ``created_cache_tokens``, ``multimodal_tokens``) and completion/serving.py (``cached_tokens`` only), vLLM 0.32
@@ -255,7 +258,9 @@ def prompt_tokens_details(is_chat: bool, num_cached_tokens: int, num_created_cac
     if is_chat:
         return {"cached_tokens": num_cached_tokens, "created_cache_tokens": num_created_cache_tokens,
                 "multimodal_tokens": None}
-    return {"cached_tokens": num_cached_tokens}
+    if stream:
+        return {"cached_tokens": num_cached_tokens}
+    return {"cached_tokens": num_cached_tokens, "created_cache_tokens": None, "multimodal_tokens": None}
 
 
 @dataclass(frozen=True, slots=True)

@@ -246,7 +246,7 @@ class _Instance:
         num_tokens = max(1, round(draw))
         return (max_tokens, "length") if num_tokens >= max_tokens else (num_tokens, "stop")
 
-    def usage(self, handle: RequestHandle, is_chat: bool, num_completion_tokens: int) -> dict:
+    def usage(self, handle: RequestHandle, is_chat: bool, num_completion_tokens: int, stream: bool = False) -> dict:
         """The ``usage`` object of a request that has generated ``num_completion_tokens`` tokens, with
         ``prompt_tokens_details`` when enabled: the prompt tokens found cached at its first admission and (chat)
         those it cached itself, its full prompt blocks less the cached ones (vLLM's ``created_cache_tokens``:
@@ -257,7 +257,7 @@ class _Instance:
             num_cached = sim.num_cached_tokens or 0
             block_size = self.config.engine.block_size
             num_created = (sim.num_prompt_tokens // block_size * block_size - num_cached) if self.prefix_caching else 0
-            details = prompt_tokens_details(is_chat, num_cached, max(0, num_created))
+            details = prompt_tokens_details(is_chat, num_cached, max(0, num_created), stream)
         return usage_json(sim.num_prompt_tokens, num_completion_tokens, details)
 
     def admit(self, parsed: ParsedRequest, request_id: str, num_reply_tokens: int | None = None) -> RequestHandle:
@@ -449,7 +449,7 @@ async def _stream(request: web.Request, instance: _Instance, handle: RequestHand
     def event(num_sent: int, num_generated: int, reason: str | None) -> bytes:
         chunk = shaper.sse_chunk(reply_text(handle.output_token_ids[num_sent:num_generated]), num_sent == 0, reason)
         if reason is not None and include_usage:
-            chunk += shaper.sse_usage_chunk(instance.usage(handle, shaper.is_chat, num_generated))
+            chunk += shaper.sse_usage_chunk(instance.usage(handle, shaper.is_chat, num_generated, stream=True))
         return chunk
 
     return await _stream_events(request, handle, event)

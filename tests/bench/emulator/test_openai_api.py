@@ -110,9 +110,11 @@ def test_token_id_prompts_keep_their_ids_and_out_of_range_ids_are_refused() -> N
 
 def test_usage_carries_prompt_tokens_details_only_when_given() -> None:
     assert usage_json(10, 3) == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
-    details = prompt_tokens_details(False, 32, 0)
+    details = prompt_tokens_details(False, 32, 0, stream=True)
     assert details == {"cached_tokens": 32}
     assert usage_json(10, 3, details)["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert prompt_tokens_details(False, 32, 0) == {"cached_tokens": 32, "created_cache_tokens": None,
+                                                   "multimodal_tokens": None}
     assert prompt_tokens_details(True, 32, 64) == {"cached_tokens": 32, "created_cache_tokens": 64,
                                                    "multimodal_tokens": None}
 
