@@ -27,7 +27,6 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,8 +57,8 @@ class RequestHandle:
         finish_reason: None while unfinished, then "stop", "length" or "abort".
         first_scheduled_time_s: ``time.monotonic()`` start of the first step that scheduled it; None before.
         last_token_time_s: ``time.monotonic()`` of its latest output token; None before the first.
-        output_token_ids: the ids of the tokens it will generate, in order (what its handler answers; the loop
-            does not read them).
+        reply: its output tokens and their text (`bench.emulator.tokens.Reply`: what its handler answers; the
+            loop does not read it), or None.
     """
 
     sim: SimRequest
@@ -70,7 +69,7 @@ class RequestHandle:
     finish_reason: str | None = None
     first_scheduled_time_s: float | None = None
     last_token_time_s: float | None = None
-    output_token_ids: Sequence[int] = ()
+    reply: Any = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -158,7 +157,7 @@ class EngineLoop:
 
     def add_request(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int,
                     planned_finish_reason: str, stream_interval: int, max_tokens: int | None = None,
-                    block_keys: tuple[int, ...] | None = None, output_token_ids: Sequence[int] = ()) -> RequestHandle:
+                    block_keys: tuple[int, ...] | None = None, reply: Any = None) -> RequestHandle:
         """Queues a request in the scheduler and returns its handle.
 
         Args:
@@ -170,7 +169,7 @@ class EngineLoop:
             max_tokens: the client's output cap in tokens (>= num_output_tokens), or None if unknown.
             block_keys: keys of the full blocks of its prompt and output tokens (`SimRequest.block_keys`), or
                 None: it neither hits the prefix cache nor leaves anything in it.
-            output_token_ids: the ids of its output tokens (kept on the handle for its handler).
+            reply: its output tokens and their text (kept on the handle for its handler).
 
         Raises:
             ValueError: the scheduler refuses it (duplicate id, or it could never fit in the KV cache).
@@ -181,7 +180,7 @@ class EngineLoop:
         self.scheduler.add_request(sim)
         handle = RequestHandle(sim=sim, planned_finish_reason=planned_finish_reason, stream_interval=stream_interval,
                                next_notify_tokens=1 if stream_interval else _NEVER, max_tokens=max_tokens,
-                               output_token_ids=output_token_ids)
+                               reply=reply)
         self._handles[request_id] = handle
         self._wakeup.set()
         if self._state_publisher is not None:

@@ -65,6 +65,7 @@ class ParsedRequest:
         ignore_eos: vLLM extension; generate exactly ``max_tokens`` tokens.
         return_token_ids: vLLM extension (completions, non-streaming here): the choice carries
             ``prompt_token_ids`` and ``token_ids``.
+        recorded_reply: the `REPLY_TEXT_FIELD` test hook: the reply to generate token for token, or None.
     """
 
     is_chat: bool
@@ -76,6 +77,7 @@ class ParsedRequest:
     include_usage: bool
     ignore_eos: bool
     return_token_ids: bool = False
+    recorded_reply: str | None = None
 
     @property
     def num_prompt_token_ids(self) -> int | None:
@@ -113,6 +115,12 @@ def _count(body: dict[str, Any], key: str, default: int | None) -> int | None:
 def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
+
+REPLY_TEXT_FIELD = "emulator_reply_text"
+"""Test hook (request body field, a string): the reply the emulator generates, token for token, ending (EOS) where
+the text ends unless ``x-emulator-output-tokens`` or ``ignore_eos`` says otherwise, capped by ``max_tokens``. A
+replay of recorded conversations sends each turn's recorded reply, so that the next turn, which resends it, hits
+its blocks (`bench.emulator.tokens`). The router never reads it; vLLM ignores unknown fields (with a warning)."""
 
 MAX_TOKEN_ID = (1 << 32) - 1
 """Largest prompt token id accepted (block keys hash ids as 32-bit values; real vocabularies are far smaller)."""
@@ -205,6 +213,7 @@ def parse_request(raw_body: bytes, is_chat: bool) -> ParsedRequest:
     stream_options = _check_type(body, "stream_options", (dict,), {})
     ignore_eos = _check_type(body, "ignore_eos", (bool,), False)
     return_token_ids = _check_type(body, "return_token_ids", (bool,), False)
+    recorded_reply = _check_type(body, REPLY_TEXT_FIELD, (str,), None)
     if is_chat:
         prompt_text, token_ids = apply_chat_template(body.get("messages")), None
         max_tokens = _count(body, "max_completion_tokens", None)
@@ -218,7 +227,7 @@ def parse_request(raw_body: bytes, is_chat: bool) -> ParsedRequest:
     return ParsedRequest(is_chat=is_chat, model=model, prompt_text=prompt_text, prompt_token_ids=token_ids,
                          max_tokens=max_tokens, stream=stream,
                          include_usage=bool(stream_options.get("include_usage", False)), ignore_eos=ignore_eos,
-                         return_token_ids=return_token_ids)
+                         return_token_ids=return_token_ids, recorded_reply=recorded_reply)
 
 
 def context_length_error(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None) -> ApiError:

@@ -89,6 +89,7 @@ from bench.emulator.engine_loop import EngineLoop, RequestHandle
 from bench.emulator import sglang_api
 from bench.emulator.metrics import APIS, EmulatorMetrics
 from bench.emulator.openai_api import (
+    REPLY_TEXT_FIELD,
     SSE_DONE,
     ApiError,
     ParsedRequest,
@@ -101,7 +102,7 @@ from bench.emulator.openai_api import (
 from predictor.engine_flags import add_engine_arguments, engine_from_args
 from predictor.sim import EngineConfig, LinearBatchTimeModel, Scheduler
 from predictor.vllm_plugin import DEFAULT_MIN_INTERVAL_S
-from bench.emulator.tokens import prompt_token_ids, reply_text, reply_token_ids, request_block_keys
+from bench.emulator.tokens import RecordedReply, Reply, prompt_token_ids, request_block_keys
 from tagger.tokenizer import TOKENIZER_NAME
 
 logger = logging.getLogger(__name__)
@@ -286,13 +287,21 @@ class _Instance:
             max_tokens = cfg.max_model_len - num_prompt_tokens
         elif num_prompt_tokens + max_tokens > cfg.max_model_len:
             raise context_length_error(cfg.max_model_len, num_prompt_tokens, max_tokens)
+        recorded = None
+        if parsed.recorded_reply is not None:
+            try:
+                recorded = RecordedReply.of(parsed.recorded_reply)
+            except ValueError:
+                raise ApiError(400, "the recorded reply is not valid Unicode", param=REPLY_TEXT_FIELD) from None
+            if num_reply_tokens is None:  # the recorded reply ends where its text does
+                num_reply_tokens = max(1, len(recorded.token_ids))
         num_output_tokens, finish_reason = self.num_output_tokens(max_tokens, parsed.ignore_eos, num_reply_tokens)
-        output_ids = reply_token_ids(prompt_ids, num_output_tokens)
-        keys = request_block_keys(prompt_ids, output_ids, cfg.engine.block_size) if self.prefix_caching else None
+        reply = Reply(prompt_ids, num_output_tokens, recorded)
+        keys = request_block_keys(prompt_ids, reply.token_ids, cfg.engine.block_size) if self.prefix_caching else None
         try:
             return self.engine.add_request(request_id, num_prompt_tokens, num_output_tokens, finish_reason,
                                            stream_interval=cfg.stream_interval if parsed.stream else 0,
-                                           max_tokens=max_tokens, block_keys=keys, output_token_ids=output_ids)
+                                           max_tokens=max_tokens, block_keys=keys, reply=reply)
         except ValueError as exc:
             raise ApiError(400, f"request cannot be served by this instance: {exc}") from None
 
@@ -393,7 +402,7 @@ async def _generate_admitted(request: web.Request, instance: _Instance, request_
 
 
 def _native_json(handle: RequestHandle, rid: str, num_tokens: int, finish_reason: str | None) -> dict:
-    return sglang_api.generate_json(rid, reply_text(handle.output_token_ids[:num_tokens]), finish_reason,
+    return sglang_api.generate_json(rid, handle.reply.text(0, num_tokens), finish_reason,
                                     handle.sim.num_prompt_tokens, num_tokens,
                                     time.monotonic() - handle.sim.arrival_time_s, handle.sim.num_cached_tokens or 0)
 
@@ -431,8 +440,8 @@ async def _answer(request: web.Request, instance: _Instance, parsed: ParsedReque
         token_ids = None
         if parsed.return_token_ids and not is_chat:
             prompt_ids = parsed.prompt_token_ids or prompt_token_ids(parsed.prompt_text or "")
-            token_ids = (list(prompt_ids), list(handle.output_token_ids[:num_out]))
-        body = shaper.full_response(reply_text(handle.output_token_ids[:num_out]), handle.finish_reason,
+            token_ids = (list(prompt_ids), handle.reply.token_ids[:num_out])
+        body = shaper.full_response(handle.reply.text(0, num_out), handle.finish_reason,
                                     instance.usage(handle, is_chat, num_out), token_ids)
         return web.json_response(body)
     finally:
@@ -447,7 +456,7 @@ async def _stream(request: web.Request, instance: _Instance, handle: RequestHand
     with ``finish_reason``, then (``include_usage``) a usage-only chunk, then ``[DONE]``."""
 
     def event(num_sent: int, num_generated: int, reason: str | None) -> bytes:
-        chunk = shaper.sse_chunk(reply_text(handle.output_token_ids[num_sent:num_generated]), num_sent == 0, reason)
+        chunk = shaper.sse_chunk(handle.reply.text(num_sent, num_generated), num_sent == 0, reason)
         if reason is not None and include_usage:
             chunk += shaper.sse_usage_chunk(instance.usage(handle, shaper.is_chat, num_generated, stream=True))
         return chunk

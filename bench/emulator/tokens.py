@@ -1,8 +1,9 @@
 """Token ids of the emulator's prompts and replies, and the block keys its prefix cache is looked up with.
 
 Owns `prompt_token_ids` (text -> ids with the shipped tokenizer, as the tiny vLLM model of ``make install-vllm``
-tokenizes: `tagger.tokenizer`, no special tokens), `reply_token_ids` / `reply_text` (the deterministic reply a
-request gets) and `request_block_keys`. Imports no aiohttp and no ``predictor.sim`` scheduler: pure functions.
+tokenizes: `tagger.tokenizer`, no special tokens), `Reply` (a request's output tokens and their text),
+`reply_token_ids` / `reply_text` (the deterministic words a reply is made of) and `request_block_keys`. Imports no
+aiohttp and no ``predictor.sim`` scheduler.
 
 Replies. A request's reply is a sequence of whole-word tokens drawn from `reply_vocabulary` by a generator seeded
 with a hash of the prompt's token ids, so the same prompt always gets the same reply (as greedy decoding does)
@@ -11,6 +12,11 @@ back exactly the reply's ids (the shipped WordPiece splits on spaces and every w
 `tests/bench/emulator/test_tokens.py` checks the round trip). So a next chat turn that sends the reply back as the
 assistant message ("assistant: <reply>" in the chat template) has, as its prompt, the previous prompt, the reply's
 ids and the new message's: it hits the previous turn's blocks, reply included, as it would on vLLM.
+
+Recorded replies. A replay of recorded conversations (ShareGPT) resends the *recorded* replies in later turns, not
+the emulator's words; a request may then name its recorded reply (`RecordedReply`, the request field
+``emulator_reply_text``): the reply is that text's tokens, token for token (then generated words if it must run
+longer), and its text is the recorded text cut at token boundaries, so the next turn hits the reply's blocks too.
 
 Block keys. `predictor.sim.block_hash.block_keys` over the prompt's ids followed by the reply's (full blocks
 only): the scheduler caches a request's blocks as their tokens are computed, so a block that holds reply tokens
@@ -26,6 +32,7 @@ import re
 import zlib
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from predictor.sim.block_hash import block_keys
 from tagger.tokenizer import get_tokenizer
@@ -99,6 +106,59 @@ def reply_text(token_ids: Sequence[int]) -> str:
     """
     word_of = _word_of()
     return "".join(" " + word_of[token_id] for token_id in token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedReply:
+    """A reply the emulator must generate token for token: its text, its token ids and, per token, where its text
+    starts (``cuts[i]``, with ``cuts[0] = 0`` and ``cuts[-1] = len(text)``: tokens ``[a, b)`` are
+    ``text[cuts[a]:cuts[b]]``, whitespace included)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    cuts: tuple[int, ...]
+
+    @classmethod
+    def of(cls, text: str) -> RecordedReply:
+        """Tokenizes ``text`` (shipped tokenizer, no special tokens).
+
+        Raises:
+            ValueError: a text the tokenizer cannot encode.
+        """
+        try:
+            encoding = get_tokenizer().encode(text, add_special_tokens=False)
+        except Exception as exc:  # noqa: BLE001 (tokenizers raises plain Exception subclasses)
+            raise ValueError(f"cannot tokenize the reply: {exc}") from None
+        starts = [start for start, _ in encoding.offsets]
+        return cls(text, tuple(encoding.ids), (0, *starts[1:], len(text)) if starts else (0,))
+
+
+class Reply:
+    """The output tokens of one request and their text.
+
+    Args:
+        prompt_ids: the request's prompt token ids (they seed the generated words).
+        num_tokens: output tokens, >= 0.
+        recorded: a reply to generate first, token for token (`RecordedReply`); None = generated words only.
+    """
+
+    __slots__ = ("token_ids", "_recorded", "_num_recorded")
+
+    def __init__(self, prompt_ids: Sequence[int], num_tokens: int, recorded: RecordedReply | None = None) -> None:
+        recorded_ids = recorded.token_ids[:num_tokens] if recorded is not None else ()
+        self._recorded = recorded
+        self._num_recorded = len(recorded_ids)
+        self.token_ids: list[int] = [*recorded_ids, *reply_token_ids([*prompt_ids, *recorded_ids],
+                                                                     num_tokens - len(recorded_ids))]
+
+    def text(self, start: int, end: int) -> str:
+        """The text of output tokens ``[start, end)``; consecutive pieces concatenate to the text of their union."""
+        split = min(max(start, self._num_recorded), end)
+        head = ""
+        if start < split:
+            cuts = self._recorded.cuts
+            head = self._recorded.text[cuts[start]:cuts[split]]
+        return head + reply_text(self.token_ids[split:end])
 
 
 def request_block_keys(prompt_ids: Sequence[int], output_ids: Sequence[int], block_size: int) -> tuple[int, ...]:

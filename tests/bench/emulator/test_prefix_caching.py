@@ -104,3 +104,27 @@ async def test_a_repeated_prompt_prefills_only_its_uncached_tokens() -> None:
         after = metric((await client.get("/metrics")).text, "vllm:iteration_tokens_total_sum")
     assert second["prompt_tokens_details"]["cached_tokens"] == (second["prompt_tokens"] - 1) // 16 * 16
     assert after - before == second["prompt_tokens"] - second["prompt_tokens_details"]["cached_tokens"]
+
+
+async def test_a_recorded_reply_is_answered_token_for_token_and_hit_by_the_next_turn() -> None:
+    """A replay of a recorded conversation names each turn's recorded reply (`emulator_reply_text`): the emulator
+    answers exactly that text, ends there, and the next turn, which resends it, hits its blocks."""
+    recorded = ("Of course! Here is what I found:\n\n1. The tide tables (2026) list high water at 06:12.\n"
+                "2. Winds: 12-15 kn from the south-west.\nHope that helps - ask me anything else!") * 2
+    first = [{"role": "user", "content": "when is high water tomorrow and how windy will it be?"}]
+    async with emulator(enable_prompt_tokens_details=True) as client:
+        turn1 = (await client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": first, "max_tokens": 500, "emulator_reply_text": recorded})).json()
+        assert turn1["choices"][0]["message"]["content"] == recorded
+        assert turn1["choices"][0]["finish_reason"] == "stop"
+        assert turn1["usage"]["completion_tokens"] == len(prompt_token_ids(recorded))
+        second = [*first, {"role": "assistant", "content": recorded}, {"role": "user", "content": "thanks"}]
+        turn2 = (await client.post("/v1/chat/completions", json={"model": MODEL, "messages": second,
+                                                                 "max_tokens": 5})).json()
+        bad = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": first,
+                                                              "emulator_reply_text": 7})
+    num_computed = turn1["usage"]["prompt_tokens"] + turn1["usage"]["completion_tokens"] - 1
+    expected = min(num_computed // 16, (turn2["usage"]["prompt_tokens"] - 1) // 16) * 16
+    assert expected > turn1["usage"]["prompt_tokens"]
+    assert turn2["usage"]["prompt_tokens_details"]["cached_tokens"] == expected
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "emulator_reply_text"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from bench.emulator.tokens import (
     PAD_TOKEN_ID,
+    RecordedReply,
+    Reply,
     prompt_token_ids,
     reply_text,
     reply_token_ids,
@@ -46,3 +48,24 @@ def test_block_keys_cover_the_full_blocks_of_prompt_and_reply() -> None:
     keys = request_block_keys(prompt, reply, 16)
     assert len(keys) == 80 // 16 and keys == block_keys(prompt + reply, 16)
     assert request_block_keys(prompt, [], 16) == keys[:50 // 16]
+
+
+RECORDED = "Sure! Here's a short poem:\n\nThe sea, the sea — unendingly blue,\nwhispers of salt-spray, 3.5 knots true."
+
+
+def test_a_recorded_reply_is_generated_token_for_token_with_its_own_text() -> None:
+    recorded = RecordedReply.of(RECORDED)
+    n = len(recorded.token_ids)
+    assert list(recorded.token_ids) == prompt_token_ids(RECORDED) and n > 20
+    prompt = prompt_token_ids("user: a poem please\nassistant:")
+    reply = Reply(prompt, n, recorded)
+    assert reply.token_ids == list(recorded.token_ids) and reply.text(0, n) == RECORDED
+    assert "".join(reply.text(i, min(i + 3, n)) for i in range(0, n, 3)) == RECORDED  # streamed in pieces
+    capped = Reply(prompt, 10, recorded)
+    assert capped.token_ids == reply.token_ids[:10] and prompt_token_ids(capped.text(0, 10)) == capped.token_ids
+    longer = Reply(prompt, n + 5, recorded)  # past the recorded text: generated words
+    assert longer.token_ids[:n] == reply.token_ids and longer.text(0, n + 5).startswith(RECORDED)
+    assert prompt_token_ids(longer.text(0, n + 5)) == longer.token_ids
+    assert longer.text(n - 2, n + 5) == reply.text(n - 2, n) + longer.text(n, n + 5)
+    assert Reply(prompt, 4).token_ids == reply_token_ids(prompt, 4)  # no recorded reply: generated words
+    assert RecordedReply.of("").token_ids == () and Reply(prompt, 2, RecordedReply.of("")).text(0, 2)
