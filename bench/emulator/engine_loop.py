@@ -57,6 +57,8 @@ class RequestHandle:
         finish_reason: None while unfinished, then "stop", "length" or "abort".
         first_scheduled_time_s: ``time.monotonic()`` start of the first step that scheduled it; None before.
         last_token_time_s: ``time.monotonic()`` of its latest output token; None before the first.
+        reply: its output tokens and their text (`bench.emulator.tokens.Reply`: what its handler answers; the
+            loop does not read it), or None.
     """
 
     sim: SimRequest
@@ -67,6 +69,7 @@ class RequestHandle:
     finish_reason: str | None = None
     first_scheduled_time_s: float | None = None
     last_token_time_s: float | None = None
+    reply: Any = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -153,7 +156,8 @@ class EngineLoop:
             await asyncio.to_thread(self._state_publisher.close, remove=True)
 
     def add_request(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int,
-                    planned_finish_reason: str, stream_interval: int, max_tokens: int | None = None) -> RequestHandle:
+                    planned_finish_reason: str, stream_interval: int, max_tokens: int | None = None,
+                    block_keys: tuple[int, ...] | None = None, reply: Any = None) -> RequestHandle:
         """Queues a request in the scheduler and returns its handle.
 
         Args:
@@ -163,16 +167,20 @@ class EngineLoop:
             planned_finish_reason: finish_reason reported when it completes ("length" or "stop").
             stream_interval: tokens per progress wake-up while streaming; 0 for a non-streaming request.
             max_tokens: the client's output cap in tokens (>= num_output_tokens), or None if unknown.
+            block_keys: keys of the full blocks of its prompt and output tokens (`SimRequest.block_keys`), or
+                None: it neither hits the prefix cache nor leaves anything in it.
+            reply: its output tokens and their text (kept on the handle for its handler).
 
         Raises:
             ValueError: the scheduler refuses it (duplicate id, or it could never fit in the KV cache).
         """
         sim = SimRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
                          num_output_tokens=num_output_tokens, arrival_time_s=time.monotonic(),
-                         max_new_tokens=max_tokens)
+                         max_new_tokens=max_tokens, block_keys=block_keys)
         self.scheduler.add_request(sim)
         handle = RequestHandle(sim=sim, planned_finish_reason=planned_finish_reason, stream_interval=stream_interval,
-                               next_notify_tokens=1 if stream_interval else _NEVER, max_tokens=max_tokens)
+                               next_notify_tokens=1 if stream_interval else _NEVER, max_tokens=max_tokens,
+                               reply=reply)
         self._handles[request_id] = handle
         self._wakeup.set()
         if self._state_publisher is not None:

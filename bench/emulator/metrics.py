@@ -14,7 +14,10 @@ counters
 ``sglang:num_retracted_requests_total`` (the emulator's preemptions), ``sglang:prompt_tokens_total``,
 ``sglang:generation_tokens_total``, ``sglang:num_requests_total`` and the latency histograms (label
 ``model_name``; the real server adds ``engine_type``, ``tp_rank``, ``pp_rank``, ``moe_ep_rank``).
-Known differences: no prefix-cache, spec-decode or LoRA metrics; ``server.main`` turns off
+``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` (tokens; vLLM's ``record_prefix_cache_stats``
+in vllm/v1/core/kv_cache_manager.py) are the scheduler's counters.
+Known differences: no ``vllm:prompt_tokens_cached``, external (KV connector) prefix-cache, spec-decode or LoRA
+metrics; ``server.main`` turns off
 ``_created`` series process-wide; the ``iteration_tokens_total`` buckets are a fixed list, not derived from
 cudagraph sizes; SGLang mode has no per-phase (queue/prefill/decode) request histograms but its queue time.
 """
@@ -48,8 +51,10 @@ _ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 
 class _SchedulerCollector(Collector):
     """Reads live gauges (and the preemption counter) from a ``predictor.sim.Scheduler`` on every scrape."""
 
-    def __init__(self, scheduler: Any, model_name: str, cache_info: dict[str, str], api: str = "vllm") -> None:
+    def __init__(self, scheduler: Any, model_name: str, cache_info: dict[str, str], api: str = "vllm",
+                 prefix_caching: bool = False) -> None:
         self._scheduler = scheduler
+        self._prefix_caching = prefix_caching
         self._api = api
         self._label_names = ["model_name", "engine"] if api == "vllm" else ["model_name"]
         self._labels = [model_name, ENGINE_LABEL][:len(self._label_names)]
@@ -79,6 +84,16 @@ class _SchedulerCollector(Collector):
                                       labels=["model_name", "engine"])
         preempt.add_metric(self._labels, float(sched.num_preemptions_total))
         yield preempt
+        # Prompt tokens looked up at first admissions and those found cached (recomputations after a preemption
+        # are not counted); both stay 0 with prefix caching off, as vLLM's do (no lookup, no record).
+        for name, doc, value in (
+                ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                 sched.prefix_cache_queries),
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                 sched.prefix_cache_hits)):
+            family = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
+            family.add_metric(self._labels, float(value) if self._prefix_caching else 0.0)
+            yield family
 
     def _collect_sglang(self) -> Iterator[Metric]:
         sched = self._scheduler
@@ -108,16 +123,18 @@ class EmulatorMetrics:
         cache_info: labels of ``vllm:cache_config_info`` (e.g. block_size, num_gpu_blocks), values as strings
             (unused in SGLang mode: its KV pool is the page gauges).
         api: ``vllm`` or ``sglang``: whose metric names (module docstring).
+        prefix_caching: whether the instance caches prefixes (else the prefix-cache counters stay 0).
 
     Raises:
         ValueError: an unknown ``api``.
     """
 
-    def __init__(self, scheduler: Any, model_name: str, cache_info: dict[str, str], api: str = "vllm") -> None:
+    def __init__(self, scheduler: Any, model_name: str, cache_info: dict[str, str], api: str = "vllm",
+                 prefix_caching: bool = False) -> None:
         if api not in APIS:
             raise ValueError(f"unknown api {api!r}; known: {', '.join(APIS)}")
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_SchedulerCollector(scheduler, model_name, cache_info, api))
+        self.registry.register(_SchedulerCollector(scheduler, model_name, cache_info, api, prefix_caching))
         sglang = api == "sglang"
         labels = ["model_name"] if sglang else ["model_name", "engine"]
         self._label_values = {"model_name": model_name} if sglang else {"model_name": model_name,

@@ -7,7 +7,9 @@ nothing of the scheduler or of time, and must not import aiohttp or ``predictor.
 Source: vllm/entrypoints/openai/protocol.py (CompletionRequest, ChatCompletionRequest, ErrorResponse) and
 serving_completion.py / serving_chat.py (vLLM 0.x). Known differences: one prompt and ``n == 1`` only; no
 logprobs, stop strings, tools or sampling parameters (they are accepted and ignored); the chat template is a
-plain "role: content" join, not the model's template.
+plain "role: content" join (the tiny vLLM model's template, deploy/vllm/make_tiny_model.py), not the served
+model's; ``usage`` has no ``completion_tokens_details`` and no ``prompt_tokens_details`` unless enabled (vLLM
+writes them as null).
 """
 
 from __future__ import annotations
@@ -23,9 +25,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """``max_tokens`` when a completions request gives none (vLLM and OpenAI default)."""
-
-_WORDS = (" tok", " en", " ize", " the", " of", " and", " a", " to")
-"""Generated text: token ``i`` is ``_WORDS[i % len(_WORDS)]`` (deterministic, one short word per token)."""
 
 
 class ApiError(Exception):
@@ -59,21 +58,31 @@ class ParsedRequest:
         is_chat: True for ``/v1/chat/completions``.
         model: requested model name.
         prompt_text: prompt as text (chat: template applied), or None when token ids were given.
-        num_prompt_token_ids: number of prompt token ids when the prompt was given as ids, else None.
+        prompt_token_ids: the prompt's token ids when it was given as ids (each in [0, 2**32)), else None.
         max_tokens: requested output cap in tokens, or None (chat without a cap: up to the context limit).
         stream: send SSE events instead of one JSON body.
         include_usage: ``stream_options.include_usage``: a last chunk with empty ``choices`` carries ``usage``.
         ignore_eos: vLLM extension; generate exactly ``max_tokens`` tokens.
+        return_token_ids: vLLM extension (completions, non-streaming here): the choice carries
+            ``prompt_token_ids`` and ``token_ids``.
+        recorded_reply: the `REPLY_TEXT_FIELD` test hook: the reply to generate token for token, or None.
     """
 
     is_chat: bool
     model: str | None
     prompt_text: str | None
-    num_prompt_token_ids: int | None
+    prompt_token_ids: tuple[int, ...] | None
     max_tokens: int | None
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    return_token_ids: bool = False
+    recorded_reply: str | None = None
+
+    @property
+    def num_prompt_token_ids(self) -> int | None:
+        """Number of prompt token ids when the prompt was given as ids, else None."""
+        return None if self.prompt_token_ids is None else len(self.prompt_token_ids)
 
 
 def _check_type(body: dict[str, Any], key: str, types: tuple[type, ...], default: Any) -> Any:
@@ -107,12 +116,25 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def _parse_prompt(prompt: Any) -> tuple[str | None, int | None]:
-    """Returns (text, num_token_ids), exactly one not None; raises ApiError for batches or bad types."""
+REPLY_TEXT_FIELD = "emulator_reply_text"
+"""Test hook (request body field, a string): the reply the emulator generates, token for token, ending (EOS) where
+the text ends unless ``x-emulator-output-tokens`` or ``ignore_eos`` says otherwise, capped by ``max_tokens``. A
+replay of recorded conversations sends each turn's recorded reply, so that the next turn, which resends it, hits
+its blocks (`bench.emulator.tokens`). The router never reads it; vLLM ignores unknown fields (with a warning)."""
+
+MAX_TOKEN_ID = (1 << 32) - 1
+"""Largest prompt token id accepted (block keys hash ids as 32-bit values; real vocabularies are far smaller)."""
+
+
+def _parse_prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
+    """Returns (text, token_ids), exactly one not None; raises ApiError for batches, bad types or an id outside
+    [0, `MAX_TOKEN_ID`]."""
     if isinstance(prompt, str):
         return prompt, None
     if _is_token_ids(prompt) and prompt:
-        return None, len(prompt)
+        if not all(0 <= t <= MAX_TOKEN_ID for t in prompt):
+            raise ApiError(400, f"token ids must be in [0, {MAX_TOKEN_ID}]", param="prompt")
+        return None, tuple(prompt)
     if isinstance(prompt, list) and prompt:
         if len(prompt) > 1:
             raise ApiError(400, "batched prompts are not supported by the emulator: send one prompt", param="prompt")
@@ -190,19 +212,22 @@ def parse_request(raw_body: bytes, is_chat: bool) -> ParsedRequest:
     stream = _check_type(body, "stream", (bool,), False)
     stream_options = _check_type(body, "stream_options", (dict,), {})
     ignore_eos = _check_type(body, "ignore_eos", (bool,), False)
+    return_token_ids = _check_type(body, "return_token_ids", (bool,), False)
+    recorded_reply = _check_type(body, REPLY_TEXT_FIELD, (str,), None)
     if is_chat:
-        prompt_text, num_ids = apply_chat_template(body.get("messages")), None
+        prompt_text, token_ids = apply_chat_template(body.get("messages")), None
         max_tokens = _count(body, "max_completion_tokens", None)
         if max_tokens is None:
             max_tokens = _count(body, "max_tokens", None)
     else:
-        prompt_text, num_ids = _parse_prompt(body.get("prompt"))
+        prompt_text, token_ids = _parse_prompt(body.get("prompt"))
         max_tokens = _count(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    return ParsedRequest(is_chat=is_chat, model=model, prompt_text=prompt_text, num_prompt_token_ids=num_ids,
+    return ParsedRequest(is_chat=is_chat, model=model, prompt_text=prompt_text, prompt_token_ids=token_ids,
                          max_tokens=max_tokens, stream=stream,
-                         include_usage=bool(stream_options.get("include_usage", False)), ignore_eos=ignore_eos)
+                         include_usage=bool(stream_options.get("include_usage", False)), ignore_eos=ignore_eos,
+                         return_token_ids=return_token_ids, recorded_reply=recorded_reply)
 
 
 def context_length_error(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None) -> ApiError:
@@ -218,16 +243,33 @@ def context_length_error(max_model_len: int, num_prompt_tokens: int, max_tokens:
                          f"in the completion). Please reduce the length of the messages or completion.")
 
 
-def generated_text(start_token: int, end_token: int) -> str:
-    """Text of generated tokens ``[start_token, end_token)`` (0-based output positions)."""
-    n = len(_WORDS)
-    return "".join(_WORDS[i % n] for i in range(start_token, end_token))
+def usage_json(num_prompt_tokens: int, num_completion_tokens: int,
+               prompt_tokens_details: dict[str, Any] | None = None) -> dict[str, Any]:
+    """OpenAI ``usage`` object (token counts); ``prompt_tokens_details`` (`prompt_tokens_details`) when given."""
+    usage: dict[str, Any] = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+                             "total_tokens": num_prompt_tokens + num_completion_tokens}
+    if prompt_tokens_details is not None:
+        usage["prompt_tokens_details"] = prompt_tokens_details
+    return usage
 
 
-def usage_json(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
-    """OpenAI ``usage`` object (token counts)."""
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+def prompt_tokens_details(is_chat: bool, num_cached_tokens: int, num_created_cache_tokens: int,
+                          stream: bool = False) -> dict[str, Any]:
+    """``usage.prompt_tokens_details`` as vLLM writes it with ``--enable-prompt-tokens-details`` (tokens): the
+    prompt tokens found in the prefix cache and, for chat, the prompt tokens this request wrote into it. A
+    completion's has only ``cached_tokens`` when streamed (vLLM serializes chunks with ``exclude_unset``) and
+    null ``created_cache_tokens`` / ``multimodal_tokens`` otherwise (as a real vLLM 0.32 answered here).
+
+    Source: vllm/entrypoints/openai/chat_completion/serving.py ``_make_prompt_tokens_details`` (``cached_tokens``,
+    ``created_cache_tokens``, ``multimodal_tokens``) and completion/serving.py (``cached_tokens`` only), vLLM 0.32
+    (``PromptTokenUsageInfo`` in vllm/entrypoints/serve/engine/protocol.py).
+    """
+    if is_chat:
+        return {"cached_tokens": num_cached_tokens, "created_cache_tokens": num_created_cache_tokens,
+                "multimodal_tokens": None}
+    if stream:
+        return {"cached_tokens": num_cached_tokens}
+    return {"cached_tokens": num_cached_tokens, "created_cache_tokens": None, "multimodal_tokens": None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,8 +285,11 @@ class ResponseShaper:
         return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def full_response(self, text: str, finish_reason: str, usage: dict[str, int]) -> dict[str, Any]:
-        """Non-streaming body: ``chat.completion`` or ``text_completion`` with ``usage``."""
+    def full_response(self, text: str, finish_reason: str, usage: dict[str, Any],
+                      token_ids: tuple[list[int], list[int]] | None = None) -> dict[str, Any]:
+        """Non-streaming body: ``chat.completion`` or ``text_completion`` with ``usage``; ``token_ids`` = (prompt
+        ids, output ids) puts them in a completion's choice as ``prompt_token_ids`` and ``token_ids`` (vLLM's
+        ``return_token_ids``; vllm/entrypoints/openai/completion/protocol.py ``CompletionResponseChoice``)."""
         if self.is_chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": finish_reason, "stop_reason": None}
@@ -252,6 +297,8 @@ class ResponseShaper:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
                       "stop_reason": None}
+            if token_ids is not None:
+                choice["prompt_token_ids"], choice["token_ids"] = token_ids
             out = self._envelope("text_completion", [choice])
         out["usage"] = usage
         return out

@@ -11,6 +11,21 @@ Owns the aiohttp application, request admission (prompt counting, context-length
 and the ``astrolabe emulator`` entry point :func:`main`. Scheduling and step timing live in
 ``predictor.sim`` and :mod:`bench.emulator.engine_loop`; wire formats in :mod:`bench.emulator.openai_api`.
 
+Prompt and reply tokens (`bench.emulator.tokens`): a text prompt (chat: the messages joined by the emulator's
+"role: content" template, the tiny vLLM model's) becomes token ids with the shipped tokenizer, as the tiny vLLM
+model of ``make install-vllm`` tokenizes it; token-id prompts are taken as given. The reply is deterministic ids
+(a function of the prompt's ids) whose text tokenizes back to the same ids, so a next chat turn that resends it
+hits the reply's blocks too.
+
+Prefix caching (vLLM V1's automatic prefix caching, on unless ``--no-enable-prefix-caching``; vllm-v1 scheduling
+only): the request's prompt and reply ids become block keys (`predictor.sim.block_hash.block_keys`, the engine's
+``--block-size``) in its ``SimRequest``, so the scheduler's prefix cache serves repeated prefixes (the longest run
+of cached full blocks, at most prompt - 1 tokens) and shortens their prefill. ``/metrics`` exports
+``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total`` (tokens), and with
+``--enable-prompt-tokens-details`` the responses carry ``usage.prompt_tokens_details.cached_tokens`` (chat also
+``created_cache_tokens``), as vLLM's do. ``tests/vllm/test_prefix_cache_fidelity.py`` holds the cached-token
+counts equal to a real vLLM's over a sequence of shared-prefix requests.
+
 Output length: ``max_tokens`` with ``ignore_eos``; otherwise ``min(max_tokens, round(X))`` with X log-normal of
 the configured median and sigma (ShareGPT-like replies), drawn from the instance's seeded ``random.Random`` in
 arrival order. Chat requests without a cap may run to ``max_model_len`` (vLLM's default).
@@ -74,19 +89,21 @@ from bench.emulator.engine_loop import EngineLoop, RequestHandle
 from bench.emulator import sglang_api
 from bench.emulator.metrics import APIS, EmulatorMetrics
 from bench.emulator.openai_api import (
+    REPLY_TEXT_FIELD,
     SSE_DONE,
     ApiError,
     ParsedRequest,
     ResponseShaper,
     context_length_error,
-    generated_text,
     parse_request,
+    prompt_tokens_details,
     usage_json,
 )
 from predictor.engine_flags import add_engine_arguments, engine_from_args
 from predictor.sim import EngineConfig, LinearBatchTimeModel, Scheduler
 from predictor.vllm_plugin import DEFAULT_MIN_INTERVAL_S
-from tagger.tokenizer import TOKENIZER_NAME, count_tokens
+from bench.emulator.tokens import RecordedReply, Reply, prompt_token_ids, request_block_keys
+from tagger.tokenizer import TOKENIZER_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +136,12 @@ class EmulatorConfig:
         otlp_traces_endpoint: OTLP receiver of the ``llm_request`` spans (vLLM's ``--otlp-traces-endpoint``;
             ``host:port`` or a URL); None = the ``OTEL_*`` variables decide (off when none is set).
         api: ``vllm`` or ``sglang``: which server the instance presents itself as (module docstring).
+        enable_prefix_caching: vLLM's automatic prefix caching (on by default, as in vLLM V1): each request's
+            prompt and reply token ids become block keys the scheduler looks up and caches (module docstring);
+            off (``--no-enable-prefix-caching``): no request hits and the prefix-cache counters stay 0, as on
+            vLLM. Only the vllm-v1 scheduling rules model it.
+        enable_prompt_tokens_details: answer ``usage.prompt_tokens_details`` (cached prompt tokens), as vLLM
+            does with ``--enable-prompt-tokens-details``; off by default, as on vLLM.
     """
 
     engine: EngineConfig = EngineConfig()
@@ -137,6 +160,8 @@ class EmulatorConfig:
     state_interval_s: float = DEFAULT_MIN_INTERVAL_S
     otlp_traces_endpoint: str | None = None
     api: str = "vllm"
+    enable_prefix_caching: bool = True
+    enable_prompt_tokens_details: bool = False
 
     def __post_init__(self) -> None:
         if self.api not in APIS:
@@ -172,10 +197,13 @@ class _Instance:
         self.config = config
         self.tracer = tracer
         self.scheduler = Scheduler(config.engine)
+        # Block keys only where the scheduler reads them (the SGLang rules do not model a prefix cache).
+        self.prefix_caching = config.enable_prefix_caching and config.engine.scheduling == "vllm-v1"
         cache_info = {"block_size": str(config.engine.block_size),
                       "num_gpu_blocks": str(config.engine.num_gpu_blocks), "cache_dtype": "auto",
-                      "enable_prefix_caching": "False"}  # vllm:cache_config_info (SGLang mode: gauges instead)
-        self.metrics = EmulatorMetrics(self.scheduler, config.served_model_name, cache_info, config.api)
+                      "enable_prefix_caching": str(self.prefix_caching)}  # vllm:cache_config_info
+        self.metrics = EmulatorMetrics(self.scheduler, config.served_model_name, cache_info, config.api,
+                                       prefix_caching=self.prefix_caching)
         self.engine = EngineLoop(self.scheduler, load_batch_time_model(config.batch_time_model), self.metrics,
                                  time_scale=config.time_scale, step_noise_frac=config.step_noise_frac,
                                  rng=random.Random(config.seed + 1), state_path=config.state_path,
@@ -219,6 +247,20 @@ class _Instance:
         num_tokens = max(1, round(draw))
         return (max_tokens, "length") if num_tokens >= max_tokens else (num_tokens, "stop")
 
+    def usage(self, handle: RequestHandle, is_chat: bool, num_completion_tokens: int, stream: bool = False) -> dict:
+        """The ``usage`` object of a request that has generated ``num_completion_tokens`` tokens, with
+        ``prompt_tokens_details`` when enabled: the prompt tokens found cached at its first admission and (chat)
+        those it cached itself, its full prompt blocks less the cached ones (vLLM's ``created_cache_tokens``:
+        vllm/v1/metrics/stats.py ``PrefillStats.finalize``); both 0 with prefix caching off, as on vLLM."""
+        sim = handle.sim
+        details = None
+        if self.config.enable_prompt_tokens_details:
+            num_cached = sim.num_cached_tokens or 0
+            block_size = self.config.engine.block_size
+            num_created = (sim.num_prompt_tokens // block_size * block_size - num_cached) if self.prefix_caching else 0
+            details = prompt_tokens_details(is_chat, num_cached, max(0, num_created), stream)
+        return usage_json(sim.num_prompt_tokens, num_completion_tokens, details)
+
     def admit(self, parsed: ParsedRequest, request_id: str, num_reply_tokens: int | None = None) -> RequestHandle:
         """Validates a parsed request against this instance and queues it (``num_reply_tokens``: see
         `num_output_tokens`).
@@ -230,14 +272,14 @@ class _Instance:
         cfg = self.config
         if parsed.model is not None and parsed.model != cfg.served_model_name:
             raise ApiError(404, f"The model `{parsed.model}` does not exist.", param="model")
-        if parsed.num_prompt_token_ids is not None:
-            num_prompt_tokens = parsed.num_prompt_token_ids
+        if parsed.prompt_token_ids is not None:
+            prompt_ids = parsed.prompt_token_ids
         else:
-            # A real tokenizer adds a BOS token, so even an empty prompt costs one token.
             try:
-                num_prompt_tokens = max(1, count_tokens(parsed.prompt_text or ""))
-            except (TypeError, ValueError, UnicodeError):  # e.g. a lone surrogate, which JSON escapes can write
+                prompt_ids = prompt_token_ids(parsed.prompt_text or "")
+            except ValueError:  # e.g. a lone surrogate, which JSON escapes can write
                 raise ApiError(400, "the prompt is not valid Unicode", param="prompt") from None
+        num_prompt_tokens = len(prompt_ids)
         max_tokens = parsed.max_tokens
         if max_tokens is None:
             if num_prompt_tokens >= cfg.max_model_len:
@@ -245,11 +287,21 @@ class _Instance:
             max_tokens = cfg.max_model_len - num_prompt_tokens
         elif num_prompt_tokens + max_tokens > cfg.max_model_len:
             raise context_length_error(cfg.max_model_len, num_prompt_tokens, max_tokens)
+        recorded = None
+        if parsed.recorded_reply is not None:
+            try:
+                recorded = RecordedReply.of(parsed.recorded_reply)
+            except ValueError:
+                raise ApiError(400, "the recorded reply is not valid Unicode", param=REPLY_TEXT_FIELD) from None
+            if num_reply_tokens is None:  # the recorded reply ends where its text does
+                num_reply_tokens = max(1, len(recorded.token_ids))
         num_output_tokens, finish_reason = self.num_output_tokens(max_tokens, parsed.ignore_eos, num_reply_tokens)
+        reply = Reply(prompt_ids, num_output_tokens, recorded)
+        keys = request_block_keys(prompt_ids, reply.token_ids, cfg.engine.block_size) if self.prefix_caching else None
         try:
             return self.engine.add_request(request_id, num_prompt_tokens, num_output_tokens, finish_reason,
                                            stream_interval=cfg.stream_interval if parsed.stream else 0,
-                                           max_tokens=max_tokens)
+                                           max_tokens=max_tokens, block_keys=keys, reply=reply)
         except ValueError as exc:
             raise ApiError(400, f"request cannot be served by this instance: {exc}") from None
 
@@ -350,8 +402,9 @@ async def _generate_admitted(request: web.Request, instance: _Instance, request_
 
 
 def _native_json(handle: RequestHandle, rid: str, num_tokens: int, finish_reason: str | None) -> dict:
-    return sglang_api.generate_json(rid, generated_text(0, num_tokens), finish_reason, handle.sim.num_prompt_tokens,
-                                    num_tokens, time.monotonic() - handle.sim.arrival_time_s)
+    return sglang_api.generate_json(rid, handle.reply.text(0, num_tokens), finish_reason,
+                                    handle.sim.num_prompt_tokens, num_tokens,
+                                    time.monotonic() - handle.sim.arrival_time_s, handle.sim.num_cached_tokens or 0)
 
 
 async def _answer_native(request: web.Request, instance: _Instance, parsed: ParsedRequest, handle: RequestHandle,
@@ -378,14 +431,18 @@ async def _answer(request: web.Request, instance: _Instance, parsed: ParsedReque
     shaper = ResponseShaper(is_chat, response_id, instance.config.served_model_name, int(time.time()))
     try:
         if parsed.stream:
-            return await _stream(request, handle, shaper, parsed.include_usage)
+            return await _stream(request, instance, handle, shaper, parsed.include_usage)
         while handle.finish_reason is None:
             await handle.wait_progress(0)
         if handle.finish_reason == "abort":
             return _error_response(ApiError(503, "the server is shutting down"))
         num_out = handle.num_generated_tokens
-        body = shaper.full_response(generated_text(0, num_out), handle.finish_reason,
-                                    usage_json(handle.sim.num_prompt_tokens, num_out))
+        token_ids = None
+        if parsed.return_token_ids and not is_chat:
+            prompt_ids = parsed.prompt_token_ids or prompt_token_ids(parsed.prompt_text or "")
+            token_ids = (list(prompt_ids), handle.reply.token_ids[:num_out])
+        body = shaper.full_response(handle.reply.text(0, num_out), handle.finish_reason,
+                                    instance.usage(handle, is_chat, num_out), token_ids)
         return web.json_response(body)
     finally:
         # Client gone (handler cancelled) or write failed: free the request's slot and KV blocks.
@@ -393,15 +450,15 @@ async def _answer(request: web.Request, instance: _Instance, parsed: ParsedReque
             instance.engine.abort(request_id)
 
 
-async def _stream(request: web.Request, handle: RequestHandle, shaper: ResponseShaper,
+async def _stream(request: web.Request, instance: _Instance, handle: RequestHandle, shaper: ResponseShaper,
                   include_usage: bool) -> web.StreamResponse:
     """SSE as vLLM sends it: first token at once, then one event per ``stream_interval`` tokens, the final event
     with ``finish_reason``, then (``include_usage``) a usage-only chunk, then ``[DONE]``."""
 
     def event(num_sent: int, num_generated: int, reason: str | None) -> bytes:
-        chunk = shaper.sse_chunk(generated_text(num_sent, num_generated), num_sent == 0, reason)
+        chunk = shaper.sse_chunk(handle.reply.text(num_sent, num_generated), num_sent == 0, reason)
         if reason is not None and include_usage:
-            chunk += shaper.sse_usage_chunk(usage_json(handle.sim.num_prompt_tokens, num_generated))
+            chunk += shaper.sse_usage_chunk(instance.usage(handle, shaper.is_chat, num_generated, stream=True))
         return chunk
 
     return await _stream_events(request, handle, event)
@@ -597,6 +654,12 @@ def _parse_args(argv: Sequence[str]) -> tuple[EmulatorConfig, argparse.Namespace
                         "--state-source vllm-plugin --vllm-state-path (put it on /dev/shm); default: off")
     p.add_argument("--state-interval-s", type=float, default=d.state_interval_s,
                    help="least time between two state publications while busy (0 = every step), seconds")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+                   help="vLLM's automatic prefix caching (vllm-v1 scheduling only): prompts and replies become "
+                        "block keys the scheduler looks up and caches; --no-enable-prefix-caching turns it off")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="answer usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix "
+                        "cache), as vLLM's flag does")
     p.add_argument("--otlp-traces-endpoint", default=None,
                    help="OTLP receiver of one span per request (vLLM's flag; host:port or URL); default: the "
                         "OTEL_* variables decide, off when none is set")
@@ -613,7 +676,8 @@ def _parse_args(argv: Sequence[str]) -> tuple[EmulatorConfig, argparse.Namespace
             host=a.host, port=a.port, seed=a.seed, max_model_len=a.max_model_len, stream_interval=a.stream_interval,
             time_scale=a.time_scale, step_noise_frac=a.step_noise, output_len_median_tokens=a.output_len_median,
             output_len_sigma=a.output_len_sigma, state_path=a.state_path, state_interval_s=a.state_interval_s,
-            otlp_traces_endpoint=a.otlp_traces_endpoint, api=a.api)
+            otlp_traces_endpoint=a.otlp_traces_endpoint, api=a.api, enable_prefix_caching=a.enable_prefix_caching,
+            enable_prompt_tokens_details=a.enable_prompt_tokens_details)
     except ValueError as exc:
         p.error(str(exc))
     return config, a

@@ -19,7 +19,7 @@ import json
 import logging
 from typing import Any
 
-from bench.emulator.openai_api import ApiError, ParsedRequest, json_object
+from bench.emulator.openai_api import MAX_TOKEN_ID, ApiError, ParsedRequest, json_object
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def parse_generate(raw_body: bytes) -> tuple[ParsedRequest, str | None]:
     if text is not None and not isinstance(text, str):
         raise ApiError(400, "'text' must be a string", param="text")
     if ids is not None and not (isinstance(ids, list) and ids and
-                                all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+                                all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in ids)):
         raise ApiError(400, "'input_ids' must be a non-empty list of token ids", param="input_ids")
     params = _single(body.get("sampling_params") or {}, "sampling_params")
     if not isinstance(params, dict):
@@ -77,15 +77,17 @@ def parse_generate(raw_body: bytes) -> tuple[ParsedRequest, str | None]:
         raise ApiError(400, "'ignore_eos' and 'stream' must be booleans")
     if rid is not None and not isinstance(rid, str):
         raise ApiError(400, "'rid' must be a string", param="rid")
-    parsed = ParsedRequest(is_chat=False, model=None, prompt_text=text, num_prompt_token_ids=None if ids is None
-                           else len(ids), max_tokens=max_new_tokens, stream=stream, include_usage=False,
-                           ignore_eos=ignore_eos)
+    parsed = ParsedRequest(is_chat=False, model=None, prompt_text=text,
+                           prompt_token_ids=None if ids is None else tuple(ids), max_tokens=max_new_tokens,
+                           stream=stream, include_usage=False, ignore_eos=ignore_eos)
     return parsed, rid
 
 
 def generate_json(rid: str, text: str, finish_reason: str | None, num_prompt_tokens: int, num_completion_tokens: int,
-                  e2e_latency_s: float) -> dict[str, Any]:
-    """One ``/generate`` answer object (or one SSE event's): the text so far and its ``meta_info``.
+                  e2e_latency_s: float, num_cached_tokens: int = 0) -> dict[str, Any]:
+    """One ``/generate`` answer object (or one SSE event's): the text so far and its ``meta_info``
+    (``cached_tokens``: prompt tokens found in the prefix cache; always 0 under the SGLang scheduling rules,
+    which do not model SGLang's radix cache).
 
     ``finish_reason``: "stop", "length" or None while unfinished; SGLang writes ``{"type": "length", "length": N}``
     for a request cut at ``max_new_tokens`` and ``{"type": "stop", "matched": ...}`` for an EOS.
@@ -96,7 +98,7 @@ def generate_json(rid: str, text: str, finish_reason: str | None, num_prompt_tok
     elif finish_reason == "stop":
         reason = {"type": "stop", "matched": 2}
     return {"text": text, "meta_info": {"id": rid, "finish_reason": reason, "prompt_tokens": num_prompt_tokens,
-                                        "completion_tokens": num_completion_tokens, "cached_tokens": 0,
+                                        "completion_tokens": num_completion_tokens, "cached_tokens": num_cached_tokens,
                                         "e2e_latency": e2e_latency_s}}
 
 

@@ -7,7 +7,7 @@ Used by the SGLang test tier (``tests/sglang/``); also runnable by hand::
 Each server: ``python -m sglang.launch_server`` on the CPU with the torch-native attention and sampling backends
 (no sgl-kernel: ``.venv-sglang`` has a stub, bench/README-sglang.md), no CUDA graphs, no overlap scheduling,
 ``--enable-metrics``, a KV pool of ``max_total_tokens`` tokens in pages of ``page_size``, the radix (prefix) cache
-off (the predictor does not model it; the vLLM tier turns vLLM's prefix caching off too), and
+off (the predictor models vLLM's prefix cache, not SGLang's radix cache), and
 ``--decode-log-interval 1``: SGLang refreshes its load gauges (``sglang:num_running_reqs``, ``num_queue_reqs``,
 ``token_usage``) only on every N-th decode step (default 40), and a reader that reconciles from them needs each
 step's. ``OMP_NUM_THREADS=1``: one compute thread per server (SGLang's own core binding needs the AMX kernels of a

@@ -9,7 +9,8 @@ Each server: ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` cons
 distribution does not work; /work/shared/FACTS.md) with ``HF_HUB_OFFLINE=1``, ``--max-model-len 256``,
 ``--enforce-eager`` (starts ~15 s sooner), a KV cache of ``kv_cache_memory_bytes`` (1 MiB = 1,024 tokens of the
 tiny model = 32 blocks of 32, as vLLM's CPU backend prefers multiples of 32; so 32 concurrent requests queue and
-get preempted), prefix caching off (the predictor does not model it), its OpenMP threads bound to one core
+get preempted), prefix caching on (vLLM V1's default) with ``--enable-prompt-tokens-details`` (responses report
+their cached prompt tokens in ``usage.prompt_tokens_details.cached_tokens``), its OpenMP threads bound to one core
 (``VLLM_CPU_OMP_THREADS_BIND``, instance i on core i mod the number of cores), and the Astrolabe plugin's state
 file (``ASTROLABE_VLLM_STATE_PATH``, on /dev/shm when there is one).
 Startup to /health takes ~45-60 s on an idle 2-core machine (more when loaded); servers start in parallel.
@@ -123,7 +124,7 @@ def vllm_command(model_dir: Path, port: int, settings: VllmSettings) -> list[str
            "--max-model-len", str(settings.max_model_len), "--max-num-seqs", str(settings.max_num_seqs),
            "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
            "--kv-cache-memory-bytes", str(settings.kv_cache_memory_bytes), "--block-size", str(settings.block_size),
-           "--no-enable-prefix-caching"]
+           "--enable-prompt-tokens-details"]
     return cmd + (["--enforce-eager"] if settings.enforce_eager else [])
 
 

@@ -892,6 +892,7 @@ def test_engine_limits_are_given_once_and_read_by_both_containers(overlay):
     assert f"--served-model-name={engine['SERVED_MODEL_NAME']}" in expanded
     if engine_name == "vllm":
         assert expanded[0] == engine["MODEL"]
+        assert not [a for a in expanded if "prefix-caching" in a]  # vLLM V1's default: prefix caching on
     else:
         assert f"--model-path={engine['MODEL']}" in expanded
 

@@ -134,3 +134,15 @@ def test_a_state_path_in_a_missing_folder_exits_2(tmp_path) -> None:
         done = subprocess.run([sys.executable, "-m", "astrolabe", "emulator", "--state-path", str(path)],
                               capture_output=True, timeout=60)
         assert done.returncode == 2 and b"--state-path" in done.stderr, done.stderr
+
+
+def test_prefix_caching_flags_are_vllms() -> None:
+    """Prefix caching on by default (vLLM V1), off with vLLM's --no-enable-prefix-caching; prompt tokens details
+    off by default, on with --enable-prompt-tokens-details."""
+    from bench.emulator.server import _parse_args
+
+    config, _ = _parse_args([])
+    assert config.enable_prefix_caching and not config.enable_prompt_tokens_details
+    config, _ = _parse_args(["--no-enable-prefix-caching", "--enable-prompt-tokens-details"])
+    assert not config.enable_prefix_caching and config.enable_prompt_tokens_details
+    assert _parse_args(["--enable-prefix-caching"])[0].enable_prefix_caching

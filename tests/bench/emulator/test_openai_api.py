@@ -12,8 +12,9 @@ from bench.emulator.openai_api import (
     ResponseShaper,
     apply_chat_template,
     context_length_error,
-    generated_text,
     parse_request,
+    prompt_tokens_details,
+    usage_json,
 )
 
 
@@ -99,10 +100,23 @@ def test_chat_template_is_plain_join() -> None:
     assert apply_chat_template([{"role": "user", "content": None}]) == "user: \nassistant:"
 
 
-def test_generated_text_is_deterministic_one_word_per_token() -> None:
-    assert generated_text(0, 3) == " tok en ize"
-    assert generated_text(0, 10) == generated_text(0, 4) + generated_text(4, 10)
-    assert generated_text(5, 5) == ""
+def test_token_id_prompts_keep_their_ids_and_out_of_range_ids_are_refused() -> None:
+    assert parse_request(_body(prompt=[7, 0, 2**32 - 1]), is_chat=False).prompt_token_ids == (7, 0, 2**32 - 1)
+    for bad in ([-1, 2], [2**32]):
+        with pytest.raises(ApiError) as err:
+            parse_request(_body(prompt=bad), is_chat=False)
+        assert err.value.status == 400 and err.value.param == "prompt"
+
+
+def test_usage_carries_prompt_tokens_details_only_when_given() -> None:
+    assert usage_json(10, 3) == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
+    details = prompt_tokens_details(False, 32, 0, stream=True)
+    assert details == {"cached_tokens": 32}
+    assert usage_json(10, 3, details)["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert prompt_tokens_details(False, 32, 0) == {"cached_tokens": 32, "created_cache_tokens": None,
+                                                   "multimodal_tokens": None}
+    assert prompt_tokens_details(True, 32, 64) == {"cached_tokens": 32, "created_cache_tokens": 64,
+                                                   "multimodal_tokens": None}
 
 
 def test_context_length_error_names_the_numbers() -> None:

@@ -14,7 +14,8 @@ def test_command_carries_the_small_kv_cache_and_the_engine_limits(tmp_path):
     flags = dict(zip(cmd[3::2], cmd[4::2]))
     assert flags["--port"] == "8123" and flags["--host"] == "127.0.0.1"
     assert flags["--kv-cache-memory-bytes"] == str(1 << 20) and flags["--max-model-len"] == "256"
-    assert "--no-enable-prefix-caching" in cmd and "--enforce-eager" in cmd
+    assert "--enforce-eager" in cmd and "--enable-prompt-tokens-details" in cmd  # cached tokens in each usage
+    assert not [a for a in cmd if "prefix-caching" in a]  # vLLM V1's default: prefix caching on
 
 
 def test_env_is_offline_binds_one_core_and_names_the_state_file(tmp_path):
