@@ -20,6 +20,13 @@ each request's predicted output length; a request past it is assumed to need 10 
 (``predictor.sim.snapshot.NUM_EXTRA_OUTPUT_TOKENS_WHEN_OVERDUE``, the reference system's rule). Phantoms do
 finish at their (mean) length; reconciliation brings them back if the backend still shows them.
 
+Prefix caching (vllm-v1 rules): an admitted request's prompt block keys (from the router, ``Admit.block_keys``)
+go into its simulated request, so the ledger's scheduler models the instance's prefix cache as far as this
+sidecar sees it: the prefixes of the requests it admitted, kept free after they leave and evicted, least recently
+freed first, by the simulated allocations. It misses what other routers' requests cached unless they told this
+sidecar (each Admit does), and phantoms carry no keys. ``prefix_cache_queries`` / ``prefix_cache_hits`` of its
+scheduler count what it modelled (the sidecar's /metrics puts them beside the engine's own counters).
+
 NOTE: all methods take the current time explicitly (seconds on the caller's monotonic clock) and run on one
 thread (the sidecar's event loop).
 """
@@ -57,6 +64,9 @@ class BackendObservation:
         num_gpu_blocks: from ``vllm:cache_config_info`` (SGLang: pages), or None.
         block_size: from ``vllm:cache_config_info`` (SGLang: ``page_size``), tokens, or None.
         engine: the format that was read: ``vllm`` or ``sglang``.
+        prefix_cache_queries_total: ``vllm:prefix_cache_queries_total``, prompt tokens looked up in the prefix
+            cache, tokens; None when the backend does not export it.
+        prefix_cache_hits_total: ``vllm:prefix_cache_hits_total``, of those the tokens found cached; None likewise.
     """
 
     num_running: int
@@ -66,6 +76,8 @@ class BackendObservation:
     num_gpu_blocks: int | None = None
     block_size: int | None = None
     engine: str = "vllm"
+    prefix_cache_queries_total: float | None = None
+    prefix_cache_hits_total: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +176,8 @@ class Ledger:
         return len(self.scheduler.running) + len(self.scheduler.waiting)
 
     def admit(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int, now_s: float, *,
-              max_tokens: int | None = None, length_source: int = 0) -> bool:
+              max_tokens: int | None = None, length_source: int = 0,
+              block_keys: tuple[int, ...] | None = None) -> bool:
         """Adds a request dispatched here at ``now_s``; returns False if the id is already in the ledger.
 
         Args:
@@ -174,9 +187,13 @@ class Ledger:
             now_s: admission time, seconds.
             max_tokens: the request's output cap, tokens (None = unknown).
             length_source: where the prediction came from (``predictor.residual_rules.LENGTH_SOURCE_*``).
+            block_keys: its prompt's full KV blocks' keys (None: unknown). The simulated instance looks them up in
+                its prefix cache (a shorter prefill) and caches them as they fill; they stay cached, free, after
+                the request leaves, until simulated allocations evict them (``predictor.sim.prefix_cache``).
 
         Raises:
-            ValueError: token counts < 1, or a request that can never fit this instance's KV cache.
+            ValueError: token counts < 1, a request that can never fit this instance's KV cache, or more keys
+                than the prompt's full blocks.
         """
         self.advance(now_s)
         if self.scheduler.get_request(request_id) is not None:
@@ -186,9 +203,12 @@ class Ledger:
         # Open-ended: as long as the KV cache could ever hold, so that only Release ends it.
         num_open_ended_tokens = max(config.num_gpu_blocks * config.block_size - num_prompt_tokens, num_output_tokens)
         # max_new_tokens: SGLang's admission reserves KV by each request's cap (predictor.sim.scheduler).
+        if block_keys and len(block_keys) > num_prompt_tokens // config.block_size:
+            raise ValueError(f"{len(block_keys)} block keys for a prompt of {num_prompt_tokens} tokens "
+                             f"(block_size {config.block_size}): more than its full blocks")
         self.engine.add_request(SimRequest(request_id, num_prompt_tokens, num_open_ended_tokens,
                                            arrival_time_s=max(now_s, self.engine.now_s),
-                                           max_new_tokens=max_tokens or None))
+                                           max_new_tokens=max_tokens or None, block_keys=block_keys or None))
         self._admitted_at_s[request_id] = now_s
         self._admitted[request_id] = _Admitted(num_output_tokens, max_tokens or None, length_source)
         self._mean_prompt_tokens += _EMA_WEIGHT * (num_prompt_tokens - self._mean_prompt_tokens)
