@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "extproc": ("bench.extproc_bench", "the extproc's own cost: decisions/s per core, latency added through Envoy, profile"),
     "replicas": ("bench.replicas", "1 vs 2 extproc replicas behind one Envoy: P99 TTFT, herding, a replica killed"),
     "streams": ("bench.streams", "thousands of open streams through Envoy + one extproc: memory per stream, long quiet ones"),
+    "prompt-keys": ("bench.prompt_keys", "block keys per request (tokenize, hash) at 200/4,000/32,000 tokens; state bytes"),
     "sglang-model": ("bench.sglang_model", "SGLang instance predicted with the vLLM V1 vs the SGLang scheduler model: APE, cost"),
 }
 
