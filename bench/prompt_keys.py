@@ -21,6 +21,7 @@ import random
 import statistics
 import time
 
+from astrolabe.cli import HelpFormatter
 from extproc.prompt_tokens import PromptTokenCounter
 from extproc.request import RoutingRequest
 from predictor.instance_state import Corrections, decode, encode
@@ -120,8 +121,9 @@ def state_sizes(num_requests_list, prompt_tokens: int, shared_prefix: int, cache
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="astrolabe bench prompt-keys", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    """Entry point of `astrolabe bench prompt-keys`: prints the tables; returns 0 (2 on bad arguments)."""
+    parser = argparse.ArgumentParser(prog="astrolabe bench prompt-keys", description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
                         help="prompt sizes, tokens (approximate: the texts are built to about this many)")
     parser.add_argument("--tokenizer", default=None,
@@ -134,7 +136,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--state-prompt-tokens", type=int, default=1024, help="each state request's prompt, tokens")
     parser.add_argument("--shared-prefix", type=int, default=512, help="the shared system prompt, tokens")
     parser.add_argument("--cached-blocks", type=int, default=4096, help="cached free block keys in each state")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the prompts' words and the states' token ids")
     args = parser.parse_args(argv)
     if args.block_size < 1 or args.repeats < 1 or min(args.tokens) < 1:
         parser.error("--block-size, --repeats and --tokens must be >= 1")
