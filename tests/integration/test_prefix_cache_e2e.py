@@ -1,7 +1,8 @@
 """Prefix caching on the request path, end to end: real Envoy -> real extproc (block keys from the prompt's token
 ids) -> real sidecars whose ledgers keep the keys of the requests they admitted, in front of emulated vLLM
-instances. A repeated long prompt's second prediction is a shorter TTFT on the instance that served the first
-(its ledger cached the prompt's blocks when the first request ended), in both prediction modes."""
+instances. A repeated long prompt's second prediction is a shorter TTFT on the instance that serves the first
+(while the first runs there: its prompt's blocks are held) or served it (its ledger keeps them cached when the
+first request ended), in both prediction modes."""
 
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ def _decisions(stack) -> list[dict]:
     return [json.loads(line) for line in stack.decision_log.read_text().splitlines() if line.strip()]
 
 
-def _send(stack) -> str:
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True}
+def _send(stack, prompt: str = PROMPT) -> str:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "ignore_eos": True}
     response = httpx.post(f"{stack.envoy_url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     return response.headers["x-emulator-instance"]
@@ -77,4 +78,25 @@ def test_a_repeated_long_prompt_is_predicted_shorter_where_its_prefix_is_cached(
     warm_s = ttft[first["destination"]]
     assert warm_s < 0.5 * cold_s, (warm_s, cold_s)  # ~2,400 tokens, of which all but the last block cached
     assert ttft[other] == pytest.approx(cold_s, rel=0.1)  # the other instance never saw the prompt
+    assert second["destination"] == first["destination"]
+
+
+def test_a_long_prompt_repeated_while_the_first_runs_is_predicted_shorter_where_it_runs(stack):
+    prompt = PROMPT.replace("section", "chapter")
+
+    def decisions():
+        return [d for d in _decisions(stack) if d["num_prompt_tokens"] > 1000]
+
+    num_before = len(decisions())
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{stack.envoy_url}/v1/completions", json=body, timeout=60) as running:
+        assert running.status_code == 200
+        lines = running.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # its first token: its prompt is prefilled
+        _send(stack, prompt)
+        first, second = poll_until(lambda: decisions()[num_before:] if len(decisions()) >= num_before + 2
+                                   else None, 10, "both decisions in the log")[:2]
+    ttft = {c["endpoint"]: c["ttft_s"] for c in second["candidates"]}
+    other = next(e for e in ttft if e != first["destination"])
+    assert ttft[first["destination"]] < 0.5 * ttft[other], ttft
     assert second["destination"] == first["destination"]
