@@ -127,6 +127,7 @@ class Ledger:
         self._mean_output_tokens = float(default_output_tokens)
         self._num_phantoms = 0
         self._capped = False  # warned that the backend reported more than MAX_LEDGER_REQUESTS
+        self._uncounted_queries = self._uncounted_hits = 0  # prefix-cache lookups of requests that never ran, tokens
         self.stats = ReconcileStats()
 
     @property
@@ -215,15 +216,58 @@ class Ledger:
         self._mean_output_tokens += _EMA_WEIGHT * (num_output_tokens - self._mean_output_tokens)
         return True
 
-    def release(self, request_id: str, now_s: float) -> bool:
-        """Removes a request that ended; returns False if it had already left the ledger. A request the ledger
-        does not hold (with the plugin's state in use the sidecar admits none into it) costs no simulation."""
+    def add_block_keys(self, request_id: str, block_keys: tuple[int, ...], now_s: float) -> bool:
+        """Gives a request admitted without keys (a held one, ``predictor.holds``) its prompt's ``block_keys`` once
+        its Admit confirms it: it is taken out and queued again, with the keys and its arrival time, so that it
+        starts over from its prefix-cache hit (a hold lasts one routing decision: it lost at most that much
+        simulated progress). A held request carries no keys until then because a hold dropped unconfirmed must
+        leave nothing cached: that request never ran on the instance. Returns whether the keys were added (not for
+        a request gone, one with keys already, or keys the prompt cannot have).
+        """
+        self.advance(now_s)
+        request = self.scheduler.get_request(request_id)
+        if request is None or request.block_keys or \
+                len(block_keys) > request.num_prompt_tokens // self.scheduler.config.block_size:
+            return False
+        self._discount(self.scheduler.abort_request(request_id))
+        self.engine.add_request(SimRequest(request_id, request.num_prompt_tokens, request.num_output_tokens,
+                                           arrival_time_s=request.arrival_time_s,
+                                           max_new_tokens=request.max_new_tokens, block_keys=block_keys))
+        return True
+
+    def release(self, request_id: str, now_s: float, *, ran: bool = True) -> bool:
+        """Removes a request that ended (``ran``) or never ran on the instance (not ``ran``: a hold dropped, its
+        prefix-cache lookup taken back out of `prefix_cache_queries`); returns False if it had already left the
+        ledger. A request the ledger does not hold (with the plugin's state in use the sidecar admits none into
+        it) costs no simulation."""
         if self.scheduler.get_request(request_id) is None:  # advancing cannot bring it back
             self._forget(request_id)
             return False
         self.advance(now_s)
         self._forget(request_id)
-        return self.scheduler.abort_request(request_id) is not None
+        removed = self.scheduler.abort_request(request_id)
+        if removed is not None and not ran:
+            self._discount(removed)
+        return removed is not None
+
+    def _discount(self, request: SimRequest) -> None:
+        """Takes a request's prefix-cache lookup (counted by the scheduler at its first admission) back out of the
+        modelled counters."""
+        if request.num_cached_tokens is not None:
+            self._uncounted_queries += request.num_prompt_tokens
+            self._uncounted_hits += request.num_cached_tokens
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens the simulated instance looked up in its prefix cache, tokens (vLLM's
+        ``vllm:prefix_cache_queries`` as modelled; holds that never ran and lookups repeated by `add_block_keys`
+        not counted)."""
+        return self.scheduler.prefix_cache_queries - self._uncounted_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of `prefix_cache_queries`, the tokens found cached, tokens (``vllm:prefix_cache_hits`` as modelled)."""
+        return self.scheduler.prefix_cache_hits - self._uncounted_hits
 
     def reconcile(self, observed: BackendObservation, now_s: float) -> int:
         """Moves the ledger's request count toward the backend's; returns the change (+ added, - removed)."""

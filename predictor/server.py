@@ -359,9 +359,7 @@ class PredictorServicer(pb_grpc.PredictorServicer):
             if request.hold_s > 0 and request.request_id:  # v1.1: count it here from now on (NaN is not > 0)
                 sidecar.hold(request.request_id, request.num_prompt_tokens, request.num_predicted_output_tokens,
                              request.hold_s, max_tokens=request.max_tokens or None,
-                             length_source=request.length_source, router_id=request.router_id,
-                             block_keys=sidecar.usable_block_keys(request.block_keys, request.block_keys_block_size,
-                                                                  request.num_prompt_tokens))
+                             length_source=request.length_source, router_id=request.router_id)
             return response
 
     async def Admit(self, request, context):  # noqa: N802
@@ -389,6 +387,10 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         hold = sidecar.holds.confirm(request.request_id)
         if hold is not None:  # its Predict held it: counted since then, its prediction made then
             sidecar.outcomes.admit(request.request_id, hold.held_s, request.predicted_ttft_s, request.predicted_e2e_s)
+            keys = sidecar.usable_block_keys(request.block_keys, request.block_keys_block_size,
+                                             request.num_prompt_tokens)
+            if keys and not sidecar.plugin.in_use:  # held without them (`Sidecar.hold`)
+                sidecar.ledger.add_block_keys(request.request_id, keys, now_s)
             return pb.AdmitResponse(duplicate=False)
         added = sidecar.admit(request.request_id, request.num_prompt_tokens, request.num_predicted_output_tokens,
                               now_s, max_tokens=request.max_tokens or None, length_source=request.length_source,
@@ -407,11 +409,12 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         now_s = time.monotonic()
         if sidecar.outcomes.awaits_first_token(request.request_id) and sidecar.plugin.reader is not None:
             sidecar.absorb(sidecar.plugin.reader.read(now_s), now_s)  # its first token may be in the newest file
-        sidecar.holds.drop(request.request_id)  # held and routed elsewhere (or ended before its Admit arrived)
+        # held and routed elsewhere (or, rarely, ended before its Admit arrived): it did not run here
+        held = sidecar.holds.drop(request.request_id)
         sidecar.num_changes += 1
         sidecar.outcomes.release(request.request_id, now_s, scored=not request.failed)
         sidecar.plugin.admits.release(request.request_id)
-        return pb.ReleaseResponse(known=sidecar.ledger.release(request.request_id, now_s))
+        return pb.ReleaseResponse(known=sidecar.ledger.release(request.request_id, now_s, ran=not held))
 
     async def Notify(self, request_iterator, context):  # noqa: N802
         """Protocol v1.3: a router's Admits and Releases, batched (``NoticeBatch``), handled as the unary calls are,
@@ -646,20 +649,21 @@ class Sidecar:
         return added
 
     def hold(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int, hold_s: float, *,
-             max_tokens: int | None = None, length_source: int = 0, router_id: int = 0,
-             block_keys: tuple[int, ...] | None = None) -> bool:
+             max_tokens: int | None = None, length_source: int = 0, router_id: int = 0) -> bool:
         """A Predict asked to hold its request (``predictor.holds``): it counts here from now, as `admit` counts
         it, until an Admit confirms it or a Release or the end of ``hold_s`` (seconds, cut to
         ``predictor.holds.MAX_HOLD_S``) drops it; ``router_id``'s own Predicts do not count it. Returns whether it
         is held now; a request already counted here (admitted, or held by an earlier Predict) or one that can never
-        fit is not held. Never raises."""
+        fit is not held. It is held without its prompt's block keys: a hold dropped unconfirmed must leave nothing
+        in the ledger's prefix cache (the request never ran here); the confirming Admit adds them
+        (``Ledger.add_block_keys``). Never raises."""
         now_s = time.monotonic()
         self.end_expired_holds(now_s)
         if request_id in self.holds:
             return False
         try:
             if not self.admit(request_id, num_prompt_tokens, num_output_tokens, now_s, max_tokens=max_tokens,
-                              length_source=length_source, block_keys=block_keys):
+                              length_source=length_source):
                 return False
         except ValueError:
             return False
@@ -688,8 +692,9 @@ class Sidecar:
             self._uncount(request_id, now_s)
 
     def _uncount(self, request_id: str, now_s: float) -> None:
+        """Stops counting a hold that ended unconfirmed (it never ran here)."""
         self.plugin.admits.release(request_id)
-        self.ledger.release(request_id, now_s)
+        self.ledger.release(request_id, now_s, ran=False)
         self.num_changes += 1
 
     def state_age_s(self, now_s: float) -> float:

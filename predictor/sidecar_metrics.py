@@ -105,13 +105,13 @@ class SidecarCollector:
         corrections.add_metric(["removed"], stats.num_requests_removed)
         yield corrections
         yield from sidecar.simulation_seconds.collect()
-        scheduler = sidecar.ledger.scheduler
+        ledger = sidecar.ledger
         observed = sidecar.last_observed
         for name, modelled, engine, help_text in (
-                ("queries", scheduler.prefix_cache_queries,
+                ("queries", ledger.prefix_cache_queries,
                  None if observed is None else observed.prefix_cache_queries_total,
                  "prompt tokens looked up in the prefix cache, tokens (vllm:prefix_cache_queries)"),
-                ("hits", scheduler.prefix_cache_hits,
+                ("hits", ledger.prefix_cache_hits,
                  None if observed is None else observed.prefix_cache_hits_total,
                  "prompt tokens found in the prefix cache, tokens (vllm:prefix_cache_hits)")):
             family = CounterMetricFamily(f"astrolabe_predictor_prefix_cache_{name}", help_text + ": ledger = as the "

@@ -51,8 +51,10 @@ async def test_predict_and_admit_carry_the_keys_and_the_instance_holding_the_pre
         assert keys and first.routed is not None and first.routed.block_keys == keys
         assert first.routed.prompt_text is None  # the routed request is kept without its prompt
         holder = next(s for s in started if f"127.0.0.1:{s.port}" == first.predictor)
-        await until(lambda: holder.ledger.scheduler.get_request(first.request_id) is not None)
-        assert holder.ledger.scheduler.get_request(first.request_id).block_keys == keys
+        # held by its Predict without keys; the Admit that confirms it brings them
+        await until(lambda: getattr(holder.ledger.scheduler.get_request(first.request_id), "block_keys", None) == keys)
+        other_sidecar = next(s for s in started if s is not holder)
+        assert other_sidecar.ledger.scheduler.get_request(first.request_id) is None  # its hold was dropped
         await asyncio.sleep(0.3)  # the ledger's simulated instance prefills it (its blocks cached as they fill)
         second = await router.route(_request(2))
         ttft = {address: p.ttft_s for address, p in second.candidates}

@@ -118,3 +118,34 @@ def test_the_engines_prefix_cache_counters_are_read_when_it_exports_them():
     assert (observed.prefix_cache_queries_total, observed.prefix_cache_hits_total) == (4096.0, 1024.0)
     observed = parse_vllm_metrics(base)
     assert (observed.prefix_cache_queries_total, observed.prefix_cache_hits_total) == (None, None)
+
+
+async def test_a_held_request_gets_its_keys_only_when_confirmed_so_a_dropped_hold_caches_nothing():
+    sidecar = Sidecar(SidecarConfig(backend="127.0.0.1:1", listen="127.0.0.1:0", engine=ENGINE,
+                                    discover_kv_cache=False))
+    port = await sidecar.start()
+    keys = _keys(0, 1)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.PredictorStub(channel)
+
+            async def predict(request_id, hold_s=0.0):
+                return (await stub.Predict(pb.PredictRequest(
+                    request_id=request_id, num_prompt_tokens=770, num_predicted_output_tokens=50, hold_s=hold_s,
+                    router_id=7, block_keys=keys, block_keys_block_size=BS), timeout=5)).ttft_s
+
+            cold_s = await predict("dropped", hold_s=5.0)
+            assert sidecar.ledger.scheduler.get_request("dropped").block_keys is None  # held, keyless
+            await asyncio.sleep(0.3)  # its simulated prefill runs meanwhile
+            await stub.Release(pb.ReleaseRequest(request_id="dropped"), timeout=5)  # routed elsewhere
+            assert await predict("probe") >= 0.95 * cold_s  # nothing of it stayed cached (a step may be in progress)
+            await predict("kept", hold_s=5.0)
+            await stub.Admit(pb.AdmitRequest(request_id="kept", num_prompt_tokens=770, num_predicted_output_tokens=50,
+                                             router_id=7, admit_seq=1, block_keys=keys, block_keys_block_size=BS),
+                             timeout=5)
+            assert sidecar.ledger.scheduler.get_request("kept").block_keys == keys  # confirmed: keyed
+            await asyncio.sleep(0.3)
+            assert await predict("probe") < 0.5 * cold_s
+        assert sidecar.ledger.prefix_cache_queries == 770  # the confirmed request's lookup only
+    finally:
+        await sidecar.stop(0)
