@@ -133,3 +133,20 @@ async def test_the_policy_hears_when_a_request_it_routed_ends():
     router = Router(pool, Recording(random.Random(0)), prompt_tokens=PromptTokenCounter())
     router.release(await router.route(_request(2)))
     assert finished[-1][0].block_keys is None and finished[-1][0].request_id == "req-2"
+
+
+async def test_a_long_prompt_is_keyed_in_a_worker_thread_and_a_short_one_inline():
+    import threading
+
+    from extproc.router import OFFLOAD_TOKENIZE_CHARS
+
+    pool = EndpointPool([EndpointConfig("10.0.0.1:8000")])
+    counter = PromptTokenCounter(block_size=BLOCK_SIZE)
+    threads = []
+    tokens = counter.tokens
+    counter.tokens = lambda request: threads.append(threading.current_thread()) or tokens(request)
+    router = Router(pool, LeastRequestsPolicy(random.Random(0)), prompt_tokens=counter)
+    short = await router.route(_request(1, "hello " * 100))
+    long = await router.route(_request(2, "hello " * (OFFLOAD_TOKENIZE_CHARS // 6 + 1)))
+    assert threads[0] is threading.main_thread() and threads[1] is not threading.main_thread()
+    assert len(long.routed.block_keys) > len(short.routed.block_keys) > 0
