@@ -177,8 +177,11 @@ class Router:
         tokens, tokens_s = None, 0.0
         if has_prompt and (self.policy.needs_predictions or self.prompt_tokens.block_size is not None):
             if self.prompt_tokens.block_size is not None and len(request.prompt_text or "") > OFFLOAD_TOKENIZE_CHARS:
-                # tokenizers' encode_batch_fast releases the GIL: other streams go on meanwhile
-                tokens = await asyncio.to_thread(self.prompt_tokens.tokens, request)
+                # tokenizers' encode_batch_fast releases the GIL: other streams go on meanwhile. The worker gets
+                # the request in a box it empties: its work item outlives the answer for a moment, and must not
+                # keep the prompt (megabytes) alive meanwhile.
+                box, tokens_of = [request], self.prompt_tokens.tokens
+                tokens = await asyncio.to_thread(lambda: tokens_of(box.pop()))
             else:
                 tokens = self.prompt_tokens.tokens(request)
             tokens_s = self._clock() - start_s
