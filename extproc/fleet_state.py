@@ -76,7 +76,7 @@ class _Watched:
     task: asyncio.Task | None = None
     unsupported: bool = False
     failing: bool = False
-    keys: tuple[int, frozenset[int]] | None = None  # (seq, the block keys its state holds or caches), when asked
+    keys: tuple[pb.InstanceState, set[int]] | None = None  # (a message, the block keys it holds or caches), when asked
 
     @property
     def state(self) -> WatchedState | None:
@@ -247,23 +247,20 @@ class FleetState:
         """Leading blocks of ``block_keys`` that ``address``'s last state holds or caches: its requests' prompt
         blocks and its cached free blocks (``EndpointView.num_prefix_blocks_cached``), walked until the first miss.
 
-        The set of a state's keys is built once per message, when first asked (O(keys in the state)). None: no
-        state that can be read, or one of another block size than ``block_size`` (tokens per block of the keys).
-        A stale state still answers: it is the router's last view of that cache."""
+        The set of a state's keys is built once per message, when first asked, from the message's key columns
+        without decoding the rest (every key a request holds is in ``InstanceState.block_keys`` once: a shared run
+        refers to keys sent for an earlier request): O(keys in the state), about 1.7 ms for 20,000 keys on this
+        machine under load, for each endpoint whose state changed since the last decision. None: no state, or one
+        of another block size than ``block_size`` (tokens per block of the keys). A stale state still answers: it
+        is the router's last view of that cache."""
         entry = self._watched.get(address)
-        if entry is None or entry.message is None:
+        message = None if entry is None else entry.message
+        if message is None or message.block_size != block_size:
             return None
-        try:
-            state = entry.state
-        except ValueError:
-            return None
-        if state is None or state.snapshot.config.block_size != block_size:
-            return None
-        if entry.keys is None or entry.keys[0] != state.seq:
-            snapshot = state.snapshot
-            held = {key for r in (*snapshot.running, *snapshot.waiting) for key in (r.block_keys or ())}
-            held.update(snapshot.cached_block_keys)
-            entry.keys = (state.seq, frozenset(held))
+        if entry.keys is None or entry.keys[0] is not message:
+            held = set(message.block_keys)
+            held.update(message.cached_block_keys)
+            entry.keys = (message, held)
         cached = entry.keys[1]
         num = 0
         for key in block_keys:
