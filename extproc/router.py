@@ -175,15 +175,18 @@ class Router:
         views = self._healthy_views(request)
         has_prompt = request.prompt_text is not None or request.prompt_token_ids is not None
         tokens, tokens_s = None, 0.0
-        if has_prompt and (self.policy.needs_predictions or self.prompt_tokens.block_size is not None):
-            if self.prompt_tokens.block_size is not None and len(request.prompt_text or "") > OFFLOAD_TOKENIZE_CHARS:
+        keyed = self.prompt_tokens.block_size is not None and (self.policy.needs_block_keys
+                                                                or self.policy.needs_predictions)
+        if has_prompt and (self.policy.needs_predictions or keyed):
+            prompt_tokens = self.prompt_tokens
+            if keyed and len(request.prompt_text or "") > OFFLOAD_TOKENIZE_CHARS:
                 # tokenizers' encode_batch_fast releases the GIL: other streams go on meanwhile. The worker gets
                 # the request in a box it empties: its work item outlives the answer for a moment, and must not
                 # keep the prompt (megabytes) alive meanwhile.
-                box, tokens_of = [request], self.prompt_tokens.tokens
+                box, tokens_of = [request], prompt_tokens.tokens
                 tokens = await asyncio.to_thread(lambda: tokens_of(box.pop()))
             else:
-                tokens = self.prompt_tokens.tokens(request)
+                tokens = prompt_tokens.tokens(request)
             tokens_s = self._clock() - start_s
             if tokens.block_keys is not None:
                 request = replace(request, block_keys=tokens.block_keys)

@@ -115,6 +115,8 @@ async def test_the_policy_hears_when_a_request_it_routed_ends():
     finished = []
 
     class Recording(LeastRequestsPolicy):
+        needs_block_keys = True  # as a cache-aware policy: least-requests itself reads no keys
+
         def on_finished(self, request, address):
             finished.append((request, address))
 
@@ -145,8 +147,23 @@ async def test_a_long_prompt_is_keyed_in_a_worker_thread_and_a_short_one_inline(
     threads = []
     tokens = counter.tokens
     counter.tokens = lambda request: threads.append(threading.current_thread()) or tokens(request)
-    router = Router(pool, LeastRequestsPolicy(random.Random(0)), prompt_tokens=counter)
+    class Keyed(LeastRequestsPolicy):
+        needs_block_keys = True
+
+    router = Router(pool, Keyed(random.Random(0)), prompt_tokens=counter)
     short = await router.route(_request(1, "hello " * 100))
     long = await router.route(_request(2, "hello " * (OFFLOAD_TOKENIZE_CHARS // 6 + 1)))
     assert threads[0] is threading.main_thread() and threads[1] is not threading.main_thread()
     assert len(long.routed.block_keys) > len(short.routed.block_keys) > 0
+
+
+async def test_a_load_only_policy_does_not_pay_for_keys():
+    pool = EndpointPool([EndpointConfig("10.0.0.1:8000")])
+    counter = PromptTokenCounter(block_size=BLOCK_SIZE)
+    calls = []
+    counter.tokens = lambda request: calls.append(request)
+    for name in ("random", "round-robin", "least-requests", "min-qpm"):
+        router = Router(pool, build_policy(name, {}, random.Random(0)), prompt_tokens=counter)
+        decision = await router.route(_request(1))
+        assert decision.routed.block_keys is None
+    assert calls == []
