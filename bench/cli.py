@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "replicas": ("bench.replicas", "1 vs 2 extproc replicas behind one Envoy: P99 TTFT, herding, a replica killed"),
     "streams": ("bench.streams", "thousands of open streams through Envoy + one extproc: memory per stream, long quiet ones"),
     "kv-events": ("bench.kv_events_bench", "a sidecar's CPU per vLLM KV cache event batch, event and block (decode + index)"),
+    "prompt-keys": ("bench.prompt_keys", "block keys per request (tokenize, hash) at 200/4,000/32,000 tokens; state bytes"),
     "sglang-model": ("bench.sglang_model", "SGLang instance predicted with the vLLM V1 vs the SGLang scheduler model: APE, cost"),
 }
 

@@ -58,6 +58,11 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
     log_format: text                # text | json: one JSON object per line (the --log-format flag wins)
     tokenizers: {}                  # served model -> tokenizer.json or model dir (prompt tokens as the engine
                                     # counts them; other models: the shipped WordPiece, extproc/prompt_tokens.py)
+    prefix_cache:                   # the prompt's KV block keys, sent with predictions (extproc/prompt_tokens.py)
+      enabled: true                 # tokenize every prompt in full and key its blocks (false: no keys, long
+                                    # prompts' counts extrapolated)
+      block_size: 16                # tokens per KV block: the instances' vLLM --block-size
+      max_keyed_chars: 262144       # a longer prompt (characters) gets no keys
     reload_interval_s: 1.0          # how often the file is checked for changes (endpoints reload live)
     metrics_interval_s: 0.05        # endpoint /metrics scrape interval (only for infaas | llumnix | gie)
     metrics_staleness_s: 2.0        # an older scrape counts as missing (GIE's default)
@@ -96,7 +101,7 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
 
 Environment overrides (``load_config`` only; ``parse_config`` is pure): ``ASTROLABE_EXTPROC_<KEY>`` replaces a
 root key and ``ASTROLABE_EXTPROC_<SECTION>__<KEY>`` one key of a section (``health_check``, ``output_length``,
-``predictor_client``, ``policy_params``, ``tokenizers``, ``tracing``, ``discovery``, ``tls``,
+``predictor_client``, ``policy_params``, ``tokenizers``, ``prefix_cache``, ``tracing``, ``discovery``, ``tls``,
 ``predictor_tls``, ``backend_tls``); the key is the name's lower-case tail, e.g.
 ``ASTROLABE_EXTPROC_PREDICTOR_CLIENT__PREDICT_TIMEOUT_S=0.05`` or ``ASTROLABE_EXTPROC_TLS__CERT_FILE=/tls/tls.crt``. A value is read as one YAML scalar (``0.05``,
 ``true``, ``null``; empty = null); text that YAML reads as a list or mapping, or cannot parse, stays a string
@@ -407,6 +412,22 @@ class HealthCheckConfig:
         2, description="Consecutive failed checks (a count, >= 1) before an endpoint leaves the pool.")
 
 
+@dataclass(frozen=True, slots=True, config=_config("PrefixCacheConfig"))
+class PrefixCacheConfig:
+    """The prompt's KV block keys (``extproc.prompt_tokens``): what prefix-cache-aware predictions and policies read."""
+
+    enabled: _Bool = Field(
+        True, description="Tokenize every prompt in full (no extrapolation past 8,192 characters) and send the keys "
+                          "of its full KV blocks with predictions; false = no keys (no prefix-cache hit is "
+                          "predicted).")
+    block_size: _PositiveInt = Field(
+        16, description="Tokens per KV block the keys are computed at: the instances' vLLM --block-size (16 by "
+                        "default). A sidecar whose engine uses another block size ignores the keys.")
+    max_keyed_chars: _PositiveInt = Field(
+        262_144, description="Longest prompt tokenized in full for its keys, characters (text and chat roles); a "
+                             "longer prompt gets no keys and an extrapolated token count.")
+
+
 @dataclass(frozen=True, slots=True, config=_config("EndpointConfig"))
 class EndpointConfig:
     """One backend instance.
@@ -675,6 +696,10 @@ class ExtprocConfig:
               description="Served model name -> its tokenizer.json or model directory: prompt tokens are counted "
                           "as that model's engine counts them (chat: with its chat template); other models with "
                           "the shipped WordPiece.")
+    prefix_cache: Annotated[PrefixCacheConfig, BeforeValidator(_none_as(dict),
+                                                                json_schema_input_type=PrefixCacheConfig | None)] = \
+        Field(default_factory=PrefixCacheConfig,
+              description="The prompt's KV block keys, computed from its token ids and sent with predictions.")
 
     @field_validator("endpoints")
     @classmethod
@@ -699,10 +724,10 @@ _CLASS_AT: dict[tuple[str, ...], type] = {
     (): ExtprocConfig, ("endpoints",): EndpointConfig, ("health_check",): HealthCheckConfig,
     ("output_length",): OutputLengthSection, ("predictor_client",): PredictorClientSection,
     ("tracing",): TracingSection, ("discovery",): DiscoveryConfig, ("tls",): ServerTlsConfig,
-    ("predictor_tls",): ClientTlsConfig, ("backend_tls",): BackendTlsConfig,
+    ("predictor_tls",): ClientTlsConfig, ("backend_tls",): BackendTlsConfig, ("prefix_cache",): PrefixCacheConfig,
 }
 _MAPPING_KEYS = ("health_check", "output_length", "predictor_client", "policy_params", "tokenizers", "tracing",
-                 "discovery", "tls", "predictor_tls", "backend_tls")
+                 "discovery", "tls", "predictor_tls", "backend_tls", "prefix_cache")
 """Root keys whose own keys an ``<SECTION>__<KEY>`` override may set."""
 
 

@@ -1,6 +1,6 @@
 """``Decision``: where a request goes and why, as the router made it (read by the stream, the decision log, metrics).
 
-Imports only the standard library and ``extproc.policies.base``.
+Imports only the standard library, ``extproc.policies.base`` and ``extproc.request``.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from extproc.policies.base import Prediction
+from extproc.request import RoutingRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,9 @@ class Decision:
             ``predictor`` are now that endpoint's (moved by ``Router.served``).
         num_sequences: engine requests the HTTP request becomes (``RoutingRequest.num_sequences``): what it adds
             to the destination's in-flight count.
+        routed: the request as the policy saw it (its block keys included), less its prompt (text, token ids and
+            messages: a routed request is not held in memory for its whole life), for ``Policy.on_finished``
+            when it ends; None when the policy did not choose (a fallback, no prompt).
     """
 
     destination: str
@@ -57,6 +61,7 @@ class Decision:
     fallbacks: tuple[str, ...] = ()
     served_elsewhere: bool = False
     num_sequences: int = 1
+    routed: RoutingRequest | None = None
 
     @property
     def destination_value(self) -> str:

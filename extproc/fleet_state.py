@@ -76,6 +76,7 @@ class _Watched:
     task: asyncio.Task | None = None
     unsupported: bool = False
     failing: bool = False
+    keys: tuple[pb.InstanceState, set[int]] | None = None  # (a message, the block keys it holds or caches), when asked
 
     @property
     def state(self) -> WatchedState | None:
@@ -242,8 +243,35 @@ class FleetState:
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, config.max_backoff_s)
 
+    def num_prefix_blocks_cached(self, address: str, block_keys: Sequence[int], block_size: int) -> int | None:
+        """Leading blocks of ``block_keys`` that ``address``'s last state holds or caches: its requests' prompt
+        blocks and its cached free blocks (``EndpointView.num_prefix_blocks_cached``), walked until the first miss.
+
+        The set of a state's keys is built once per message, when first asked, from the message's key columns
+        without decoding the rest (every key a request holds is in ``InstanceState.block_keys`` once: a shared run
+        refers to keys sent for an earlier request): O(keys in the state), about 1.7 ms for 20,000 keys on this
+        machine under load, for each endpoint whose state changed since the last decision. None: no state, or one
+        of another block size than ``block_size`` (tokens per block of the keys). A stale state still answers: it
+        is the router's last view of that cache."""
+        entry = self._watched.get(address)
+        message = None if entry is None else entry.message
+        if message is None or message.block_size != block_size:
+            return None
+        if entry.keys is None or entry.keys[0] is not message:
+            held = set(message.block_keys)
+            held.update(message.cached_block_keys)
+            entry.keys = (message, held)
+        cached = entry.keys[1]
+        num = 0
+        for key in block_keys:
+            if key not in cached:
+                break
+            num += 1
+        return num
+
     def predict(self, address: str, num_prompt_tokens: int, num_output_tokens: int, *,
-                max_tokens: int | None = None, length_source: int = 0) -> Prediction | None:
+                max_tokens: int | None = None, length_source: int = 0, block_keys: tuple[int, ...] | None = None,
+                block_size: int = 0) -> Prediction | None:
         """The prediction for a new request at ``address`` from its last state (module docstring).
 
         Args:
@@ -252,6 +280,9 @@ class FleetState:
             num_output_tokens: predicted output tokens.
             max_tokens: the request's output cap, tokens (None: not given).
             length_source: where ``num_output_tokens`` came from (``predictor.residual_rules.LENGTH_SOURCE_*``).
+            block_keys: the prompt's KV block keys (None: none), computed at ``block_size`` tokens per block:
+                the simulation finds the prefix the state holds or caches, and so do this replica's unseen
+                dispatches' keys. A state of another block size ignores them (no hit predicted).
 
         Returns:
             The prediction (``num_requests`` counts this replica's unseen dispatches too, which are in the
@@ -280,13 +311,16 @@ class FleetState:
             return None
         snapshot = state.snapshot
         unseen = self._client.admits_after(address, state.admits_seen)
+        keyed = block_size == snapshot.config.block_size
         try:
             new = RequestState("new", max(num_prompt_tokens, 1),
-                               self._expected(num_output_tokens, max_tokens, length_source), max_new_tokens=max_tokens)
+                               self._expected(num_output_tokens, max_tokens, length_source), max_new_tokens=max_tokens,
+                               block_keys=block_keys if keyed else None)
             priced = predict_from_state(
                 snapshot, new, [RequestState(f"unseen-{a.seq}", max(a.num_prompt_tokens, 1),
                                              self._expected(a.num_output_tokens, a.max_tokens, a.length_source),
-                                             max_new_tokens=a.max_tokens) for a in unseen],
+                                             max_new_tokens=a.max_tokens, block_keys=a.block_keys if keyed else None)
+                                for a in unseen],
                 state.batch_time, age_s, max(self._clock() - unseen[0].sent_s, 0.0) if unseen else 0.0)
         except ValueError:  # e.g. a prompt larger than the instance's KV cache (Predict's INVALID_ARGUMENT)
             counts["invalid"] += 1

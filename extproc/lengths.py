@@ -2,8 +2,9 @@
 
 Prompt tokens: the length of a token-id prompt, else the text counted with ``tagger.tokenizer`` (the project's
 offline tokenizer). A text longer than ``MAX_TOKENIZED_CHARS`` is counted on its first ``MAX_TOKENIZED_CHARS``
-characters and extrapolated by length: tokenizing megabytes takes seconds and holds the GIL (a worker thread
-does not help), which would stall every other request on the event loop; the extrapolation costs ~3 ms.
+characters and extrapolated by length: tokenizing megabytes takes seconds of CPU, which inline would stall every
+other request on the event loop; the extrapolation costs ~3 ms. (With block keys on, ``extproc.prompt_tokens``
+tokenizes prompts in full, long ones in a worker thread: ``extproc.router.OFFLOAD_TOKENIZE_CHARS``.)
 Predicted output tokens, by ``source``:
 - ``fixed``: ``fixed_tokens``, capped by the request's ``max_tokens`` (the default until a tagger exists);
 - ``oracle``: the request's ``max_tokens`` itself (exact only when clients send the true length with

@@ -105,7 +105,8 @@ state interval's dispatches to one instance."""
 @dataclass(frozen=True, slots=True)
 class SentAdmit:
     """An Admit this router sent: its number (``admit_seq``), prompt and predicted output tokens, cap (tokens, None
-    = none), length source, and when it was sent (the client's clock, seconds)."""
+    = none), length source, when it was sent (the client's clock, seconds), and its prompt's block keys (None:
+    none sent)."""
 
     seq: int
     num_prompt_tokens: int
@@ -113,6 +114,7 @@ class SentAdmit:
     max_tokens: int | None
     length_source: int
     sent_s: float = 0.0
+    block_keys: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,7 +312,8 @@ class PredictorClient:
 
     async def predict(self, address: str, request_id: str, num_prompt_tokens: int,
                       num_output_tokens: int, metric: str = "e2e", *, max_tokens: int | None = None,
-                      length_source: int = 0) -> Prediction | None:
+                      length_source: int = 0, block_keys: tuple[int, ...] | None = None,
+                      block_size: int = 0) -> Prediction | None:
         """Asks one sidecar (in a CLIENT span, its context sent as gRPC metadata, when tracing).
 
         Args:
@@ -321,6 +324,8 @@ class PredictorClient:
             metric: the figure the policy compares (``e2e``, ``ttft`` or ``blend``; informational).
             max_tokens: the request's output cap, tokens (None: not given).
             length_source: where ``num_output_tokens`` came from (``predictor.residual_rules.LENGTH_SOURCE_*``).
+            block_keys: the prompt's KV block keys (``RoutingRequest.block_keys``; None: none sent).
+            block_size: tokens per block of ``block_keys``.
 
         Returns:
             The prediction, or None if the sidecar is backing off, fails, misses the deadline, cannot serve
@@ -332,7 +337,8 @@ class PredictorClient:
                                     num_predicted_output_tokens=_uint32(num_output_tokens),
                                     metric=_METRICS.get(metric, pb.METRIC_TTFT), max_tokens=_cap(max_tokens),
                                     length_source=length_source, hold_s=self.config.hold_s,
-                                    router_id=self.router_id)
+                                    router_id=self.router_id, block_keys=block_keys or (),
+                                    block_keys_block_size=block_size if block_keys else 0)
         if self._tracer is None:
             return (await self._predict(address, message, None))[0]
         span = _call_span(self._tracer, "Predict", address, request_id)
@@ -503,15 +509,16 @@ class PredictorClient:
 
     def admit(self, address: str, request_id: str, num_prompt_tokens: int, num_output_tokens: int, *,
               max_tokens: int | None = None, length_source: int = 0, predicted_ttft_s: float = 0.0,
-              predicted_e2e_s: float = 0.0) -> None:
+              predicted_e2e_s: float = 0.0, block_keys: tuple[int, ...] | None = None, block_size: int = 0) -> None:
         """Tells the chosen sidecar about the request, without waiting for the answer (arguments as ``predict``;
         ``predicted_*_s``: what that sidecar predicted for it, seconds, 0 = none, which it checks against the
-        outcome)."""
+        outcome; ``block_keys``: its ledger keeps them, its model of the instance's prefix cache)."""
         seq = self._num_admitted[address] = self._num_admitted.get(address, 0) + 1
         message = pb.AdmitRequest(request_id=request_id, num_prompt_tokens=_uint32(num_prompt_tokens),
                                   num_predicted_output_tokens=_uint32(num_output_tokens), max_tokens=_cap(max_tokens),
                                   length_source=length_source, predicted_ttft_s=predicted_ttft_s,
-                                  predicted_e2e_s=predicted_e2e_s, router_id=self.router_id, admit_seq=seq)
+                                  predicted_e2e_s=predicted_e2e_s, router_id=self.router_id, admit_seq=seq,
+                                  block_keys=block_keys or (), block_keys_block_size=block_size if block_keys else 0)
         span = None if self._tracer is None else _call_span(self._tracer, "Admit", address, request_id)
         if span is not None and not span.is_recording():
             span = None  # not sampled: nothing to end, nothing to continue
@@ -526,7 +533,7 @@ class PredictorClient:
         if sent is None:
             sent = self._sent_admits[address] = collections.deque(maxlen=MAX_SENT_ADMITS)
         sent.append(SentAdmit(seq, num_prompt_tokens, num_output_tokens, max_tokens or None, length_source,
-                              self._clock()))
+                              self._clock(), block_keys or None))
 
     def admits_after(self, address: str, seq: int) -> list[SentAdmit]:
         """The Admits sent to ``address`` with a number above ``seq`` (at most `MAX_SENT_ADMITS` of the latest),

@@ -17,6 +17,17 @@ Requests for a model with no configured tokenizer (or no ``model``) are counted 
 says which fallback is used (once, not per model name: names come from clients). Token-id prompts are counted
 as given. The length tagger keeps its own tokenizer for its features.
 
+Block keys (prefix caching, `PromptTokenCounter.tokens`): with ``block_size`` set, a prompt is tokenized in full
+(no extrapolation: a key needs every token of its block and of the blocks before it) and its token ids, as the
+engine would see them (the same rules as the count), give the keys of its full KV blocks
+(``predictor.sim.block_hash.block_keys``). The router and every sidecar agree on keys because the sidecars never
+compute them: they keep the keys the router sends. They match the engine's own cache only as far as the token ids
+do: with the served model's tokenizer configured (and its chat template) exactly; with the shipped WordPiece
+equal texts still give equal keys, so repeated prompts and shared prefixes are still recognised. A prompt longer
+than ``max_keyed_chars`` characters (text and roles) gets no keys and an extrapolated count, as before: tokenizing
+megabytes holds the event loop for seconds. ``astrolabe bench prompt-keys`` prints what tokenizing and hashing
+cost per request.
+
 Source: vllm/entrypoints/openai/serving_completion.py and serving_chat.py, vllm/entrypoints/chat_utils.py
 ``apply_hf_chat_template`` (vLLM 0.32).
 """
@@ -28,9 +39,12 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from dataclasses import dataclass
+
 from extproc.lengths import MAX_TOKENIZED_CHARS, count_prompt_tokens, extrapolated_tokens
 from extproc.request import RoutingRequest
-from tagger.tokenizer import num_tokens
+from predictor.sim.block_hash import block_keys
+from tagger.tokenizer import get_tokenizer, num_tokens, token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +58,11 @@ VERY_LONG_TOKENS = 1 << 62
 MAX_TEMPLATE_MESSAGES = 256
 """Most messages a chat template is rendered over for one request; a longer chat's template tokens are
 extrapolated from its first `MAX_TEMPLATE_MESSAGES` (`_ModelTokenizer._template_overhead`)."""
+DEFAULT_BLOCK_SIZE = 16
+"""Tokens per KV block of the keys: vLLM's default ``--block-size`` (vllm/config/cache.py)."""
+DEFAULT_MAX_KEYED_CHARS = 262_144
+"""Longest prompt (characters of text and roles) tokenized in full for its block keys: about 64,000 tokens of
+English text; longer prompts get no keys."""
 MAX_ROLE_CHARS = 64
 """A role's characters rendered into an extrapolated template (real roles are a word: system, user,
 assistant, tool, developer); a longer role's excess is not counted."""
@@ -94,6 +113,20 @@ class _ModelTokenizer:
                 logger.debug("tokenizers.%s: chat template failed (%s); counting the messages' text", self.model, exc)
         return max(self._text_tokens(text, special=messages is None), 1)
 
+    def token_ids(self, request: RoutingRequest) -> list[int]:
+        """Every token id of ``request``'s prompt as its engine sees it (chat: the template rendered and
+        tokenized; the messages' text joined when there is no template or it raises, as `count` counts), in full.
+
+        The caller bounds the prompt's size (`PromptTokenCounter.tokens`)."""
+        text = request.prompt_text or ""
+        messages = request.chat_messages
+        if messages is not None and self.chat is not None:
+            try:
+                return self._template_ids(messages)
+            except Exception as exc:  # noqa: BLE001 (as in `count`)
+                logger.debug("tokenizers.%s: chat template failed (%s); keying the messages' text", self.model, exc)
+        return token_ids(self.tokenizer, text, special=messages is None)
+
     def _template_overhead(self, messages: tuple[tuple[str, str], ...]) -> int:
         """The template's own tokens for a long chat (over `MAX_TOKENIZED_CHARS` or `MAX_TEMPLATE_MESSAGES`),
         bounded like a long text's count: rendered with empty contents and roles clipped to `MAX_ROLE_CHARS`,
@@ -105,11 +138,14 @@ class _ModelTokenizer:
         return round(overhead * len(messages) / len(sample))
 
     def _template_tokens(self, messages: tuple[tuple[str, str], ...]) -> int:
+        return len(self._template_ids(messages))
+
+    def _template_ids(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
         ids = self.chat.apply_chat_template([{"role": role, "content": content} for role, content in messages],
                                             add_generation_prompt=True, tokenize=True)
         if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
-        return len(ids)
+        return list(ids)
 
     def _text_tokens(self, text: str, *, special: bool) -> int:
         return extrapolated_tokens(text, lambda t: num_tokens(self.tokenizer, t, special=special))
@@ -143,18 +179,36 @@ def _read(path: Path) -> str:
         return ""
 
 
+@dataclass(frozen=True, slots=True)
+class PromptTokens:
+    """A prompt as routing sees it: its tokens (>= 1) and, with block keys on, the keys of its full KV blocks
+    (first block first; None = not computed: keys off, a prompt over ``max_keyed_chars``, token ids out of the
+    keys' range)."""
+
+    num_tokens: int
+    block_keys: tuple[int, ...] | None = None
+
+
 class PromptTokenCounter:
-    """Counts prompt tokens per served model (see the module docstring).
+    """Counts prompt tokens per served model, and computes the prompt's KV block keys (module docstring).
 
     Args:
         tokenizers: served model name -> tokenizer file or model directory.
+        block_size: tokens per KV block of the keys (the instances' ``--block-size``), >= 1; None = no keys.
+        max_keyed_chars: longest prompt tokenized in full for its keys, characters (text and chat roles).
 
     Raises:
         TokenizerLoadError: a configured tokenizer cannot be loaded.
+        ValueError: ``block_size`` or ``max_keyed_chars`` < 1.
     """
 
-    def __init__(self, tokenizers: Mapping[str, str] | None = None) -> None:
+    def __init__(self, tokenizers: Mapping[str, str] | None = None, *, block_size: int | None = None,
+                 max_keyed_chars: int = DEFAULT_MAX_KEYED_CHARS) -> None:
+        if block_size is not None and block_size < 1 or max_keyed_chars < 1:
+            raise ValueError(f"block_size and max_keyed_chars must be >= 1, got {block_size}, {max_keyed_chars}")
         self._by_model = {model: _ModelTokenizer(model, path) for model, path in (tokenizers or {}).items()}
+        self.block_size = block_size
+        self.max_keyed_chars = max_keyed_chars
         self._warned = False
         for model, tokenizer in self._by_model.items():
             logger.info("prompt tokens for model %r: %s (%s)", model, tokenizers[model],
@@ -171,10 +225,45 @@ class PromptTokenCounter:
             return max(len(request.prompt_token_ids), 1)
         tokenizer = self._by_model.get(request.model or "")
         if tokenizer is None:
-            if self._by_model and not self._warned:
-                self._warned = True
-                logger.warning("a request for a model without a configured tokenizer is counted with the shipped "
-                               "WordPiece (configured: %s); this warning is not repeated",
-                               ", ".join(self._by_model))
+            self._warn_unconfigured()
             return count_prompt_tokens(request)
         return tokenizer.count(request)
+
+    def token_ids(self, request: RoutingRequest) -> list[int] | tuple[int, ...] | None:
+        """Every token id of ``request``'s prompt, as `count` would count it but in full; None for a prompt over
+        ``max_keyed_chars`` (text and chat roles) or without a prompt. A model without a configured tokenizer
+        gets the shipped WordPiece's ids (no special tokens, the messages' text joined for a chat)."""
+        if request.prompt_token_ids is not None:
+            return request.prompt_token_ids
+        text = request.prompt_text
+        if text is None:
+            return None
+        messages = request.chat_messages
+        if len(text) + (sum(len(role) for role, _ in messages) if messages else 0) > self.max_keyed_chars:
+            return None
+        tokenizer = self._by_model.get(request.model or "")
+        if tokenizer is None:
+            self._warn_unconfigured()
+            return token_ids(get_tokenizer(), text, special=False)
+        return tokenizer.token_ids(request)
+
+    def _warn_unconfigured(self) -> None:
+        """The first time a request's model has no configured tokenizer (while some are): one warning."""
+        if self._by_model and not self._warned:
+            self._warned = True
+            logger.warning("a request for a model without a configured tokenizer is counted with the shipped "
+                           "WordPiece (configured: %s); this warning is not repeated", ", ".join(self._by_model))
+
+    def tokens(self, request: RoutingRequest) -> PromptTokens:
+        """``request``'s prompt tokens and, with ``block_size`` set, its block keys (`PromptTokens`). With keys,
+        the count is exact (every token was tokenized) unless the prompt had to go without them."""
+        if self.block_size is None:
+            return PromptTokens(self.count(request))
+        ids = self.token_ids(request)
+        if ids is None:
+            return PromptTokens(self.count(request))
+        try:
+            keys = block_keys(ids, self.block_size)
+        except ValueError:  # a token id of 2**32 or more: no engine has such a vocabulary, the engine refuses it
+            keys = None
+        return PromptTokens(max(len(ids), 1), keys)

@@ -51,8 +51,8 @@ from extproc.decision_log import DecisionLog
 from extproc.endpoint_metrics import MetricsScraper
 from extproc.errors import ErrorCode, RoutingError
 from extproc.fleet_state import FleetState
-from extproc.lengths import OutputLengthEstimator, count_prompt_tokens
-from extproc.prompt_tokens import PromptTokenCounter
+from extproc.lengths import OutputLengthEstimator
+from extproc.prompt_tokens import PromptTokenCounter, PromptTokens
 from extproc.metrics import ExtprocMetrics
 from extproc.policies.base import EndpointView, Policy
 from extproc.policies.least_requests import LeastRequestsPolicy
@@ -75,6 +75,12 @@ FALLBACK_UNDECIDED = "policy_undecided"
 """Any other policy that could not decide."""
 CONSECUTIVE_5XX = 5
 """5xx answers in a row that eject an endpoint (passive; Envoy's outlier detection default ``consecutive_5xx``)."""
+OFFLOAD_TOKENIZE_CHARS = 8192
+"""A prompt longer than this (characters) is tokenized in full for its block keys in a worker thread: tokenizing
+takes about 0.25 ms per 1,000 characters here (`astrolabe bench prompt-keys`: 42 ms at 32,000 tokens), and
+``tokenizers``' ``encode_batch_fast`` releases the GIL while it runs (the event loop's longest stall while a
+1.2-MB text was tokenized in a thread: 12.5 ms, against 643 ms with ``encode``), so the other requests' streams
+are served meanwhile. Shorter prompts are tokenized inline (a thread hop costs more than they do)."""
 FALLBACK_REASONS = (FALLBACK_NO_SIDECAR, FALLBACK_NO_PREDICTION, FALLBACK_NO_METRICS, FALLBACK_UNDECIDED)
 """Every ``Decision.fallback_reason`` but "" (a bounded set: fit for metric labels)."""
 
@@ -93,8 +99,8 @@ class Router:
             endpoint's metrics read None and such a policy falls back).
         clock: monotonic clock, seconds (dispatch times for ``num_recent_requests``, routing overhead).
         decision_log: where each decision is recorded (None = nowhere).
-        prompt_tokens: counts prompt tokens per served model (``extproc.prompt_tokens``); None = the shipped
-            WordPiece for every model.
+        prompt_tokens: counts prompt tokens per served model and computes the prompt's block keys
+            (``extproc.prompt_tokens``); None = the shipped WordPiece for every model, no block keys.
         tracer: where the length-estimate span is started (None: no span, tracing off).
         num_fallbacks: endpoints listed after the chosen one (``Decision.fallbacks``, the config's
             ``fallback_endpoints``): the other probed candidates by their predicted latency, then the healthy
@@ -123,7 +129,7 @@ class Router:
         self.endpoint_metrics = endpoint_metrics
         self._clock = clock
         self.decision_log = decision_log
-        self._count_prompt_tokens = prompt_tokens.count if prompt_tokens is not None else count_prompt_tokens
+        self.prompt_tokens = prompt_tokens if prompt_tokens is not None else PromptTokenCounter()
         self._tracer = tracer
         self._num_fallbacks = num_fallbacks
         self._passive_ejection = passive_ejection
@@ -167,13 +173,31 @@ class Router:
         if not request.arrival_time_s:
             request = replace(request, arrival_time_s=start_s)
         views = self._healthy_views(request)
-        if self.policy.needs_predictions and request.prompt_text is None and request.prompt_token_ids is None:
+        has_prompt = request.prompt_text is not None or request.prompt_token_ids is not None
+        tokens, tokens_s = None, 0.0
+        keyed = self.prompt_tokens.block_size is not None and (self.policy.needs_block_keys
+                                                                or self.policy.needs_predictions)
+        if has_prompt and (self.policy.needs_predictions or keyed):
+            prompt_tokens = self.prompt_tokens
+            if keyed and len(request.prompt_text or "") > OFFLOAD_TOKENIZE_CHARS:
+                # tokenizers' encode_batch_fast releases the GIL: other streams go on meanwhile. The worker gets
+                # the request in a box it empties: its work item outlives the answer for a moment, and must not
+                # keep the prompt (megabytes) alive meanwhile.
+                box, tokens_of = [request], prompt_tokens.tokens
+                tokens = await asyncio.to_thread(lambda: tokens_of(box.pop()))
+            else:
+                tokens = prompt_tokens.tokens(request)
+            tokens_s = self._clock() - start_s
+            if tokens.block_keys is not None:
+                request = replace(request, block_keys=tokens.block_keys)
+                views = self._with_prefix_blocks(request, views)
+        if self.policy.needs_predictions and not has_prompt:
             # No prompt (a GET such as /v1/models, a body without one): nothing to predict, nothing for a sidecar
             # to simulate or check against an outcome.
             chosen = self._fallback.choose(request, views)
             decision = Decision(chosen.address, self._fallback.TYPE, request.request_id, basis=BASIS_NO_PROMPT)
         elif self.policy.needs_predictions:
-            decision = await self._route_predicted(request, views)
+            decision = await self._route_predicted(request, views, tokens, tokens_s)
         else:
             chosen, policy_name = self.policy.choose(request, views), self.policy.TYPE
             basis = "policy"
@@ -182,6 +206,9 @@ class Router:
                 chosen, policy_name, basis = self._fallback.choose(request, views), self._fallback.TYPE, "fallback"
                 reason = FALLBACK_NO_METRICS if self.policy.needs_metrics else FALLBACK_UNDECIDED
             decision = Decision(chosen.address, policy_name, request.request_id, basis=basis, fallback_reason=reason)
+        if decision.policy == self.policy.TYPE and decision.basis != "fallback":
+            decision = replace(decision, routed=replace(request, prompt_text=None, prompt_token_ids=None,
+                                                        chat_messages=None, last_user_message=None))
         fallbacks = self._fallback_list(decision, views) if self._num_fallbacks else decision.fallbacks
         end_s = self._clock()
         decision = replace(decision, fallbacks=fallbacks, routing_s=end_s - request.arrival_time_s,
@@ -199,11 +226,23 @@ class Router:
                      decision.basis)
         return decision
 
-    async def _route_predicted(self, request: RoutingRequest, views: list[EndpointView]) -> Decision:
+    def _with_prefix_blocks(self, request: RoutingRequest, views: list[EndpointView]) -> list[EndpointView]:
+        """``views`` with ``num_prefix_blocks_cached`` filled from each endpoint's sidecar's last watched state
+        (``FleetState.num_prefix_blocks_cached``); unchanged without watched states."""
+        fleet = self.fleet
+        if fleet is None:
+            return views
+        block_size = self.prompt_tokens.block_size
+        return [replace(v, num_prefix_blocks_cached=fleet.num_prefix_blocks_cached(
+                    v.predictor, request.block_keys, block_size)) if v.predictor else v for v in views]
+
+    async def _route_predicted(self, request: RoutingRequest, views: list[EndpointView], tokens: PromptTokens,
+                               tokens_s: float) -> Decision:
+        """A predicting policy's decision; ``tokens``: the prompt's (counted in ``tokens_s`` seconds)."""
         candidates = self.policy.candidates(request, views)
         ledger_id = f"{request.request_id}/{uuid.uuid4().hex[:12]}"
-        t0_s = self._clock()
-        num_prompt_tokens = self._count_prompt_tokens(request)
+        num_prompt_tokens = tokens.num_tokens
+        block_keys, block_size = request.block_keys, self.prompt_tokens.block_size or 0
         t1_s = self._clock()
         num_output_tokens, length_source = await self._estimate_length(request)
         t2_s = self._clock()
@@ -223,7 +262,8 @@ class Router:
             try:
                 with span_scope as span:
                     prediction = fleet.predict(predictor, num_prompt_tokens, num_output_tokens,
-                                               max_tokens=request.max_tokens, length_source=length_source)
+                                               max_tokens=request.max_tokens, length_source=length_source,
+                                               block_keys=block_keys, block_size=block_size)
                     if span is not None and span.is_recording() and prediction is not None:
                         span.set_attributes({PREDICTED_TTFT_S: prediction.ttft_s, PREDICTED_E2E_S: prediction.e2e_s,
                                              PREDICTED_QUEUE_S: prediction.queue_s,
@@ -242,7 +282,8 @@ class Router:
             try:
                 return await self.predictors.predict(predictor, ledger_id, num_prompt_tokens, num_output_tokens,
                                                      metric, max_tokens=request.max_tokens,
-                                                     length_source=length_source)
+                                                     length_source=length_source, block_keys=block_keys,
+                                                     block_size=block_size)
             finally:
                 self.metrics.predict_seconds.labels(predictor).observe(self._clock() - start_s)
 
@@ -261,7 +302,7 @@ class Router:
             candidates = [*candidates, *more]
         scored = self._with_current_load(scored, views, asked_at)
         predictions = [v.prediction for v in scored]
-        stage_s = (("tokens", t1_s - t0_s), ("length", t2_s - t1_s), ("predict", self._clock() - t2_s))
+        stage_s = (("tokens", tokens_s), ("length", t2_s - t1_s), ("predict", self._clock() - t2_s))
         num_ok = sum(p is not None for p in predictions)
         self.metrics.predictions.labels("ok").inc(num_ok)
         self.metrics.predictions.labels("failed").inc(sum(v.predictor is not None for v in candidates) - num_ok)
@@ -282,7 +323,8 @@ class Router:
             self.predictors.admit(chosen.predictor, ledger_id, num_prompt_tokens, num_output_tokens,
                                   max_tokens=request.max_tokens, length_source=length_source,
                                   predicted_ttft_s=used.ttft_s if used else 0.0,
-                                  predicted_e2e_s=used.e2e_s if used else 0.0)
+                                  predicted_e2e_s=used.e2e_s if used else 0.0, block_keys=block_keys,
+                                  block_size=block_size)
         return Decision(chosen.address, policy_name, ledger_id, chosen.predictor, basis,
                         tuple((v.address, p) for v, p in zip(candidates, predictions)), num_prompt_tokens,
                         num_output_tokens, length_source, stage_s=stage_s, fallback_reason=reason)
@@ -365,8 +407,11 @@ class Router:
             if decision.predictor:
                 self.predictors.release(decision.predictor, decision.request_id)
             if predictor and decision.num_prompt_tokens:
+                routed = decision.routed
                 self.predictors.admit(predictor, decision.request_id, decision.num_prompt_tokens,
-                                      decision.num_predicted_output_tokens, length_source=decision.length_source)
+                                      decision.num_predicted_output_tokens, length_source=decision.length_source,
+                                      block_keys=routed.block_keys if routed is not None else None,
+                                      block_size=self.prompt_tokens.block_size or 0)
         logger.debug("request %s served by %s (chosen %s)", decision.request_id, address, decision.destination)
         return replace(decision, destination=address, predictor=predictor if decision.predictor else None,
                        candidates=(), served_elsewhere=True)
@@ -410,8 +455,15 @@ class Router:
         """The request routed by ``decision`` has ended (its ext_proc stream closed): its in-flight count drops,
         its sidecar is told, and the prediction that decided it (the chosen endpoint's, if it answered) is
         compared with the E2E observed since the decision (``astrolabe_extproc_prediction_ratio``), unless
-        ``failed`` (the backend answered with an error: the sidecar is told so, and neither scores it)."""
+        ``failed`` (the backend answered with an error: the sidecar is told so, and neither scores it). The policy
+        hears of it (``Policy.on_finished``, with ``decision.routed`` and the endpoint that served it) when it chose
+        the endpoint itself."""
         self.pool.release(decision.destination, decision.num_sequences)
+        if decision.routed is not None:
+            try:
+                self.policy.on_finished(decision.routed, decision.destination)
+            except Exception:  # noqa: BLE001 (a policy's bookkeeping must not lose a release)
+                logger.exception("policy %s failed on a finished request", self.policy.TYPE)
         if not self.pool.has(decision.destination):
             return  # the endpoint left the pool (discovery) while this request ran: its series and sidecar are gone
         predicted = next((p for address, p in decision.candidates if address == decision.destination), None)

@@ -302,7 +302,10 @@ class ExtprocServer:
             except OSError as exc:
                 raise ConfigError(f"decision_log_path: cannot open {config.decision_log_path}: {exc}") from None
         try:
-            prompt_tokens = PromptTokenCounter(config.tokenizers)
+            prefix_cache = config.prefix_cache
+            prompt_tokens = PromptTokenCounter(config.tokenizers,
+                                               block_size=prefix_cache.block_size if prefix_cache.enabled else None,
+                                               max_keyed_chars=prefix_cache.max_keyed_chars)
         except TokenizerLoadError as exc:
             raise ConfigError(str(exc)) from None
         if policy.needs_predictions and not config.tokenizers:

@@ -7,7 +7,9 @@ or data-parallel ranks are summed (usage fractions: averaged).
 vLLM (V1; FACTS.md; vllm/v1/metrics/loggers.py): gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc`` (older releases: ``vllm:gpu_cache_usage_perc``), info gauge ``vllm:cache_config_info``
 (labels ``block_size``, ``num_gpu_blocks``), counter ``vllm:num_preemptions`` (exposed as
-``vllm:num_preemptions_total``).
+``vllm:num_preemptions_total``); when present, counters ``vllm:prefix_cache_queries_total`` /
+``vllm:prefix_cache_hits_total`` (prompt tokens looked up in / found in the prefix cache; shown beside the
+ledger's modelled figures, not used to correct it).
 
 SGLang (python/sglang/srt/metrics/collector.py ``SchedulerMetricsCollector``): gauges ``sglang:num_running_reqs``,
 ``sglang:num_queue_reqs``, ``sglang:token_usage`` (used / total KV tokens, a fraction 0..1); the KV cache size as
@@ -22,6 +24,8 @@ preemptions). SGLang counts KV in pages of ``page_size`` tokens: they are this p
 """
 
 from __future__ import annotations
+
+import math
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -84,7 +88,8 @@ def _fraction(value: float) -> float:
 
 _READ_FAMILIES = frozenset((
     _VLLM_RUNNING, _VLLM_WAITING, "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:cache_config_info",
-    "vllm:num_preemptions", "vllm:num_preemptions_total",
+    "vllm:num_preemptions", "vllm:num_preemptions_total", "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total",
     _SGLANG_RUNNING, _SGLANG_WAITING, "sglang:token_usage", "sglang:cache_config_info", "sglang:page_size",
     "sglang:num_pages", "sglang:max_total_num_tokens", "sglang:num_retracted_requests",
     "sglang:num_retracted_requests_total"))
@@ -148,7 +153,16 @@ def _vllm(samples: _Samples) -> BackendObservation:
         num_gpu_blocks=_label_int(cache, "num_gpu_blocks"),
         block_size=_label_int(cache, "block_size"),
         engine=VLLM,
+        prefix_cache_queries_total=_optional_total(samples, "vllm:prefix_cache_queries_total"),
+        prefix_cache_hits_total=_optional_total(samples, "vllm:prefix_cache_hits_total"),
     )
+
+
+def _optional_total(samples: _Samples, name: str) -> float | None:
+    """A counter's value (its samples summed), or None when absent, negative or not finite (an engine's counter
+    is no input to the ledger: a bad one is only not shown)."""
+    value = samples.sums.get(name)
+    return value if value is not None and 0 <= value < math.inf else None
 
 
 def _sglang(samples: _Samples) -> BackendObservation:

@@ -7,7 +7,12 @@ and streams it to the routers that watch it; a router decodes it once per messag
 sidecar's own for the same state, up to the state's age.
 
 Requests travel as columns (packed repeated integers): about 6 bytes a request, parsed by protobuf's C code; a
-256-request state is under 2 KB. Imports only the standard library, ``predictor.api`` and ``predictor.sim``.
+256-request state is under 2 KB without block keys. With prefix caching (protocol v1.4) each request's prompt
+block keys travel too, 8 bytes a key (``fixed64``), prefix-shared: a request whose keys begin like an earlier
+request's (the latest one with the same first key: a shared system prompt, the previous turn of a conversation)
+names it and sends only the keys past the shared run; and the instance's cached free block keys (eviction order),
+8 bytes each. What that costs is printed by ``astrolabe bench prompt-keys --state`` (README).
+Imports only the standard library, ``predictor.api`` and ``predictor.sim``.
 """
 
 from __future__ import annotations
@@ -103,11 +108,84 @@ def encode(snapshot: InstanceSnapshot, batch_time: LinearBatchTimeModel, correct
         preemptions=[r.num_preemptions for r in requests],
         max_new_tokens=[r.max_new_tokens or 0 for r in requests],
         num_preemptions_total=snapshot.num_preemptions_total)
+    if any(r.block_keys for r in requests):
+        _encode_block_keys(requests, message)
+    if snapshot.cached_block_keys:
+        message.cached_block_keys.extend(snapshot.cached_block_keys)
     if snapshot.sglang is not None:
         message.new_token_ratio = snapshot.sglang.new_token_ratio
         message.batch_is_full = snapshot.sglang.batch_is_full
         message.stale_reserved_tokens.extend(snapshot.sglang.stale_reserved_tokens)
     return message
+
+
+def _shared_run(keys: tuple[int, ...], other: tuple[int, ...]) -> int:
+    """Leading keys ``keys`` and ``other`` share. Binary search: in a hash chain key i is equal only if every key
+    before it is (``predictor.sim.block_hash``)."""
+    low, high = 0, min(len(keys), len(other))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if keys[mid - 1] == other[mid - 1]:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def _encode_block_keys(requests, message: pb.InstanceState) -> None:
+    """The block-key columns (module docstring): each request's keys, the run it shares with the latest earlier
+    request whose first key is the same sent once."""
+    latest: dict[int, int] = {}  # first key -> index of the latest request whose keys start with it
+    flat: list[int] = []
+    sources, shared, own = [], [], []
+    for i, request in enumerate(requests):
+        keys = request.block_keys or ()
+        source = num_shared = 0
+        if keys:
+            j = latest.get(keys[0])
+            if j is not None:
+                num_shared = _shared_run(keys, requests[j].block_keys)
+                source = j + 1
+            latest[keys[0]] = i
+        sources.append(source)
+        shared.append(num_shared)
+        own.append(len(keys) - num_shared)
+        flat.extend(keys[num_shared:])
+    message.block_keys_from.extend(sources)
+    message.shared_block_keys.extend(shared)
+    message.own_block_keys.extend(own)
+    message.block_keys.extend(flat)
+
+
+def _decode_block_keys(message: pb.InstanceState, num: int) -> list[tuple[int, ...] | None]:
+    """Each request's block keys (None: none), from the columns `_encode_block_keys` wrote.
+
+    Raises:
+        ValueError: columns of another length than the requests', a reference to a later request, a shared run
+            longer than the keys it refers to, or counts that do not add up to the keys sent.
+    """
+    if not (message.block_keys_from or message.shared_block_keys or message.own_block_keys):
+        return [None] * num
+    columns = (message.block_keys_from, message.shared_block_keys, message.own_block_keys)
+    if any(len(column) != num for column in columns):
+        raise ValueError(f"block-key columns of {[len(c) for c in columns]} entries for {num} requests")
+    flat = message.block_keys
+    keys: list[tuple[int, ...] | None] = []
+    position = 0
+    for i, (source, num_shared, num_own) in enumerate(zip(*columns)):
+        prefix: tuple[int, ...] = ()
+        if source or num_shared:
+            if not 0 < source <= i or num_shared > len(keys[source - 1] or ()):
+                raise ValueError(f"request {i}'s block keys refer to {num_shared} keys of request {source - 1}")
+            prefix = keys[source - 1][:num_shared]
+        if position + num_own > len(flat):
+            raise ValueError(f"request {i}'s block keys run past the {len(flat)} keys sent")
+        own = tuple(flat[position:position + num_own])
+        position += num_own
+        keys.append((prefix + own) or None)
+    if position != len(flat):
+        raise ValueError(f"{len(flat) - position} block keys sent that no request names")
+    return keys
 
 
 def _finite(value: float, what: str, low: float = 0.0) -> float:
@@ -121,7 +199,8 @@ def decode(message: pb.InstanceState) -> WatchedState:
 
     Raises:
         ValueError: the message cannot describe an instance (columns of different lengths, more than
-            `MAX_REQUESTS` requests, an invalid engine, a negative or non-finite figure); the caller drops it.
+            `MAX_REQUESTS` requests, an invalid engine, a negative or non-finite figure, block-key columns that do
+            not add up); the caller drops it.
             Request counters the simulation rejects (e.g. computed beyond prompt + generated) are found only
             when a prediction runs from the state: it raises ValueError then.
     """
@@ -148,19 +227,21 @@ def decode(message: pb.InstanceState) -> WatchedState:
     if corrections.e2e_factor == 0:
         corrections = Corrections(corrections.ingress_delay_s, corrections.ttft_offset_s, 1.0)
     num_running = message.num_running
+    block_keys = _decode_block_keys(message, num)
     try:
         requests = [RequestState(f"r{i}", p, o, num_computed_tokens=c if i < num_running else 0,
                                  num_generated_tokens=g,
                                  num_blocks_held=(b if b >= 0 else None) if i < num_running else None,
-                                 num_preemptions=n, max_new_tokens=m or None)
-                    for i, (p, o, c, g, b, n, m) in enumerate(zip(*columns))]
+                                 num_preemptions=n, max_new_tokens=m or None, block_keys=k)
+                    for i, (p, o, c, g, b, n, m, k) in enumerate(zip(*columns, block_keys))]
         sglang = None
         if config.scheduling == "sglang":
             sglang = SGLangState(message.new_token_ratio or SGLANG_INIT_NEW_TOKEN_RATIO, message.batch_is_full,
                                  tuple(message.stale_reserved_tokens))
         snapshot = InstanceSnapshot(config=config, now_s=0.0, running=tuple(requests[:num_running]),
                                     waiting=tuple(requests[num_running:]),
-                                    num_preemptions_total=message.num_preemptions_total, sglang=sglang)
+                                    num_preemptions_total=message.num_preemptions_total, sglang=sglang,
+                                    cached_block_keys=tuple(message.cached_block_keys))
     except (ValueError, TypeError) as exc:
         raise ValueError(f"not a valid instance state: {exc}") from None
     return WatchedState(message.seq, snapshot, batch_time, corrections, _finite(message.lag_s, "lag_s"),

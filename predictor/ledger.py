@@ -20,6 +20,13 @@ each request's predicted output length; a request past it is assumed to need 10 
 (``predictor.sim.snapshot.NUM_EXTRA_OUTPUT_TOKENS_WHEN_OVERDUE``, the reference system's rule). Phantoms do
 finish at their (mean) length; reconciliation brings them back if the backend still shows them.
 
+Prefix caching (vllm-v1 rules): an admitted request's prompt block keys (from the router, ``Admit.block_keys``)
+go into its simulated request, so the ledger's scheduler models the instance's prefix cache as far as this
+sidecar sees it: the prefixes of the requests it admitted, kept free after they leave and evicted, least recently
+freed first, by the simulated allocations. It misses what other routers' requests cached unless they told this
+sidecar (each Admit does), and phantoms carry no keys. ``prefix_cache_queries`` / ``prefix_cache_hits`` of its
+scheduler count what it modelled (the sidecar's /metrics puts them beside the engine's own counters).
+
 NOTE: all methods take the current time explicitly (seconds on the caller's monotonic clock) and run on one
 thread (the sidecar's event loop).
 """
@@ -57,6 +64,9 @@ class BackendObservation:
         num_gpu_blocks: from ``vllm:cache_config_info`` (SGLang: pages), or None.
         block_size: from ``vllm:cache_config_info`` (SGLang: ``page_size``), tokens, or None.
         engine: the format that was read: ``vllm`` or ``sglang``.
+        prefix_cache_queries_total: ``vllm:prefix_cache_queries_total``, prompt tokens looked up in the prefix
+            cache, tokens; None when the backend does not export it.
+        prefix_cache_hits_total: ``vllm:prefix_cache_hits_total``, of those the tokens found cached; None likewise.
     """
 
     num_running: int
@@ -66,6 +76,8 @@ class BackendObservation:
     num_gpu_blocks: int | None = None
     block_size: int | None = None
     engine: str = "vllm"
+    prefix_cache_queries_total: float | None = None
+    prefix_cache_hits_total: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +127,7 @@ class Ledger:
         self._mean_output_tokens = float(default_output_tokens)
         self._num_phantoms = 0
         self._capped = False  # warned that the backend reported more than MAX_LEDGER_REQUESTS
+        self._uncounted_queries = self._uncounted_hits = 0  # prefix-cache lookups of requests that never ran, tokens
         self.stats = ReconcileStats()
 
     @property
@@ -164,7 +177,8 @@ class Ledger:
         return len(self.scheduler.running) + len(self.scheduler.waiting)
 
     def admit(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int, now_s: float, *,
-              max_tokens: int | None = None, length_source: int = 0) -> bool:
+              max_tokens: int | None = None, length_source: int = 0,
+              block_keys: tuple[int, ...] | None = None) -> bool:
         """Adds a request dispatched here at ``now_s``; returns False if the id is already in the ledger.
 
         Args:
@@ -174,9 +188,13 @@ class Ledger:
             now_s: admission time, seconds.
             max_tokens: the request's output cap, tokens (None = unknown).
             length_source: where the prediction came from (``predictor.residual_rules.LENGTH_SOURCE_*``).
+            block_keys: its prompt's full KV blocks' keys (None: unknown). The simulated instance looks them up in
+                its prefix cache (a shorter prefill) and caches them as they fill; they stay cached, free, after
+                the request leaves, until simulated allocations evict them (``predictor.sim.prefix_cache``).
 
         Raises:
-            ValueError: token counts < 1, or a request that can never fit this instance's KV cache.
+            ValueError: token counts < 1, a request that can never fit this instance's KV cache, or more keys
+                than the prompt's full blocks.
         """
         self.advance(now_s)
         if self.scheduler.get_request(request_id) is not None:
@@ -186,24 +204,70 @@ class Ledger:
         # Open-ended: as long as the KV cache could ever hold, so that only Release ends it.
         num_open_ended_tokens = max(config.num_gpu_blocks * config.block_size - num_prompt_tokens, num_output_tokens)
         # max_new_tokens: SGLang's admission reserves KV by each request's cap (predictor.sim.scheduler).
+        if block_keys and len(block_keys) > num_prompt_tokens // config.block_size:
+            raise ValueError(f"{len(block_keys)} block keys for a prompt of {num_prompt_tokens} tokens "
+                             f"(block_size {config.block_size}): more than its full blocks")
         self.engine.add_request(SimRequest(request_id, num_prompt_tokens, num_open_ended_tokens,
                                            arrival_time_s=max(now_s, self.engine.now_s),
-                                           max_new_tokens=max_tokens or None))
+                                           max_new_tokens=max_tokens or None, block_keys=block_keys or None))
         self._admitted_at_s[request_id] = now_s
         self._admitted[request_id] = _Admitted(num_output_tokens, max_tokens or None, length_source)
         self._mean_prompt_tokens += _EMA_WEIGHT * (num_prompt_tokens - self._mean_prompt_tokens)
         self._mean_output_tokens += _EMA_WEIGHT * (num_output_tokens - self._mean_output_tokens)
         return True
 
-    def release(self, request_id: str, now_s: float) -> bool:
-        """Removes a request that ended; returns False if it had already left the ledger. A request the ledger
-        does not hold (with the plugin's state in use the sidecar admits none into it) costs no simulation."""
+    def add_block_keys(self, request_id: str, block_keys: tuple[int, ...], now_s: float) -> bool:
+        """Gives a request admitted without keys (a held one, ``predictor.holds``) its prompt's ``block_keys`` once
+        its Admit confirms it: it is taken out and queued again, with the keys and its arrival time, so that it
+        starts over from its prefix-cache hit (a hold lasts one routing decision: it lost at most that much
+        simulated progress). A held request carries no keys until then because a hold dropped unconfirmed must
+        leave nothing cached: that request never ran on the instance. Returns whether the keys were added (not for
+        a request gone, one with keys already, or keys the prompt cannot have).
+        """
+        self.advance(now_s)
+        request = self.scheduler.get_request(request_id)
+        if request is None or request.block_keys or \
+                len(block_keys) > request.num_prompt_tokens // self.scheduler.config.block_size:
+            return False
+        self._discount(self.scheduler.abort_request(request_id))
+        self.engine.add_request(SimRequest(request_id, request.num_prompt_tokens, request.num_output_tokens,
+                                           arrival_time_s=request.arrival_time_s,
+                                           max_new_tokens=request.max_new_tokens, block_keys=block_keys))
+        return True
+
+    def release(self, request_id: str, now_s: float, *, ran: bool = True) -> bool:
+        """Removes a request that ended (``ran``) or never ran on the instance (not ``ran``: a hold dropped, its
+        prefix-cache lookup taken back out of `prefix_cache_queries`); returns False if it had already left the
+        ledger. A request the ledger does not hold (with the plugin's state in use the sidecar admits none into
+        it) costs no simulation."""
         if self.scheduler.get_request(request_id) is None:  # advancing cannot bring it back
             self._forget(request_id)
             return False
         self.advance(now_s)
         self._forget(request_id)
-        return self.scheduler.abort_request(request_id) is not None
+        removed = self.scheduler.abort_request(request_id)
+        if removed is not None and not ran:
+            self._discount(removed)
+        return removed is not None
+
+    def _discount(self, request: SimRequest) -> None:
+        """Takes a request's prefix-cache lookup (counted by the scheduler at its first admission) back out of the
+        modelled counters."""
+        if request.num_cached_tokens is not None:
+            self._uncounted_queries += request.num_prompt_tokens
+            self._uncounted_hits += request.num_cached_tokens
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens the simulated instance looked up in its prefix cache, tokens (vLLM's
+        ``vllm:prefix_cache_queries`` as modelled; holds that never ran and lookups repeated by `add_block_keys`
+        not counted)."""
+        return self.scheduler.prefix_cache_queries - self._uncounted_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of `prefix_cache_queries`, the tokens found cached, tokens (``vllm:prefix_cache_hits`` as modelled)."""
+        return self.scheduler.prefix_cache_hits - self._uncounted_hits
 
     def reconcile(self, observed: BackendObservation, now_s: float) -> int:
         """Moves the ledger's request count toward the backend's; returns the change (+ added, - removed)."""

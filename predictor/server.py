@@ -60,7 +60,7 @@ from predictor.calibration import CalibrationStatus, StepTimeCalibrator
 from predictor.engine_flags import add_engine_arguments, engine_from_args
 from predictor.holds import MAX_HOLD_S, Holds
 from predictor.instance_state import Corrections, encode
-from predictor.ledger import Ledger
+from predictor.ledger import BackendObservation, Ledger
 from predictor.outcomes import OutcomeTracker
 from predictor.residual_rules import ResidualRules
 from predictor.sim import EngineConfig, LinearBatchTimeModel
@@ -273,9 +273,9 @@ TRACED_METHODS = ("/astrolabe.predictor.v1.Predictor/Predict", "/astrolabe.predi
 nor are Watch and Notify (streams for the router's whole life: one span would last for hours). A router sends the
 Admit of a sampled request as a unary call, so that it is traced (``extproc/notices.py``)."""
 SIMULATION_SPAN = "astrolabe.simulate"
-PROTOCOL_REVISION = 3
-"""``PredictResponse.protocol_revision``: the revision of ``predictor.proto`` v1 this sidecar speaks (3 = v1.3:
-holding Predicts since v1.1, Watch since v1.2, Notify streams since v1.3)."""
+PROTOCOL_REVISION = 4
+"""``PredictResponse.protocol_revision``: the revision of ``predictor.proto`` v1 this sidecar speaks (4 = v1.4:
+holding Predicts since v1.1, Watch since v1.2, Notify streams since v1.3, prompt block keys since v1.4)."""
 NOTICES_PER_TURN = 256
 """Notices a Notify stream handles before it lets the event loop run others (``PredictorServicer.Notify``)."""
 MIN_WATCH_INTERVAL_S = 0.005
@@ -328,14 +328,16 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         Raises:
             ValueError: as ``Sidecar.predict``.
         """
+        sidecar = self._sidecar
         args = (request.num_prompt_tokens, request.num_predicted_output_tokens, request.max_tokens or None,
-                request.length_source, self._sidecar.holds.held_by(request.router_id))
+                request.length_source, sidecar.holds.held_by(request.router_id),
+                sidecar.usable_block_keys(request.block_keys, request.block_keys_block_size, request.num_prompt_tokens))
         if self._tracer is None:
-            return self._sidecar.predict(*args)
+            return sidecar.predict(*args)
         with self._tracer.start_as_current_span(SIMULATION_SPAN, attributes={
                 ADMIT_ID: request.request_id, NUM_PROMPT_TOKENS: request.num_prompt_tokens,
                 NUM_PREDICTED_OUTPUT_TOKENS: request.num_predicted_output_tokens}) as span:
-            response = self._sidecar.predict(*args)
+            response = sidecar.predict(*args)
             if span.is_recording():
                 span.set_attributes(_simulation_attributes(response))
         return response
@@ -385,9 +387,15 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         hold = sidecar.holds.confirm(request.request_id)
         if hold is not None:  # its Predict held it: counted since then, its prediction made then
             sidecar.outcomes.admit(request.request_id, hold.held_s, request.predicted_ttft_s, request.predicted_e2e_s)
+            keys = sidecar.usable_block_keys(request.block_keys, request.block_keys_block_size,
+                                             request.num_prompt_tokens)
+            if keys and not sidecar.plugin.in_use:  # held without them (`Sidecar.hold`)
+                sidecar.ledger.add_block_keys(request.request_id, keys, now_s)
             return pb.AdmitResponse(duplicate=False)
         added = sidecar.admit(request.request_id, request.num_prompt_tokens, request.num_predicted_output_tokens,
-                              now_s, max_tokens=request.max_tokens or None, length_source=request.length_source)
+                              now_s, max_tokens=request.max_tokens or None, length_source=request.length_source,
+                              block_keys=sidecar.usable_block_keys(request.block_keys, request.block_keys_block_size,
+                                                                   request.num_prompt_tokens))
         if added:
             sidecar.outcomes.admit(request.request_id, now_s, request.predicted_ttft_s, request.predicted_e2e_s)
         return pb.AdmitResponse(duplicate=not added)
@@ -401,11 +409,12 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         now_s = time.monotonic()
         if sidecar.outcomes.awaits_first_token(request.request_id) and sidecar.plugin.reader is not None:
             sidecar.absorb(sidecar.plugin.reader.read(now_s), now_s)  # its first token may be in the newest file
-        sidecar.holds.drop(request.request_id)  # held and routed elsewhere (or ended before its Admit arrived)
+        # held and routed elsewhere (or, rarely, ended before its Admit arrived): it did not run here
+        held = sidecar.holds.drop(request.request_id)
         sidecar.num_changes += 1
         sidecar.outcomes.release(request.request_id, now_s, scored=not request.failed)
         sidecar.plugin.admits.release(request.request_id)
-        return pb.ReleaseResponse(known=sidecar.ledger.release(request.request_id, now_s))
+        return pb.ReleaseResponse(known=sidecar.ledger.release(request.request_id, now_s, ran=not held))
 
     async def Notify(self, request_iterator, context):  # noqa: N802
         """Protocol v1.3: a router's Admits and Releases, batched (``NoticeBatch``), handled as the unary calls are,
@@ -522,6 +531,7 @@ class Sidecar:
         self._watch_task: asyncio.Task | None = None
         self._admits_seen: dict[int, int] = {}  # router id -> highest admit_seq handled, least recent first
         self.last_reconciled_s: float | None = None
+        self.last_observed: BackendObservation | None = None  # the backend's last /metrics scrape read
         self._discovery_failed = False  # warned once that the backend is not readable yet
         self.health = health.aio.HealthServicer()
         self._backend_request_options = https_request_options(config.backend_tls)
@@ -595,11 +605,31 @@ class Sidecar:
         return Ledger(engine, self.batch_time, time.monotonic(), visibility_grace_s=self.config.visibility_grace_s,
                       residual=self.residual.for_source)
 
+    def usable_block_keys(self, block_keys, block_size: int, num_prompt_tokens: int) -> tuple[int, ...] | None:
+        """A Predict's or Admit's block keys (protocol v1.4) as this sidecar can use them: None when there are none,
+        when they were computed at another block size than this instance's engine uses (they name other blocks:
+        ignored, logged once), or when there are more than the prompt's full blocks (a broken router: ignored)."""
+        if not block_keys:
+            return None
+        engine_block_size = self.ledger.scheduler.config.block_size
+        if block_size != engine_block_size or len(block_keys) > max(num_prompt_tokens, 1) // engine_block_size:
+            if not self._warned_block_keys:
+                logger.warning("a router sent %d block keys at block size %d for a %d-token prompt; this engine's "
+                               "block size is %d: keys ignored (set the extproc's prefix_cache.block_size to the "
+                               "engine's --block-size); logged once", len(block_keys), block_size,
+                               num_prompt_tokens, engine_block_size)
+                self._warned_block_keys = True
+            return None
+        return tuple(block_keys)
+
+    _warned_block_keys = False
+
     def admit(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int, now_s: float, *,
-              max_tokens: int | None = None, length_source: int = 0) -> bool:
+              max_tokens: int | None = None, length_source: int = 0,
+              block_keys: tuple[int, ...] | None = None) -> bool:
         """Counts a request dispatched here from ``now_s`` (seconds, monotonic): in the ledger (unless the plugin's
-        state is in use, which shows the engine's own queues) and in the admission records. Returns False if it
-        was already counted.
+        state is in use, which shows the engine's own queues), with its prompt's ``block_keys`` (its model of the
+        prefix cache, ``predictor.ledger``), and in the admission records. Returns False if it was already counted.
 
         Raises:
             ValueError: the request can never fit this instance (its prompt exceeds the KV cache).
@@ -611,7 +641,7 @@ class Sidecar:
             added = not self.plugin.admits.is_admitted(request_id)
         else:
             added = self.ledger.admit(request_id, num_prompt_tokens, num_output_tokens, now_s,
-                                      max_tokens=max_tokens, length_source=length_source)
+                                      max_tokens=max_tokens, length_source=length_source, block_keys=block_keys)
         if added:
             self.plugin.admits.admit(request_id, num_output_tokens, num_prompt_tokens, now_s, max_tokens=max_tokens,
                                      length_source=length_source)
@@ -624,7 +654,9 @@ class Sidecar:
         it, until an Admit confirms it or a Release or the end of ``hold_s`` (seconds, cut to
         ``predictor.holds.MAX_HOLD_S``) drops it; ``router_id``'s own Predicts do not count it. Returns whether it
         is held now; a request already counted here (admitted, or held by an earlier Predict) or one that can never
-        fit is not held. Never raises."""
+        fit is not held. It is held without its prompt's block keys: a hold dropped unconfirmed must leave nothing
+        in the ledger's prefix cache (the request never ran here); the confirming Admit adds them
+        (``Ledger.add_block_keys``). Never raises."""
         now_s = time.monotonic()
         self.end_expired_holds(now_s)
         if request_id in self.holds:
@@ -660,24 +692,28 @@ class Sidecar:
             self._uncount(request_id, now_s)
 
     def _uncount(self, request_id: str, now_s: float) -> None:
+        """Stops counting a hold that ended unconfirmed (it never ran here)."""
         self.plugin.admits.release(request_id)
-        self.ledger.release(request_id, now_s)
+        self.ledger.release(request_id, now_s, ran=False)
         self.num_changes += 1
 
     def state_age_s(self, now_s: float) -> float:
         return float("inf") if self.last_reconciled_s is None else now_s - self.last_reconciled_s
 
     def predict(self, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int | None = None,
-                length_source: int = 0, exclude: frozenset[str] | set[str] = frozenset()) -> pb.PredictResponse:
+                length_source: int = 0, exclude: frozenset[str] | set[str] = frozenset(),
+                block_keys: tuple[int, ...] | None = None) -> pb.PredictResponse:
         """`_predict`, timed into ``simulation_seconds`` (the metric ``astrolabe_predictor_simulation_seconds``)."""
         start_s = time.perf_counter()
         try:
-            return self._predict(num_prompt_tokens, num_output_tokens, max_tokens, length_source, exclude)
+            return self._predict(num_prompt_tokens, num_output_tokens, max_tokens, length_source, exclude,
+                                 block_keys)
         finally:
             self.simulation_seconds.observe(time.perf_counter() - start_s)
 
     def _predict(self, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int | None = None,
-                 length_source: int = 0, exclude: frozenset[str] | set[str] = frozenset()) -> pb.PredictResponse:
+                 length_source: int = 0, exclude: frozenset[str] | set[str] = frozenset(),
+                 block_keys: tuple[int, ...] | None = None) -> pb.PredictResponse:
         """Predicted TTFT and E2E, in seconds from now, of a new request on this instance, and what one more like
         it arriving first would add (``ttft_s_per_request``, ``e2e_s_per_request``: ``marginal_cost_s``).
 
@@ -688,6 +724,8 @@ class Sidecar:
             max_tokens: the request's cap, tokens, or None.
             length_source: ``predictor.residual_rules.LENGTH_SOURCE_*``.
             exclude: ids of held requests left out (the asking router's own holds, ``predictor.holds``).
+            block_keys: the prompt's block keys (`usable_block_keys`; None: none): the simulation starts it past
+                the prefix the state holds or caches (a shorter prefill, fewer blocks).
 
         Raises:
             ValueError: the request can never fit this instance (e.g. a prompt larger than its KV cache).
@@ -698,7 +736,7 @@ class Sidecar:
         view = self._view(now_s, exclude)
         snapshot = view.snapshot.fit_to_kv_cache()
         new = snapshot.fit_request(RequestState("new", num_prompt_tokens, expected_tokens,
-                                                max_new_tokens=max_tokens or None))
+                                                max_new_tokens=max_tokens or None, block_keys=block_keys))
         result = predict(snapshot, new, self.batch_time)
         idle = predict_idle(snapshot, new, self.batch_time)
         ttft_per_request_s, e2e_per_request_s = marginal_cost_s(snapshot, new, self.batch_time, result)
@@ -960,6 +998,7 @@ class Sidecar:
                         if NOT_READABLE_YET not in sources:
                             self._log_discovered(*sources)
                     observed = await self._scrape(session)
+                    self.last_observed = observed
                     self.end_expired_holds(time.monotonic())
                     self.ledger.reconcile(observed, time.monotonic())
                     self.last_reconciled_s = time.monotonic()

@@ -17,6 +17,12 @@ is updated on the request path). Names (``astrolabe_predictor_*``; no label valu
 - ``astrolabe_predictor_reconciliations_total``, ``..._reconciliation_corrections_total{kind=added|removed}``:
   the ledger's reconciliations with the backend's /metrics and the requests they corrected;
 - ``astrolabe_predictor_simulation_seconds``: histogram of each Predict's work (state read and simulation);
+- ``astrolabe_predictor_prefix_cache_queries_total{source}`` / ``..._hits_total{source}``: prompt tokens looked
+  up in the prefix cache / found there (vLLM's ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``, tokens):
+  ``source="ledger"`` as the ledger modelled them (its scheduler, from the block keys of the requests this sidecar
+  admitted, ``predictor.ledger``; starts over when the ledger is rebuilt), ``source="engine"`` the engine's own
+  counters at the last /metrics scrape (absent when the backend does not export them): the two side by side show
+  how much of the engine's cache the ledger sees;
 - ``astrolabe_predictor_ingress_delay_seconds``: the measured delay from Admit to the engine's scheduler, median
   of the last 10 s (``predictor.ingress``; 0 until enough measured), ``..._ingress_delays_measured_total``: how
   many measured.
@@ -99,6 +105,22 @@ class SidecarCollector:
         corrections.add_metric(["removed"], stats.num_requests_removed)
         yield corrections
         yield from sidecar.simulation_seconds.collect()
+        ledger = sidecar.ledger
+        observed = sidecar.last_observed
+        for name, modelled, engine, help_text in (
+                ("queries", ledger.prefix_cache_queries,
+                 None if observed is None else observed.prefix_cache_queries_total,
+                 "prompt tokens looked up in the prefix cache, tokens (vllm:prefix_cache_queries)"),
+                ("hits", ledger.prefix_cache_hits,
+                 None if observed is None else observed.prefix_cache_hits_total,
+                 "prompt tokens found in the prefix cache, tokens (vllm:prefix_cache_hits)")):
+            family = CounterMetricFamily(f"astrolabe_predictor_prefix_cache_{name}", help_text + ": ledger = as the "
+                                         "ledger modelled them, engine = the engine's own at the last scrape",
+                                         labels=["source"])
+            family.add_metric(["ledger"], modelled)
+            if engine is not None:
+                family.add_metric(["engine"], engine)
+            yield family
 
 
 def _finite(value: float) -> float:

@@ -65,7 +65,13 @@ def num_tokens(tokenizer: Tokenizer, text: str, *, special: bool) -> int:
     Counts through ``Tokenizer.encode_batch_fast`` (tokenizers >= 0.21), which skips the character offsets that
     ``encode`` computes and nothing here reads: ~25% less CPU per prompt on this machine (0.44 -> 0.34 ms for a
     1,200-character ShareGPT prompt), the same ids."""
-    return len(tokenizer.encode_batch_fast([text], add_special_tokens=special)[0].ids)
+    return len(token_ids(tokenizer, text, special=special))
+
+
+def token_ids(tokenizer: Tokenizer, text: str, *, special: bool) -> list[int]:
+    """The token ids ``tokenizer`` makes of ``text`` (with its special tokens when ``special``), through
+    ``encode_batch_fast`` as `num_tokens` counts them."""
+    return tokenizer.encode_batch_fast([text], add_special_tokens=special)[0].ids
 
 
 def count_tokens_batch(texts: list[str]) -> list[int]:

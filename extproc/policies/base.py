@@ -122,6 +122,10 @@ class Policy(abc.ABC):
     needs_predictions: ClassVar[bool] = False
     needs_metrics: ClassVar[bool] = False
     """True when ``choose`` reads ``EndpointView.metrics`` (the extproc then starts its metrics scraper)."""
+    needs_block_keys: ClassVar[bool] = True
+    """False when the policy reads neither ``RoutingRequest.block_keys`` nor ``EndpointView.num_prefix_blocks_cached``
+    and predicts nothing: the router then does not tokenize its requests' prompts in full (``prefix_cache`` in the
+    config; a load-only policy would pay for keys it never reads)."""
     recent_window_s: float = 60.0
     """Window of ``EndpointView.num_recent_requests``, seconds (only ``min-qpm`` reads it)."""
 

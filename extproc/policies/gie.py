@@ -63,6 +63,7 @@ def scores(endpoints: Sequence[EndpointView], params: Params) -> list[float]:
 
 class GiePolicy(Policy):
     TYPE = TYPE
+    needs_block_keys = False  # load only: no prompt keys
     needs_metrics = True
 
     def __init__(self, params: Params, rng: random.Random) -> None:

@@ -30,6 +30,7 @@ def score(endpoint: EndpointView) -> float:
 
 class InfaasPolicy(LowestScorePolicy):
     TYPE = TYPE
+    needs_block_keys = False  # load only: no prompt keys
     score = staticmethod(score)
 
 

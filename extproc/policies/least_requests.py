@@ -18,6 +18,7 @@ TYPE = "least-requests"
 
 class LeastRequestsPolicy(Policy):
     TYPE = TYPE
+    needs_block_keys = False  # load only: no prompt keys
 
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng

@@ -31,6 +31,7 @@ def score(endpoint: EndpointView) -> float:
 
 class LlumnixPolicy(LowestScorePolicy):
     TYPE = TYPE
+    needs_block_keys = False  # load only: no prompt keys
     score = staticmethod(score)
 
 

@@ -33,6 +33,7 @@ class Params:
 
 class MinQpmPolicy(Policy):
     TYPE = TYPE
+    needs_block_keys = False  # load only: no prompt keys
 
     def __init__(self, params: Params, rng: random.Random) -> None:
         self.params = params

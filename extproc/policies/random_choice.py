@@ -16,6 +16,7 @@ TYPE = "random"
 
 class RandomPolicy(Policy):
     TYPE = TYPE
+    needs_block_keys = False  # load only: no prompt keys
 
     def __init__(self, rng: random.Random) -> None:
         self._rng = rng

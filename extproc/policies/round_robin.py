@@ -17,6 +17,7 @@ TYPE = "round-robin"
 
 class RoundRobinPolicy(Policy):
     TYPE = TYPE
+    needs_block_keys = False  # load only: no prompt keys
 
     def __init__(self, rng: random.Random) -> None:
         # Random start so that several replicas do not send their first requests to the same endpoint.

@@ -162,3 +162,70 @@ def test_loading_a_chat_template_writes_only_the_services_own_log_lines(tmp_path
     assert any(r["logger"] == "extproc.prompt_tokens" and "with its chat template" in r["message"] for r in records)
     assert not any("PyTorch was not found" in r["message"] for r in records)
     assert not any("indexing errors" in r["message"] for r in records)
+
+
+def test_block_keys_are_the_chat_templates_token_ids_hashed_at_the_block_size(tmp_path):
+    from tokenizers import Tokenizer
+
+    from deploy.vllm.make_tiny_model import _write_tokenizer
+    from predictor.sim.block_hash import block_keys
+
+    _write_tokenizer(tokenizer_path(), tmp_path)
+    counter = PromptTokenCounter({"tiny": str(tmp_path)}, block_size=4)
+    content = " ".join(["prefill and decode share one KV cache"] * 8)
+    rendered = f"system: Be brief.\nuser: {content}\nassistant:"  # deploy/vllm/make_tiny_model.CHAT_TEMPLATE
+    ids = Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(rendered, add_special_tokens=False).ids
+    tokens = counter.tokens(_chat("tiny", content))
+    assert tokens.num_tokens == len(ids) == counter.count(_chat("tiny", content))
+    assert tokens.block_keys == block_keys(ids, 4) and len(tokens.block_keys) == len(ids) // 4 > 0
+    # the messages' text without the template gives other keys: the template is in the keyed ids
+    untemplated = Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(
+        f"Be brief.\n{content}", add_special_tokens=False).ids
+    assert tokens.block_keys[0] != block_keys(untemplated, 4)[0]
+
+
+def test_token_id_prompts_are_keyed_as_given_and_keys_off_computes_none():
+    from predictor.sim.block_hash import block_keys
+
+    ids = list(range(1000, 1050))
+    request = parse_body("r", "POST", "/v1/completions", json.dumps({"model": "m", "prompt": ids}).encode())
+    keyed = PromptTokenCounter(block_size=16).tokens(request)
+    assert keyed.num_tokens == 50 and keyed.block_keys == block_keys(ids, 16) and len(keyed.block_keys) == 3
+    assert PromptTokenCounter().tokens(request).block_keys is None  # keys off (block_size None)
+    huge = parse_body("r", "POST", "/v1/completions", json.dumps({"model": "m", "prompt": [1 << 40, 2]}).encode())
+    assert PromptTokenCounter(block_size=1).tokens(huge).block_keys is None  # out of any vocabulary: no keys
+
+
+def test_keys_need_every_token_so_a_long_text_is_tokenized_in_full_up_to_max_keyed_chars():
+    from extproc.lengths import MAX_TOKENIZED_CHARS
+    from tagger.tokenizer import get_tokenizer, token_ids
+
+    from predictor.sim.block_hash import block_keys
+
+    text = " ".join(f"word{i % 97} token{i % 13}" for i in range(3 * MAX_TOKENIZED_CHARS // 10))
+    assert len(text) > 2 * MAX_TOKENIZED_CHARS
+    request = _completion("other", text)
+    ids = token_ids(get_tokenizer(), text, special=False)  # no tokenizer configured: the shipped WordPiece
+    keyed = PromptTokenCounter(block_size=16).tokens(request)
+    assert keyed.num_tokens == len(ids) and keyed.block_keys == block_keys(ids, 16)  # exact, not extrapolated
+    capped = PromptTokenCounter(block_size=16, max_keyed_chars=len(text) - 1).tokens(request)
+    assert capped.block_keys is None and capped.num_tokens == PromptTokenCounter().count(request)
+    # a shared prefix shares its leading keys, and only those
+    longer = PromptTokenCounter(block_size=16).tokens(_completion("other", text + " and one more question"))
+    shared = len(ids) // 16 - 1  # the last full block may end differently
+    assert longer.block_keys[:shared] == keyed.block_keys[:shared]
+    with pytest.raises(ValueError, match="block_size"):
+        PromptTokenCounter(block_size=0)
+
+
+def test_the_prefix_cache_section_configures_the_keys():
+    config = parse_config({"endpoints": [{"address": "127.0.0.1:8000"}]})
+    assert (config.prefix_cache.enabled, config.prefix_cache.block_size) == (True, 16)
+    config = parse_config({"endpoints": [{"address": "127.0.0.1:8000"}],
+                           "prefix_cache": {"enabled": False, "block_size": 32, "max_keyed_chars": 1000}})
+    assert (config.prefix_cache.enabled, config.prefix_cache.block_size, config.prefix_cache.max_keyed_chars) == \
+        (False, 32, 1000)
+    with pytest.raises(ConfigError, match="prefix_cache.block_size"):
+        parse_config({"endpoints": [{"address": "127.0.0.1:8000"}], "prefix_cache": {"block_size": 0}})
+    with pytest.raises(ConfigError, match="prefix_cache"):
+        parse_config({"endpoints": [{"address": "127.0.0.1:8000"}], "prefix_cache": {"size": 16}})

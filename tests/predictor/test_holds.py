@@ -9,6 +9,7 @@ import pytest
 
 from predictor.api import pb
 from predictor.holds import MAX_HOLD_S, Holds
+from predictor.server import PROTOCOL_REVISION
 from tests.predictor.test_server import start_sidecar
 
 
@@ -56,7 +57,7 @@ async def test_concurrent_predicts_see_each_other_and_the_router_settles_each_ho
         # a burst of 8 decisions asking at once: each answer counts the holds of those answered before it
         replies = await asyncio.gather(*(stub.Predict(ask(f"r{i}"), timeout=5) for i in range(8)))
         assert sorted(r.num_running + r.num_waiting for r in replies) == list(range(8))
-        assert all(r.protocol_revision == 3 for r in replies) and sorted(r.num_held for r in replies) == list(range(8))
+        assert all(r.protocol_revision == PROTOCOL_REVISION for r in replies) and sorted(r.num_held for r in replies) == list(range(8))
         assert len(sidecar.holds) == 8 and sidecar.ledger.num_unfinished() == 8
         # the router chose this instance for r0..r3 (Admit confirms), another one for r4..r7 (Release drops)
         for i in range(4):
