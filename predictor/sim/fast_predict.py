@@ -34,15 +34,18 @@ the next completion or the first step whose block demand exceeds the free blocks
 for why admission cannot become possible in between); such a run is applied at once and priced in closed form.
 Every other step is simulated exactly, walking only prefills, block requesters and preemption victims.
 
-NOTE: prefix caching (requests with `RequestState.block_keys`) is modelled for keys of PROMPT blocks: from the
-first keyed request on, a `predictor.sim.prefix_cache.PrefixCachePool` (the scheduler's own pool class) mirrors
-every block change in the order `Scheduler` makes it (running reservations, then admissions with their hits;
-preemptions at once; a step's finishes in schedule order), `num_free_blocks` follows its count after releases
-(blocks shared with running requests stay used), and a keyed queue head is admitted by an exact step (its hits
-depend on what the decodes' blocks evict first). Keys of prompt blocks are all cached by the end of a prefill, so a
-decode never names a block. Keys past the prompt's full blocks (output blocks a driver knows) raise
-`PrefixCacheNotModelled` when the request is reached, and `predictor.sim.predict.predict` then steps the
-`Scheduler` instead. Requests without keys cost what they did (one `pool is None` test per event).
+NOTE: prefix caching (requests with `RequestState.block_keys`) is modelled for keys of PROMPT blocks: from the first
+keyed request on, a `predictor.sim.prefix_cache.PrefixCachePool` (the scheduler's own pool class) mirrors every
+block change in the order `Scheduler` makes it (running reservations, then admissions with their hits; preemptions
+at once; a step's finishes in schedule order; the snapshot's cached free blocks,
+`InstanceSnapshot.cached_block_keys`, named after the running requests' blocks, behind the anonymous free blocks, as
+`InstanceSnapshot.to_scheduler` does: with no keyed request they are plain free blocks and no pool is made),
+`num_free_blocks` follows its count after releases (blocks shared with running requests stay used), and a keyed
+queue head is admitted by an exact step (its hits depend on what the decodes' blocks evict first). Keys of prompt
+blocks are all cached by the end of a prefill, so a decode never names a block. Keys past the prompt's full blocks
+(output blocks a driver knows) raise `PrefixCacheNotModelled` when the request is reached, and
+`predictor.sim.predict.predict` then steps the `Scheduler` instead. Requests without keys cost what they did (one
+`pool is None` test per event).
 
 NOTE: the module is also compiled as is with mypyc where the build can (see `predictor.sim.predict`): keep every
 attribute typed (the `_Rec` annotations, `isinstance` rather than `__class__` checks) so mypy accepts it and the
@@ -815,6 +818,13 @@ class _FastScheduler:
             raise ValueError(f"running list is full (max_num_seqs={config.max_num_seqs})")
         for state in snapshot.running:
             self.restore_running(state)
+        cached = snapshot.cached_block_keys
+        if cached:
+            if len(cached) > self.num_free_blocks:
+                raise ValueError(f"{len(cached)} cached free blocks to restore, {self.num_free_blocks} blocks free")
+            # Only a request with keys can hit them; without one they are free blocks like the others.
+            if self.pool is not None or request.block_keys or any(s.block_keys for s in snapshot.waiting):
+                self.ensure_pool().restore_cached_free(cached)
         self.waiting.extend(snapshot.waiting)
         target = self.convert(request)
         target.is_target = True

@@ -111,6 +111,50 @@ class PrefixCachePool(BlockPool):
             order.extend([entry] if entry >= 0 else [None] * count)
         return order
 
+    def cached_free_keys(self) -> list[int]:
+        """Keys of the free cached blocks, head (next evicted) first (`InstanceSnapshot.cached_block_keys`;
+        O(free queue entries))."""
+        if not self._num_cached_free:
+            return []
+        key_of = self._key_of
+        return [key_of[entry] for entry in self._queue if entry >= 0]
+
+    def restore_cached_free(self, keys: Sequence[int]) -> None:
+        """Give `len(keys)` anonymous free blocks these keys and move them, in this order, to the TAIL of the free
+        queue (free but reusable: a snapshot's cached blocks no request holds, `InstanceSnapshot.cached_block_keys`).
+        The anonymous blocks are taken from the head of the queue; the other free blocks keep their order, so they
+        are all evicted before these.
+
+        Raises:
+            ValueError: If fewer anonymous blocks are free than keys are given (state unchanged).
+        """
+        num_keys = len(keys)
+        if not num_keys:
+            return
+        num_anonymous = self._num_free_blocks - self._num_cached_free
+        if num_keys > num_anonymous:
+            raise ValueError(f"{num_keys} cached free blocks to restore, {num_anonymous} anonymous blocks free")
+        queue = self._queue
+        if self._num_cached_free:
+            num_left = num_keys
+            for entry in [e for e in queue if e < 0]:
+                count = queue[entry]
+                if count > num_left:
+                    queue[entry] = count - num_left
+                    break
+                del queue[entry]
+                num_left -= count
+                if not num_left:
+                    break
+        else:
+            queue.clear()
+            if num_anonymous > num_keys:
+                queue[self._next_run_id] = num_anonymous - num_keys
+                self._next_run_id -= 1
+        for block_id in self._name_blocks(keys, 0):
+            queue[block_id] = 1
+        self._num_cached_free += num_keys
+
     # ---- anonymous blocks ----------------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> bool:
         """Take `num_blocks` anonymous blocks from the head of the free queue (all or nothing), evicting the cached
@@ -188,6 +232,10 @@ class PrefixCachePool(BlockPool):
         Returns:
             The blocks' ids, in key order.
         """
+        return self._name_blocks(keys, 1)
+
+    def _name_blocks(self, keys: Sequence[int], refs: int) -> list[int]:
+        """New block ids for these keys, each with `refs` references (the caller keeps the free queue)."""
         block_id = self._next_id
         key_of = self._key_of
         ref = self._ref
@@ -195,7 +243,7 @@ class PrefixCachePool(BlockPool):
         block_ids: list[int] = []
         for key in keys:
             key_of[block_id] = key
-            ref[block_id] = 1
+            ref[block_id] = refs
             blocks = blocks_of_key.get(key)
             if blocks is None:
                 blocks_of_key[key] = [block_id]

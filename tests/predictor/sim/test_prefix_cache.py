@@ -99,8 +99,31 @@ def test_bad_release_and_touch_are_errors():
         pool.release(ids, 0)
 
 
+def test_restored_cached_free_blocks_queue_behind_the_anonymous_ones_in_order():
+    pool = PrefixCachePool(8)
+    assert pool.allocate(2)
+    pool.restore_cached_free([21, 22, 23])
+    queue = pool.free_queue()
+    assert queue[:3] == [None] * 3 and [pool.key_of(b) for b in queue[3:]] == [21, 22, 23]
+    assert pool.cached_free_keys() == [21, 22, 23] and pool.num_free_blocks == 6
+    assert pool.lookup([21, 22], 5) == queue[3:5]
+    assert pool.allocate(4)  # the 3 anonymous blocks, then 21 (evicted)
+    assert pool.cached_free_keys() == [22, 23] and pool.num_evicted_blocks == 1
+    pool.check_invariants()
+    # With cached blocks already free, the named blocks come out of the anonymous runs, head first.
+    pool.free(4)  # queue: 22 23 + 4 anonymous
+    pool.restore_cached_free([31])
+    assert [pool.key_of(b) for b in pool.free_queue() if b is not None] == [22, 23, 31]
+    assert pool.free_queue()[2:5] == [None] * 3
+    pool.check_invariants()
+    with pytest.raises(ValueError):
+        pool.restore_cached_free([1, 2, 3, 4])  # 3 anonymous blocks free
+    assert pool.cached_free_keys() == [22, 23, 31]
+    pool.check_invariants()
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["hold", "hit", "release", "anon", "free"]), st.integers(0, 5)),
+@given(st.lists(st.tuples(st.sampled_from(["hold", "hit", "release", "anon", "free", "restore"]), st.integers(0, 5)),
                 max_size=60))
 def test_invariants_hold_under_random_operations(ops):
     pool = PrefixCachePool(12)
@@ -125,6 +148,10 @@ def test_invariants_hold_under_random_operations(ops):
             take = min(n, anonymous)
             pool.free(take)
             anonymous -= take
+        elif op == "restore" and n <= pool.num_free_blocks - pool.num_cached_free_blocks:
+            before = pool.cached_free_keys()
+            pool.restore_cached_free([100 + k for k in range(n)])
+            assert pool.cached_free_keys() == before + [100 + k for k in range(n)]
         pool.check_invariants()
         held = anonymous + sum(len(ids) + a for ids, a in holders)
         assert pool.num_used_blocks == held - pool.num_extra_refs
