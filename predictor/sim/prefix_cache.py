@@ -119,11 +119,17 @@ class PrefixCachePool(BlockPool):
         key_of = self._key_of
         return [key_of[entry] for entry in self._queue if entry >= 0]
 
-    def restore_cached_free(self, keys: Sequence[int]) -> None:
+    def restore_cached_free(self, keys: Sequence[int], needed: dict[int, int] | None = None) -> None:
         """Give `len(keys)` anonymous free blocks these keys and move them, in this order, to the TAIL of the free
         queue (free but reusable: a snapshot's cached blocks no request holds, `InstanceSnapshot.cached_block_keys`).
         The anonymous blocks are taken from the head of the queue; the other free blocks keep their order, so they
         are all evicted before these.
+
+        Args:
+            keys: Block keys, eviction order.
+            needed: If given, only keys in it get an identity; the others stay anonymous blocks in their place in
+                the queue (the same eviction order for the named ones, no identity to keep for keys no lookup
+                will ask for).
 
         Raises:
             ValueError: If fewer anonymous blocks are free than keys are given (state unchanged).
@@ -151,9 +157,33 @@ class PrefixCachePool(BlockPool):
             if num_anonymous > num_keys:
                 queue[self._next_run_id] = num_anonymous - num_keys
                 self._next_run_id -= 1
-        for block_id in self._name_blocks(keys, 0):
-            queue[block_id] = 1
-        self._num_cached_free += num_keys
+        if needed is None:
+            for block_id in self._name_blocks(keys, 0):
+                queue[block_id] = 1
+            self._num_cached_free += num_keys
+            return
+        named = [key for key in keys if key in needed]
+        if not named:
+            if not self._num_cached_free:
+                queue.clear()
+            else:
+                self._append_run(num_keys)
+            return
+        block_ids = self._name_blocks(named, 0)
+        num_run = 0
+        index = 0
+        for key in keys:
+            if key in needed:
+                if num_run:
+                    self._append_run(num_run)
+                    num_run = 0
+                queue[block_ids[index]] = 1
+                index += 1
+            else:
+                num_run += 1
+        if num_run:
+            self._append_run(num_run)
+        self._num_cached_free += len(named)
 
     # ---- anonymous blocks ----------------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> bool:

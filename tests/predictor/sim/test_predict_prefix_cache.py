@@ -148,7 +148,7 @@ def test_a_request_that_hits_cached_free_blocks_gets_the_shorter_prefill():
     assert scheduler.get_request("again").num_cached_tokens == 21 * BS
 
 
-def test_a_keyless_prediction_makes_no_pool_for_cached_free_blocks():
+def test_a_keyless_prediction_makes_no_pool_for_cached_free_blocks_and_a_keyed_one_names_only_those_it_has():
     snapshot = InstanceSnapshot.from_scheduler(_scheduler_with_cached_free_blocks(), now_s=6.0)
     keyless = replace(snapshot, running=tuple(replace(r, block_keys=None) for r in snapshot.running))
     assert keyless.cached_block_keys
@@ -156,9 +156,12 @@ def test_a_keyless_prediction_makes_no_pool_for_cached_free_blocks():
         sim = module._FastScheduler(keyless.config, LLAMA)
         sim.load(keyless, RequestState("new", 40, 5))
         assert sim.pool is None
-        sim = module._FastScheduler(keyless.config, LLAMA)
-        sim.load(keyless, _keyed_state("new", SYSTEM_PROMPT, 5))
-        assert sim.pool is not None and sim.pool.num_cached_free_blocks == len(keyless.cached_block_keys)
+        for prompt, num_named in ((SYSTEM_PROMPT + [1, 2, 3] * 10, 1), (SYSTEM_PROMPT, 0)):
+            sim = module._FastScheduler(keyless.config, LLAMA)
+            sim.load(keyless, _keyed_state("new", prompt, 5))
+            # A keyed request makes the pool; only the cached keys some request has get an identity.
+            assert sim.pool is not None and sim.pool.num_cached_free_blocks == num_named
+            assert sim.pool.num_free_blocks == keyless.num_free_blocks
 
 
 @settings(max_examples=120, deadline=None)

@@ -122,6 +122,21 @@ def test_restored_cached_free_blocks_queue_behind_the_anonymous_ones_in_order():
     pool.check_invariants()
 
 
+def test_restored_keys_no_lookup_needs_stay_anonymous_in_their_place():
+    pool = PrefixCachePool(6)
+    assert pool.allocate(1)
+    pool.restore_cached_free([1, 2, 3, 4], needed={2: 1, 4: 1})
+    queue = pool.free_queue()
+    assert queue[:2] == [None, None] and pool.key_of(queue[2]) == 2 and queue[3] is None and pool.key_of(queue[4]) == 4
+    assert pool.cached_free_keys() == [2, 4] and pool.num_free_blocks == 5 and pool.lookup([1], 1) == []
+    pool.check_invariants()
+    pool.restore_cached_free([], needed={})
+    other = PrefixCachePool(6)
+    other.restore_cached_free([1, 2], needed={})  # nothing needed: all anonymous, the pool stays a count
+    assert other.free_queue() == [None] * 6 and other.num_cached_blocks == 0
+    other.check_invariants()
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["hold", "hit", "release", "anon", "free", "restore"]), st.integers(0, 5)),
                 max_size=60))
@@ -150,8 +165,10 @@ def test_invariants_hold_under_random_operations(ops):
             anonymous -= take
         elif op == "restore" and n <= pool.num_free_blocks - pool.num_cached_free_blocks:
             before = pool.cached_free_keys()
-            pool.restore_cached_free([100 + k for k in range(n)])
-            assert pool.cached_free_keys() == before + [100 + k for k in range(n)]
+            keys = [100 + k for k in range(n)]
+            needed = {k: 1 for k in keys if k % 2} if n % 2 else None
+            pool.restore_cached_free(keys, needed)
+            assert pool.cached_free_keys() == before + [k for k in keys if needed is None or k in needed]
         pool.check_invariants()
         held = anonymous + sum(len(ids) + a for ids, a in holders)
         assert pool.num_used_blocks == held - pool.num_extra_refs
