@@ -207,8 +207,9 @@ def predict(
     counts (the property tests check this). Under the vLLM V1 rules with `LinearBatchTimeModel` it costs
     O(1)-O(log n) per event (completion, admission, prefill chunk, preemption); about 1 ms for a 256-request
     instance in pure Python, 0.46 ms compiled (`astrolabe bench predictor`). Requests with block keys add
-    O(their blocks) to each admission and completion (the prefix-cache pool, compiled with fast_predict where the
-    build can: 2.6 ms p50 at 256 keyed requests, `astrolabe bench predictor --shared-prefix 512`). Under the
+    O(all keys) once and O(their blocks shared with other requests) to each admission and completion (the
+    prefix-cache pool, compiled with fast_predict where the build can: 1.4 ms p50 at 256 keyed requests,
+    `astrolabe bench predictor --shared-prefix 512`). Under the
     SGLang rules it steps the `Scheduler` (pure-decode runs skipped), O(running requests) per simulated step.
 
     Args:
