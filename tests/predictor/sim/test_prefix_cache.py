@@ -99,6 +99,18 @@ def test_bad_release_and_touch_are_errors():
         pool.release(ids, 0)
 
 
+def test_evicted_ids_name_later_blocks_so_ids_stay_below_the_block_count():
+    pool = PrefixCachePool(4)
+    seen: set[int] = set()
+    for round_ in range(50):  # each round caches 3 new keys, evicting the previous round's blocks
+        ids = _hold(pool, [3 * round_, 3 * round_ + 1, 3 * round_ + 2])
+        seen.update(ids)
+        pool.release(ids, 0)
+        pool.check_invariants()
+    assert max(seen) < 4 and pool.num_cached_blocks == 4 and pool.num_evicted_blocks == 146
+    assert pool.lookup([147, 148, 149], 3) == ids and pool.lookup([141], 1) == []
+
+
 def test_restored_cached_free_blocks_queue_behind_the_anonymous_ones_in_order():
     pool = PrefixCachePool(8)
     assert pool.allocate(2)
