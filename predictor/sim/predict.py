@@ -208,7 +208,7 @@ def predict(
     O(1)-O(log n) per event (completion, admission, prefill chunk, preemption); about 1 ms for a 256-request
     instance in pure Python, 0.46 ms compiled (`astrolabe bench predictor`). Requests with block keys add
     O(all keys) once and O(their blocks shared with other requests) to each admission and completion (the
-    prefix-cache pool, compiled with fast_predict where the build can: 1.4 ms p50 at 256 keyed requests,
+    prefix-cache pool, compiled with fast_predict where the build can: 1.3 ms p50 at 256 keyed requests,
     `astrolabe bench predictor --shared-prefix 512`). Under the
     SGLang rules it steps the `Scheduler` (pure-decode runs skipped), O(running requests) per simulated step.
 
