@@ -19,7 +19,9 @@ log-normal (prompt median 160 tokens, output median 200 tokens, sigma 1.0, simil
 `--shared-prefix TOKENS` gives every request (in the states and the new ones) prefix-cache block keys
 (`predictor.sim.block_hash.block_keys`): its prompt starts with none, the first half or all of one system prompt
 of TOKENS tokens (a third each, cut to the prompt's length), the rest of its tokens its own; the rows then time
-predictions that track KV block identities (the prefix-cache pool).
+predictions that track KV block identities (the prefix-cache pool). The states also carry the blocks that
+finished requests left cached and free (`InstanceSnapshot.cached_block_keys`: a few to ~600 per state at 256 requests,
+some of them the system prompt's, which new requests hit).
 """
 
 from __future__ import annotations

@@ -33,11 +33,13 @@ admission can only change after a completion. The first token of the new request
 sampled by a prefill step). So a run is applied at once and priced in closed form (`decode_run_time_s`).
 With prefix caching (requests with block keys) the run's allocations may also evict cached blocks that the head
 would hit. That does not make it admissible either: a block's parent is freed with it or later (every holder of a
-block holds its parent and frees the child first), so evictions shorten the head's hit from its end, one block
-per allocated block; each allocated block lowers the free blocks by one, and each lost hit block lowers the
-head's need by at most one (a free hit block it no longer takes, offset by one more new block unless its chunk
+block holds its parent and frees the child first; a snapshot's `cached_block_keys` keep that order, as their
+contract states, and are queued behind the anonymous free blocks), so evictions shorten the head's hit from its end,
+one block per allocated block; each allocated block lowers the free blocks by one, and each lost hit block lowers
+the head's need by at most one (a free hit block it no longer takes, offset by one more new block unless its chunk
 is capped by the budget), so the head's shortfall never shrinks (checked by
-`tests/predictor/sim/test_predict_prefix_cache.py::test_predict_from_keyed_states_equals_stepping`).
+`tests/predictor/sim/test_predict_prefix_cache.py::test_predict_from_keyed_states_equals_stepping` and
+`::test_predict_from_states_with_cached_free_blocks_equals_stepping`).
 
 Under the SGLang rules the same holds for a different reason. There admission COULD become possible inside a
 run, since the reservations shrink as requests generate (each running request reserves ratio x its remaining
@@ -205,8 +207,9 @@ def predict(
     counts (the property tests check this). Under the vLLM V1 rules with `LinearBatchTimeModel` it costs
     O(1)-O(log n) per event (completion, admission, prefill chunk, preemption); about 1 ms for a 256-request
     instance in pure Python, 0.46 ms compiled (`astrolabe bench predictor`). Requests with block keys add
-    O(their blocks) to each admission and completion (the prefix-cache pool, compiled with fast_predict where the
-    build can: 2.6 ms p50 at 256 keyed requests, `astrolabe bench predictor --shared-prefix 512`). Under the
+    O(all keys) once and O(their blocks shared with other requests) to each admission and completion (the
+    prefix-cache pool, compiled with fast_predict where the build can: 1.3 ms p50 at 256 keyed requests,
+    `astrolabe bench predictor --shared-prefix 512`). Under the
     SGLang rules it steps the `Scheduler` (pure-decode runs skipped), O(running requests) per simulated step.
 
     Args:

@@ -18,13 +18,13 @@ single_type_kv_cache_manager.py `SingleTypeKVCacheManager.free` (vLLM V1). The r
 - the cache does not deduplicate: two requests that compute the same block at the same time both register it, and
   a lookup returns the first registered.
 
-Representation (ours): only blocks that carry a key have an identity (an int id from a counter, not vLLM's block
-id). A request's other blocks (its partial last block, blocks past its keys) are anonymous and counted, as in
-`BlockPool`. The free queue is an ordered dict of entries, a cached block (id -> 1) or a run of anonymous free
-blocks (a negative id -> its count); it is kept only while some cached block is free: otherwise every free block
-is anonymous, their order does not matter, and the pool is a count (the cost of `BlockPool` for requests
-without keys). Not modelled: the null block (block 0, never free in vLLM), KV cache groups and hybrid models,
-KV events.
+Representation (ours): only blocks that carry a key have an identity (a small int id, not vLLM's block id, indexing
+lists of keys and reference counts; an evicted block's id names the next block cached, so there are never more ids
+than KV blocks). A request's other blocks (its partial last block, blocks past its keys) are anonymous and counted,
+as in `BlockPool`. The free queue is an ordered dict of entries, a cached block (id -> 1) or a run of anonymous free
+blocks (a negative id -> its count); it is kept only while some cached block is free: otherwise every free block is
+anonymous, their order does not matter, and the pool is a count (the cost of `BlockPool` for requests without keys).
+Not modelled: the null block (block 0, never free in vLLM), KV cache groups and hybrid models, KV events.
 
 NOTE: compiled with mypyc where the build can (setup.py, with `predictor.sim.kv_blocks`, whose `BlockPool` it
 extends): every prediction with block keys runs this pool's per-block work. Keep every attribute and local typed so
@@ -60,18 +60,21 @@ class PrefixCachePool(BlockPool):
         ValueError: If num_gpu_blocks < 1.
     """
 
-    __slots__ = ("_queue", "_key_of", "_ref", "_blocks_of_key", "_num_cached_free", "_num_extra_refs", "_next_id",
-                 "_next_run_id", "num_evicted_blocks")
+    __slots__ = ("_queue", "_key_of", "_ref", "_free_ids", "_blocks_of_key", "_num_cached", "_num_cached_free",
+                 "_num_extra_refs", "_next_run_id", "num_evicted_blocks")
 
     def __init__(self, num_gpu_blocks: int) -> None:
         super().__init__(num_gpu_blocks)
         self._queue: OrderedDict[int, int] = OrderedDict()
-        self._key_of: dict[int, int] = {}
-        self._ref: dict[int, int] = {}
+        # Indexed by block id: its key, and its references (-1: the id names no cached block, and is in
+        # _free_ids for the next block named).
+        self._key_of: list[int] = []
+        self._ref: list[int] = []
+        self._free_ids: list[int] = []
         self._blocks_of_key: dict[int, list[int]] = {}
+        self._num_cached = 0
         self._num_cached_free = 0
         self._num_extra_refs = 0
-        self._next_id = 0
         self._next_run_id = -1
         self.num_evicted_blocks = 0
         """Cached blocks evicted by allocations so far (vLLM: a `BlockRemoved` KV event each)."""
@@ -80,7 +83,7 @@ class PrefixCachePool(BlockPool):
     @property
     def num_cached_blocks(self) -> int:
         """Blocks that carry a key (in use or free-but-reusable)."""
-        return len(self._key_of)
+        return self._num_cached
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -95,11 +98,11 @@ class PrefixCachePool(BlockPool):
 
     def ref_count(self, block_id: int) -> int:
         """References on a cached block (0: free but reusable; unknown ids: 0)."""
-        return self._ref.get(block_id, 0)
+        return max(self._refs_of(block_id), 0)
 
     def key_of(self, block_id: int) -> int | None:
         """The key of a cached block, or None if the id is not (or no longer) cached."""
-        return self._key_of.get(block_id)
+        return self._key_of[block_id] if self._refs_of(block_id) >= 0 else None
 
     def free_queue(self) -> list[int | None]:
         """The free queue, head (next evicted) first: a cached block's id, or None for an anonymous free block
@@ -110,6 +113,80 @@ class PrefixCachePool(BlockPool):
         for entry, count in self._queue.items():
             order.extend([entry] if entry >= 0 else [None] * count)
         return order
+
+    def cached_free_keys(self) -> list[int]:
+        """Keys of the free cached blocks, head (next evicted) first (`InstanceSnapshot.cached_block_keys`;
+        O(free queue entries))."""
+        if not self._num_cached_free:
+            return []
+        key_of = self._key_of
+        return [key_of[entry] for entry in self._queue if entry >= 0]
+
+    def restore_cached_free(self, keys: Sequence[int], needed: dict[int, int] | None = None) -> None:
+        """Give `len(keys)` anonymous free blocks these keys and move them, in this order, to the TAIL of the free
+        queue (free but reusable: a snapshot's cached blocks no request holds, `InstanceSnapshot.cached_block_keys`).
+        The anonymous blocks are taken from the head of the queue; the other free blocks keep their order, so they
+        are all evicted before these.
+
+        Args:
+            keys: Block keys, eviction order.
+            needed: If given, only keys in it get an identity; the others stay anonymous blocks in their place in
+                the queue (the same eviction order for the named ones, no identity to keep for keys no lookup
+                will ask for).
+
+        Raises:
+            ValueError: If fewer anonymous blocks are free than keys are given (state unchanged).
+        """
+        num_keys = len(keys)
+        if not num_keys:
+            return
+        num_anonymous = self._num_free_blocks - self._num_cached_free
+        if num_keys > num_anonymous:
+            raise ValueError(f"{num_keys} cached free blocks to restore, {num_anonymous} anonymous blocks free")
+        queue = self._queue
+        if self._num_cached_free:
+            num_left = num_keys
+            for entry in [e for e in queue if e < 0]:
+                count = queue[entry]
+                if count > num_left:
+                    queue[entry] = count - num_left
+                    break
+                del queue[entry]
+                num_left -= count
+                if not num_left:
+                    break
+        else:
+            queue.clear()
+            if num_anonymous > num_keys:
+                queue[self._next_run_id] = num_anonymous - num_keys
+                self._next_run_id -= 1
+        if needed is None:
+            for block_id in self._name_blocks(keys, 0):
+                queue[block_id] = 1
+            self._num_cached_free += num_keys
+            return
+        named = [key for key in keys if key in needed]
+        if not named:
+            if not self._num_cached_free:
+                queue.clear()
+            else:
+                self._append_run(num_keys)
+            return
+        block_ids = self._name_blocks(named, 0)
+        num_run = 0
+        index = 0
+        for key in keys:
+            if key in needed:
+                if num_run:
+                    self._append_run(num_run)
+                    num_run = 0
+                queue[block_ids[index]] = 1
+                index += 1
+            else:
+                num_run += 1
+        if num_run:
+            self._append_run(num_run)
+        self._num_cached_free += len(named)
 
     # ---- anonymous blocks ----------------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> bool:
@@ -131,14 +208,16 @@ class PrefixCachePool(BlockPool):
         queue = self._queue
         key_of = self._key_of
         ref = self._ref
+        free_ids = self._free_ids
         blocks_of_key = self._blocks_of_key
         num_left = num_blocks
         num_evicted = 0
         while num_left:
             entry, count = queue.popitem(last=False)
             if entry >= 0:  # a cached free block: evict it (block_pool.py `_maybe_evict_cached_block`)
-                key = key_of.pop(entry)
-                del ref[entry]
+                key = key_of[entry]
+                ref[entry] = -1
+                free_ids.append(entry)
                 blocks = blocks_of_key[key]
                 if len(blocks) == 1:
                     del blocks_of_key[key]
@@ -153,6 +232,7 @@ class PrefixCachePool(BlockPool):
             else:
                 num_left -= count
         self._num_cached_free -= num_evicted
+        self._num_cached -= num_evicted
         self.num_evicted_blocks += num_evicted
         if not self._num_cached_free:
             queue.clear()
@@ -188,22 +268,31 @@ class PrefixCachePool(BlockPool):
         Returns:
             The blocks' ids, in key order.
         """
-        block_id = self._next_id
+        return self._name_blocks(keys, 1)
+
+    def _name_blocks(self, keys: Sequence[int], refs: int) -> list[int]:
+        """New block ids for these keys, each with `refs` references (the caller keeps the free queue)."""
         key_of = self._key_of
         ref = self._ref
+        free_ids = self._free_ids
         blocks_of_key = self._blocks_of_key
         block_ids: list[int] = []
         for key in keys:
-            key_of[block_id] = key
-            ref[block_id] = 1
+            if free_ids:
+                block_id = free_ids.pop()
+                key_of[block_id] = key
+                ref[block_id] = refs
+            else:
+                block_id = len(ref)
+                key_of.append(key)
+                ref.append(refs)
             blocks = blocks_of_key.get(key)
             if blocks is None:
                 blocks_of_key[key] = [block_id]
             else:
                 blocks.append(block_id)
             block_ids.append(block_id)
-            block_id += 1
-        self._next_id = block_id
+        self._num_cached += len(block_ids)
         return block_ids
 
     def lookup(self, keys: Sequence[int], max_blocks: int) -> list[int]:
@@ -227,7 +316,11 @@ class PrefixCachePool(BlockPool):
     def num_free_among(self, block_ids: Sequence[int]) -> int:
         """How many of these cached blocks are free (a hit on them takes them out of the free blocks)."""
         ref = self._ref
-        return sum(1 for block_id in block_ids if not ref[block_id])
+        num_free = 0
+        for block_id in block_ids:
+            if not ref[block_id]:
+                num_free += 1
+        return num_free
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take one reference on each hit block; a free one leaves the free queue.
@@ -242,8 +335,8 @@ class PrefixCachePool(BlockPool):
         num_taken_free = 0
         num_extra_refs = 0
         for block_id in block_ids:
-            refs = ref.get(block_id)
-            if refs is None:
+            refs = ref[block_id] if 0 <= block_id < len(ref) else -1
+            if refs < 0:
                 self._num_cached_free -= num_taken_free
                 self._num_free_blocks -= num_taken_free
                 self._num_extra_refs += num_extra_refs
@@ -275,7 +368,7 @@ class PrefixCachePool(BlockPool):
         ref = self._ref
         queue = self._queue
         for block_id in reversed(block_ids):
-            refs = ref.get(block_id, 0)
+            refs = ref[block_id] if 0 <= block_id < len(ref) else -1
             if refs <= 0:
                 raise ValueError(f"block {block_id} is not cached or not referenced")
             ref[block_id] = refs - 1
@@ -289,6 +382,11 @@ class PrefixCachePool(BlockPool):
             self._num_free_blocks += 1
 
     # ---- internals -----------------------------------------------------------------------------------------
+    def _refs_of(self, block_id: int) -> int:
+        """References on block id (-1: not a cached block)."""
+        ref = self._ref
+        return ref[block_id] if 0 <= block_id < len(ref) else -1
+
     def _append_run(self, num_blocks: int) -> None:
         queue = self._queue
         if queue:
@@ -308,9 +406,11 @@ class PrefixCachePool(BlockPool):
         assert len(free_cached) == self._num_cached_free
         assert all(self._ref[b] == 0 for b in free_cached), "a free block is referenced"
         assert all(n >= 1 for n in self._queue.values())
-        num_unreferenced = sum(1 for n in self._ref.values() if n == 0)
+        num_unreferenced = sum(1 for n in self._ref if n == 0)
         assert num_unreferenced == self._num_cached_free, "a cached block is unreferenced but not free"
-        assert self._num_extra_refs == sum(n - 1 for n in self._ref.values() if n > 1)
+        assert self._num_extra_refs == sum(n - 1 for n in self._ref if n > 1)
         for key, blocks in self._blocks_of_key.items():
-            assert blocks and all(self._key_of[b] == key for b in blocks)
-        assert sum(len(b) for b in self._blocks_of_key.values()) == len(self._key_of)
+            assert blocks and all(self._ref[b] >= 0 and self._key_of[b] == key for b in blocks)
+        assert sum(len(b) for b in self._blocks_of_key.values()) == self._num_cached
+        assert self._num_cached == sum(1 for n in self._ref if n >= 0) == len(self._ref) - len(self._free_ids)
+        assert all(self._ref[b] == -1 for b in self._free_ids)

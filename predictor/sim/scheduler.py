@@ -533,6 +533,21 @@ class Scheduler:
         self._requests[request.request_id] = request
         self.running.append(request)
 
+    def restore_cached_free_blocks(self, keys: tuple[int, ...]) -> None:
+        """Name free blocks as cached blocks no request holds (free but reusable), rebuilt from a snapshot
+        (`InstanceSnapshot.cached_block_keys`): they go to the tail of the free queue in this order, behind the
+        anonymous free blocks (`PrefixCachePool.restore_cached_free`). Ignored under the SGLang rules (no prefix
+        caching there).
+
+        Args:
+            keys: Block keys, eviction order (least recently freed first).
+
+        Raises:
+            ValueError: If fewer anonymous blocks are free than keys are given.
+        """
+        if keys and self._prefix_caching:
+            self._pool.restore_cached_free(keys)
+
     def hold_blocks(self, holder: str, num_blocks: int) -> bool:
         """Move ``num_blocks`` KV blocks from the free pool into a holding that no request owns (negative: back).
 

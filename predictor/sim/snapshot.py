@@ -9,9 +9,11 @@ NOTE: KV blocks are stored per running request (`RequestState.num_blocks_held`);
 of `config.num_gpu_blocks`, so block accounting is consistent by construction. With prefix caching (requests
 with `RequestState.block_keys`, vllm-v1 rules) a block shared by running requests is in each one's count, so
 `num_used_blocks` is an upper bound there; `to_scheduler` shares such blocks again (a running request's full
-computed blocks whose keys an earlier running request cached). A snapshot does not carry the cached blocks no
-request holds (the free-but-reusable ones): a simulation from it starts with an empty cache apart from the
-running requests' blocks.
+computed blocks whose keys an earlier running request cached). The cached blocks no request holds (free but
+reusable) are `InstanceSnapshot.cached_block_keys`, in eviction order; the snapshot does not say where the anonymous
+free blocks stood between them (vLLM's free queue interleaves both), and `to_scheduler` puts them all ahead, so they
+are evicted first: an approximation of a live pool (exact when no anonymous block was freed after a cached one),
+and a defined state that the fast predictor (`predictor.sim.fast_predict`) reproduces exactly.
 """
 
 from __future__ import annotations
@@ -123,7 +125,9 @@ class InstanceSnapshot:
             None = the state after idle (`SGLangState()`). Read only when `config.scheduling` is "sglang".
         cached_block_keys: keys of the cached blocks no request holds (free but reusable, vllm-v1 rules), in
             eviction order (least recently freed first); the other free blocks are anonymous and are taken
-            before these. () = none (or not known).
+            before these. () = none (or not known). At most `num_free_blocks` of them. In the engine's order a
+            block comes before its chain parent (a request frees its blocks tail first; the simulations skip
+            decode runs on that premise, see `predictor.sim.predict`); a sub-sequence of such an order keeps it.
     """
 
     config: EngineConfig
@@ -187,7 +191,7 @@ class InstanceSnapshot:
 
     @classmethod
     def from_scheduler(cls, scheduler: Scheduler, now_s: float) -> InstanceSnapshot:
-        """Copy a live scheduler's queues and block holdings (the scheduler is only read).
+        """Copy a live scheduler's queues, block holdings and free cached blocks (the scheduler is only read).
 
         Take it between steps: during a step in flight the batch's blocks are already reserved but its tokens
         not yet counted, and the snapshot records exactly that.
@@ -205,17 +209,21 @@ class InstanceSnapshot:
             ),
             num_preemptions_total=scheduler.num_preemptions_total,
             sglang=scheduler.sglang_state,
+            cached_block_keys=tuple(scheduler.prefix_cache.cached_free_keys()),
         )
 
     def to_scheduler(self) -> Scheduler:
         """A new `Scheduler` in this state, sharing no mutable object with the snapshot or its source.
 
-        Output lengths obey the overdue rule (`NUM_EXTRA_OUTPUT_TOKENS_WHEN_OVERDUE`).
+        Output lengths obey the overdue rule (`NUM_EXTRA_OUTPUT_TOKENS_WHEN_OVERDUE`). The cached free blocks
+        (`cached_block_keys`, vllm-v1 rules only) go to the tail of the free queue in their order, behind the
+        anonymous free blocks (`Scheduler.restore_cached_free_blocks`).
 
         Raises:
             ValueError: If the snapshot is invalid: duplicate ids, a waiting request with computed tokens, a
                 running request with nothing left to compute, more running requests than max_num_seqs, more
-                blocks held than exist, or a request that could never fit (see `Scheduler.add_request`).
+                blocks held than exist, more cached free blocks than free blocks, or a request that could never
+                fit (see `Scheduler.add_request`).
         """
         scheduler = Scheduler(self.config)
         scheduler.num_preemptions_total = self.num_preemptions_total
@@ -224,6 +232,7 @@ class InstanceSnapshot:
         for state in self.running:
             request = state.to_sim_request(RequestStatus.RUNNING)
             scheduler.restore_running(request, self._num_blocks_held(state))
+        scheduler.restore_cached_free_blocks(self.cached_block_keys)
         for state in self.waiting:
             status = RequestStatus.PREEMPTED if state.num_preemptions else RequestStatus.WAITING
             scheduler.add_request(state.to_sim_request(status))

@@ -99,8 +99,58 @@ def test_bad_release_and_touch_are_errors():
         pool.release(ids, 0)
 
 
+def test_evicted_ids_name_later_blocks_so_ids_stay_below_the_block_count():
+    pool = PrefixCachePool(4)
+    seen: set[int] = set()
+    for round_ in range(50):  # each round caches 3 new keys, evicting the previous round's blocks
+        ids = _hold(pool, [3 * round_, 3 * round_ + 1, 3 * round_ + 2])
+        seen.update(ids)
+        pool.release(ids, 0)
+        pool.check_invariants()
+    assert max(seen) < 4 and pool.num_cached_blocks == 4 and pool.num_evicted_blocks == 146
+    assert pool.lookup([147, 148, 149], 3) == ids and pool.lookup([141], 1) == []
+
+
+def test_restored_cached_free_blocks_queue_behind_the_anonymous_ones_in_order():
+    pool = PrefixCachePool(8)
+    assert pool.allocate(2)
+    pool.restore_cached_free([21, 22, 23])
+    queue = pool.free_queue()
+    assert queue[:3] == [None] * 3 and [pool.key_of(b) for b in queue[3:]] == [21, 22, 23]
+    assert pool.cached_free_keys() == [21, 22, 23] and pool.num_free_blocks == 6
+    assert pool.lookup([21, 22], 5) == queue[3:5]
+    assert pool.allocate(4)  # the 3 anonymous blocks, then 21 (evicted)
+    assert pool.cached_free_keys() == [22, 23] and pool.num_evicted_blocks == 1
+    pool.check_invariants()
+    # With cached blocks already free, the named blocks come out of the anonymous runs, head first.
+    pool.free(4)  # queue: 22 23 + 4 anonymous
+    pool.restore_cached_free([31])
+    assert [pool.key_of(b) for b in pool.free_queue() if b is not None] == [22, 23, 31]
+    assert pool.free_queue()[2:5] == [None] * 3
+    pool.check_invariants()
+    with pytest.raises(ValueError):
+        pool.restore_cached_free([1, 2, 3, 4])  # 3 anonymous blocks free
+    assert pool.cached_free_keys() == [22, 23, 31]
+    pool.check_invariants()
+
+
+def test_restored_keys_no_lookup_needs_stay_anonymous_in_their_place():
+    pool = PrefixCachePool(6)
+    assert pool.allocate(1)
+    pool.restore_cached_free([1, 2, 3, 4], needed={2: 1, 4: 1})
+    queue = pool.free_queue()
+    assert queue[:2] == [None, None] and pool.key_of(queue[2]) == 2 and queue[3] is None and pool.key_of(queue[4]) == 4
+    assert pool.cached_free_keys() == [2, 4] and pool.num_free_blocks == 5 and pool.lookup([1], 1) == []
+    pool.check_invariants()
+    pool.restore_cached_free([], needed={})
+    other = PrefixCachePool(6)
+    other.restore_cached_free([1, 2], needed={})  # nothing needed: all anonymous, the pool stays a count
+    assert other.free_queue() == [None] * 6 and other.num_cached_blocks == 0
+    other.check_invariants()
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["hold", "hit", "release", "anon", "free"]), st.integers(0, 5)),
+@given(st.lists(st.tuples(st.sampled_from(["hold", "hit", "release", "anon", "free", "restore"]), st.integers(0, 5)),
                 max_size=60))
 def test_invariants_hold_under_random_operations(ops):
     pool = PrefixCachePool(12)
@@ -125,6 +175,12 @@ def test_invariants_hold_under_random_operations(ops):
             take = min(n, anonymous)
             pool.free(take)
             anonymous -= take
+        elif op == "restore" and n <= pool.num_free_blocks - pool.num_cached_free_blocks:
+            before = pool.cached_free_keys()
+            keys = [100 + k for k in range(n)]
+            needed = {k: 1 for k in keys if k % 2} if n % 2 else None
+            pool.restore_cached_free(keys, needed)
+            assert pool.cached_free_keys() == before + [k for k in keys if needed is None or k in needed]
         pool.check_invariants()
         held = anonymous + sum(len(ids) + a for ids, a in holders)
         assert pool.num_used_blocks == held - pool.num_extra_refs
