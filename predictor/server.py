@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import json
 import logging
 import math
+import re
 import time
 
 import aiohttp
@@ -69,6 +70,7 @@ from predictor.sim.predict import marginal_cost_s, predict, predict_idle
 from predictor.sim.residual import RESIDUAL_RULES
 from predictor.sim.snapshot import InstanceSnapshot, RequestState
 from predictor.ingress import IngressDelayEstimator
+from predictor.kv_events import KvEventIndex, KvEventSubscriber
 from predictor.state_source import (STATE_SOURCE_LEDGER, STATE_SOURCE_PLUGIN, STATE_SOURCES, PluginStateSource,
                                     pending_id)
 
@@ -91,6 +93,10 @@ class SidecarConfig:
         visibility_grace_s: an admitted request is not reconciled away for this long, seconds.
         state_source: ``auto`` | ``ledger`` | ``vllm-plugin`` (`predictor.state_source`).
         vllm_state_path: the vLLM plugin's state file (None = no plugin).
+        kv_events_endpoint: the engine's KV cache events (ZMQ, ``tcp://host:port``; vLLM's ``--kv-events-config``
+            with ``"endpoint": "tcp://*:port"``), read into the exact index of its cached blocks
+            (`predictor.kv_events`) that plugin snapshots carry; None = none (no cached free blocks there).
+        kv_events_topic: the publisher's topic (vLLM's ``kv_events_config.topic``, default "").
         plugin_max_age_s: a plugin state this old with requests in flight is ignored, seconds.
         plugin_reconcile_interval_s: the /metrics scrape interval while the plugin's state is in use, seconds
             (the ledger is then only a fallback: a slower scrape saves the sidecar's and the backend's CPU).
@@ -132,6 +138,8 @@ class SidecarConfig:
     discover_kv_cache: bool = True
     state_source: str = "auto"
     vllm_state_path: str | None = None
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""
     plugin_max_age_s: float = 2.0
     residual_lengths: str = "empirical"
     length_errors: str | None = None
@@ -391,6 +399,8 @@ class PredictorServicer(pb_grpc.PredictorServicer):
                                              request.num_prompt_tokens)
             if keys and not sidecar.plugin.in_use:  # held without them (`Sidecar.hold`)
                 sidecar.ledger.add_block_keys(request.request_id, keys, now_s)
+            if keys:
+                sidecar.plugin.admits.add_block_keys(request.request_id, keys)
             return pb.AdmitResponse(duplicate=False)
         added = sidecar.admit(request.request_id, request.num_prompt_tokens, request.num_predicted_output_tokens,
                               now_s, max_tokens=request.max_tokens or None, length_source=request.length_source,
@@ -517,8 +527,12 @@ class Sidecar:
         self.residual = ResidualRules(config.residual_lengths, config.length_errors)
         # Named SGLang: its rules before it answers.
         self.ledger = self._new_ledger(self._with_backend_rules(config.engine, config.backend_engine))
+        self.kv_index = (KvEventIndex(self.ledger.scheduler.config.block_size)
+                         if config.kv_events_endpoint else None)
+        self._kv_events_task: asyncio.Task | None = None
         self.plugin = PluginStateSource(config.state_source, config.vllm_state_path, config.plugin_max_age_s,
-                                        pending_grace_s=config.visibility_grace_s, residual=self.residual)
+                                        pending_grace_s=config.visibility_grace_s, residual=self.residual,
+                                        kv_index=self.kv_index)
         self.holds = Holds()
         self.num_states_sent = 0  # InstanceState messages sent to watching routers (v1.2)
         self.num_watchers = 0
@@ -644,7 +658,7 @@ class Sidecar:
                                       max_tokens=max_tokens, length_source=length_source, block_keys=block_keys)
         if added:
             self.plugin.admits.admit(request_id, num_output_tokens, num_prompt_tokens, now_s, max_tokens=max_tokens,
-                                     length_source=length_source)
+                                     length_source=length_source, block_keys=block_keys)
             self.num_changes += 1
         return added
 
@@ -1040,6 +1054,9 @@ class Sidecar:
         await self._server.start()
         self._task = asyncio.create_task(self._reconcile_loop(), name="reconcile")
         self._absorb_task = asyncio.create_task(self._absorb_loop(), name="absorb")
+        if self.kv_index is not None:
+            subscriber = KvEventSubscriber(self.config.kv_events_endpoint, self.kv_index, self.config.kv_events_topic)
+            self._kv_events_task = asyncio.create_task(subscriber.run(), name="kv-events")
         settle_heap()
         for name in ("", "liveness", "readiness", "astrolabe.predictor.v1.Predictor"):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -1050,7 +1067,7 @@ class Sidecar:
 
     async def stop(self, grace_s: float = 2.0) -> None:
         await self._server.stop(grace_s)
-        for task in (self._task, getattr(self, "_absorb_task", None), self._watch_task):
+        for task in (self._task, getattr(self, "_absorb_task", None), self._watch_task, self._kv_events_task):
             if task:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -1113,6 +1130,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-state-path", default=None,
                         help="state file written by the vLLM plugin (the server's ASTROLABE_VLLM_STATE_PATH) or an "
                              "emulator's --state-path; default: none (the ledger)")
+    parser.add_argument("--kv-events-endpoint", default=None,
+                        help="the engine's KV cache events over ZMQ, tcp://HOST:PORT (vLLM --kv-events-config with "
+                             "\"endpoint\": \"tcp://*:PORT\"): plugin snapshots then carry its cached blocks; "
+                             "default: none")
+    parser.add_argument("--kv-events-topic", default=defaults.kv_events_topic,
+                        help="the KV event publisher's topic (vLLM kv_events_config.topic); default: \"\"")
     parser.add_argument("--plugin-max-age-s", type=float, default=defaults.plugin_max_age_s,
                         help="a plugin state this old while requests are in flight is not used (the ledger "
                              "answers), seconds")
@@ -1198,6 +1221,7 @@ def run(args: argparse.Namespace) -> int:
                                visibility_grace_s=args.visibility_grace_s, discover_kv_cache=args.discover_kv_cache,
                                state_source=args.state_source, vllm_state_path=args.vllm_state_path,
                                plugin_max_age_s=args.plugin_max_age_s, residual_lengths=args.residual_lengths,
+                               kv_events_endpoint=args.kv_events_endpoint, kv_events_topic=args.kv_events_topic,
                                plugin_reconcile_interval_s=args.plugin_reconcile_interval_s,
                                length_errors=args.length_errors, calibration=args.calibration,
                                calibration_min_samples=args.calibration_min_samples,
@@ -1217,6 +1241,10 @@ def run(args: argparse.Namespace) -> int:
         if config.metrics_listen:
             _check_host_port(config.metrics_listen, "--metrics-listen")
         _check_host_port(config.listen, "--listen")
+        if config.kv_events_endpoint is not None and not re.fullmatch(r"(tcp://[^\s:]+:\d+|ipc://\S+)",
+                                                                       config.kv_events_endpoint):
+            raise ValueError(f"--kv-events-endpoint must be tcp://HOST:PORT or ipc://PATH, got "
+                             f"{config.kv_events_endpoint!r}")
         if not 1 <= config.calibration_min_samples <= 512:
             raise ValueError(f"--calibration-min-samples must be in [1, 512], got {config.calibration_min_samples}")
     except (ValueError, OSError) as exc:

@@ -17,6 +17,10 @@ is updated on the request path). Names (``astrolabe_predictor_*``; no label valu
 - ``astrolabe_predictor_reconciliations_total``, ``..._reconciliation_corrections_total{kind=added|removed}``:
   the ledger's reconciliations with the backend's /metrics and the requests they corrected;
 - ``astrolabe_predictor_simulation_seconds``: histogram of each Predict's work (state read and simulation);
+- with ``--kv-events-endpoint`` (`predictor.kv_events`): ``astrolabe_predictor_kv_event_batches_total``,
+  ``..._kv_events_total``, ``..._kv_event_problems_total{kind}`` (undecodable, gaps, missed_batches, orphans,
+  late_join, restarts, cleared, ignored), ``..._kv_event_index_exact`` (gauge, 1/0) and
+  ``..._kv_event_index_blocks`` (gauge, blocks);
 - ``astrolabe_predictor_prefix_cache_queries_total{source}`` / ``..._hits_total{source}``: prompt tokens looked
   up in the prefix cache / found there (vLLM's ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``, tokens):
   ``source="ledger"`` as the ledger modelled them (its scheduler, from the block keys of the requests this sidecar
@@ -121,6 +125,24 @@ class SidecarCollector:
             if engine is not None:
                 family.add_metric(["engine"], engine)
             yield family
+        index = getattr(sidecar, "kv_index", None)
+        if index is not None:
+            counts = index.counts
+            yield CounterMetricFamily("astrolabe_predictor_kv_event_batches", "KV event batches decoded and applied",
+                                      value=counts.batches)
+            yield CounterMetricFamily("astrolabe_predictor_kv_events", "KV events applied", value=counts.events)
+            problems = CounterMetricFamily(
+                "astrolabe_predictor_kv_event_problems", "KV event stream problems (each makes the index approximate, "
+                "but restart, cleared and ignored)", labels=["kind"])
+            for kind in ("undecodable", "gaps", "missed_batches", "orphans", "late_join", "restarts", "cleared",
+                         "ignored"):
+                problems.add_metric([kind], getattr(counts, kind))
+            yield problems
+            yield GaugeMetricFamily("astrolabe_predictor_kv_event_index_exact",
+                                    "1 while the index has applied every KV event batch since the engine started",
+                                    value=1.0 if index.exact else 0.0)
+            yield GaugeMetricFamily("astrolabe_predictor_kv_event_index_blocks",
+                                    "cached KV blocks the index knows, blocks", value=index.num_blocks)
 
 
 def _finite(value: float) -> float:

@@ -346,6 +346,7 @@ class _Admission:
     admitted_s: float
     max_tokens: int | None = None
     length_source: int = 0
+    block_keys: tuple[int, ...] | None = None
 
 
 def pending_id(request_id: str) -> str:
@@ -386,16 +387,30 @@ class AdmitRecords:
         self._seen: set[str] = set()
 
     def admit(self, request_id: str, num_output_tokens: int, num_prompt_tokens: int = 1,
-              now_s: float = 0.0, *, max_tokens: int | None = None, length_source: int = 0) -> None:
+              now_s: float = 0.0, *, max_tokens: int | None = None, length_source: int = 0,
+              block_keys: tuple[int, ...] | None = None) -> None:
         """Record an admission at ``now_s`` (seconds, monotonic clock) of a request with ``num_output_tokens``
-        PREDICTED output tokens, its cap ``max_tokens`` (None = unknown) and the prediction's ``length_source``."""
+        PREDICTED output tokens, its cap ``max_tokens`` (None = unknown), the prediction's ``length_source`` and
+        its prompt's ``block_keys`` (None = none sent)."""
         self._by_id[request_id] = _Admission(max(num_prompt_tokens, 1), num_output_tokens, now_s,
-                                             max_tokens or None, length_source)
+                                             max_tokens or None, length_source, block_keys)
         self.mean_output_tokens += _EMA_WEIGHT * (num_output_tokens - self.mean_output_tokens)
         while len(self._by_id) > self.max_records:
             self._by_id.pop(next(iter(self._by_id)))
         # An engine id seen before this admission may belong to it: let it be matched again.
         self._engine_to_admit = {k: v for k, v in self._engine_to_admit.items() if v is not None}
+
+    def add_block_keys(self, request_id: str, block_keys: tuple[int, ...]) -> None:
+        """Gives an admitted request (held without them, ``predictor.holds``) its prompt's block keys."""
+        admission = self._by_id.get(request_id)
+        if admission is not None:
+            self._by_id[request_id] = dataclasses.replace(admission, block_keys=block_keys)
+
+    def block_keys_of(self, engine_request_id: str) -> tuple[int, ...] | None:
+        """The prompt block keys the router sent with the admission an engine request id belongs to, or None."""
+        admit_id = self.admit_id_of(engine_request_id)
+        admission = self._by_id.get(admit_id) if admit_id is not None else None
+        return None if admission is None else admission.block_keys
 
     def admitted_at_s(self, request_id: str) -> float | None:
         """When ``request_id`` was admitted (``time.monotonic()`` seconds), or None if it has no record."""
@@ -415,7 +430,8 @@ class AdmitRecords:
         as waiting `RequestState`s in admission order (after `expected_output_tokens` saw the engine's ids)."""
         self._seen.update(rid for eid in engine_request_ids if (rid := self.admit_id_of(eid)))
         return [RequestState(request_id=pending_id(rid), num_prompt_tokens=a.num_prompt_tokens,
-                             num_output_tokens=self._expected(a, 0, a.max_tokens), arrival_time_s=now_s)
+                             num_output_tokens=self._expected(a, 0, a.max_tokens), arrival_time_s=now_s,
+                             block_keys=a.block_keys)
                 for rid, a in self._by_id.items() if rid not in self._seen and now_s - a.admitted_s < grace_s]
 
     def _expected(self, admission: _Admission, num_generated_tokens: int, max_tokens: int | None) -> int:
@@ -463,7 +479,9 @@ class AdmitRecords:
 
 
 def plugin_snapshot(state: PluginState, now_s: float,
-                    expected_output_tokens: Callable[[str, int | None, int], int]) -> InstanceSnapshot:
+                    expected_output_tokens: Callable[[str, int | None, int], int],
+                    block_keys_of: Callable[[str], tuple[int, ...] | None] | None = None,
+                    cached_keys: tuple[int, ...] = ()) -> InstanceSnapshot:
     """The `InstanceSnapshot` of a plugin state, as of ``now_s``.
 
     Args:
@@ -472,7 +490,19 @@ def plugin_snapshot(state: PluginState, now_s: float,
             step plus the publish interval older).
         expected_output_tokens: maps (engine request id, max_tokens or None, generated tokens) to an expected
             total output length (> generated).
+        block_keys_of: maps an engine request id to its prompt's block keys as the router sent them with its
+            Admit (None: unknown); keys past the engine's own prompt length are cut (the router may count a
+            prompt differently); None = no keys.
+        cached_keys: the engine's cached block keys (`predictor.kv_events.KvEventIndex`), oldest stored first;
+            those the running requests hold are left out, the rest become the snapshot's
+            ``cached_block_keys``.
     """
+    block_size = state.engine.block_size
+
+    def keys_of(request_id: str, num_prompt: int) -> tuple[int, ...] | None:
+        keys = block_keys_of(request_id) if block_keys_of is not None else None
+        return keys[:num_prompt // block_size] or None if keys else None
+
     def request(row: tuple, running: bool) -> RequestState:
         request_id, num_prompt, num_computed, num_generated, max_tokens, num_blocks, num_preemptions = row
         num_prompt = max(int(num_prompt), 1)
@@ -484,16 +514,20 @@ def plugin_snapshot(state: PluginState, now_s: float,
                             arrival_time_s=now_s, num_computed_tokens=max(num_computed, 0),
                             num_generated_tokens=num_generated,
                             num_blocks_held=None if not running or num_blocks is None else int(num_blocks),
-                            num_preemptions=int(num_preemptions or 0))
+                            num_preemptions=int(num_preemptions or 0),
+                            block_keys=keys_of(str(request_id), num_prompt))
 
     running = tuple(request(row, True) for row in state.running[: state.engine.max_num_seqs])
     # Blocks the engine holds beyond the rows' own (prefix-cache sharing, rounding) cannot exceed the pool.
     held = sum(r.num_blocks_held or 0 for r in running)
     if held > state.engine.num_gpu_blocks:
         running = tuple(RequestState(**{**_asdict(r), "num_blocks_held": None}) for r in running)
+    if cached_keys:
+        held = {key for r in running if r.block_keys for key in r.block_keys[:r.num_computed_tokens // block_size]}
+        cached_keys = tuple(key for key in cached_keys if key not in held)
     return InstanceSnapshot(config=state.engine, now_s=now_s, running=running,
                             waiting=tuple(request(row, False) for row in state.waiting),
-                            num_preemptions_total=state.num_preemptions_total)
+                            num_preemptions_total=state.num_preemptions_total, cached_block_keys=cached_keys)
 
 
 def _asdict(state: RequestState) -> dict:
@@ -532,13 +566,15 @@ class PluginStateSource:
         pending_grace_s: an admitted request the engine has not shown counts as waiting for this long, seconds
             (the ledger's ``visibility_grace_s``).
         residual: the sidecar's residual-length rules (``predictor.residual_rules.ResidualRules``), or None.
+        kv_index: the engine's cached blocks from its KV events (`predictor.kv_events.KvEventIndex`), or None
+            (then a plugin snapshot carries no cached free blocks).
 
     Raises:
         ValueError: unknown mode, or ``vllm-plugin`` without a path.
     """
 
     def __init__(self, mode: str, path: str | None, max_age_s: float = 2.0, pending_grace_s: float = 2.0,
-                 residual=None) -> None:
+                 residual=None, kv_index=None) -> None:
         if mode not in STATE_SOURCES:
             raise ValueError(f"state source must be one of {', '.join(STATE_SOURCES)}, got {mode!r}")
         if mode == STATE_SOURCE_PLUGIN and not path:
@@ -546,6 +582,7 @@ class PluginStateSource:
         self.mode = mode
         self.pending_grace_s = pending_grace_s
         self.admits = AdmitRecords(residual=residual)
+        self.kv_index = kv_index
         self.reader = PluginStateReader(path, max_age_s) if path and mode != STATE_SOURCE_LEDGER else None
         self.last_state: PluginState | None = None
         self._using_plugin: bool | None = None
@@ -595,7 +632,10 @@ class PluginStateSource:
         state = self.read(now_s)
         if state is None:
             return None
-        snapshot = plugin_snapshot(state, now_s, self.admits.expected_output_tokens)
+        index = self.kv_index
+        cached = index.keys_in_storage_order() if index is not None and index.num_blocks else ()
+        snapshot = plugin_snapshot(state, now_s, self.admits.expected_output_tokens, self.admits.block_keys_of,
+                                   cached)
         # A request the scheduler received (``arrivals``) is no longer on its way, even when it already finished.
         engine_ids = [r.request_id for r in (*snapshot.running, *snapshot.waiting)]
         engine_ids += [request_id for request_id, _ in state.arrivals]

@@ -7,11 +7,14 @@ import sys
 import time
 
 import grpc
+import msgpack
 import pytest
 
 from predictor.api import pb, pb_grpc
+from predictor.kv_events import KvEventIndex
 from predictor.server import Sidecar, SidecarConfig
 from predictor.sim import EngineConfig
+from predictor.sim.block_hash import block_keys
 from predictor.state_source import (
     AdmitRecords,
     PluginStateError,
@@ -346,3 +349,82 @@ def test_a_state_without_steps_is_valid_and_new_steps_are_taken_once():
 def test_huge_numbers_and_huge_lists_in_the_state_file_are_refused(extra):
     with pytest.raises(PluginStateError):
         parse_plugin_state(_state_text(**extra))
+
+
+def test_plugin_snapshot_carries_admitted_keys_and_the_engines_cached_free_blocks(tmp_path):
+    path = tmp_path / "state.json"
+    publish(path, busy_scheduler(2, 1))  # running cmpl-run0-0 / cmpl-run1-0 (120 prompt tokens), waiting chatcmpl-wait0
+    source = PluginStateSource("vllm-plugin", str(path), max_age_s=3600.0, pending_grace_s=60.0,
+                               kv_index=KvEventIndex(16))
+    now_s = time.monotonic()
+    run_keys = tuple(range(1000, 1010))  # more than the engine's 120-token prompt has full blocks (7): cut
+    source.admits.admit("run0", 30, 120, now_s, block_keys=run_keys)
+    source.admits.admit("wait0", 30, 150, now_s)
+    source.admits.add_block_keys("wait0", (1000, 1001, 2002))
+    tokens = list(range(64))
+    source.kv_index.on_message(0, msgpack.packb([0.0, [
+        {"type": "BlockStored", "block_hashes": [1, 2, 3, 4], "parent_block_hash": None, "token_ids": tokens,
+         "block_size": 16}]]))
+    snapshot = source.snapshot(now_s)
+    run0, run1 = snapshot.running
+    assert run0.block_keys == run_keys[:7] and run1.block_keys is None
+    assert snapshot.waiting[0].block_keys == (1000, 1001, 2002)
+    assert snapshot.cached_block_keys == block_keys(tokens, 16)
+    snapshot.to_scheduler()
+    # keys a running request holds are not free: they are left out of the cached free blocks
+    assert plugin_snapshot(parse_plugin_state(path.read_text()), now_s, source.admits.expected_output_tokens,
+                           lambda rid: block_keys(tokens, 16) if rid == "cmpl-run0-0" else None,
+                           block_keys(tokens, 16)).cached_block_keys == ()
+
+
+def test_a_sidecar_prices_a_hit_on_the_blocks_the_engines_kv_events_report(tmp_path):
+    """Plugin mode with --kv-events-endpoint: a real ZMQ publisher reports a cached prompt; a Predict for that prompt
+    answers a shorter TTFT with its keys than without (through the real gRPC server)."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    path = tmp_path / "state.json"
+    publish(path, busy_scheduler(0, 0))
+    tokens = [7 + (i % 50) for i in range(1024)]  # 64 of the plugin state's 128 KV blocks
+    keys = block_keys(tokens, 16)
+
+    async def scenario():
+        pub = zmq.asyncio.Context.instance().socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        sidecar = Sidecar(SidecarConfig(backend="127.0.0.1:1", listen="127.0.0.1:0", state_source="vllm-plugin",
+                                        vllm_state_path=str(path), plugin_max_age_s=3600.0,
+                                        engine=EngineConfig(num_gpu_blocks=128 * 16), calibration="off",
+                                        kv_events_endpoint=f"tcp://127.0.0.1:{port}", kv_events_topic="kv"))
+        sidecar_port = await sidecar.start()
+        try:
+            batch = msgpack.packb([0.0, [{"type": "BlockStored", "block_hashes": list(range(1, len(keys) + 1)),
+                                         "parent_block_hash": None, "token_ids": tokens, "block_size": 16}]])
+            for seq in range(300):  # until the SUB socket has joined (it misses what comes before)
+                await pub.send_multipart((b"kv", seq.to_bytes(8, "big"), msgpack.packb([0.0, []])))
+                await asyncio.sleep(0.01)
+                if sidecar.kv_index.counts.batches:
+                    break
+            await pub.send_multipart((b"kv", (seq + 1).to_bytes(8, "big"), batch))
+            for _ in range(300):
+                await asyncio.sleep(0.01)
+                if sidecar.kv_index.num_blocks == len(keys):
+                    break
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{sidecar_port}") as channel:
+                stub = pb_grpc.PredictorStub(channel)
+                common = dict(num_prompt_tokens=len(tokens) + 5, num_predicted_output_tokens=20)
+                cold = await stub.Predict(pb.PredictRequest(request_id="a", **common))
+                warm = await stub.Predict(pb.PredictRequest(request_id="b", block_keys=keys,
+                                                            block_keys_block_size=16, **common))
+                other = await stub.Predict(pb.PredictRequest(request_id="c", block_keys=block_keys(
+                    [t + 1 for t in tokens], 16), block_keys_block_size=16, **common))
+            return cold, warm, other
+        finally:
+            await sidecar.stop(0)
+            pub.close(linger=0)
+
+    cold, warm, other = asyncio.run(scenario())
+    assert warm.ttft_s < 0.5 * cold.ttft_s
+    assert other.ttft_s == pytest.approx(cold.ttft_s, rel=0.05)
