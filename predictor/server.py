@@ -546,6 +546,7 @@ class Sidecar:
         self._admits_seen: dict[int, int] = {}  # router id -> highest admit_seq handled, least recent first
         self.last_reconciled_s: float | None = None
         self.last_observed: BackendObservation | None = None  # the backend's last /metrics scrape read
+        self.num_backend_restarts = 0  # engine restarts seen in its counters (`backend_restarted`)
         self._discovery_failed = False  # warned once that the backend is not readable yet
         self.health = health.aio.HealthServicer()
         self._backend_request_options = https_request_options(config.backend_tls)
@@ -1012,6 +1013,14 @@ class Sidecar:
                         if NOT_READABLE_YET not in sources:
                             self._log_discovered(*sources)
                     observed = await self._scrape(session)
+                    if backend_restarted(self.last_observed, observed):
+                        # A new engine process at the same address: nothing of the old one's queues or prefix
+                        # cache is there (a router must not keep crediting its cached prefixes).
+                        logger.warning("the backend's counters went back (%s): the engine restarted; its ledger and "
+                                       "prefix cache model start empty", self.config.backend)
+                        self.ledger = self._new_ledger(self.ledger.scheduler.config)
+                        self.num_backend_restarts += 1
+                        self.num_changes += 1
                     self.last_observed = observed
                     self.end_expired_holds(time.monotonic())
                     self.ledger.reconcile(observed, time.monotonic())
@@ -1074,6 +1083,19 @@ class Sidecar:
                     await task
         if getattr(self, "_metrics_server", None) is not None:
             self._metrics_server.shutdown()
+
+
+def backend_restarted(before: BackendObservation | None, after: BackendObservation) -> bool:
+    """Whether the backend's engine restarted between two /metrics scrapes: a counter that only grows in one
+    process (``vllm:num_preemptions_total``, ``vllm:prefix_cache_queries_total``, ``..._hits_total``) went back.
+    A restart whose counters are back above their old values by the next scrape is not seen (the KV event
+    stream's sequence, `predictor.kv_events`, sees every restart)."""
+    if before is None:
+        return False
+    pairs = [(before.num_preemptions_total, after.num_preemptions_total),
+             (before.prefix_cache_queries_total, after.prefix_cache_queries_total),
+             (before.prefix_cache_hits_total, after.prefix_cache_hits_total)]
+    return any(old is not None and new is not None and new < old for old, new in pairs)
 
 
 async def serve(config: SidecarConfig, tracing: Tracing | None = None) -> None:

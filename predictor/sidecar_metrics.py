@@ -17,6 +17,8 @@ is updated on the request path). Names (``astrolabe_predictor_*``; no label valu
 - ``astrolabe_predictor_reconciliations_total``, ``..._reconciliation_corrections_total{kind=added|removed}``:
   the ledger's reconciliations with the backend's /metrics and the requests they corrected;
 - ``astrolabe_predictor_simulation_seconds``: histogram of each Predict's work (state read and simulation);
+- ``astrolabe_predictor_backend_restarts_total``: engine restarts seen in the backend's counters
+  (``predictor.server.backend_restarted``): the ledger and its prefix-cache model start empty then;
 - with ``--kv-events-endpoint`` (`predictor.kv_events`): ``astrolabe_predictor_kv_event_batches_total``,
   ``..._kv_events_total``, ``..._kv_event_problems_total{kind}`` (undecodable, gaps, missed_batches, orphans,
   late_join, restarts, cleared, ignored), ``..._kv_event_index_exact`` (gauge, 1/0) and
@@ -125,6 +127,9 @@ class SidecarCollector:
             if engine is not None:
                 family.add_metric(["engine"], engine)
             yield family
+        yield CounterMetricFamily("astrolabe_predictor_backend_restarts", "engine restarts seen in the backend's "
+                                  "counters (the ledger and its prefix cache model then start empty)",
+                                  value=getattr(sidecar, "num_backend_restarts", 0))
         index = getattr(sidecar, "kv_index", None)
         if index is not None:
             counts = index.counts

@@ -100,3 +100,50 @@ def test_a_long_prompt_repeated_while_the_first_runs_is_predicted_shorter_where_
     other = next(e for e in ttft if e != first["destination"])
     assert ttft[first["destination"]] < 0.5 * ttft[other], ttft
     assert second["destination"] == first["destination"]
+
+
+def test_an_engine_restarted_at_the_same_address_loses_its_cache_credit(tmp_path):
+    """Ledger mode: the sidecar sees the restart in the backend's counters (``vllm:prefix_cache_queries_total``
+    went back) and starts its ledger empty; the router's next prediction for the repeated prompt there is cold."""
+    from astrolabe.procs import free_port
+
+    with ProcessGroup() as procs:
+        s = Stack(procs, tmp_path, "full-duplex")
+        port = free_port()
+        emulator = s.start_emulator("--time-scale", TIME_SCALE, *ENGINE, port=port)
+        metrics_port = free_port()
+        sidecar = s.start_sidecar(emulator, "--time-scale", TIME_SCALE, *ENGINE, "--reconcile-interval-s", "0.05",
+                                  "--metrics-listen", f"127.0.0.1:{metrics_port}")
+        s.decision_log = s.tmp / "decisions.jsonl"
+        s.write_config([{"address": emulator, "models": [MODEL], "predictor": sidecar}],
+                       policy="astrolabe", policy_params={"k": 1}, output_length={"source": "fixed", "fixed_tokens": 4},
+                       predictor_client={"mode": "watch", "predict_timeout_s": 0.5},
+                       prefix_cache={"enabled": True, "block_size": 16}, decision_log_path=str(s.decision_log))
+        s.start_extproc()
+        s.start_envoy()
+
+        def ttfts() -> list[float]:
+            return [d["candidates"][0]["ttft_s"] for d in _decisions(s) if d["num_prompt_tokens"] > 1000]
+
+        _send(s)
+        cold_s = poll_until(ttfts, 10, "the first decision")[0]
+        warm = poll_until(lambda: _send(s) and len(ttfts()) >= 2 and ttfts(), 10, "the second decision")
+        assert warm[1] < 0.5 * cold_s
+        s.backends[emulator].stop()
+        s.start_emulator("--time-scale", TIME_SCALE, *ENGINE, port=port)
+
+        def restarts() -> bool:
+            text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+            return "astrolabe_predictor_backend_restarts_total 1.0" in text
+
+        poll_until(restarts, 15, "the sidecar to see the restart", interval_s=0.1)
+        count = len(ttfts())
+
+        def after_restart():
+            # 503 until the extproc's health checks take the restarted instance back
+            httpx.post(f"{s.envoy_url}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True})
+            return ttfts()[count] if len(ttfts()) > count else None
+
+        after_s = poll_until(after_restart, 10, "a decision after the restart", interval_s=0.2)
+        assert after_s == pytest.approx(cold_s, rel=0.1), (after_s, cold_s, warm)
