@@ -28,7 +28,10 @@ herding tests (6.2 against 7.5 ms after 65 steps): at low load, where queueing a
 sent 48% of the requests to one of 4 instances (and 4 sidecars started a few seconds before a burst differed by
 2x on its idle E2E). So a difference that the models' disagreement on the request's own cost explains is not a
 reason to prefer a candidate; the price is that at low load an instance that is truly faster gets only its even
-share.
+share. That allowance holds only between candidates whose states hold the same number of the prompt's leading
+blocks (``EndpointView.num_prefix_blocks_cached``, None counting as 0): a cache hit makes the request cheaper on
+one instance for a real reason (less prefill), which the allowance would otherwise cancel, sending the request to
+the cold instance whenever the queues are alike.
 
 A bound on what one sidecar can pull: a candidate whose in-flight count (this replica's), counting the request
 being routed, would exceed ``max_load_ratio`` times the fleet's mean (``EndpointView.mean_in_flight``, + 1 on both
@@ -263,8 +266,11 @@ class PowerOfKPolicy(Policy):
         best_s, best_idle_s = self.score(best), self.idle_score(best)
         tolerance = max(self.params.tie_tolerance, min(max(e.prediction.model_error for e in scored),
                                                        MAX_TIE_TOLERANCE))
+        best_cached = best.num_prefix_blocks_cached or 0
         tied = [e for e in scored
-                if self.score(e) <= best_s * (1 + tolerance) + max(self.idle_score(e) - best_idle_s, 0.0)]
+                if self.score(e) <= best_s * (1 + tolerance) + (max(self.idle_score(e) - best_idle_s, 0.0)
+                                                                if (e.num_prefix_blocks_cached or 0) == best_cached
+                                                                else 0.0)]
         return min_random_tie(tied, lambda e: (e.num_in_flight, load(e)), self._rng)
 
     def idle_score(self, endpoint: EndpointView) -> float:

@@ -310,3 +310,19 @@ def test_prefix_probe_and_memory_each_take_one_probe_leaving_one_random():
 def test_prefix_probe_must_be_a_bool():
     with pytest.raises(ValueError, match="prefix_probe"):
         Params(prefix_probe="yes")
+
+
+def test_a_cache_hit_is_not_cancelled_by_the_idle_cost_allowance():
+    """The home prices the request 0.2 s cheaper because its prefill hits the cache: the cold instance, whose score
+    is worse by exactly that, is a near-tie only when both hold the same blocks (then the difference is the models')."""
+    policy = build({"k": 2, "tie_tolerance": 0}, random.Random(0))
+
+    def pair(cached_home: int, cached_cold: int) -> list[EndpointView]:
+        return [EndpointView("10.0.0.1:80", num_in_flight=1, num_prefix_blocks_cached=cached_home,
+                             prediction=Prediction(0.1, 1.0, queue_s=0.0, idle_e2e_s=1.0)),
+                EndpointView("10.0.0.2:80", num_in_flight=0, num_prefix_blocks_cached=cached_cold,
+                             prediction=Prediction(0.3, 1.2, queue_s=0.0, idle_e2e_s=1.2))]
+
+    assert {policy.choose(keyed([1]), pair(8, 0)).address for _ in range(20)} == {"10.0.0.1:80"}
+    # same cache state: the difference counts as the models', and the less loaded one wins the tie
+    assert {policy.choose(keyed([1]), pair(8, 8)).address for _ in range(20)} == {"10.0.0.2:80"}
