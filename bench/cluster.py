@@ -18,6 +18,14 @@ the same at X GB/s. ``--migration-bandwidths 1,5,25,100,400`` adds one such labe
 migrations per request at the knee rates next to them, each bandwidth's P99 ratio to ``llumnix`` with a paired
 interval, and the bandwidth below which migration stops paying.
 
+Workloads (``--workload``): ``sharegpt`` (default) is the single-turn trace above, without token identities.
+``multi-turn`` replays ShareGPT conversations as closed-loop chat sessions (``build_sessions``: the swept rate is
+in sessions per second; each turn's prompt is the conversation so far, sent a think time after the previous reply
+ends in the simulation) and ``shared-prefix`` is a tenant mix with long shared contexts sized to the fleet's KV
+cache (``build_shared_prefix``); both carry block keys, so the engines cache prefixes and the tables add the
+requests per second the arrivals gave and the prefix-cache hit rate (bench/README.md "Workloads with prefix
+reuse").
+
 The decision path (``--staleness-s``, ``--decision-latency-s``; ``bench.cluster_sim`` NOTE): by default a decision
 sees each instance's exact state at the request's arrival, which the extproc never does. In production each
 sidecar streams its state every 20 ms under load (``predictor/server.py``: ``--watch-interval-s`` 0.02, and a

