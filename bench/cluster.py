@@ -132,13 +132,18 @@ DEFAULT_POLICIES = ("random", "round-robin", "least-requests", ENVOY_LEAST_REQUE
                     "astrolabe-full")
 DEFAULT_RATES_QPS = (100.0, 110.0, 120.0, 125.0, 130.0, 135.0, 140.0)
 WORKLOADS = ("sharegpt", "multi-turn", "shared-prefix")
-DEFAULT_WORKLOAD_RATES = {"sharegpt": DEFAULT_RATES_QPS, "multi-turn": (20.0, 30.0, 40.0, 50.0),
-                          "shared-prefix": (40.0, 60.0, 80.0, 100.0)}
-"""Default sweep per ``--workload`` (requests/s; sessions/s for multi-turn)."""
+DEFAULT_WORKLOAD_RATES = {"sharegpt": DEFAULT_RATES_QPS, "multi-turn": (12.0, 16.0, 20.0, 24.0),
+                          "shared-prefix": (40.0, 50.0, 60.0, 70.0)}
+"""Default sweep per ``--workload`` (requests/s; sessions/s for multi-turn): around the knees measured in
+bench/README.md "Workloads with prefix reuse"."""
+DEFAULT_WORKLOAD_REQUESTS = {"sharegpt": 3000, "multi-turn": 6000, "shared-prefix": 3000}
+"""Default requests per point per ``--workload``. Multi-turn needs more: ~1,800 sessions of ~20 s each, started at
+16 sessions/s, keep the fleet at its steady load for about two thirds of the trace; with 3,000 requests most of
+it is ramp-up and ramp-down."""
 DEFAULT_SEEDS = (0, 1, 2)
 DEFAULT_OUT_DIR = REPO_ROOT / "out" / "cluster"
 _LABEL = re.compile(r"astrolabe-(k(?P<k>\d+)|full|paper)"
-                    r"(?P<mods>(-(ttft|e2e|blend|nomem|mem|noextra|stale\d+(\.\d+)?))*)")
+                    r"(?P<mods>(-(ttft|e2e|blend|nomem|mem|noextra|noprefix|stale\d+(\.\d+)?))*)")
 LLUMNIX_MIGRATE = "llumnix-migrate"
 """Label of full Llumnix: ``llumnix`` dispatch plus live migration (``bench.migration``)."""
 _MIGRATE_LABEL = re.compile(r"llumnix-migrate(-bw(?P<bw>\d+(\.\d+)?))?")
@@ -157,7 +162,8 @@ def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthMo
     (k = fleet size), ``astrolabe-paper`` (the reference system: k = 2, E2E, no memory, no second round, the
     "10 more tokens" residual), each astrolabe label optionally followed by ``-ttft``/``-e2e``/``-blend``
     (metric), ``-nomem`` / ``-mem`` (no probe, or one probe, of the best recent answer; the default has none) and
-    ``-noextra`` (no second round of probes) and ``-stale<S>`` (its sidecars' states published every S seconds,
+    ``-noextra`` (no second round of probes), ``-noprefix`` (no probe of the prompt's prefix home: all k at
+    random) and ``-stale<S>`` (its sidecars' states published every S seconds,
     replacing ``--staleness-s`` for this label: ``bench.cluster_sim`` NOTE on the decision path);
     ``llumnix-migrate`` (``llumnix`` dispatch + live migration with ``migration``, default `MigrationParams()`)
     and ``llumnix-migrate-bw<X>`` (the same at X GB/s).
@@ -177,7 +183,7 @@ def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthMo
     if match is None:
         raise ValueError(f"unknown policy {label!r}; known: {', '.join(POLICY_NAMES)}, {ENVOY_LEAST_REQUEST}, "
                          "astrolabe-k<N>, astrolabe-full, astrolabe-paper (+ -ttft, -e2e, -blend, -mem, -nomem, "
-                         "-noextra, -stale<S>), llumnix-migrate[-bw<GB/s>]")
+                         "-noextra, -noprefix, -stale<S>), llumnix-migrate[-bw<GB/s>]")
     params: dict = {}
     residual = None
     staleness_s = None
@@ -195,6 +201,8 @@ def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthMo
             params["probe_best"] = True
         elif mod == "noextra":
             params["extra_probes"] = 0
+        elif mod == "noprefix":
+            params["prefix_probe"] = False
         elif mod.startswith("stale"):
             staleness_s = float(mod.removeprefix("stale"))
         else:
@@ -364,7 +372,9 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
                                 formatter_class=HelpFormatter)
     p.add_argument("--num-instances", type=int, default=12, help="simulated vLLM instances")
     p.add_argument("--num-routers", type=int, default=4, help="router replicas (each with its own view)")
-    p.add_argument("--num-requests", type=int, default=3000, help="requests per (policy, rate, seed) point")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests per (policy, rate, seed) point; default per workload: "
+                        + "; ".join(f"{w} {n}" for w, n in DEFAULT_WORKLOAD_REQUESTS.items()))
     p.add_argument("--workload", choices=WORKLOADS, default="sharegpt",
                    help="sharegpt: single-turn ShareGPT requests (no prefix reuse); multi-turn: ShareGPT "
                         "conversations replayed as closed-loop chat sessions; shared-prefix: tenants with long "
@@ -431,6 +441,8 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="worker processes (default: 2, at most the CPUs)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = p.parse_args(argv)
+    if args.num_requests is None:
+        args.num_requests = DEFAULT_WORKLOAD_REQUESTS[args.workload]
     if args.rates is None:
         args.rates = ",".join(f"{r:g}" for r in DEFAULT_WORKLOAD_RATES[args.workload])
     if not 0 <= args.prediction_noise <= 1:

@@ -161,3 +161,10 @@ def test_cli_shared_prefix_reports_the_hit_rate(tmp_path, capsys):
     assert (tmp_path / "cluster.csv").read_text().splitlines()[0].count("prefix_cache_hit_rate") == 1
     for name in ("cluster.csv", "p99_ttft.png"):
         (tmp_path / name).unlink()
+
+
+def test_noprefix_label_turns_the_prefix_probe_off():
+    from bench.cluster import policy_spec
+
+    assert policy_spec("astrolabe-k2-noprefix", 12).params == {"k": 2, "prefix_probe": False}
+    assert "prefix_probe" not in policy_spec("astrolabe-k2", 12).params
