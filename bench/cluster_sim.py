@@ -55,6 +55,7 @@ against the instance they dispatched it to (they never learn of the move); its s
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import heapq
@@ -250,8 +251,9 @@ class PointResult:
         prefix_cache_queries / prefix_cache_hits: prompt tokens looked up in the engines' prefix caches at first
             admissions and those found cached, summed over instances (``Scheduler.prefix_cache_queries`` /
             ``prefix_cache_hits``, vLLM's ``vllm:prefix_cache_queries`` / ``hits``).
-        request_rate_qps: requests over the span of their arrivals, requests per second (for sessions, what
-            ``rate_qps`` sessions per second gave).
+        request_rate_qps: requests per second that arrived between the first and the last arrival (for sessions:
+            between the first and the last session's START, while sessions keep starting, which leaves out the
+            ramp-down of the last sessions' later turns): what ``rate_qps`` gave.
     """
 
     policy: str
@@ -805,12 +807,14 @@ def simulate_sessions_latencies(spec: PolicySpec, rate_sps: float, sessions: Seq
         cluster.advance_to(now_s)
     cluster.drain()
     assert all(r is not None for r in realized), "a session turn was never sent"
-    return _point_result(cluster, spec, rate_sps, realized, start_s)
+    starts_s = [session.start_s for session in sessions]
+    return _point_result(cluster, spec, rate_sps, realized, start_s, (min(starts_s), max(starts_s)))
 
 
 def _point_result(cluster: _Cluster, spec: PolicySpec, rate_qps: float, requests: Sequence[ClusterRequest],
-                  start_s: float) -> tuple[PointResult, PointLatencies]:
-    """The point's summary and latencies once every request of ``requests`` (numbered ``r<index>``) finished."""
+                  start_s: float, window_s: tuple[float, float] | None = None) -> tuple[PointResult, PointLatencies]:
+    """The point's summary and latencies once every request of ``requests`` (numbered ``r<index>``) finished;
+    ``window_s``: the span whose arrivals give ``request_rate_qps`` (default: first to last arrival)."""
     config = cluster.config
     done = sorted(cluster.finished, key=lambda r: int(r.request_id[1:]))
     assert len({r.request_id for r in done}) == len(done), "a request finished twice"
@@ -822,8 +826,10 @@ def _point_result(cluster: _Cluster, spec: PolicySpec, rate_qps: float, requests
     e2e_mean_s, e2e_p99_s = _mean_p99(list(e2es_s))
     tpots_s = [(r.finish_time_s - r.first_token_time_s) / (r.num_output_tokens - 1)
                for r in done if r.num_output_tokens > 1]
-    span_s = max((r.arrival_time_s for r in requests), default=0.0) - min((r.arrival_time_s for r in requests),
-                                                                           default=0.0)
+    arrivals = sorted(r.arrival_time_s for r in requests)
+    low_s, high_s = window_s or ((arrivals[0], arrivals[-1]) if arrivals else (0.0, 0.0))
+    span_s = high_s - low_s
+    num_in_window = bisect.bisect_right(arrivals, high_s) - bisect.bisect_left(arrivals, low_s)
     result = PointResult(
         policy=spec.label,
         rate_qps=rate_qps,
@@ -843,6 +849,6 @@ def _point_result(cluster: _Cluster, spec: PolicySpec, rate_qps: float, requests
         **_shares(cluster, requests),
         prefix_cache_queries=sum(e.scheduler.prefix_cache_queries for e in cluster.engines),
         prefix_cache_hits=sum(e.scheduler.prefix_cache_hits for e in cluster.engines),
-        request_rate_qps=(len(requests) - 1) / span_s if span_s > 0 else math.nan,
+        request_rate_qps=(num_in_window - 1) / span_s if span_s > 0 else math.nan,
     )
     return result, PointLatencies(ttfts_s, e2es_s)

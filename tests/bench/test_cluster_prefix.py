@@ -46,24 +46,27 @@ def test_single_turn_sessions_equal_the_open_trace():
     assert result.requests_per_instance == open_result.requests_per_instance
 
 
-def test_next_turn_arrives_a_think_time_after_the_reply_ends_and_hits_the_cache():
+def test_next_turn_arrives_a_think_time_after_the_reply_ends_and_hits_the_cache(monkeypatch):
     first = keyed("t1", 100, 60)
     # turn 2's prompt = turn 1's prompt + reply (160 tokens = 10 full blocks) + a new 40-token message
     ids = np.concatenate([pseudo_token_ids("t1", 160), pseudo_token_ids("t2", 40 + 30)])
     second = ClusterRequest(0.0, 200, 30, 30, block_keys=block_keys(ids.tolist(), 16))
     assert second.block_keys[:10] == first.block_keys
     session = ClusterSession(0.5, (first, second), (0.7,))
+    arrivals_s = []
+    route = _Cluster.route
+    monkeypatch.setattr(_Cluster, "route", lambda self, request_id, request: (arrivals_s.append(
+        request.arrival_time_s), route(self, request_id, request))[1])
     result, latencies = simulate_sessions_latencies(PolicySpec("lr", "least-requests"), 1.0, [session],
                                                     ClusterConfig(num_instances=1, engine=ENGINE))
-    # two arrivals: 0.5 and 0.5 + turn 1's E2E + 0.7
-    assert 1 / result.request_rate_qps == pytest.approx(latencies.e2es_s[0] + 0.7)
+    assert arrivals_s == [0.5, pytest.approx(0.5 + latencies.e2es_s[0] + 0.7)]
     # the reply's last token never enters the KV cache (it is sampled, not computed), so 159 tokens were
     # computed: 9 full blocks cached, the 10th partial
     assert result.prefix_cache_queries == 300 and result.prefix_cache_hits == 144
     assert latencies.ttfts_s[1] < latencies.ttfts_s[0]  # 40 tokens to prefill instead of 100
 
 
-def test_sessions_under_load_route_every_turn_in_time_order():
+def test_sessions_under_load_route_every_turn_in_time_order(monkeypatch):
     conversations = [SharegptConversation(f"c{n}", tuple(random.Random(n).randint(10, 200) for _ in range(8)))
                      for n in range(30)]
     sessions = build_sessions(conversations, 90, random.Random(0), "poisson", 1.0, lambda n, rng: n,
@@ -77,12 +80,13 @@ def test_sessions_under_load_route_every_turn_in_time_order():
         cluster_arrivals.append((request.arrival_time_s, min(e.now_s for e in self.engines)))
         return original(self, request_id, request)
 
-    try:
-        _Cluster.route = route
-        result, _ = simulate_sessions_latencies(PolicySpec("k2", "astrolabe", {"k": 2}), 4.0, sessions, config)
-    finally:
-        _Cluster.route = original
+    monkeypatch.setattr(_Cluster, "route", route)
+    result, _ = simulate_sessions_latencies(PolicySpec("k2", "astrolabe", {"k": 2}), 4.0, sessions, config)
     assert result.num_completed == result.num_requests == len(cluster_arrivals)
+    # the request rate counts the turns that arrived while sessions were starting
+    starts_s = sorted(s.start_s for s in sessions)  # unit rate: simulate_sessions_latencies records 4.0 only
+    in_window = [t for t, _ in cluster_arrivals if starts_s[0] <= t <= starts_s[-1]]
+    assert result.request_rate_qps == pytest.approx((len(in_window) - 1) / (starts_s[-1] - starts_s[0]))
     times = [t for t, _ in cluster_arrivals]
     assert times == sorted(times)
     # never routed after the engines had moved past the arrival by more than one step (steps are atomic)
