@@ -132,13 +132,13 @@ DEFAULT_POLICIES = ("random", "round-robin", "least-requests", ENVOY_LEAST_REQUE
                     "astrolabe-full")
 DEFAULT_RATES_QPS = (100.0, 110.0, 120.0, 125.0, 130.0, 135.0, 140.0)
 WORKLOADS = ("sharegpt", "multi-turn", "shared-prefix")
-DEFAULT_WORKLOAD_RATES = {"sharegpt": DEFAULT_RATES_QPS, "multi-turn": (12.0, 16.0, 20.0, 24.0),
+DEFAULT_WORKLOAD_RATES = {"sharegpt": DEFAULT_RATES_QPS, "multi-turn": (16.0, 20.0, 24.0, 28.0),
                           "shared-prefix": (40.0, 50.0, 60.0, 70.0)}
 """Default sweep per ``--workload`` (requests/s; sessions/s for multi-turn): around the knees measured in
 bench/README.md "Workloads with prefix reuse"."""
 DEFAULT_WORKLOAD_REQUESTS = {"sharegpt": 3000, "multi-turn": 6000, "shared-prefix": 3000}
 """Default requests per point per ``--workload``. Multi-turn needs more: ~1,800 sessions of ~20 s each, started at
-16 sessions/s, keep the fleet at its steady load for about two thirds of the trace; with 3,000 requests most of
+16-28 sessions/s, keep the fleet at its steady load for about two thirds of the trace; with 3,000 requests most of
 it is ramp-up and ramp-down."""
 DEFAULT_SEEDS = (0, 1, 2)
 DEFAULT_OUT_DIR = REPO_ROOT / "out" / "cluster"
