@@ -18,6 +18,14 @@ the same at X GB/s. ``--migration-bandwidths 1,5,25,100,400`` adds one such labe
 migrations per request at the knee rates next to them, each bandwidth's P99 ratio to ``llumnix`` with a paired
 interval, and the bandwidth below which migration stops paying.
 
+Workloads (``--workload``): ``sharegpt`` (default) is the single-turn trace above, without token identities.
+``multi-turn`` replays ShareGPT conversations as closed-loop chat sessions (``build_sessions``: the swept rate is
+in sessions per second; each turn's prompt is the conversation so far, sent a think time after the previous reply
+ends in the simulation) and ``shared-prefix`` is a tenant mix with long shared contexts sized to the fleet's KV
+cache (``build_shared_prefix``); both carry block keys, so the engines cache prefixes and the tables add the
+requests per second the arrivals gave and the prefix-cache hit rate (bench/README.md "Workloads with prefix
+reuse").
+
 The decision path (``--staleness-s``, ``--decision-latency-s``; ``bench.cluster_sim`` NOTE): by default a decision
 sees each instance's exact state at the request's arrival, which the extproc never does. In production each
 sidecar streams its state every 20 ms under load (``predictor/server.py``: ``--watch-interval-s`` 0.02, and a
@@ -84,17 +92,29 @@ from bench.cluster_sim import (
     A30_LIKE_NUM_GPU_BLOCKS,
     ENVOY_LEAST_REQUEST,
     LOGNORMAL_SIGMA,
+    MIN_THINK_TIME_S,
     ClusterConfig,
     ClusterRequest,
+    ClusterSession,
     LognormalLengthError,
     PolicySpec,
     SamplePredictedTokens,
     SeedPoint,
     oracle_lengths,
     simulate_point_latencies,
+    simulate_sessions_latencies,
 )
 from bench.migration import REQUEST_POLICIES, MigrationParams, with_bandwidth
-from bench.workloads import REPO_ROOT, arrival_offsets_s, filter_pairs
+from bench.workloads import (
+    REPO_ROOT,
+    KeyedTurn,
+    SharedPrefixShape,
+    WorkloadError,
+    arrival_offsets_s,
+    filter_pairs,
+    session_turns,
+    shared_prefix_turns,
+)
 from extproc.policies.registry import POLICY_NAMES
 from predictor.engine_flags import add_engine_arguments, engine_from_args
 from predictor.sim import EngineConfig
@@ -105,7 +125,7 @@ from predictor.sim.residual import (
     ResidualLengthModel,
 )
 from tagger.serve import SHIPPED_LIGHT_DIR
-from tagger.sharegpt import SharegptPair, load_sharegpt_pairs
+from tagger.sharegpt import SharegptConversation, SharegptPair, load_sharegpt_conversations, load_sharegpt_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -113,10 +133,19 @@ DEFAULT_POLICIES = ("random", "round-robin", "least-requests", ENVOY_LEAST_REQUE
                     "llumnix-migrate", "gie", "astrolabe-paper", "astrolabe-k2-noextra", "astrolabe-k2", "astrolabe-k4-noextra",
                     "astrolabe-full")
 DEFAULT_RATES_QPS = (100.0, 110.0, 120.0, 125.0, 130.0, 135.0, 140.0)
+WORKLOADS = ("sharegpt", "multi-turn", "shared-prefix")
+DEFAULT_WORKLOAD_RATES = {"sharegpt": DEFAULT_RATES_QPS, "multi-turn": (16.0, 20.0, 24.0, 28.0),
+                          "shared-prefix": (40.0, 50.0, 60.0, 70.0)}
+"""Default sweep per ``--workload`` (requests/s; sessions/s for multi-turn): around the knees measured in
+bench/README.md "Workloads with prefix reuse"."""
+DEFAULT_WORKLOAD_REQUESTS = {"sharegpt": 3000, "multi-turn": 6000, "shared-prefix": 3000}
+"""Default requests per point per ``--workload``. Multi-turn needs more: ~1,800 sessions of ~20 s each, started at
+16-28 sessions/s, keep the fleet at its steady load for about two thirds of the trace; with 3,000 requests most of
+it is ramp-up and ramp-down."""
 DEFAULT_SEEDS = (0, 1, 2)
 DEFAULT_OUT_DIR = REPO_ROOT / "out" / "cluster"
 _LABEL = re.compile(r"astrolabe-(k(?P<k>\d+)|full|paper)"
-                    r"(?P<mods>(-(ttft|e2e|blend|nomem|mem|noextra|stale\d+(\.\d+)?))*)")
+                    r"(?P<mods>(-(ttft|e2e|blend|nomem|mem|noextra|noprefix|stale\d+(\.\d+)?))*)")
 LLUMNIX_MIGRATE = "llumnix-migrate"
 """Label of full Llumnix: ``llumnix`` dispatch plus live migration (``bench.migration``)."""
 _MIGRATE_LABEL = re.compile(r"llumnix-migrate(-bw(?P<bw>\d+(\.\d+)?))?")
@@ -153,7 +182,8 @@ def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthMo
     (k = fleet size), ``astrolabe-paper`` (the reference system: k = 2, E2E, no memory, no second round, the
     "10 more tokens" residual), each astrolabe label optionally followed by ``-ttft``/``-e2e``/``-blend``
     (metric), ``-nomem`` / ``-mem`` (no probe, or one probe, of the best recent answer; the default has none) and
-    ``-noextra`` (no second round of probes) and ``-stale<S>`` (its sidecars' states published every S seconds,
+    ``-noextra`` (no second round of probes), ``-noprefix`` (no probe of the prompt's prefix home: all k at
+    random) and ``-stale<S>`` (its sidecars' states published every S seconds,
     replacing ``--staleness-s`` for this label: ``bench.cluster_sim`` NOTE on the decision path);
     ``llumnix-migrate`` (``llumnix`` dispatch + live migration with ``migration``, default `MigrationParams()`)
     and ``llumnix-migrate-bw<X>`` (the same at X GB/s); a registry name other than astrolabe followed by
@@ -178,7 +208,7 @@ def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthMo
     if match is None:
         raise ValueError(f"unknown policy {label!r}; known: {', '.join(POLICY_NAMES)}, {ENVOY_LEAST_REQUEST}, "
                          "astrolabe-k<N>, astrolabe-full, astrolabe-paper (+ -ttft, -e2e, -blend, -mem, -nomem, "
-                         "-noextra, -stale<S>), llumnix-migrate[-bw<GB/s>]")
+                         "-noextra, -noprefix, -stale<S>), llumnix-migrate[-bw<GB/s>]")
     params: dict = {}
     residual = None
     staleness_s = None
@@ -196,6 +226,8 @@ def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthMo
             params["probe_best"] = True
         elif mod == "noextra":
             params["extra_probes"] = 0
+        elif mod == "noprefix":
+            params["prefix_probe"] = False
         elif mod.startswith("stale"):
             staleness_s = float(mod.removeprefix("stale"))
         else:
@@ -221,26 +253,88 @@ def build_requests(pairs: Sequence[SharegptPair], num_requests: int, rng: random
     return offsets_s, requests
 
 
-def at_rate(requests: Sequence[ClusterRequest], rate_qps: float) -> list[ClusterRequest]:
-    """The unit-rate trace with every arrival time divided by ``rate_qps``."""
-    return [dataclasses.replace(r, arrival_time_s=r.arrival_time_s / rate_qps) for r in requests]
+def _keyed_requests(turns: Sequence[KeyedTurn], rng: random.Random,
+                    sample_predicted_tokens: SamplePredictedTokens) -> list[ClusterRequest]:
+    """Requests (arrival 0) of keyed turns, each with its predicted output length."""
+    return [ClusterRequest(0.0, t.num_prompt_tokens, t.num_output_tokens,
+                           sample_predicted_tokens(t.num_output_tokens, rng), block_keys=t.block_keys)
+            for t in turns]
 
 
-def _run_point(task: tuple[PolicySpec, float, list[ClusterRequest], ClusterConfig]) -> SeedPoint:
-    spec, rate_qps, requests, config = task
-    result, latencies = simulate_point_latencies(spec, rate_qps, requests, config)
+def build_sessions(conversations: Sequence[SharegptConversation], num_requests: int, rng: random.Random,
+                   arrival: str, cv: float, sample_predicted_tokens: SamplePredictedTokens, *, block_size: int,
+                   max_model_len: int, think_time_s: float, min_think_time_s: float) -> list[ClusterSession]:
+    """The multi-turn workload at unit rate: ShareGPT conversations (``bench.workloads.session_turns``) drawn
+    without replacement (with, once all are used) until their turns reach ``num_requests``; session starts at
+    1 session/s (``arrival``); think times ``min_think_time_s`` + Exponential(mean ``think_time_s`` -
+    ``min_think_time_s``), i.e. mean ``think_time_s`` seconds. Scale the starts by 1 / rate with ``at_rate``.
+
+    Raises:
+        bench.workloads.WorkloadError: no conversation fits ``max_model_len``, bad think times, unknown arrival.
+    """
+    if not MIN_THINK_TIME_S <= min_think_time_s < think_time_s:
+        raise WorkloadError(f"think times need {MIN_THINK_TIME_S} <= --min-think-time-s < --think-time-s, got "
+                            f"{min_think_time_s} and {think_time_s}")
+    order = list(range(len(conversations)))
+    rng.shuffle(order)
+    chosen: list[list[KeyedTurn]] = []
+    total = 0
+    n = 0
+    while total < num_requests:
+        if n == len(order) and not chosen:
+            raise WorkloadError(f"no ShareGPT conversation fits max_model_len {max_model_len}")
+        turns = session_turns(conversations[order[n % len(order)]], block_size, max_model_len)
+        n += 1
+        if turns:
+            chosen.append(turns)
+            total += len(turns)
+    starts_s = arrival_offsets_s(len(chosen), 1.0, rng, arrival, cv=cv)
+    rate = 1.0 / (think_time_s - min_think_time_s)
+    return [ClusterSession(start_s, tuple(_keyed_requests(turns, rng, sample_predicted_tokens)),
+                           tuple(min_think_time_s + rng.expovariate(rate) for _ in turns[1:]))
+            for start_s, turns in zip(starts_s, chosen)]
+
+
+def build_shared_prefix(shape: SharedPrefixShape, num_requests: int, rng: random.Random, arrival: str, cv: float,
+                        sample_predicted_tokens: SamplePredictedTokens, block_size: int) -> list[ClusterRequest]:
+    """The shared-prefix workload at unit rate (``bench.workloads.shared_prefix_turns``), ``arrival`` gaps.
+
+    Raises:
+        bench.workloads.WorkloadError: unknown arrival or bad ``cv``.
+    """
+    requests = _keyed_requests(shared_prefix_turns(shape, num_requests, rng, block_size), rng,
+                               sample_predicted_tokens)
+    offsets_s = arrival_offsets_s(num_requests, 1.0, rng, arrival, cv=cv)
+    return [dataclasses.replace(r, arrival_time_s=t_s) for r, t_s in zip(requests, offsets_s)]
+
+
+Trace = Sequence[ClusterRequest] | Sequence[ClusterSession]
+"""A unit-rate workload: open-loop requests, or closed-loop sessions (multi-turn)."""
+
+
+def at_rate(requests: Trace, rate_qps: float) -> list:
+    """The unit-rate trace with every arrival time (a session's start) divided by ``rate_qps``."""
+    return [dataclasses.replace(r, start_s=r.start_s / rate_qps) if isinstance(r, ClusterSession)
+            else dataclasses.replace(r, arrival_time_s=r.arrival_time_s / rate_qps) for r in requests]
+
+
+def _run_point(task: tuple[PolicySpec, float, list, ClusterConfig]) -> SeedPoint:
+    spec, rate_qps, trace, config = task
+    simulate = simulate_sessions_latencies if trace and isinstance(trace[0], ClusterSession) else simulate_point_latencies
+    result, latencies = simulate(spec, rate_qps, trace, config)
     return SeedPoint(config.seed, result, latencies)
 
 
 def run_sweep(specs: Sequence[PolicySpec], rates_qps: Sequence[float],
-              requests_by_seed: dict[int, Sequence[ClusterRequest]], config: ClusterConfig, workers: int = 1,
+              requests_by_seed: dict[int, Trace], config: ClusterConfig, workers: int = 1,
               progress: bool = True) -> list[SeedPoint]:
     """Simulates every (policy, rate, seed) point, ``workers`` processes at a time.
 
     Args:
         specs: policies, display order.
         rates_qps: rates, requests per second.
-        requests_by_seed: seed -> its unit-rate trace (``build_requests``); the seed also seeds the routers.
+        requests_by_seed: seed -> its unit-rate trace (``build_requests``, ``build_shared_prefix``) or sessions
+            (``build_sessions``); the seed also seeds the routers.
         config: fleet settings (its ``seed`` is replaced by each trace's).
         workers: processes (1 = in this process).
         progress: show a tqdm bar of points on stderr.
@@ -303,9 +397,25 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
                                 formatter_class=HelpFormatter)
     p.add_argument("--num-instances", type=int, default=12, help="simulated vLLM instances")
     p.add_argument("--num-routers", type=int, default=4, help="router replicas (each with its own view)")
-    p.add_argument("--num-requests", type=int, default=3000, help="requests per (policy, rate, seed) point")
-    p.add_argument("--rates", default=",".join(f"{r:g}" for r in DEFAULT_RATES_QPS),
-                   help="arrival rates of the sweep, requests/s, comma-separated")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests per (policy, rate, seed) point; default per workload: "
+                        + "; ".join(f"{w} {n}" for w, n in DEFAULT_WORKLOAD_REQUESTS.items()))
+    p.add_argument("--workload", choices=WORKLOADS, default="sharegpt",
+                   help="sharegpt: single-turn ShareGPT requests (no prefix reuse); multi-turn: ShareGPT "
+                        "conversations replayed as closed-loop chat sessions; shared-prefix: tenants with long "
+                        "shared contexts and short questions (bench/README.md)")
+    p.add_argument("--rates", default=None,
+                   help="arrival rates of the sweep, comma-separated: requests/s (sessions/s for multi-turn); "
+                        "default per workload: " + "; ".join(
+                            f"{w} {','.join(f'{r:g}' for r in rates)}" for w, rates in DEFAULT_WORKLOAD_RATES.items()))
+    p.add_argument("--think-time-s", type=float, default=5.0,
+                   help="multi-turn: mean think time from a reply's end to the next turn, seconds")
+    p.add_argument("--min-think-time-s", type=float, default=1.0,
+                   help="multi-turn: shortest think time, seconds (think = this + exponential)")
+    p.add_argument("--working-set", type=float, default=1.0,
+                   help="shared-prefix: the tenants' distinct contexts, as a fraction of the fleet's total KV cache")
+    p.add_argument("--context-tokens", type=int, default=2048,
+                   help="shared-prefix: tokens of each tenant's shared context")
     p.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)), help="trace seeds, comma-separated")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="comma-separated labels: a policy name, envoy-least-request, or astrolabe-k<N>|full|paper "
@@ -356,6 +466,10 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="worker processes (default: 2, at most the CPUs)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = p.parse_args(argv)
+    if args.num_requests is None:
+        args.num_requests = DEFAULT_WORKLOAD_REQUESTS[args.workload]
+    if args.rates is None:
+        args.rates = ",".join(f"{r:g}" for r in DEFAULT_WORKLOAD_RATES[args.workload])
     if not 0 <= args.prediction_noise <= 1:
         p.error("--prediction-noise must be in [0, 1]")
     if min(args.num_requests, args.num_instances, args.workers, args.num_routers) < 1:
@@ -415,11 +529,49 @@ def _settings(args: argparse.Namespace, engine: EngineConfig, error_desc: str, s
     return (f"{fleet}, {args.num_routers} router replica(s), Llama-2-7B shape, H200 step-time model "
             f"'{args.batch_time_model}'; max_num_seqs {engine.max_num_seqs}, max_num_batched_tokens "
             f"{engine.max_num_batched_tokens}, KV cache {engine.num_gpu_blocks} blocks x {engine.block_size} tokens "
-            f"= {engine.num_gpu_blocks * engine.block_size} tokens per instance; {args.num_requests} ShareGPT "
-            f"requests per point x seeds {','.join(map(str, seeds))}, {arrival} arrivals; predicted lengths: "
+            f"= {engine.num_gpu_blocks * engine.block_size} tokens per instance; {args.num_requests} "
+            f"{'ShareGPT' if args.workload == 'sharegpt' else args.workload} requests per point x seeds {','.join(map(str, seeds))}, {arrival} arrivals; predicted lengths: "
             f"{error_desc}; prediction noise {args.prediction_noise:g}; metrics every {args.metrics_interval_s:g} s; "
             f"sidecar states every {args.staleness_s:g} s (0 = exact; -stale<S> labels their own), decision "
             f"latency {args.decision_latency_s:g} s")
+
+
+def _traces(args: argparse.Namespace, engine: EngineConfig, pairs: Sequence[SharegptPair], seeds: Sequence[int],
+            sample_predicted_tokens: SamplePredictedTokens, max_len: int) -> tuple[dict[int, Trace], str]:
+    """Each seed's unit-rate trace of ``args.workload`` and a line describing the workload.
+
+    Raises:
+        ValueError: bad workload settings.
+    """
+    if args.workload == "sharegpt":
+        return ({seed: build_requests(pairs, args.num_requests, random.Random(seed), args.arrival, args.cv,
+                                      sample_predicted_tokens)[1] for seed in seeds},
+                "single-turn ShareGPT (no block keys: no prefix reuse); rate axis: requests/s")
+    if args.workload == "shared-prefix":
+        fleet_tokens = args.num_instances * engine.num_gpu_blocks * engine.block_size
+        shape = SharedPrefixShape.for_working_set(args.working_set, fleet_tokens, args.context_tokens)
+        traces = {seed: build_shared_prefix(shape, args.num_requests, random.Random(seed), args.arrival, args.cv,
+                                            sample_predicted_tokens, engine.block_size) for seed in seeds}
+        return traces, (f"shared-prefix: {shape.num_tenants} tenants x {shape.context_tokens}-token shared context "
+                        f"(working set {shape.num_tenants * shape.context_tokens} tokens = "
+                        f"{shape.num_tenants * shape.context_tokens / fleet_tokens:.2f} x the fleet's KV cache), "
+                        f"tenant uniform per request, questions {shape.question_tokens[0]}-"
+                        f"{shape.question_tokens[1]} tokens, answers {shape.answer_tokens[0]}-"
+                        f"{shape.answer_tokens[1]} tokens (uniform); rate axis: requests/s")
+    conversations = load_sharegpt_conversations()
+    traces = {seed: build_sessions(conversations, args.num_requests, random.Random(seed), args.arrival, args.cv,
+                                   sample_predicted_tokens, block_size=engine.block_size, max_model_len=max_len,
+                                   think_time_s=args.think_time_s, min_think_time_s=args.min_think_time_s)
+              for seed in seeds}
+    sessions = [s for trace in traces.values() for s in trace]
+    turns = sum(len(s.turns) for s in sessions) / len(sessions)
+    prompt = sum(t.num_prompt_tokens for s in sessions for t in s.turns) / sum(len(s.turns) for s in sessions)
+    return traces, (f"multi-turn ShareGPT sessions (closed loop): {len(sessions) // len(traces)} sessions per seed, "
+                    f"{turns:.2f} turns per session on average (so X sessions/s offer ~{turns:.2f}X requests/s), "
+                    f"mean prompt {prompt:.0f} tokens; turn k = the conversation so far (recorded replies) + the "
+                    f"next human message, sent {args.min_think_time_s:g} s + Exponential(mean "
+                    f"{args.think_time_s - args.min_think_time_s:g} s) after the previous reply ends; conversations "
+                    f"end before outgrowing {max_len} tokens; rate axis: sessions/s")
 
 
 def main(argv: Sequence[str]) -> int:
@@ -434,6 +586,7 @@ def main(argv: Sequence[str]) -> int:
         pairs = filter_pairs(load_sharegpt_pairs(), max_model_len=max_len)
         sample_predicted_tokens, error_desc, residual = _error_model(args, pairs)
         specs = [policy_spec(label, args.num_instances, migration=args.migration) for label in _labels(args)]
+        requests_by_seed, workload_desc = _traces(args, engine, pairs, seeds, sample_predicted_tokens, max_len)
     except ValueError as exc:
         print(f"astrolabe bench cluster: {exc}", file=sys.stderr)
         return 2
@@ -444,9 +597,8 @@ def main(argv: Sequence[str]) -> int:
     config = ClusterConfig(args.num_instances, engine, args.batch_time_model, args.metrics_interval_s,
                            args.prediction_noise, 0, args.num_routers, residual, _time_scales(args),
                            staleness_s=args.staleness_s, decision_latency_s=args.decision_latency_s)
-    requests_by_seed = {seed: build_requests(pairs, args.num_requests, random.Random(seed), args.arrival, args.cv,
-                                             sample_predicted_tokens)[1] for seed in seeds}
     print(f"SIMULATED (virtual time): {_settings(args, engine, error_desc, seeds)}{_migration_settings(args, specs, engine.block_size)}")
+    print(f"workload: {workload_desc}")
     start_s = time.perf_counter()
     points = run_sweep(specs, rates_qps, requests_by_seed, config, args.workers, progress=not args.no_progress)
     wall_s = time.perf_counter() - start_s
@@ -465,7 +617,7 @@ def main(argv: Sequence[str]) -> int:
              "migration_blocking_copy": args.migration.blocking_copy,
              "migration_request_policy": args.migration.request_policy,
              "migration_threshold": args.migration.migrate_out_threshold, "staleness_s": args.staleness_s,
-             "decision_latency_s": args.decision_latency_s}
+             "decision_latency_s": args.decision_latency_s, "workload": args.workload}
     csv_path = write_csv(args.out / "cluster.csv", pooled, extra)
     plot_path = write_plot(args.out / "p99_ttft.png", pooled, args.slo_ttft_s,
                            f"simulated: {args.num_instances} instances, {args.num_routers} routers, "

@@ -41,6 +41,10 @@ class PooledPoint:
         requests_max_over_mean: requests dispatched to the busiest instance over the mean per instance, summed
             over seeds (1.0 = perfectly even).
         window_max_over_mean: ``PointResult.window_max_over_mean`` averaged over every seed's windows.
+        prefix_cache_hit_rate: prompt tokens found in the engines' prefix caches over those looked up, summed
+            over instances and seeds (NaN when none was looked up).
+        request_rate_qps: requests per second the point's arrivals gave, mean over seeds (for multi-turn
+            sessions, what ``rate_qps`` sessions per second gave).
     """
 
     policy: str
@@ -68,6 +72,8 @@ class PooledPoint:
     engine_time_lost_s: float = 0.0
     requests_max_over_mean: float = math.nan
     window_max_over_mean: float = math.nan
+    prefix_cache_hit_rate: float = math.nan
+    request_rate_qps: float = math.nan
 
 
 def _shares(results) -> dict[str, float]:
@@ -120,7 +126,10 @@ def pool_points(points: Sequence[SeedPoint]) -> list[PooledPoint]:
             num_migrations_aborted=sum(r.num_migrations_aborted for r in results),
             migrations_per_request=sum(r.num_migrations_completed for r in results) / max(num_requests, 1),
             migration_stall_s=sum(r.migration_stall_s for r in results),
-            engine_time_lost_s=sum(r.engine_time_lost_s for r in results), **_shares(results)))
+            engine_time_lost_s=sum(r.engine_time_lost_s for r in results), **_shares(results),
+            prefix_cache_hit_rate=(sum(r.prefix_cache_hits for r in results) / queries
+                                   if (queries := sum(r.prefix_cache_queries for r in results)) else math.nan),
+            request_rate_qps=float(np.mean([r.request_rate_qps for r in results]))))
     return out
 
 
@@ -205,7 +214,9 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 def format_points(results: Sequence[PooledPoint]) -> str:
     """One row per (policy, rate): TTFT mean, P99 [interval], the requests' spread over instances (busiest over
     mean, over the whole point and per ``SHARE_WINDOW_S`` window), E2E mean/p99, TPOT mean (s), preemptions, calls; plus
-    completed migrations per request and aborted / started migrations when any point migrated."""
+    the requests per second the arrivals gave and the prefix-cache hit rate (cached / looked-up prompt tokens) when
+    any point hit the cache, and completed migrations per request and aborted / started migrations when any point
+    migrated."""
     header = ["policy", "rate qps", "done", "TTFT mean", "TTFT p99 [95% interval]", "req/inst max/mean",
               f"per {SHARE_WINDOW_S:g} s", "E2E mean", "E2E p99", "TPOT mean", "preempt", "pred/req", "fallback"]
     rows = [[r.policy, f"{r.rate_qps:g}", f"{r.num_completed}/{r.num_requests}", _f(r.ttft_mean_s),
@@ -213,6 +224,10 @@ def format_points(results: Sequence[PooledPoint]) -> str:
              _f(r.requests_max_over_mean, 2), _f(r.window_max_over_mean, 2), _f(r.e2e_mean_s),
              _f(r.e2e_p99_s), _f(r.tpot_mean_s, 4), str(r.num_preemptions), _f(r.predictor_calls_per_request, 1),
              str(r.num_fallbacks)] for r in results]
+    if any(r.prefix_cache_hit_rate > 0 for r in results):
+        header += ["req/s", "cache hit"]
+        for row, r in zip(rows, results):
+            row += [_f(r.request_rate_qps, 1), _f(r.prefix_cache_hit_rate, 3)]
     if any(r.num_migrations_started for r in results):
         header += ["migr/req", "aborted/started"]
         for row, r in zip(rows, results):

@@ -1,7 +1,8 @@
 """One cluster-benchmark point: N simulated vLLM instances behind one production policy, in virtual time.
 
-Owns ``ClusterConfig``, ``ClusterRequest``, ``PointResult``, the output-length error models
-(``sample_predicted_tokens``-style callables) and ``simulate_point``. Imports ``predictor.sim`` (one ``Engine``
+Owns ``ClusterConfig``, ``ClusterRequest``, ``ClusterSession``, ``PointResult``, the output-length error models
+(``sample_predicted_tokens``-style callables), ``simulate_point`` (an open trace) and
+``simulate_sessions_latencies`` (closed-loop sessions). Imports ``predictor.sim`` (one ``Engine``
 per instance: the project's only scheduler model), ``extproc.policies`` (the policy objects the extproc
 runs, built by ``build_policy``) and ``bench.migration`` (Llumnix's live migration, run beside a policy whose
 spec carries ``MigrationParams``: ``llumnix-migrate``); no I/O, no processes, no real clock except for ``wall_s``.
@@ -19,6 +20,11 @@ NOTE: what each policy sees, as in production:
   instance's snapshot in which every admitted request's output length is its PREDICTED length (the sidecar
   knows only the tagger's estimates), for the new request with its predicted length. The engine itself runs
   every request with its TRUE length.
+- ``num_prefix_blocks_cached`` (requests with block keys: ``ClusterRequest.block_keys``): the leading prompt blocks
+  the instance holds or caches, read from the engine's block pool with exact states, from the last published
+  state (its requests' prompt keys and ``InstanceSnapshot.cached_block_keys``) with stale ones. The engine gets the
+  keys of prompt and reply blocks; sidecar states and the router see the prompt's only. Every policy hears of each
+  finished request (``Policy.on_finished``).
 Sampling an engine at time t completes the step in flight at t (steps are atomic), so a sample may be up to one
 step (~10-40 ms) newer than t.
 
@@ -49,8 +55,11 @@ against the instance they dispatched it to (they never learn of the move); its s
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
+import heapq
+import itertools
 import logging
 import math
 import random
@@ -149,13 +158,54 @@ class ClusterConfig:
 @dataclass(frozen=True, slots=True)
 class ClusterRequest:
     """One trace request: arrival (virtual seconds), true prompt/output tokens, output tokens the router predicts,
-    and the request's ``max_tokens`` cap (None: uncapped; the sidecars cap residual lengths with it)."""
+    and the request's ``max_tokens`` cap (None: uncapped; the sidecars cap residual lengths with it).
+
+    ``block_keys``: keys of the full blocks of its prompt AND reply tokens (``bench.workloads.KeyedTurn``); None =
+    token ids unknown (no prefix caching for it). The engine gets them all (a reply's blocks are cached for the
+    next turn, as vLLM does); the router and the sidecar states see only the prompt's (`prompt_block_keys`).
+    """
 
     arrival_time_s: float
     num_prompt_tokens: int
     num_output_tokens: int
     num_predicted_output_tokens: int
     max_tokens: int | None = None
+    block_keys: tuple[int, ...] | None = None
+
+    def prompt_block_keys(self, block_size: int) -> tuple[int, ...] | None:
+        """The keys of the prompt's full blocks (None without keys)."""
+        return None if self.block_keys is None else self.block_keys[:self.num_prompt_tokens // block_size]
+
+
+MIN_THINK_TIME_S = 0.1
+"""Shortest think time a session may have, seconds: the closed-loop simulation advances the fleet in steps of the
+shortest think time of the run (`simulate_sessions_latencies`), so a shorter one would make it slow."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSession:
+    """A closed-loop session (multi-turn chat): its first turn arrives at ``start_s`` (virtual seconds), each
+    later turn ``think_times_s[k]`` seconds after turn k's reply ENDS (its last token) in the simulation.
+
+    Attributes:
+        start_s: the first turn's arrival, seconds.
+        turns: the turns in order (their ``arrival_time_s`` is ignored: the simulation sets it).
+        think_times_s: one per gap between turns (``len(turns) - 1``), each >= `MIN_THINK_TIME_S`.
+
+    Raises:
+        ValueError: no turns, a wrong number of think times, or one below `MIN_THINK_TIME_S`.
+    """
+
+    start_s: float
+    turns: tuple[ClusterRequest, ...]
+    think_times_s: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.turns or len(self.think_times_s) != len(self.turns) - 1:
+            raise ValueError(f"a session needs >= 1 turn and one think time per gap, got {len(self.turns)} turns, "
+                             f"{len(self.think_times_s)} think times")
+        if any(not t >= MIN_THINK_TIME_S for t in self.think_times_s):
+            raise ValueError(f"think times must be >= {MIN_THINK_TIME_S} s, got {min(self.think_times_s)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +248,12 @@ class PointResult:
             mean per instance, averaged over the windows (1.0 = perfectly even; herding shows here before it
             shows in the whole trace's shares).
         num_windows: windows averaged in ``window_max_over_mean``.
+        prefix_cache_queries / prefix_cache_hits: prompt tokens looked up in the engines' prefix caches at first
+            admissions and those found cached, summed over instances (``Scheduler.prefix_cache_queries`` /
+            ``prefix_cache_hits``, vLLM's ``vllm:prefix_cache_queries`` / ``hits``).
+        request_rate_qps: requests per second that arrived between the first and the last arrival (for sessions:
+            between the first and the last session's START, while sessions keep starting, which leaves out the
+            ramp-down of the last sessions' later turns): what ``rate_qps`` gave.
     """
 
     policy: str
@@ -222,6 +278,9 @@ class PointResult:
     requests_per_instance: tuple[int, ...] = ()
     window_max_over_mean: float = math.nan
     num_windows: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    request_rate_qps: float = math.nan
 
 
 SHARE_WINDOW_S = 1.0
@@ -351,6 +410,11 @@ class _Cluster:
         self.router_of: dict[str, tuple[int, int]] = {}
         self.predicted: list[dict[str, tuple[int, int | None]]] = [{} for _ in range(config.num_instances)]
         self.finished: list[SimRequest] = []
+        # request id -> the RoutingRequest its policy decided on (for Policy.on_finished)
+        self.routing_requests: dict[str, RoutingRequest] = {}
+        # called with each finished request (the closed-loop sessions schedule the next turn from it)
+        self.on_request_finished: Callable[[SimRequest], None] | None = None
+        self.block_size = config.engine.block_size
         self.num_predictions = 0
         self.num_fallbacks = 0
         migration = spec.migration
@@ -369,11 +433,14 @@ class _Cluster:
         # per instance, dispatches on their way (arrival at the instance, id, request), earliest first
         self.in_transit: list[collections.deque] = [collections.deque() for _ in self.engines]
         self.published: list[tuple[InstanceSnapshot, frozenset[str]]] = []
+        # per instance, the block keys its last published state shows (built on first use after a publish)
+        self.published_keys: list[frozenset[int] | None] = []
         self.next_state_s: list[float] = []
         if self.staleness_s > 0 and self.policy.needs_predictions:
             phase_rng = random.Random(config.seed + 3)
             self.next_state_s = [phase_rng.uniform(0.0, self.staleness_s) for _ in self.engines]
             self.published = [self._sidecar_state(i, 0.0) for i in range(config.num_instances)]
+            self.published_keys = [None] * config.num_instances
 
     def _collect(self, i: int, steps: list[StepResult]) -> None:
         for step in steps:
@@ -382,6 +449,11 @@ class _Cluster:
                 r, dispatched_to = self.router_of.pop(request.request_id)
                 self.routers[r].in_flight[dispatched_to] -= 1
                 del self.predicted[i][request.request_id]
+                routed = self.routing_requests.pop(request.request_id, None)  # None: dispatched without route()
+                if routed is not None:
+                    self.routers[r].policy.on_finished(routed, self.addresses[dispatched_to])
+                if self.on_request_finished is not None:
+                    self.on_request_finished(request)
 
     def _moved(self, request_id: str, src: int, dst: int) -> None:
         """A migration moved ``request_id`` from instance ``src`` to ``dst``: its sidecar state follows it."""
@@ -440,6 +512,7 @@ class _Cluster:
                 i = self.next_state_s.index(state_s)
                 self._collect(i, self.engines[i].advance_to(state_s))
                 self.published[i] = self._sidecar_state(i, state_s)
+                self.published_keys[i] = None
                 self.next_state_s[i] = state_s + self.staleness_s
             else:
                 break
@@ -455,7 +528,32 @@ class _Cluster:
             self.advance_to(self.migration.next_event_s())
         assert not any(e.num_reserved_blocks for e in self.engines), "a migration left blocks reserved"
 
-    def views(self, router: _Router, now_s: float) -> list[EndpointView]:
+    def has_work(self) -> bool:
+        """True while any engine has a request to run or to receive, or a migration is in flight."""
+        return any(e.has_work() for e in self.engines) or (self.migration is not None
+                                                           and bool(self.migration.num_in_flight))
+
+    def num_prefix_blocks_cached(self, i: int, keys: tuple[int, ...] | None) -> int | None:
+        """Leading blocks of ``keys`` that instance ``i`` holds or caches as the router's state shows it
+        (``EndpointView.num_prefix_blocks_cached``): the last published state (its requests' prompt keys and
+        ``InstanceSnapshot.cached_block_keys``) with stale states, else the engine's own block pool (exact).
+        None without keys."""
+        if keys is None:
+            return None
+        if not self.published:
+            return len(self.engines[i].scheduler.prefix_cache.lookup(keys, len(keys)))
+        shown = self.published_keys[i]
+        if shown is None:
+            snapshot = self.published[i][0]
+            shown = self.published_keys[i] = frozenset(
+                [*snapshot.cached_block_keys,
+                 *(k for r in (*snapshot.running, *snapshot.waiting) for k in r.block_keys or ())])
+        n = 0
+        while n < len(keys) and keys[n] in shown:
+            n += 1
+        return n
+
+    def views(self, router: _Router, now_s: float, keys: tuple[int, ...] | None = None) -> list[EndpointView]:
         since_s = now_s - router.policy.recent_window_s
         views = []
         for i, address in enumerate(self.addresses):
@@ -465,7 +563,8 @@ class _Cluster:
             sampled = router.metrics[i]
             metrics = None if sampled is None else dataclasses.replace(sampled[1], age_s=now_s - sampled[0])
             views.append(EndpointView(address, router.in_flight[i], address, metrics=metrics,
-                                      num_recent_requests=len(times_s)))
+                                      num_recent_requests=len(times_s),
+                                      num_prefix_blocks_cached=self.num_prefix_blocks_cached(i, keys)))
         # as extproc/router.py fills it: the astrolabe policy's load bound reads it
         mean_in_flight = sum(router.in_flight) / len(router.in_flight) if router.in_flight else 0.0
         return [dataclasses.replace(v, mean_in_flight=mean_in_flight) for v in views]
@@ -477,19 +576,25 @@ class _Cluster:
         predicted = self.predicted[i]
         residual = self.residual
 
+        block_size = self.block_size
+
         def expected(r: RequestState) -> RequestState:
+            # a sidecar knows a request's prompt blocks only (the router sends those)
             num_predicted, max_tokens = predicted[r.request_id]
+            keys = r.block_keys if r.block_keys is None else r.block_keys[:r.num_prompt_tokens // block_size]
             return dataclasses.replace(r, num_output_tokens=residual.expected_output_tokens(
-                num_predicted, r.num_generated_tokens, max_tokens))
+                num_predicted, r.num_generated_tokens, max_tokens), block_keys=keys)
 
         snapshot = InstanceSnapshot.from_scheduler(engine.scheduler, engine.now_s)
         return dataclasses.replace(snapshot, waiting=tuple(map(expected, snapshot.waiting)),
                                    running=tuple(map(expected, snapshot.running)))
 
     def _expected_state(self, request_id: str, request: ClusterRequest) -> RequestState:
-        """A request not started yet as a sidecar prices it: its expected output length from its predicted one."""
+        """A request not started yet as a sidecar prices it: its expected output length from its predicted one,
+        its prompt's block keys."""
         return RequestState(request_id, request.num_prompt_tokens, self.residual.expected_output_tokens(
-            request.num_predicted_output_tokens, 0, request.max_tokens))
+            request.num_predicted_output_tokens, 0, request.max_tokens),
+            block_keys=request.prompt_block_keys(self.block_size))
 
     def _unseen(self, router: _Router, i: int, seen: frozenset[str]) -> list[tuple[float, str, ClusterRequest]]:
         """``router``'s dispatches to instance ``i`` still in flight that a state holding ``seen`` lacks, oldest
@@ -527,9 +632,11 @@ class _Cluster:
         """(router replica, instance) for ``request``."""
         r = self._assign_rng.randrange(len(self.routers))
         router = self.routers[r]
+        keys = request.prompt_block_keys(self.block_size)
         routing_request = RoutingRequest(request_id, "POST", "/v1/completions", max_tokens=request.max_tokens,
-                                         arrival_time_s=request.arrival_time_s)
-        views = self.views(router, request.arrival_time_s)
+                                         arrival_time_s=request.arrival_time_s, block_keys=keys)
+        self.routing_requests[request_id] = routing_request
+        views = self.views(router, request.arrival_time_s, keys)
         if router.policy.needs_predictions:
             candidates = router.policy.candidates(routing_request, views)
             scored = [dataclasses.replace(v, prediction=self.predict(self.index[v.address], request_id, request,
@@ -549,7 +656,8 @@ class _Cluster:
         """Sends ``request`` to instance ``i``, where it arrives ``decision_latency_s`` later; replica ``r``
         counts it from now."""
         self.engines[i].add_request(SimRequest(request_id, request.num_prompt_tokens, request.num_output_tokens,
-                                               arrival_time_s=request.arrival_time_s + self.latency_s))
+                                               arrival_time_s=request.arrival_time_s + self.latency_s,
+                                               block_keys=request.block_keys))
         router = self.routers[r]
         router.in_flight[i] += 1
         router.dispatch_times_s[i].append(request.arrival_time_s)
@@ -638,6 +746,76 @@ def simulate_point_latencies(spec: PolicySpec, rate_qps: float, requests: Sequen
         request_id = f"r{n}"
         cluster.dispatch(*cluster.route(request_id, request), request_id, request)
     cluster.drain()
+    return _point_result(cluster, spec, rate_qps, requests, start_s)
+
+
+def simulate_sessions_latencies(spec: PolicySpec, rate_sps: float, sessions: Sequence[ClusterSession],
+                                config: ClusterConfig) -> tuple[PointResult, PointLatencies]:
+    """Closed-loop sessions (multi-turn chat) routed by ``spec``'s policy: each session's turn k + 1 arrives its
+    think time after turn k's last token; the fleet runs until every turn of every session has finished.
+
+    Arrivals depend on completions, so the fleet advances in steps no longer than the run's shortest think time:
+    a reply that ends inside a step starts its next turn after that step's end, so every arrival is routed at its
+    own time, in time order, exactly as an open trace's (ties: session order).
+
+    Args:
+        spec: the policy under test.
+        rate_sps: the sessions' start rate, sessions per second (recorded as ``PointResult.rate_qps``).
+        sessions: the sessions, any order (their requests are numbered session by session, turn by turn: the
+            latencies come back in that order, the same for every policy).
+        config: fleet settings.
+
+    Returns:
+        The point's result (``request_rate_qps``: the requests per second the sessions gave) and every turn's
+        TTFT and E2E.
+
+    Raises:
+        ValueError: as `simulate_point`.
+    """
+    start_s = time.perf_counter()
+    cluster = _Cluster(config, spec)
+    first = list(itertools.accumulate((len(s.turns) for s in sessions), initial=0))
+    realized: list[ClusterRequest | None] = [None] * first[-1]
+    owner = [(s, k) for s, session in enumerate(sessions) for k in range(len(session.turns))]
+    # (arrival, request number, session, turn); the request number orders ties
+    due = [(session.start_s, first[s], s, 0) for s, session in enumerate(sessions)]
+    heapq.heapify(due)
+    think_s = [t for session in sessions for t in session.think_times_s]
+    step_s = min(think_s, default=math.inf)
+
+    def next_turn(request: SimRequest) -> None:
+        n = int(request.request_id[1:])
+        s, k = owner[n]
+        if k + 1 < len(sessions[s].turns):
+            heapq.heappush(due, (request.finish_time_s + sessions[s].think_times_s[k], n + 1, s, k + 1))
+
+    cluster.on_request_finished = next_turn
+    now_s = -math.inf
+    while due or cluster.has_work():
+        if due and due[0][0] <= now_s:
+            arrival_s, n, s, k = heapq.heappop(due)
+            request = realized[n] = dataclasses.replace(sessions[s].turns[k], arrival_time_s=arrival_s)
+            cluster.advance_to(arrival_s)
+            request_id = f"r{n}"
+            cluster.dispatch(*cluster.route(request_id, request), request_id, request)
+            continue
+        next_s = due[0][0] if due else math.inf
+        now_s = min(next_s, now_s + step_s) if now_s > -math.inf else next_s
+        if now_s == math.inf:  # no arrival due and no think time: the last replies end the run
+            cluster.drain()
+            break
+        cluster.advance_to(now_s)
+    cluster.drain()
+    assert all(r is not None for r in realized), "a session turn was never sent"
+    starts_s = [session.start_s for session in sessions]
+    return _point_result(cluster, spec, rate_sps, realized, start_s, (min(starts_s), max(starts_s)))
+
+
+def _point_result(cluster: _Cluster, spec: PolicySpec, rate_qps: float, requests: Sequence[ClusterRequest],
+                  start_s: float, window_s: tuple[float, float] | None = None) -> tuple[PointResult, PointLatencies]:
+    """The point's summary and latencies once every request of ``requests`` (numbered ``r<index>``) finished;
+    ``window_s``: the span whose arrivals give ``request_rate_qps`` (default: first to last arrival)."""
+    config = cluster.config
     done = sorted(cluster.finished, key=lambda r: int(r.request_id[1:]))
     assert len({r.request_id for r in done}) == len(done), "a request finished twice"
     # from the request's arrival at the router (the instance sees it decision_latency_s later)
@@ -648,6 +826,10 @@ def simulate_point_latencies(spec: PolicySpec, rate_qps: float, requests: Sequen
     e2e_mean_s, e2e_p99_s = _mean_p99(list(e2es_s))
     tpots_s = [(r.finish_time_s - r.first_token_time_s) / (r.num_output_tokens - 1)
                for r in done if r.num_output_tokens > 1]
+    arrivals = sorted(r.arrival_time_s for r in requests)
+    low_s, high_s = window_s or ((arrivals[0], arrivals[-1]) if arrivals else (0.0, 0.0))
+    span_s = high_s - low_s
+    num_in_window = bisect.bisect_right(arrivals, high_s) - bisect.bisect_left(arrivals, low_s)
     result = PointResult(
         policy=spec.label,
         rate_qps=rate_qps,
@@ -665,5 +847,8 @@ def simulate_point_latencies(spec: PolicySpec, rate_qps: float, requests: Sequen
         num_routers=config.num_routers,
         **_migration_fields(cluster),
         **_shares(cluster, requests),
+        prefix_cache_queries=sum(e.scheduler.prefix_cache_queries for e in cluster.engines),
+        prefix_cache_hits=sum(e.scheduler.prefix_cache_hits for e in cluster.engines),
+        request_rate_qps=(num_in_window - 1) / span_s if span_s > 0 else math.nan,
     )
     return result, PointLatencies(ttfts_s, e2es_s)

@@ -1,18 +1,32 @@
-"""Request traces built from ShareGPT pairs: filters, arrival processes and seeded sampling.
+"""Request traces built from ShareGPT pairs: filters, arrival processes and seeded sampling; keyed workloads.
 
 Owns: choosing the pairs (``tagger.sharegpt.SharegptPair``, read by ``tagger.sharegpt.load_sharegpt_pairs``) a
-server's context can hold, and sampling a seeded arrival trace (Poisson, Gamma or uniform gaps) from them.
-Imports only the stdlib and ``tagger.sharegpt``; must not import aiohttp, gRPC or anything that starts processes.
+server's context can hold, and sampling a seeded arrival trace (Poisson, Gamma or uniform gaps) from them; and the
+token-level shapes of the prefix-reuse workloads (block keys of every request): multi-turn sessions replayed from
+ShareGPT conversations (`session_turns`) and a shared-prefix tenant mix (`shared_prefix_turns`).
+Imports the stdlib, numpy, ``tagger.sharegpt`` and ``predictor.sim.block_hash``; must not import aiohttp, gRPC or
+anything that starts processes.
+
+NOTE: token ids. The keyed workloads need token ids only so that equal prefixes give equal block keys
+(``predictor.sim.block_hash.block_keys``): each message (a ShareGPT turn, a tenant's context, a question, an answer)
+gets pseudo token ids, as many as its token count, drawn by numpy's default generator seeded by a BLAKE2b hash of
+the message's name (`pseudo_token_ids`), so the same message has the same ids in every process and run. A
+prompt's ids are its messages' ids concatenated; no chat template tokens are added (a template adds a few tokens
+per message to every prompt alike and changes no reuse).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from tagger.sharegpt import SharegptPair
+import numpy as np
+
+from predictor.sim.block_hash import block_keys
+from tagger.sharegpt import SharegptConversation, SharegptPair
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 """The repository root (benchmarks keep their outputs and caches under its git-ignored ``.cache/``)."""
@@ -170,3 +184,138 @@ def build_trace(
         )
         for i, (p, offset_s) in enumerate(zip(chosen, offsets_s))
     ]
+
+
+PSEUDO_VOCAB_SIZE = 32000
+"""Pseudo token ids lie in [0, 32000): Llama-2's vocabulary size (only equality matters, `pseudo_token_ids`)."""
+
+
+def pseudo_token_ids(name: str, num_tokens: int) -> np.ndarray:
+    """Deterministic pseudo token ids of one message (module NOTE on token ids).
+
+    Args:
+        name: names the message uniquely (e.g. ``"<conversation id>/3"``, ``"tenant/7"``).
+        num_tokens: its length, tokens (>= 0).
+
+    Returns:
+        ``num_tokens`` ids in [0, `PSEUDO_VOCAB_SIZE`), int64; the same for the same arguments in any process.
+    """
+    seed = int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "little")
+    return np.random.default_rng(seed).integers(0, PSEUDO_VOCAB_SIZE, size=num_tokens, dtype=np.int64)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KeyedTurn:
+    """One request of a keyed workload: token counts and the block keys of its prompt AND reply.
+
+    Attributes:
+        num_prompt_tokens: prompt tokens (>= 1).
+        num_output_tokens: reply tokens (>= 1).
+        block_keys: keys of the full blocks of prompt + reply tokens, first block first; the prompt's own full
+            blocks are the first ``num_prompt_tokens // block_size`` (an engine caches the reply's blocks too, so
+            that a later prompt that repeats the reply hits them, as vLLM does).
+    """
+
+    num_prompt_tokens: int
+    num_output_tokens: int
+    block_keys: tuple[int, ...]
+
+
+def session_turns(conversation: SharegptConversation, block_size: int, max_model_len: int) -> list[KeyedTurn]:
+    """A ShareGPT conversation replayed as a chat session: turn k's prompt is every earlier message (the human
+    turns and the RECORDED replies) plus the k-th human message; its reply is the k-th recorded reply.
+
+    A message of 0 tokens counts as 1 (every prompt and reply has at least one token). The session ends before
+    the first turn whose prompt + reply exceeds ``max_model_len`` (a client then starts a new conversation).
+
+    Args:
+        conversation: per-message token counts, human and gpt alternating.
+        block_size: tokens per KV block (>= 1).
+        max_model_len: the served model's context, tokens.
+
+    Returns:
+        The turns in order; [] when even the first does not fit.
+    """
+    sizes = [max(n, 1) for n in conversation.num_message_tokens]
+    turns: list[tuple[int, int]] = []
+    total = 0
+    for k in range(0, len(sizes) - 1, 2):
+        prompt, reply = total + sizes[k], sizes[k + 1]
+        if prompt + reply > max_model_len:
+            break
+        turns.append((prompt, reply))
+        total = prompt + reply
+    if not turns:
+        return []
+    ids = np.concatenate([pseudo_token_ids(f"{conversation.id}/{m}", sizes[m]) for m in range(2 * len(turns))])
+    keys = block_keys(ids.tolist(), block_size)
+    return [KeyedTurn(prompt, reply, keys[:(prompt + reply) // block_size]) for prompt, reply in turns]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SharedPrefixShape:
+    """The shared-prefix tenant mix (the shape of llm-d's shared-prefix benchmark, scaled to a fleet's KV cache).
+
+    Attributes:
+        num_tenants: tenants, each with its own shared context (>= 1).
+        context_tokens: tokens of each tenant's context (>= 1).
+        question_tokens: (low, high) of each user question's tokens, drawn uniformly (1 <= low <= high).
+        answer_tokens: (low, high) of each answer's tokens, drawn uniformly (1 <= low <= high).
+    """
+
+    num_tenants: int
+    context_tokens: int = 2048
+    question_tokens: tuple[int, int] = (32, 256)
+    answer_tokens: tuple[int, int] = (32, 256)
+
+    def __post_init__(self) -> None:
+        if self.num_tenants < 1 or self.context_tokens < 1:
+            raise WorkloadError(f"num_tenants and context_tokens must be >= 1, got {self.num_tenants}, "
+                                f"{self.context_tokens}")
+        for name in ("question_tokens", "answer_tokens"):
+            low, high = getattr(self, name)
+            if not 1 <= low <= high:
+                raise WorkloadError(f"{name} must be (low, high) with 1 <= low <= high, got {(low, high)}")
+
+    @classmethod
+    def for_working_set(cls, working_set_frac: float, fleet_kv_tokens: int, context_tokens: int = 2048,
+                        **kwargs) -> SharedPrefixShape:
+        """The mix whose distinct contexts total ``working_set_frac`` x ``fleet_kv_tokens`` (rounded to whole
+        tenants, at least 1).
+
+        Raises:
+            WorkloadError: ``working_set_frac`` not > 0, or a bad shape.
+        """
+        if not working_set_frac > 0:
+            raise WorkloadError(f"working_set_frac must be > 0, got {working_set_frac}")
+        num_tenants = max(1, round(working_set_frac * fleet_kv_tokens / context_tokens))
+        return cls(num_tenants, context_tokens, **kwargs)
+
+
+def shared_prefix_turns(shape: SharedPrefixShape, num_requests: int, rng: random.Random,
+                        block_size: int) -> list[KeyedTurn]:
+    """``num_requests`` requests of the mix: each picks a tenant uniformly at random (as llm-d's benchmark
+    spreads its prompts over the groups) and asks a fresh question of its own; prompt = the tenant's context + the
+    question, reply = the answer.
+
+    Args:
+        shape: the mix.
+        num_requests: requests (>= 0).
+        rng: seeded source of the tenants and lengths.
+        block_size: tokens per KV block (>= 1).
+
+    Returns:
+        The requests, in draw order.
+    """
+    contexts = {}
+    turns = []
+    for n in range(num_requests):
+        tenant = rng.randrange(shape.num_tenants)
+        question = rng.randint(*shape.question_tokens)
+        answer = rng.randint(*shape.answer_tokens)
+        if tenant not in contexts:
+            contexts[tenant] = pseudo_token_ids(f"tenant/{tenant}", shape.context_tokens)
+        ids = np.concatenate([contexts[tenant], pseudo_token_ids(f"question/{n}", question + answer)])
+        prompt = shape.context_tokens + question
+        turns.append(KeyedTurn(prompt, answer, block_keys(ids.tolist(), block_size)))
+    return turns

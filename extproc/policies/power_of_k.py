@@ -28,7 +28,10 @@ herding tests (6.2 against 7.5 ms after 65 steps): at low load, where queueing a
 sent 48% of the requests to one of 4 instances (and 4 sidecars started a few seconds before a burst differed by
 2x on its idle E2E). So a difference that the models' disagreement on the request's own cost explains is not a
 reason to prefer a candidate; the price is that at low load an instance that is truly faster gets only its even
-share.
+share. That allowance holds only between candidates whose states hold the same number of the prompt's leading
+blocks (``EndpointView.num_prefix_blocks_cached``, None counting as 0): a cache hit makes the request cheaper on
+one instance for a real reason (less prefill), which the allowance would otherwise cancel, sending the request to
+the cold instance whenever the queues are alike.
 
 A bound on what one sidecar can pull: a candidate whose in-flight count (this replica's), counting the request
 being routed, would exceed ``max_load_ratio`` times the fleet's mean (``EndpointView.mean_in_flight``, + 1 on both
@@ -47,7 +50,17 @@ instance with room, the extra probes buy the capacity of a larger k at a fractio
 2.07 probes per request at 135 req/s on 12 simulated instances, bench/README.md). The request pays one more
 Predict round trip only when it was going to queue anyway.
 
-Which endpoints are probed: k drawn uniformly at random (default). With ``probe_best`` and k >= 2, one probe goes to
+Which endpoints are probed: with ``prefix_probe`` (default on), k >= 2 and a request whose prompt blocks are known
+(``RoutingRequest.block_keys``), one probe goes to the prefix's home: the endpoint whose state holds the most of the
+prompt's leading blocks (``EndpointView.num_prefix_blocks_cached``, ties at random), or, when no endpoint holds any,
+the endpoint that the rendezvous hash of the prompt's first block key picks among the endpoints' addresses
+(`rendezvous_home`: highest ``BLAKE2b(first key, address)``; Thaler & Ravishankar 1998, "Using name-based mappings
+to increase hit rates"). The hash makes a burst of identical cold prompts probe the same instance (which then
+caches the prefix) instead of scattering over the fleet, and router replicas that share no state agree on that
+home; an endpoint joining or leaving moves only the prefixes it wins or held. The other k - 1 probes are drawn
+uniformly at random from the rest, so probes per request stay k and the prediction decides: the home's shorter
+prefill (the cache hit priced by its sidecar) against the others' shorter queues. Without keys, or with k = 1 (no
+probe left to explore with), all k are drawn at random. With ``probe_best`` and k >= 2, one probe goes to
 the endpoint with the best score
 among this replica's answers of the last ``memory_s`` seconds and the other k - 1 are drawn uniformly at random
 from the rest; without it (or with no recent answer), all k are drawn at random. The remembered best is handed to
@@ -63,7 +76,9 @@ bursts spread as the power of two choices does, and in the cluster simulation me
 with memory (Shah & Prabhakar 2002, "The use of memory in randomized load balancing"): the remembered endpoint
 is probed afresh, never trusted blindly, so an endpoint that filled up since loses on its fresh prediction, and
 several replicas cannot herd onto it (each sidecar counts every replica's admissions). Random probes keep
-looking at the rest of the fleet. Probes per request stay at most k + ``extra_probes``, whatever the fleet size.
+looking at the rest of the fleet. With both ``prefix_probe`` and ``probe_best``, the home takes one probe and the
+remembered best another when k >= 3 (one probe always stays random). Probes per request stay at most k +
+``extra_probes``, whatever the fleet size.
 
 Inputs: ``EndpointView.prediction`` (filled by the router for the candidates; None for an endpoint without a
 sidecar, or whose sidecar failed, timed out, or reported a stale state), ``num_in_flight`` and
@@ -81,6 +96,7 @@ of two choices; measurements behind the defaults: bench/README.md "Choosing the 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -114,6 +130,8 @@ class Params:
             (>= 0, at most `MAX_TIE_TOLERANCE`; a sidecar's larger ``model_error`` widens it up to that cap).
         max_load_ratio: a candidate over this multiple of the fleet's mean in-flight count is passed over while
             another is not (>= 1; 0 = no bound).
+        prefix_probe: one probe goes to the prompt's prefix home (module docstring), when the request carries
+            block keys and k >= 2.
     """
 
     k: int = 2
@@ -125,6 +143,7 @@ class Params:
     queue_threshold_s: float = 0.05
     tie_tolerance: float = 0.05
     max_load_ratio: float = 2.0
+    prefix_probe: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
@@ -136,6 +155,8 @@ class Params:
             raise ValueError(f"policy {TYPE!r}: e2e_weight must be a finite number >= 0, got {self.e2e_weight!r}")
         if not isinstance(self.probe_best, bool):
             raise ValueError(f"policy {TYPE!r}: probe_best must be true or false, got {self.probe_best!r}")
+        if not isinstance(self.prefix_probe, bool):
+            raise ValueError(f"policy {TYPE!r}: prefix_probe must be true or false, got {self.prefix_probe!r}")
         if (isinstance(self.memory_s, bool) or not isinstance(self.memory_s, int | float)
                 or not math.isfinite(self.memory_s) or not self.memory_s > 0):
             raise ValueError(f"policy {TYPE!r}: memory_s must be a finite number > 0, got {self.memory_s!r}")
@@ -182,11 +203,28 @@ class PowerOfKPolicy(Policy):
         k = self.params.k
         if k >= len(endpoints):
             return endpoints
-        # k = 1 leaves no probe to explore with: memory would stick to one endpoint forever
-        best = self._best_recent(request.arrival_time_s, endpoints) if self.params.probe_best and k > 1 else None
-        if best is None:
+        # k = 1 leaves no probe to explore with: the home or the memory would take every probe
+        chosen: list[EndpointView] = []
+        keys = getattr(request, "block_keys", None)
+        if self.params.prefix_probe and k > 1 and keys:
+            chosen.append(self.prefix_home(keys, endpoints))
+        if self.params.probe_best and k - len(chosen) > 1:
+            best = self._best_recent(request.arrival_time_s, [e for e in endpoints if e not in chosen])
+            if best is not None:
+                chosen.append(best)
+        if not chosen:
             return self._rng.sample(list(endpoints), k)
-        return [best, *self._rng.sample([e for e in endpoints if e is not best], k - 1)]
+        rest = [e for e in endpoints if all(e is not c for c in chosen)]
+        return [*chosen, *self._rng.sample(rest, k - len(chosen))]
+
+    def prefix_home(self, keys: Sequence[int], endpoints: Sequence[EndpointView]) -> EndpointView:
+        """Where the prompt whose block keys are ``keys`` (non-empty) most likely has its prefix: the endpoint with
+        the most ``num_prefix_blocks_cached`` (ties at random; None counts as 0), or `rendezvous_home` of the first
+        key when none has any."""
+        most = max((e.num_prefix_blocks_cached or 0) for e in endpoints)
+        if most > 0:
+            return self._rng.choice([e for e in endpoints if (e.num_prefix_blocks_cached or 0) == most])
+        return rendezvous_home(keys[0], endpoints)
 
     def _best_recent(self, now_s: float, endpoints: Sequence[EndpointView]) -> EndpointView | None:
         since_s = now_s - self.params.memory_s
@@ -228,8 +266,11 @@ class PowerOfKPolicy(Policy):
         best_s, best_idle_s = self.score(best), self.idle_score(best)
         tolerance = max(self.params.tie_tolerance, min(max(e.prediction.model_error for e in scored),
                                                        MAX_TIE_TOLERANCE))
+        best_cached = best.num_prefix_blocks_cached or 0
         tied = [e for e in scored
-                if self.score(e) <= best_s * (1 + tolerance) + max(self.idle_score(e) - best_idle_s, 0.0)]
+                if self.score(e) <= best_s * (1 + tolerance) + (max(self.idle_score(e) - best_idle_s, 0.0)
+                                                                if (e.num_prefix_blocks_cached or 0) == best_cached
+                                                                else 0.0)]
         return min_random_tie(tied, lambda e: (e.num_in_flight, load(e)), self._rng)
 
     def idle_score(self, endpoint: EndpointView) -> float:
@@ -255,6 +296,21 @@ class PowerOfKPolicy(Policy):
             return scored
         least = min(load(e) for e in within)
         return [e for e in scored if e in within or load(e) < least]
+
+
+def rendezvous_home(key: int, endpoints: Sequence[EndpointView]) -> EndpointView:
+    """The endpoint that rendezvous (highest-random-weight) hashing gives block key ``key``: the one with the
+    highest 64-bit BLAKE2b of (key, address). The same for every process given the same addresses, whatever their
+    order; removing an endpoint moves only the keys it had.
+
+    Source: Thaler & Ravishankar, "Using name-based mappings to increase hit rates", IEEE/ACM ToN 1998.
+
+    Raises:
+        ValueError: no endpoints.
+    """
+    prefix = (key % (1 << 64)).to_bytes(8, "little")
+    return max(endpoints, key=lambda e: (hashlib.blake2b(prefix + e.address.encode("utf-8"), digest_size=8).digest(),
+                                         e.address))
 
 
 def load(endpoint: EndpointView) -> int:

@@ -9,11 +9,15 @@ import os
 import pytest
 
 from tagger.sharegpt import (
+    SharegptConversation,
     SharegptPair,
+    exchanges,
     first_exchange,
     iter_json_array_records,
+    load_sharegpt_conversations,
     load_sharegpt_pairs,
     parse_sharegpt,
+    parse_sharegpt_conversations,
 )
 from tagger.tokenizer import count_tokens
 
@@ -129,3 +133,28 @@ def test_parse_counts_with_the_given_tokenizer() -> None:
         ("d_0", len('Quote " and bracket ] and brace } inside, plus é'), len("Fine, [ok] {ok}.")),
         ("e_0", len("Say nothing"), 0),
     ]
+
+
+def test_exchanges_stop_at_the_first_turn_out_of_order() -> None:
+    record = _conv("m_0", ("human", "a"), ("gpt", "b"), ("human", "c"), ("gpt", "d"), ("gpt", "e"), ("human", "f"))
+    assert exchanges(record) == [("a", "b"), ("c", "d")]
+    assert exchanges(RECORDS[1]) == [] and exchanges(RECORDS[2]) == [] and exchanges("not a record") == []
+    assert exchanges(_conv("n_0", ("human", "a"), ("gpt", "b"), ("human", "dangling"))) == [("a", "b")]
+
+
+def test_conversations_count_every_message_and_use_the_cache(tmp_path) -> None:
+    records = [*RECORDS, _conv("m_0", ("human", "one two"), ("gpt", "three"), ("human", "four five six"),
+                               ("gpt", "seven eight"))]
+    text = _truncated_text(records, 0)
+    conversations = parse_sharegpt_conversations(io.StringIO(text), lambda texts: [len(t.split()) for t in texts])
+    assert conversations[-1] == SharegptConversation("m_0", (2, 1, 3, 2))
+    assert [c.id for c in conversations] == ["a_0", "d_0", "e_0", "m_0"]
+    dataset, cache = tmp_path / "sharegpt.json", tmp_path / "conversations.jsonl"
+    _write_dataset(dataset, records)
+    loaded = load_sharegpt_conversations(dataset, cache_path=cache)
+    assert loaded[-1].num_message_tokens == tuple(count_tokens(t) for t in ("one two", "three", "four five six",
+                                                                              "seven eight"))
+    lines = cache.read_text(encoding="utf-8").splitlines()
+    lines[-1] = json.dumps(["m_0", [9, 9]])
+    cache.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert load_sharegpt_conversations(dataset, cache_path=cache)[-1] == SharegptConversation("m_0", (9, 9))

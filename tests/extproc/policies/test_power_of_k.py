@@ -236,3 +236,93 @@ def test_no_second_round_when_disabled_or_a_sidecar_did_not_answer():
     partial = [first[0], EndpointView(EPS[1].address)]
     assert build({}, random.Random(0)).more_candidates(REQ, partial, EPS) == ()
     assert len(build({"extra_probes": 2}, random.Random(0)).more_candidates(REQ, first, EPS)) == 2
+
+
+def keyed(keys, t_s: float = 0.0) -> RoutingRequest:
+    return RoutingRequest("r", "POST", "/v1/completions", arrival_time_s=t_s, block_keys=tuple(keys))
+
+
+def fleet(cached: dict[int, int] | None = None, n: int = 12) -> list[EndpointView]:
+    """n endpoints; ``cached``: endpoint index -> num_prefix_blocks_cached (the rest 0)."""
+    cached = cached or {}
+    return [EndpointView(f"10.0.0.{i}:80", num_prefix_blocks_cached=cached.get(i, 0)) for i in range(n)]
+
+
+def test_prefix_probe_goes_to_the_endpoint_with_the_most_cached_blocks():
+    policy = build({"k": 2}, random.Random(0))
+    endpoints = fleet({3: 5, 7: 9, 9: 2})
+    for _ in range(50):
+        candidates = policy.candidates(keyed([11, 12, 13]), endpoints)
+        assert len(candidates) == 2 and candidates[0].address == "10.0.0.7:80"
+        assert candidates[1].address != "10.0.0.7:80"
+    others = collections.Counter(policy.candidates(keyed([11]), endpoints)[1].address for _ in range(600))
+    assert len(others) == 11  # the other probe still explores the whole rest of the fleet
+
+
+def test_prefix_probe_breaks_ties_at_random():
+    policy = build({"k": 2}, random.Random(0))
+    homes = collections.Counter(policy.candidates(keyed([1]), fleet({2: 4, 5: 4}))[0].address for _ in range(200))
+    assert set(homes) == {"10.0.0.2:80", "10.0.0.5:80"} and min(homes.values()) > 60
+
+
+def test_cold_prompt_goes_to_one_rendezvous_home_shared_by_replicas_and_bursts():
+    replicas = [build({"k": 2}, random.Random(seed)) for seed in range(4)]
+    endpoints = fleet()
+    homes = {r.candidates(keyed([42, 43]), endpoints)[0].address for r in replicas for _ in range(20)}
+    assert len(homes) == 1  # every replica, every request of the burst: the same home
+    # the address order does not matter, and other first keys spread over the fleet
+    assert replicas[0].candidates(keyed([42]), endpoints[::-1])[0].address in homes
+    spread = collections.Counter(replicas[0].candidates(keyed([key]), endpoints)[0].address for key in range(1200))
+    assert len(spread) == 12 and max(spread.values()) < 2 * 1200 / 12
+
+
+def test_rendezvous_home_moves_only_the_keys_of_a_removed_endpoint():
+    from extproc.policies.power_of_k import rendezvous_home
+
+    endpoints = fleet()
+    before = {key: rendezvous_home(key, endpoints).address for key in range(600)}
+    after = {key: rendezvous_home(key, endpoints[1:]).address for key in range(600)}
+    moved = [key for key in before if before[key] != after[key]]
+    assert moved and all(before[key] == endpoints[0].address for key in moved)
+
+
+@pytest.mark.parametrize("params, request_keys", [({"k": 2, "prefix_probe": False}, [1]), ({"k": 2}, None),
+                                                  ({"k": 2}, []), ({"k": 1}, [1])],
+                         ids=["off", "no-keys", "no-full-block", "k1"])
+def test_no_prefix_probe_draws_the_same_as_plain_random(params, request_keys):
+    request = REQ if request_keys is None else keyed(request_keys)
+    endpoints = fleet({4: 10})
+    policy, plain = build(params, random.Random(7)), build({"k": params["k"], "prefix_probe": False}, random.Random(7))
+    for _ in range(20):
+        assert policy.candidates(request, endpoints) == plain.candidates(REQ, endpoints)
+
+
+def test_prefix_probe_and_memory_each_take_one_probe_leaving_one_random():
+    policy = build({"k": 3, "probe_best": True}, random.Random(0))
+    endpoints = [EndpointView(f"10.0.0.{i}:80", num_prefix_blocks_cached=3 if i == 1 else 0,
+                              prediction=Prediction(0.02 + 0.1 * i, 1.0, queue_s=0.1 * i)) for i in range(6)]
+    policy.choose(keyed([5], 0.0), endpoints)  # remembers every answer: 10.0.0.0 queues least
+    candidates = policy.candidates(keyed([5], 0.1), endpoints)
+    assert [c.address for c in candidates[:2]] == ["10.0.0.1:80", "10.0.0.0:80"] and len(candidates) == 3
+    assert len({c.address for c in candidates}) == 3
+
+
+def test_prefix_probe_must_be_a_bool():
+    with pytest.raises(ValueError, match="prefix_probe"):
+        Params(prefix_probe="yes")
+
+
+def test_a_cache_hit_is_not_cancelled_by_the_idle_cost_allowance():
+    """The home prices the request 0.2 s cheaper because its prefill hits the cache: the cold instance, whose score
+    is worse by exactly that, is a near-tie only when both hold the same blocks (then the difference is the models')."""
+    policy = build({"k": 2, "tie_tolerance": 0}, random.Random(0))
+
+    def pair(cached_home: int, cached_cold: int) -> list[EndpointView]:
+        return [EndpointView("10.0.0.1:80", num_in_flight=1, num_prefix_blocks_cached=cached_home,
+                             prediction=Prediction(0.1, 1.0, queue_s=0.0, idle_e2e_s=1.0)),
+                EndpointView("10.0.0.2:80", num_in_flight=0, num_prefix_blocks_cached=cached_cold,
+                             prediction=Prediction(0.3, 1.2, queue_s=0.0, idle_e2e_s=1.2))]
+
+    assert {policy.choose(keyed([1]), pair(8, 0)).address for _ in range(20)} == {"10.0.0.1:80"}
+    # same cache state: the difference counts as the models', and the less loaded one wins the tie
+    assert {policy.choose(keyed([1]), pair(8, 8)).address for _ in range(20)} == {"10.0.0.2:80"}
