@@ -257,7 +257,7 @@ class PromptTokenCounter:
     def tokens(self, request: RoutingRequest) -> PromptTokens:
         """``request``'s prompt tokens and, with ``block_size`` set, its block keys (`PromptTokens`). With keys,
         the count is exact (every token was tokenized) unless the prompt had to go without them."""
-        if self.block_size is None:
+        if self.block_size is None or request.num_prompts > 1:  # a join of prompts is no engine request's prompt
             return PromptTokens(self.count(request))
         ids = self.token_ids(request)
         if ids is None:

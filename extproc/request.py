@@ -72,6 +72,9 @@ class RoutingRequest:
             over the prompt's token ids as the engine sees them, chat template applied, at the pool's block size);
             None when not computed (no tokenizer, a prompt list, prefix caching off). Routers compare them with
             the block keys each instance holds or caches.
+        num_prompts: prompts of the request, >= 1: a completions ``prompt`` (or SGLang ``text`` / ``input_ids``)
+            list holds several, which ``prompt_text`` / ``prompt_token_ids`` join; such a request gets no block
+            keys (a join is no engine request's prompt).
     """
 
     request_id: str
@@ -89,6 +92,7 @@ class RoutingRequest:
     allowed_endpoints: frozenset[str] | None = None
     num_sequences: int = 1
     block_keys: tuple[int, ...] | None = None
+    num_prompts: int = 1
 
 
 MAX_CHOICES = 128
@@ -392,13 +396,14 @@ def parse_body(request_id: str, method: str, path: str, body: bytes, content_enc
     ids: tuple[int, ...] | None = None
     max_tokens: int | None = None
     chat: tuple[tuple[str, str], ...] | None = None
-    num_sequences = 1
+    num_sequences = num_prompts = 1
     if path == COMPLETIONS_PATH:
         if "prompt" not in parsed:
             raise _bad("'prompt' is required", "prompt")
         text, ids = _parse_prompt(parsed["prompt"])
         max_tokens = _optional_count(parsed, "max_tokens")
-        num_sequences = _num_choices(parsed) * _num_prompts(parsed["prompt"])
+        num_prompts = _num_prompts(parsed["prompt"])
+        num_sequences = _num_choices(parsed) * num_prompts
     elif path == CHAT_COMPLETIONS_PATH:
         if "messages" not in parsed:
             raise _bad("'messages' is required", "messages")
@@ -409,6 +414,7 @@ def parse_body(request_id: str, method: str, path: str, body: bytes, content_enc
         max_tokens = legacy if max_tokens is None else max_tokens
     elif path == GENERATE_PATH:
         text, ids, max_tokens, num_sequences = _parse_generate(parsed)
+        num_prompts = _num_prompts(parsed["input_ids"] if parsed.get("input_ids") is not None else parsed["text"])
     if text is not None and not _is_encodable(text):
         raise _bad("the prompt contains a lone surrogate (invalid Unicode)",
                    {CHAT_COMPLETIONS_PATH: "messages", GENERATE_PATH: "text"}.get(path, "prompt"))
@@ -429,4 +435,5 @@ def parse_body(request_id: str, method: str, path: str, body: bytes, content_enc
         last_user_message=last_user,
         chat_messages=chat,
         num_sequences=num_sequences,
+        num_prompts=num_prompts,
     )

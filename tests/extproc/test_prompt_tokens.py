@@ -229,3 +229,18 @@ def test_the_prefix_cache_section_configures_the_keys():
         parse_config({"endpoints": [{"address": "127.0.0.1:8000"}], "prefix_cache": {"block_size": 0}})
     with pytest.raises(ConfigError, match="prefix_cache"):
         parse_config({"endpoints": [{"address": "127.0.0.1:8000"}], "prefix_cache": {"size": 16}})
+
+
+def test_a_list_of_prompts_gets_no_block_keys_but_one_prompt_of_n_choices_does():
+    from extproc.request import parse_body
+
+    counter = PromptTokenCounter({}, block_size=4)
+    text = "prefill and decode share the KV cache " * 8
+
+    def parsed(body: dict):
+        return parse_body("r", "POST", "/v1/completions", json.dumps(body).encode())
+
+    many = parsed({"model": "m", "prompt": [text, text]})
+    assert many.num_prompts == 2 and counter.tokens(many).block_keys is None
+    one = parsed({"model": "m", "prompt": text, "n": 3})
+    assert one.num_prompts == 1 and one.num_sequences == 3 and counter.tokens(one).block_keys
