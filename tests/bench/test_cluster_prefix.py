@@ -172,3 +172,31 @@ def test_noprefix_label_turns_the_prefix_probe_off():
 
     assert policy_spec("astrolabe-k2-noprefix", 12).params == {"k": 2, "prefix_probe": False}
     assert "prefix_probe" not in policy_spec("astrolabe-k2", 12).params
+
+
+def _shares(spec: PolicySpec, requests: list[ClusterRequest], num_instances: int) -> tuple[int, ...]:
+    result, _ = simulate_point_latencies(spec, 1.0, requests, ClusterConfig(num_instances=num_instances,
+                                                                           engine=ENGINE))
+    return result.requests_per_instance
+
+
+def test_a_hot_prefix_spreads_once_its_homes_queue_outweighs_the_hit():
+    """One shared document for every request (a hot prefix): at a low rate the hit keeps them on few instances;
+    at a rate one instance cannot serve, the queue at the home outweighs the hit and they spread."""
+    def trace(gap_s: float) -> list[ClusterRequest]:
+        return [keyed(f"q{n}", 400, 60, arrival_s=n * gap_s, prefix="hot", prefix_tokens=352) for n in range(240)]
+
+    spec = PolicySpec("k2", "astrolabe", {"k": 2})
+    quiet = _shares(spec, trace(1.0), 6)
+    busy = _shares(spec, trace(0.01), 6)
+    assert max(quiet) >= 0.5 * sum(quiet)  # affinity: half or more at one home
+    assert max(busy) <= 0.4 * sum(busy) and min(busy) > 0  # under load every instance takes some
+
+
+def test_a_burst_of_identical_cold_prompts_goes_home_not_everywhere():
+    """Eight identical 1,024-token prompts at once on 12 idle instances: the rendezvous home takes them (the
+    router's own queued dispatches there are priced with their hits), instead of one per instance."""
+    burst = [keyed("same", 1024, 20, arrival_s=0.0001 * n, prefix="doc", prefix_tokens=1024) for n in range(8)]
+    with_probe = _shares(PolicySpec("k2", "astrolabe", {"k": 2}), burst, 12)
+    assert sum(1 for n in with_probe if n) <= 3, with_probe
+    assert sum(1 for n in _shares(PolicySpec("lr", "least-requests"), burst, 12) if n) == 8  # what scattering is
