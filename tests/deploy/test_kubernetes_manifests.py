@@ -836,6 +836,21 @@ def test_sidecar_and_vllm_share_the_memory_backed_dev_shm():
     assert f"--vllm-state-path={state_path}" in args and "--state-source=vllm-plugin" in args
 
 
+def test_vllm_publishes_kv_events_where_its_predictor_subscribes():
+    objects = build("base")
+    vllm = container_of(objects, "astrolabe-vllm", "vllm")
+    predictor = container_of(objects, "astrolabe-vllm", "predictor")
+    (config,) = [a.split("=", 1)[1] for a in vllm["args"] if a.startswith("--kv-events-config=")]
+    config = json.loads(config)
+    assert config["enable_kv_cache_events"] is True and config["publisher"] == "zmq"
+    assert config["endpoint"].startswith("tcp://*:")  # vLLM binds only a wildcard endpoint
+    port = config["endpoint"].rpartition(":")[2]
+    from predictor.cli import _parser
+
+    args = _parser().parse_args(["serve", *[_expand(a, _env_of(objects, predictor)) for a in predictor["args"]]])
+    assert args.kv_events_endpoint == f"tcp://127.0.0.1:{port}"  # the same pod
+
+
 @pytest.mark.parametrize("overlay", ("base", "base" + COMPOSED_SUFFIX))
 def test_predictor_is_a_native_sidecar(overlay):
     predictor = container_of(build(overlay), "astrolabe-vllm", "predictor")
