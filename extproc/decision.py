@@ -40,6 +40,10 @@ class Decision:
             ``predictor`` are now that endpoint's (moved by ``Router.served``).
         num_sequences: engine requests the HTTP request becomes (``RoutingRequest.num_sequences``): what it adds
             to the destination's in-flight count.
+        prefix_blocks_cached: per candidate (same order), ``EndpointView.num_prefix_blocks_cached`` when it was
+            probed (None: unknown); empty when the policy does not predict.
+        num_prompt_blocks: full KV blocks of the prompt that had keys (``len(RoutingRequest.block_keys)``); None:
+            no keys.
         routed: the request as the policy saw it (its block keys included), less its prompt (text, token ids and
             messages: a routed request is not held in memory for its whole life), for ``Policy.on_finished``
             when it ends; None when the policy did not choose (a fallback, no prompt).
@@ -62,6 +66,8 @@ class Decision:
     served_elsewhere: bool = False
     num_sequences: int = 1
     routed: RoutingRequest | None = None
+    prefix_blocks_cached: tuple[int | None, ...] = ()
+    num_prompt_blocks: int | None = None
 
     @property
     def destination_value(self) -> str:

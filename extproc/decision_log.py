@@ -16,10 +16,11 @@ Record (keys always present; times in seconds)::
      "routing_s": 0.0021,                # from the request's headers to the decision
      "stage_s": {"tokens": 0.0002, "length": 0.0003, "predict": 0.0012},  # predicted decisions only
      "num_prompt_tokens": 291, "num_predicted_output_tokens": 180, "length_source": 1,
+     "num_prompt_blocks": 18,            # full KV blocks with keys (prefix_cache); null: no keys
      "candidates": [{"endpoint": "10.0.0.5:8000", "ttft_s": 0.031, "e2e_s": 2.9, "state_age_s": 0.004,
-                     "queue_s": 0.0},
+                     "queue_s": 0.0, "prefix_blocks_cached": 16},  # leading blocks its state holds or caches
                     {"endpoint": "10.0.0.6:8000", "ttft_s": null, "e2e_s": null, "state_age_s": null,
-                     "queue_s": null}]}
+                     "queue_s": null, "prefix_blocks_cached": null}]}
 
 Candidates are in probe order (a second round's after the first's). A candidate with nulls did not answer (no
 sidecar, failed, late, backing off or stale). A record holds the decision attributes of the request's span
@@ -102,12 +103,15 @@ class DecisionLog:
             "num_prompt_tokens": decision.num_prompt_tokens,
             "num_predicted_output_tokens": decision.num_predicted_output_tokens,
             "length_source": decision.length_source,
+            "num_prompt_blocks": decision.num_prompt_blocks,
             "candidates": [{"endpoint": address,
                             "ttft_s": None if p is None else round(p.ttft_s, 6),
                             "e2e_s": None if p is None else round(p.e2e_s, 6),
                             "state_age_s": None if p is None else round(p.state_age_s, 6),
-                            "queue_s": None if p is None else round(p.queue_s, 6)}
-                           for address, p in decision.candidates],
+                            "queue_s": None if p is None else round(p.queue_s, 6),
+                            "prefix_blocks_cached": cached}
+                           for (address, p), cached in zip(decision.candidates, decision.prefix_blocks_cached
+                                                           or (None,) * len(decision.candidates))],
         }
         line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
         self._pending.append(line)

@@ -165,6 +165,7 @@ class FleetState:
         self._expected_cache: dict[tuple[int, int | None, int], int] = {}
         self._watched: dict[str, _Watched] = {}
         self.outcomes: dict[str, dict[str, int]] = {}
+        self._warned_block_size = False
 
     def watch(self, addresses) -> None:
         """Starts following each sidecar of ``addresses`` not followed yet (in the background: a sidecar that is
@@ -255,7 +256,14 @@ class FleetState:
         is the router's last view of that cache."""
         entry = self._watched.get(address)
         message = None if entry is None else entry.message
-        if message is None or message.block_size != block_size:
+        if message is None:
+            return None
+        if message.block_size != block_size:
+            if not self._warned_block_size:
+                self._warned_block_size = True
+                logger.warning("the sidecar at %s reports KV blocks of %d tokens, prefix_cache.block_size is %d: "
+                               "no prompt's keys can match its cache (set prefix_cache.block_size to the engines' "
+                               "--block-size); logged once", address, message.block_size, block_size)
             return None
         if entry.keys is None or entry.keys[0] is not message:
             held = set(message.block_keys)

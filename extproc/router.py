@@ -327,7 +327,9 @@ class Router:
                                   block_size=block_size)
         return Decision(chosen.address, policy_name, ledger_id, chosen.predictor, basis,
                         tuple((v.address, p) for v, p in zip(candidates, predictions)), num_prompt_tokens,
-                        num_output_tokens, length_source, stage_s=stage_s, fallback_reason=reason)
+                        num_output_tokens, length_source, stage_s=stage_s, fallback_reason=reason,
+                        prefix_blocks_cached=tuple(v.num_prefix_blocks_cached for v in scored),
+                        num_prompt_blocks=None if request.block_keys is None else len(request.block_keys))
 
     def _with_current_load(self, scored: list[EndpointView], views: Sequence[EndpointView],
                            asked_at: dict[str, tuple[int, int]]) -> list[EndpointView]:

@@ -28,10 +28,22 @@ def test_record_format(tmp_path):
     (record,) = [json.loads(line) for line in (tmp_path / "sub" / "d.jsonl").read_text().splitlines()]
     assert record["request_id"] == "abc" and record["admit_id"] == "abc/123" and record["basis"] == "prediction"
     assert record["candidates"] == [
-        {"endpoint": "10.0.0.1:80", "ttft_s": 0.03, "e2e_s": 2.9, "state_age_s": 0.01, "queue_s": 0.0},
-        {"endpoint": "10.0.0.2:80", "ttft_s": None, "e2e_s": None, "state_age_s": None, "queue_s": None}]
+        {"endpoint": "10.0.0.1:80", "ttft_s": 0.03, "e2e_s": 2.9, "state_age_s": 0.01, "queue_s": 0.0,
+         "prefix_blocks_cached": None},
+        {"endpoint": "10.0.0.2:80", "ttft_s": None, "e2e_s": None, "state_age_s": None, "queue_s": None,
+         "prefix_blocks_cached": None}]
+    assert record["num_prompt_blocks"] is None
     assert record["stage_s"] == {"tokens": 0.0002, "length": 0.0003, "predict": 0.0012}
     assert (record["num_prompt_tokens"], record["num_predicted_output_tokens"], record["length_source"]) == (291, 180, 1)
+
+
+def test_record_shows_the_prompts_blocks_and_what_each_candidate_caches(tmp_path):
+    log = DecisionLog(tmp_path / "d.jsonl")
+    log.write(REQUEST, dataclasses.replace(DECISION, prefix_blocks_cached=(16, 0), num_prompt_blocks=18))
+    log.close()
+    (record,) = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert record["num_prompt_blocks"] == 18
+    assert [c["prefix_blocks_cached"] for c in record["candidates"]] == [16, 0]
 
 
 def _record(tmp_path, request=REQUEST, decision=DECISION) -> dict:

@@ -34,7 +34,7 @@ def stack(request, tmp_path_factory):
         s.write_config([{"address": e, "models": [MODEL], "predictor": p} for e, p in sidecars.items()],
                        policy="astrolabe", policy_params={"k": 2},
                        output_length={"source": "fixed", "fixed_tokens": 4},
-                       predictor_client={"mode": request.param, "predict_timeout_s": 0.5},
+                       predictor_client={"mode": request.param, "predict_timeout_s": 2.0},  # a loaded box
                        prefix_cache={"enabled": True, "block_size": 16},
                        decision_log_path=str(s.decision_log))
         s.start_extproc()
