@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -208,7 +209,9 @@ class KvEventIndex:
     counts: KvEventCounts = field(default_factory=KvEventCounts)
     _ours: dict[Hashable, int] = field(default_factory=dict)   # vLLM hash -> our key
     _keys: OrderedDict[int, int] = field(default_factory=OrderedDict)  # our key -> copies, oldest stored first
+    _depth: dict[int, int] = field(default_factory=dict)  # our key -> its block's index in its chain (0: first)
     _last_seq: int | None = None
+    last_message_s: float | None = None  # time.monotonic() of the last message, None: none yet
 
     @property
     def num_blocks(self) -> int:
@@ -219,9 +222,15 @@ class KvEventIndex:
         return key in self._keys
 
     def keys_in_storage_order(self) -> tuple[int, ...]:
-        """Our keys, least recently stored first (the order `InstanceSnapshot.cached_block_keys` approximates
-        eviction with: events do not say when a block's last user freed it)."""
+        """Our keys, least recently stored first."""
         return tuple(self._keys)
+
+    def keys_in_eviction_order(self) -> tuple[int, ...]:
+        """Our keys in the order `InstanceSnapshot.cached_block_keys` wants them: deeper blocks of a chain first
+        (vLLM frees a request's blocks in reverse, so a chain's tail is evicted before its head, and a snapshot's
+        cached keys must name every block before its parent), then least recently stored first."""
+        depth = self._depth
+        return tuple(sorted(self._keys, key=lambda key: -depth.get(key, 0)))
 
     def num_prefix_blocks(self, keys: Sequence[int]) -> int:
         """Leading blocks of ``keys`` (a request's chain) the index holds."""
@@ -236,9 +245,11 @@ class KvEventIndex:
         """Forget every block (the engine's cache is empty)."""
         self._ours.clear()
         self._keys.clear()
+        self._depth.clear()
 
     def on_message(self, seq: int, payload: bytes) -> None:
         """Applies one ZMQ message (its sequence number and payload); never raises for bad input (counted)."""
+        self.last_message_s = time.monotonic()
         last = self._last_seq
         if last is None:
             if seq != 0:
@@ -288,6 +299,7 @@ class KvEventIndex:
                     self._keys[key] = copies
                 else:
                     self._keys.pop(key, None)
+                    self._depth.pop(key, None)
                     del self._ours[h]
             return
         if event.block_size != self.block_size:
@@ -296,13 +308,14 @@ class KvEventIndex:
             logger.warning("KV event for block size %d, the index's is %d: ignored", event.block_size, self.block_size)
             return
         if event.parent_block_hash is None:
-            parent = None
+            parent, depth = None, 0
         else:
             parent = self._ours.get(event.parent_block_hash)
             if parent is None:
                 counts.orphans += 1
                 self.exact = False
                 return
+            depth = self._depth.get(parent, 0) + 1
         extra: list[str] = []
         if parent is None:
             if event.lora_name:
@@ -318,6 +331,8 @@ class KvEventIndex:
             self._ours[h] = key
             self._keys[key] = self._keys.get(key, 0) + 1
             self._keys.move_to_end(key)
+            self._depth[key] = depth
+            depth += 1
             parent = key
 
 

@@ -22,7 +22,8 @@ is updated on the request path). Names (``astrolabe_predictor_*``; no label valu
 - with ``--kv-events-endpoint`` (`predictor.kv_events`): ``astrolabe_predictor_kv_event_batches_total``,
   ``..._kv_events_total``, ``..._kv_event_problems_total{kind}`` (undecodable, gaps, missed_batches, orphans,
   late_join, restarts, cleared, ignored), ``..._kv_event_index_exact`` (gauge, 1/0) and
-  ``..._kv_event_index_blocks`` (gauge, blocks);
+  ``..._kv_event_index_blocks`` (gauge, blocks), ``..._kv_event_last_message_age_seconds`` (gauge; NaN until
+  the first message: a subscription nobody publishes to shows here);
 - ``astrolabe_predictor_prefix_cache_queries_total{source}`` / ``..._hits_total{source}``: prompt tokens looked
   up in the prefix cache / found there (vLLM's ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``, tokens):
   ``source="ledger"`` as the ledger modelled them (its scheduler, from the block keys of the requests this sidecar
@@ -146,6 +147,11 @@ class SidecarCollector:
             yield GaugeMetricFamily("astrolabe_predictor_kv_event_index_exact",
                                     "1 while the index has applied every KV event batch since the engine started",
                                     value=1.0 if index.exact else 0.0)
+            last_s = index.last_message_s
+            yield GaugeMetricFamily("astrolabe_predictor_kv_event_last_message_age_seconds",
+                                    "seconds since the last KV event message (NaN: none yet: check the endpoint and "
+                                    "the engine's --kv-events-config)",
+                                    value=float("nan") if last_s is None else time.monotonic() - last_s)
             yield GaugeMetricFamily("astrolabe_predictor_kv_event_index_blocks",
                                     "cached KV blocks the index knows, blocks", value=index.num_blocks)
 

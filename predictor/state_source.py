@@ -22,6 +22,7 @@ import math
 import os
 import stat as _stat
 import re
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +39,10 @@ STATE_SOURCES = (STATE_SOURCE_AUTO, STATE_SOURCE_LEDGER, STATE_SOURCE_PLUGIN)
 
 PLUGIN_STATE_FORMAT_VERSION = 1
 """The `predictor.vllm_plugin.publisher.STATE_FORMAT_VERSION` this reader understands."""
+
+MAX_FREED_KEYS = 1 << 17
+"""Keys of released requests `AdmitRecords` remembers (131,072 blocks: over 2 M tokens at 16 per block, more than
+one GPU's KV cache holds), oldest dropped first."""
 
 _EMA_WEIGHT = 0.05
 """Weight of each new admission in the running mean of output lengths (as the ledger's phantom means)."""
@@ -385,6 +390,9 @@ class AdmitRecords:
         self._by_id: dict[str, _Admission] = {}
         self._engine_to_admit: dict[str, str | None] = {}
         self._seen: set[str] = set()
+        # prompt block keys of released requests, in the order the engine freed them (each request's in reverse):
+        # the approximate cached free blocks of plugin mode without KV events (`freed_keys`)
+        self._freed: OrderedDict[int, None] = OrderedDict()
 
     def admit(self, request_id: str, num_output_tokens: int, num_prompt_tokens: int = 1,
               now_s: float = 0.0, *, max_tokens: int | None = None, length_source: int = 0,
@@ -422,8 +430,26 @@ class AdmitRecords:
         return request_id in self._by_id
 
     def release(self, request_id: str) -> None:
-        self._by_id.pop(request_id, None)
+        admission = self._by_id.pop(request_id, None)
         self._seen.discard(request_id)
+        if admission is not None and admission.block_keys:
+            freed = self._freed
+            for key in reversed(admission.block_keys):  # vLLM frees a request's blocks tail first
+                freed[key] = None
+                freed.move_to_end(key)
+            while len(freed) > MAX_FREED_KEYS:
+                freed.popitem(last=False)
+
+    def freed_keys(self, num_free_blocks: int) -> tuple[int, ...]:
+        """The prompt block keys of released requests that an engine with ``num_free_blocks`` free KV blocks
+        would still cache, least recently freed first: the last ``num_free_blocks`` freed (vLLM reuses
+        unhashed free blocks first and then evicts cached ones least recently freed first,
+        vllm/v1/core/block_pool.py ``free_blocks``). An approximation: it knows only the prompts admitted here,
+        and assumes the engine freed them when the router released them."""
+        if num_free_blocks <= 0 or not self._freed:
+            return ()
+        keys = tuple(self._freed)
+        return keys[-num_free_blocks:]
 
     def pending(self, engine_request_ids: list[str], now_s: float, grace_s: float) -> list[RequestState]:
         """Admitted requests the engine has never shown, admitted less than ``grace_s`` seconds before ``now_s``,
@@ -567,7 +593,8 @@ class PluginStateSource:
             (the ledger's ``visibility_grace_s``).
         residual: the sidecar's residual-length rules (``predictor.residual_rules.ResidualRules``), or None.
         kv_index: the engine's cached blocks from its KV events (`predictor.kv_events.KvEventIndex`), or None
-            (then a plugin snapshot carries no cached free blocks).
+            (then a plugin snapshot's cached free blocks are approximated from the keys of the requests released
+            here, `AdmitRecords.freed_keys`).
 
     Raises:
         ValueError: unknown mode, or ``vllm-plugin`` without a path.
@@ -633,7 +660,10 @@ class PluginStateSource:
         if state is None:
             return None
         index = self.kv_index
-        cached = index.keys_in_storage_order() if index is not None and index.num_blocks else ()
+        if index is not None:
+            cached = index.keys_in_eviction_order() if index.num_blocks else ()
+        else:
+            cached = self.admits.freed_keys(state.num_free_blocks)
         snapshot = plugin_snapshot(state, now_s, self.admits.expected_output_tokens, self.admits.block_keys_of,
                                    cached)
         # A request the scheduler received (``arrivals``) is no longer on its way, even when it already finished.

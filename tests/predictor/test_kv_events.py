@@ -169,3 +169,14 @@ def test_subscriber_over_a_real_zmq_socket_counts_malformed_messages():
     index = asyncio.run(scenario())
     assert index.keys_in_storage_order() == block_keys(TOKENS[:8], BS)
     assert index.counts.undecodable == 1 and index.counts.gaps == 0  # the other topic never arrived
+
+
+def test_eviction_order_names_every_block_before_its_parent():
+    index = KvEventIndex(BS)
+    index.on_message(0, payload(stored_map([1, 2], None, TOKENS[:8])))
+    index.on_message(1, payload(stored_map([3], 2, TOKENS[8:12]), stored_map([9], None, [5] * 4)))
+    chain = block_keys(TOKENS, BS)
+    order = index.keys_in_eviction_order()
+    assert order[0] == chain[2] and order.index(chain[1]) < order.index(chain[0])
+    assert set(order) == set(chain) | set(block_keys([5] * 4, BS))
+    assert index.last_message_s is not None

@@ -369,7 +369,7 @@ def test_plugin_snapshot_carries_admitted_keys_and_the_engines_cached_free_block
     run0, run1 = snapshot.running
     assert run0.block_keys == run_keys[:7] and run1.block_keys is None
     assert snapshot.waiting[0].block_keys == (1000, 1001, 2002)
-    assert snapshot.cached_block_keys == block_keys(tokens, 16)
+    assert snapshot.cached_block_keys == block_keys(tokens, 16)[::-1]  # a chain's tail evicted first
     snapshot.to_scheduler()
     # keys a running request holds are not free: they are left out of the cached free blocks
     assert plugin_snapshot(parse_plugin_state(path.read_text()), now_s, source.admits.expected_output_tokens,
@@ -428,3 +428,18 @@ def test_a_sidecar_prices_a_hit_on_the_blocks_the_engines_kv_events_report(tmp_p
     cold, warm, other = asyncio.run(scenario())
     assert warm.ttft_s < 0.5 * cold.ttft_s
     assert other.ttft_s == pytest.approx(cold.ttft_s, rel=0.05)
+
+
+def test_without_kv_events_released_prompts_approximate_the_cached_free_blocks(tmp_path):
+    path = tmp_path / "state.json"
+    publish(path, busy_scheduler(0, 0))  # 80 free blocks
+    source = PluginStateSource("vllm-plugin", str(path), max_age_s=3600.0)
+    now_s = time.monotonic()
+    source.admits.admit("a", 10, 64, now_s, block_keys=(1, 2, 3, 4))
+    source.admits.admit("b", 10, 32, now_s, block_keys=(1, 5))
+    source.admits.release("a")
+    source.admits.release("b")
+    # each request's blocks tail first; b's shared first block freed again after a's: a chain's tail before its head
+    assert source.snapshot(now_s).cached_block_keys == (4, 3, 2, 5, 1)
+    assert source.admits.freed_keys(2) == (5, 1)  # the engine can keep only its free blocks' worth
+    source.snapshot(now_s).to_scheduler()
