@@ -421,11 +421,16 @@ class PrefixCacheConfig:
                           "of its full KV blocks with predictions; false = no keys (no prefix-cache hit is "
                           "predicted).")
     block_size: _PositiveInt = Field(
-        16, description="Tokens per KV block the keys are computed at: the instances' vLLM --block-size (16 by "
-                        "default). A sidecar whose engine uses another block size ignores the keys.")
+        16, le=4096, description="Tokens per KV block the keys are computed at: the instances' vLLM --block-size "
+                                 "(16 by default; at most 4,096). A sidecar whose engine uses another block size "
+                                 "ignores the keys, and the extproc warns once.")
     max_keyed_chars: _PositiveInt = Field(
         262_144, description="Longest prompt tokenized in full for its keys, characters (text and chat roles); a "
-                             "longer prompt gets no keys and an extrapolated token count.")
+                             "longer prompt gets no keys and an extrapolated token count. It also bounds a token-id "
+                             "prompt, in ids.")
+    max_keyed_messages: _PositiveInt = Field(
+        1024, description="Most chat messages whose template is rendered in full for the keys; a longer chat gets "
+                          "no keys (rendering costs ~0.09 ms a message).")
 
 
 @dataclass(frozen=True, slots=True, config=_config("EndpointConfig"))

@@ -195,17 +195,22 @@ class PromptTokenCounter:
     Args:
         tokenizers: served model name -> tokenizer file or model directory.
         block_size: tokens per KV block of the keys (the instances' ``--block-size``), >= 1; None = no keys.
-        max_keyed_chars: longest prompt tokenized in full for its keys, characters (text and chat roles).
+        max_keyed_chars: longest prompt tokenized in full for its keys, characters (text and chat roles); also
+            the most ids of a token-id prompt that is keyed.
+        max_keyed_messages: most chat messages rendered in full for the keys (a template renders ~0.09 ms a
+            message); a longer chat gets no keys.
 
     Raises:
         TokenizerLoadError: a configured tokenizer cannot be loaded.
-        ValueError: ``block_size`` or ``max_keyed_chars`` < 1.
+        ValueError: ``block_size``, ``max_keyed_chars`` or ``max_keyed_messages`` < 1.
     """
 
     def __init__(self, tokenizers: Mapping[str, str] | None = None, *, block_size: int | None = None,
-                 max_keyed_chars: int = DEFAULT_MAX_KEYED_CHARS) -> None:
-        if block_size is not None and block_size < 1 or max_keyed_chars < 1:
-            raise ValueError(f"block_size and max_keyed_chars must be >= 1, got {block_size}, {max_keyed_chars}")
+                 max_keyed_chars: int = DEFAULT_MAX_KEYED_CHARS, max_keyed_messages: int = 1024) -> None:
+        if block_size is not None and block_size < 1 or max_keyed_chars < 1 or max_keyed_messages < 1:
+            raise ValueError(f"block_size, max_keyed_chars and max_keyed_messages must be >= 1, got {block_size}, "
+                             f"{max_keyed_chars}, {max_keyed_messages}")
+        self.max_keyed_messages = max_keyed_messages
         self._by_model = {model: _ModelTokenizer(model, path) for model, path in (tokenizers or {}).items()}
         self.block_size = block_size
         self.max_keyed_chars = max_keyed_chars
@@ -234,11 +239,14 @@ class PromptTokenCounter:
         ``max_keyed_chars`` (text and chat roles) or without a prompt. A model without a configured tokenizer
         gets the shipped WordPiece's ids (no special tokens, the messages' text joined for a chat)."""
         if request.prompt_token_ids is not None:
-            return request.prompt_token_ids
+            ids = request.prompt_token_ids
+            return ids if len(ids) <= self.max_keyed_chars else None
         text = request.prompt_text
         if text is None:
             return None
         messages = request.chat_messages
+        if messages is not None and len(messages) > self.max_keyed_messages:
+            return None
         if len(text) + (sum(len(role) for role, _ in messages) if messages else 0) > self.max_keyed_chars:
             return None
         tokenizer = self._by_model.get(request.model or "")

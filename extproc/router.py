@@ -75,6 +75,9 @@ FALLBACK_UNDECIDED = "policy_undecided"
 """Any other policy that could not decide."""
 CONSECUTIVE_5XX = 5
 """5xx answers in a row that eject an endpoint (passive; Envoy's outlier detection default ``consecutive_5xx``)."""
+OFFLOAD_CHAT_MESSAGES = 64
+"""A chat with more messages is keyed in a worker thread too (its template renders ~0.09 ms a message)."""
+
 OFFLOAD_TOKENIZE_CHARS = 8192
 """A prompt longer than this (characters) is tokenized in full for its block keys in a worker thread: tokenizing
 takes about 0.25 ms per 1,000 characters here (`astrolabe bench prompt-keys`: 42 ms at 32,000 tokens), and
@@ -179,7 +182,9 @@ class Router:
                                                                 or self.policy.needs_predictions)
         if has_prompt and (self.policy.needs_predictions or keyed):
             prompt_tokens = self.prompt_tokens
-            if keyed and len(request.prompt_text or "") > OFFLOAD_TOKENIZE_CHARS:
+            if keyed and (len(request.prompt_text or "") > OFFLOAD_TOKENIZE_CHARS
+                          or len(request.prompt_token_ids or ()) > OFFLOAD_TOKENIZE_CHARS
+                          or len(request.chat_messages or ()) > OFFLOAD_CHAT_MESSAGES):
                 # tokenizers' encode_batch_fast releases the GIL: other streams go on meanwhile. The worker gets
                 # the request in a box it empties: its work item outlives the answer for a moment, and must not
                 # keep the prompt (megabytes) alive meanwhile.

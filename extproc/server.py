@@ -305,7 +305,8 @@ class ExtprocServer:
             prefix_cache = config.prefix_cache
             prompt_tokens = PromptTokenCounter(config.tokenizers,
                                                block_size=prefix_cache.block_size if prefix_cache.enabled else None,
-                                               max_keyed_chars=prefix_cache.max_keyed_chars)
+                                               max_keyed_chars=prefix_cache.max_keyed_chars,
+                                               max_keyed_messages=prefix_cache.max_keyed_messages)
         except TokenizerLoadError as exc:
             raise ConfigError(str(exc)) from None
         if policy.needs_predictions and not config.tokenizers:

@@ -30,9 +30,12 @@ first block's extra keys: the event's ``lora_name`` and the string entries of ``
 never a false hit).
 
 NOTE: health. ``exact`` is True while the index has seen every batch since the engine started: it becomes False
-on an undecodable payload, a gap in the sequence, an orphan block or a subscription that joined after the
-engine's first batch (vLLM's replay socket is not used), and True again after ``AllBlocksCleared`` or an engine
-restart (the sequence back to 0: the cache is empty, the index restarts empty). Every such event is counted.
+on an undecodable payload or event, a gap in the sequence, a batch numbered at or below the last one but not 0
+(replayed or reordered), an orphan block, more blocks than ``max_blocks`` (removals lost) or a subscription that
+joined after the engine's first batch (vLLM's replay socket is not used), and True again after
+``AllBlocksCleared`` or an engine restart (the sequence back to 0: the cache is empty, the index restarts empty).
+Every such event is counted. Known limit: after a late join, blocks chained to a prefix stored before it are
+orphans until that prefix is stored again (a prefix that stays hot is never re-stored).
 Events for other media (``medium`` not ``"GPU"``/None: CPU offload tiers) and other KV cache groups (``group_idx``
 not 0/None, hybrid models) are counted and ignored.
 """
@@ -40,6 +43,7 @@ not 0/None, hybrid models) are counted and ignored.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -142,8 +146,9 @@ def decode_event(raw: Any) -> KvEvent:
         raise KvEventDecodeError(f"unknown event type {tag!r}")
     f = _fields(raw, _STORED_FIELDS, tag)
     token_ids, block_size = f["token_ids"], f["block_size"]
-    if not isinstance(token_ids, (list, tuple)) or not all(isinstance(t, int) for t in token_ids):
-        raise KvEventDecodeError("BlockStored.token_ids must be an array of ints")
+    if not isinstance(token_ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 32 for t in token_ids):
+        raise KvEventDecodeError("BlockStored.token_ids must be an array of ints in [0, 2**32)")
     if not isinstance(block_size, int) or block_size < 1:
         raise KvEventDecodeError(f"BlockStored.block_size must be an int >= 1, got {block_size!r}")
     hashes = _hashes(f["block_hashes"])
@@ -189,6 +194,9 @@ class KvEventCounts:
     cleared: int = 0
     ignored: int = 0
     late_join: int = 0
+    reordered: int = 0
+    overflow: int = 0
+    subscriber_failures: int = 0
 
 
 @dataclass(slots=True)
@@ -198,6 +206,8 @@ class KvEventIndex:
     Args:
         block_size: the engine's block size, tokens (a ``BlockStored`` with another is an error: counted as
             undecodable).
+        max_blocks: blocks kept at most (lost ``BlockRemoved`` events would grow it without bound): past it the
+            least recently stored are forgotten (counted as ``overflow``); give the engine's ``num_gpu_blocks``.
 
     Attributes:
         exact: whether every batch since the engine's start was applied (module NOTE on health).
@@ -205,6 +215,7 @@ class KvEventIndex:
     """
 
     block_size: int
+    max_blocks: int = 1 << 20
     exact: bool = True
     counts: KvEventCounts = field(default_factory=KvEventCounts)
     _ours: dict[Hashable, int] = field(default_factory=dict)   # vLLM hash -> our key
@@ -212,6 +223,8 @@ class KvEventIndex:
     _depth: dict[int, int] = field(default_factory=dict)  # our key -> its block's index in its chain (0: first)
     _last_seq: int | None = None
     last_message_s: float | None = None  # time.monotonic() of the last message, None: none yet
+    version: int = 0  # changes whenever the index does
+    _order: tuple[tuple[int, int], tuple[int, ...]] | None = None  # ((version, n), keys_in_eviction_order)
 
     @property
     def num_blocks(self) -> int:
@@ -225,12 +238,21 @@ class KvEventIndex:
         """Our keys, least recently stored first."""
         return tuple(self._keys)
 
-    def keys_in_eviction_order(self) -> tuple[int, ...]:
-        """Our keys in the order `InstanceSnapshot.cached_block_keys` wants them: deeper blocks of a chain first
-        (vLLM frees a request's blocks in reverse, so a chain's tail is evicted before its head, and a snapshot's
-        cached keys must name every block before its parent), then least recently stored first."""
+    def keys_in_eviction_order(self, num_blocks: int | None = None) -> tuple[int, ...]:
+        """The ``num_blocks`` most recently stored keys (None: all) in the order
+        `InstanceSnapshot.cached_block_keys` wants them: deeper blocks of a chain first (vLLM frees a request's
+        blocks in reverse, so a chain's tail is evicted before its head, and a snapshot's cached keys must name
+        every block before its parent), then least recently stored first. Cached until the index changes:
+        O(n log n) in the blocks asked for once per change, O(1) after."""
+        n = len(self._keys) if num_blocks is None else max(min(num_blocks, len(self._keys)), 0)
+        if self._order is not None and self._order[0] == (self.version, n):
+            return self._order[1]
+        newest = list(itertools.islice(reversed(self._keys), n))
+        newest.reverse()
         depth = self._depth
-        return tuple(sorted(self._keys, key=lambda key: -depth.get(key, 0)))
+        order = tuple(sorted(newest, key=lambda key: -depth.get(key, 0)))
+        self._order = ((self.version, n), order)
+        return order
 
     def num_prefix_blocks(self, keys: Sequence[int]) -> int:
         """Leading blocks of ``keys`` (a request's chain) the index holds."""
@@ -246,6 +268,7 @@ class KvEventIndex:
         self._ours.clear()
         self._keys.clear()
         self._depth.clear()
+        self.version += 1
 
     def on_message(self, seq: int, payload: bytes) -> None:
         """Applies one ZMQ message (its sequence number and payload); never raises for bad input (counted)."""
@@ -255,12 +278,15 @@ class KvEventIndex:
             if seq != 0:
                 self.counts.late_join += 1
                 self.exact = False
-        elif seq <= last:
+        elif seq == 0:
             self.counts.restarts += 1
-            logger.warning("KV event sequence went back from %d to %d: the engine restarted, its cache index is reset",
-                           last, seq)
+            logger.warning("KV event sequence went back from %d to 0: the engine restarted, its cache index is reset",
+                           last)
             self.clear()
-            self.exact = seq == 0
+            self.exact = True
+        elif seq <= last:  # a replayed or reordered batch (vLLM numbers each batch once per engine process)
+            self.counts.reordered += 1
+            self.exact = False
         elif seq > last + 1:
             self.counts.gaps += 1
             self.counts.missed_batches += seq - last - 1
@@ -275,12 +301,18 @@ class KvEventIndex:
             return
         self.counts.batches += 1
         for event in events:
-            self.apply(event)
+            try:
+                self.apply(event)
+            except Exception as exc:  # noqa: BLE001 (no input may stop the index; decode checks what it can)
+                self.counts.undecodable += 1
+                self.exact = False
+                logger.warning("KV event of batch %d not applied (%s: %s)", seq, type(exc).__name__, exc)
 
     def apply(self, event: KvEvent) -> None:
         """Applies one decoded event."""
         counts = self.counts
         counts.events += 1
+        self.version += 1
         if isinstance(event, AllBlocksCleared):
             counts.cleared += 1
             self.clear()
@@ -334,6 +366,14 @@ class KvEventIndex:
             self._depth[key] = depth
             depth += 1
             parent = key
+        while len(self._keys) > self.max_blocks:  # BlockRemoved events lost: forget the oldest stored
+            old, _ = self._keys.popitem(last=False)
+            self._depth.pop(old, None)
+            counts.overflow += 1
+            self.exact = False
+        if len(self._ours) > 2 * self.max_blocks:
+            live = self._keys
+            self._ours = {h: k for h, k in self._ours.items() if k in live}
 
 
 class KvEventSubscriber:
@@ -377,6 +417,11 @@ class KvEventSubscriber:
                     continue
                 self.index.on_message(int.from_bytes(frames[1], "big"), frames[2])
         except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.index.counts.subscriber_failures += 1
+            self.index.exact = False
+            logger.exception("KV event subscriber at %s stopped", self.endpoint)
             raise
         finally:
             socket.close(linger=0)

@@ -527,7 +527,8 @@ class Sidecar:
         self.residual = ResidualRules(config.residual_lengths, config.length_errors)
         # Named SGLang: its rules before it answers.
         self.ledger = self._new_ledger(self._with_backend_rules(config.engine, config.backend_engine))
-        self.kv_index = (KvEventIndex(self.ledger.scheduler.config.block_size)
+        self.kv_index = (KvEventIndex(self.ledger.scheduler.config.block_size,
+                                      max_blocks=max(4 * self.ledger.scheduler.config.num_gpu_blocks, 1 << 16))
                          if config.kv_events_endpoint else None)
         self._kv_events_task: asyncio.Task | None = None
         self.plugin = PluginStateSource(config.state_source, config.vllm_state_path, config.plugin_max_age_s,
@@ -1085,6 +1086,20 @@ class Sidecar:
             self._metrics_server.shutdown()
 
 
+def _check_kv_events_endpoint(endpoint: str) -> None:
+    """``--kv-events-endpoint``: ``tcp://HOST:PORT`` (a host to connect to, not vLLM's wildcard ``*``; a port in
+    1..65535) or ``ipc://PATH``.
+
+    Raises:
+        ValueError: anything else (with what to give instead).
+    """
+    match = re.fullmatch(r"tcp://([^\s:/*]+):(\d{1,5})|ipc://\S+", endpoint)
+    if match is None or (match.group(2) is not None and not 1 <= int(match.group(2)) <= 65535):
+        raise ValueError(f"--kv-events-endpoint must be tcp://HOST:PORT (the engine's address and the port of its "
+                         f"--kv-events-config endpoint, e.g. tcp://127.0.0.1:5557 for vLLM's tcp://*:5557) or "
+                         f"ipc://PATH, got {endpoint!r}")
+
+
 def backend_restarted(before: BackendObservation | None, after: BackendObservation) -> bool:
     """Whether the backend's engine restarted between two /metrics scrapes: a counter that only grows in one
     process (``vllm:num_preemptions_total``, ``vllm:prefix_cache_queries_total``, ``..._hits_total``) went back.
@@ -1263,10 +1278,8 @@ def run(args: argparse.Namespace) -> int:
         if config.metrics_listen:
             _check_host_port(config.metrics_listen, "--metrics-listen")
         _check_host_port(config.listen, "--listen")
-        if config.kv_events_endpoint is not None and not re.fullmatch(r"(tcp://[^\s:]+:\d+|ipc://\S+)",
-                                                                       config.kv_events_endpoint):
-            raise ValueError(f"--kv-events-endpoint must be tcp://HOST:PORT or ipc://PATH, got "
-                             f"{config.kv_events_endpoint!r}")
+        if config.kv_events_endpoint is not None:
+            _check_kv_events_endpoint(config.kv_events_endpoint)
         if not 1 <= config.calibration_min_samples <= 512:
             raise ValueError(f"--calibration-min-samples must be in [1, 512], got {config.calibration_min_samples}")
     except (ValueError, OSError) as exc:

@@ -20,8 +20,8 @@ is updated on the request path). Names (``astrolabe_predictor_*``; no label valu
 - ``astrolabe_predictor_backend_restarts_total``: engine restarts seen in the backend's counters
   (``predictor.server.backend_restarted``): the ledger and its prefix-cache model start empty then;
 - with ``--kv-events-endpoint`` (`predictor.kv_events`): ``astrolabe_predictor_kv_event_batches_total``,
-  ``..._kv_events_total``, ``..._kv_event_problems_total{kind}`` (undecodable, gaps, missed_batches, orphans,
-  late_join, restarts, cleared, ignored), ``..._kv_event_index_exact`` (gauge, 1/0) and
+  ``..._kv_events_total``, ``..._kv_event_problems_total{kind}`` (undecodable, gaps, missed_batches, reordered,
+  orphans, overflow, late_join, subscriber_failures, restarts, cleared, ignored), ``..._kv_event_index_exact`` (gauge, 1/0) and
   ``..._kv_event_index_blocks`` (gauge, blocks), ``..._kv_event_last_message_age_seconds`` (gauge; NaN until
   the first message: a subscription nobody publishes to shows here);
 - ``astrolabe_predictor_prefix_cache_queries_total{source}`` / ``..._hits_total{source}``: prompt tokens looked
@@ -140,8 +140,8 @@ class SidecarCollector:
             problems = CounterMetricFamily(
                 "astrolabe_predictor_kv_event_problems", "KV event stream problems (each makes the index approximate, "
                 "but restart, cleared and ignored)", labels=["kind"])
-            for kind in ("undecodable", "gaps", "missed_batches", "orphans", "late_join", "restarts", "cleared",
-                         "ignored"):
+            for kind in ("undecodable", "gaps", "missed_batches", "reordered", "orphans", "overflow", "late_join",
+                         "subscriber_failures", "restarts", "cleared", "ignored"):
                 problems.add_metric([kind], getattr(counts, kind))
             yield problems
             yield GaugeMetricFamily("astrolabe_predictor_kv_event_index_exact",

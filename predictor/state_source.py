@@ -551,6 +551,12 @@ def plugin_snapshot(state: PluginState, now_s: float,
     if cached_keys:
         held = {key for r in running if r.block_keys for key in r.block_keys[:r.num_computed_tokens // block_size]}
         cached_keys = tuple(key for key in cached_keys if key not in held)
+        # no more than the free blocks (the index may hold blocks of requests whose keys are not known here: other
+        # routers', decode blocks): the most recently freed stay
+        num_free = state.engine.num_gpu_blocks - sum(
+            r.num_blocks_held if r.num_blocks_held is not None else -(-r.num_computed_tokens // block_size)
+            for r in running)
+        cached_keys = cached_keys[-num_free:] if num_free > 0 else ()
     return InstanceSnapshot(config=state.engine, now_s=now_s, running=running,
                             waiting=tuple(request(row, False) for row in state.waiting),
                             num_preemptions_total=state.num_preemptions_total, cached_block_keys=cached_keys)
@@ -661,7 +667,7 @@ class PluginStateSource:
             return None
         index = self.kv_index
         if index is not None:
-            cached = index.keys_in_eviction_order() if index.num_blocks else ()
+            cached = index.keys_in_eviction_order(state.num_free_blocks) if index.num_blocks else ()
         else:
             cached = self.admits.freed_keys(state.num_free_blocks)
         snapshot = plugin_snapshot(state, now_s, self.admits.expected_output_tokens, self.admits.block_keys_of,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import logging
 import subprocess
 import sys
@@ -244,3 +245,18 @@ def test_a_list_of_prompts_gets_no_block_keys_but_one_prompt_of_n_choices_does()
     assert many.num_prompts == 2 and counter.tokens(many).block_keys is None
     one = parsed({"model": "m", "prompt": text, "n": 3})
     assert one.num_prompts == 1 and one.num_sequences == 3 and counter.tokens(one).block_keys
+
+
+def test_token_id_prompts_and_chats_beyond_the_bounds_get_no_keys():
+    from extproc.request import RoutingRequest
+
+    counter = PromptTokenCounter({}, block_size=4, max_keyed_chars=100, max_keyed_messages=3)
+    ids = RoutingRequest("r", "POST", "/v1/completions", prompt_token_ids=tuple(range(100)))
+    assert len(counter.tokens(ids).block_keys) == 25
+    longer = RoutingRequest("r", "POST", "/v1/completions", prompt_token_ids=tuple(range(101)))
+    assert counter.tokens(longer).block_keys is None and counter.tokens(longer).num_tokens == 101
+    messages = (("user", "a b c d e f g h"),) * 4
+    chat = RoutingRequest("r", "POST", "/v1/chat/completions", prompt_text=" ".join(t for _, t in messages),
+                          chat_messages=messages)
+    assert counter.tokens(chat).block_keys is None
+    assert counter.tokens(replace(chat, chat_messages=messages[:3])).block_keys is not None

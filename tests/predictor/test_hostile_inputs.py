@@ -68,7 +68,9 @@ async def test_the_state_is_strict_json_before_the_first_reconciliation():
 
 @pytest.mark.parametrize("flags", [
     ["--metrics-listen", "bogus"], ["--metrics-listen", "127.0.0.1:99999"], ["--metrics-listen", ":9000"],
-    ["--listen", "bogus"], ["--time-scale", "inf"], ["--calibration-min-samples", "0"]])
+    ["--listen", "bogus"], ["--time-scale", "inf"], ["--calibration-min-samples", "0"],
+    ["--kv-events-endpoint", "tcp://*:5557"], ["--kv-events-endpoint", "tcp://127.0.0.1:99999"],
+    ["--kv-events-endpoint", "127.0.0.1:5557"], ["--kv-events-endpoint", "tcp://127.0.0.1"]])
 def test_bad_sidecar_flags_exit_2(flags):
     assert astrolabe_main(["predictor", "serve", "--backend", "127.0.0.1:1", *flags]) == 2
 

@@ -180,3 +180,28 @@ def test_eviction_order_names_every_block_before_its_parent():
     assert order[0] == chain[2] and order.index(chain[1]) < order.index(chain[0])
     assert set(order) == set(chain) | set(block_keys([5] * 4, BS))
     assert index.last_message_s is not None
+
+
+@pytest.mark.parametrize("token", [2 ** 32, -1, True])
+def test_an_out_of_range_token_id_is_undecodable_and_the_next_batch_still_applies(token):
+    index = KvEventIndex(BS)
+    index.on_message(0, payload(stored_map([1], None, [token, 1, 2, 3])))
+    index.on_message(1, payload(stored_map([2], None, TOKENS[:4])))
+    assert index.counts.undecodable == 1 and index.keys_in_storage_order() == block_keys(TOKENS[:4], BS)
+
+
+def test_a_replayed_batch_is_reordered_not_a_restart():
+    index = KvEventIndex(BS)
+    index.on_message(0, payload(stored_map([1], None, TOKENS[:4])))
+    index.on_message(5, payload())
+    index.on_message(3, payload())
+    assert index.counts.reordered == 1 and index.counts.restarts == 0 and index.num_blocks == 1
+    assert not index.exact
+
+
+def test_lost_removals_cannot_grow_the_index_past_its_bound():
+    index = KvEventIndex(BS, max_blocks=2)
+    index.on_message(0, payload(stored_map([1, 2, 3], None, TOKENS)))
+    assert index.num_blocks == 2 and index.counts.overflow == 1 and not index.exact
+    assert index.keys_in_storage_order() == block_keys(TOKENS, BS)[1:]
+    assert index.keys_in_eviction_order(1) == block_keys(TOKENS, BS)[2:]

@@ -443,3 +443,13 @@ def test_without_kv_events_released_prompts_approximate_the_cached_free_blocks(t
     assert source.snapshot(now_s).cached_block_keys == (4, 3, 2, 5, 1)
     assert source.admits.freed_keys(2) == (5, 1)  # the engine can keep only its free blocks' worth
     source.snapshot(now_s).to_scheduler()
+
+
+def test_cached_keys_never_exceed_the_free_blocks(tmp_path):
+    path = tmp_path / "state.json"
+    publish(path, busy_scheduler(6, 0))  # 128 blocks, 48 held by the running requests
+    state = parse_plugin_state(path.read_text())
+    cached = tuple(range(10_000, 10_200))  # an index holding more than is free (other routers', decode blocks)
+    snapshot = plugin_snapshot(state, 0.0, lambda *_: 10, None, cached)
+    assert snapshot.cached_block_keys == cached[-80:]
+    snapshot.to_scheduler()
