@@ -68,7 +68,8 @@ def main(argv: Sequence[str]) -> int:
     rng = random.Random(args.seed)
     print(f"KV event batches decoded and applied by one KvEventIndex, {args.batches} batches per case, "
           f"block size {args.block_size}; CPU time (time.process_time)")
-    print(f"{'encoding':<11} {'events/batch':>12} {'blocks/event':>12} {'us/batch':>9} {'us/event':>9} "
+    print("(each batch after the second also removes the blocks stored two batches before: one BlockRemoved more)")
+    print(f"{'encoding':<11} {'stored/batch':>12} {'blocks/event':>12} {'us/batch':>9} {'us/event':>9} "
           f"{'us/block':>9}")
     for positional in (False, True):
         for events_per_batch, blocks_per_event in ((1, 1), (4, 8), (16, 32)):

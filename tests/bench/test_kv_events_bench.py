@@ -9,7 +9,7 @@ from bench import kv_events_bench
 
 def test_prints_every_case(capsys):
     assert kv_events_bench.main(["--batches", "5", "--block-size", "4"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[3:]]
     assert [row[0] for row in rows] == ["map"] * 3 + ["positional"] * 3
     assert all(float(row[3]) > 0 for row in rows)
 
