@@ -167,7 +167,9 @@ class DynamoKvPolicy(Policy):
         keys, tokens = records.pop()
         if not records:
             del self._requests[(request.request_id, address)]
-        active = self._active[address]
+        active = self._active.get(address)
+        if active is None:  # dropped when its last blocks and tokens left: this record carried none
+            return
         active.prefill_tokens -= tokens
         blocks = active.blocks
         for key in keys:

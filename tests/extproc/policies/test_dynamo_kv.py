@@ -105,3 +105,14 @@ def test_precise_variant_takes_overlaps_from_the_published_cache_state():
     assert policy.index_size() == 0
     with pytest.raises(ValueError):
         build_policy("dynamo-kv-precise", {"precise": False}, random.Random(0))
+
+
+def test_a_request_that_brought_nothing_can_finish_after_its_endpoint_emptied():
+    """A record without blocks or tokens outliving the endpoint's active state (found on multi-turn sessions:
+    KeyError)."""
+    policy = build({}, random.Random(0))
+    empty, r1 = req("e"), req("r1", (1, 2, 3, 4))
+    assert policy.choose(empty, [A]) == A and policy.choose(r1, [A]) == A
+    policy.on_finished(r1, A.address)
+    policy.on_finished(empty, A.address)
+    assert policy.logits(req("r2", (1, 2)), [A, B]) == [2.0, 4.0]  # A still caches 1, 2; nothing active
