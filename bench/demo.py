@@ -242,8 +242,10 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
     p.add_argument("--max-output-tokens", type=int, default=argparse.SUPPRESS, help="max_tokens cap of every request, tokens (default: the setting's)")
     p.add_argument("--max-model-len", type=int, default=4096, help="drop pairs with prompt+output above this")
     p.add_argument("--body-mode", choices=_BODY_MODES, default="full-duplex", help="Envoy ext_proc body mode")
-    p.add_argument("--state-source", choices=("plugin", "ledger"), default="plugin",
-                   help="sidecars read the emulators' engine state (plugin) or keep a ledger")
+    p.add_argument("--state-source", choices=("plugin", "ledger"), default=argparse.SUPPRESS,
+                   help="sidecars read the emulators' engine state (plugin) or keep a ledger (default: plugin; "
+                        "ledger for the keyed workloads: the emulators publish no KV events, so a plugin-mode "
+                        "sidecar would know no cached free block)")
     p.add_argument("--request-timeout-s", type=float, default=60.0, help="limit per request, seconds")
     p.add_argument("--log-dir", type=Path, default=argparse.SUPPRESS,
                    help="process logs, configs, decision logs and results (default: a new temporary folder)")
@@ -271,6 +273,7 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
     ns.progress = getattr(ns, "progress", True)
     setting = SETTINGS[ns.setting]
     num_requests, seeds, policies = MODES[ns.mode]
+    ns.state_source = getattr(ns, "state_source", "plugin" if ns.workload == "sharegpt" else "ledger")
     if ns.workload != "sharegpt":
         policies = KEYED_POLICIES[ns.mode]
         if ns.backend == "vllm":
@@ -625,10 +628,11 @@ def _format_sessions_header(cfg: DemoConfig, plan: TracePlan, instances: Sequenc
     turns = [t for s in sessions for t in s.turns]
     per_session = len(turns) / len(sessions)
     if plan.capacity_qps is not None:
-        rate = (f"{plan.rate_qps:.2f} sessions/s (~{plan.rate_qps * per_session:.2f} req/s = {cfg.load:.2f} x "
-                f"estimated fleet capacity {plan.capacity_qps:.2f} req/s with no cache hits: {cfg.num_instances} x "
-                f"{plan.instance_capacity_virtual_qps:.2f} req/s at H200 speed / {cfg.time_scale:g}, predictor.sim "
-                "on these turns)")
+        rate = (f"{plan.rate_qps:.2f} sessions/s = {cfg.load:.2f} x estimated fleet capacity "
+                f"{plan.capacity_qps:.2f} req/s with no cache hits ({cfg.num_instances} x "
+                f"{plan.instance_capacity_virtual_qps:.2f} req/s at H200 speed / {cfg.time_scale:g}, predictor.sim on "
+                f"these turns) / {per_session:.2f} turns per session: ~{plan.rate_qps * per_session:.2f} req/s once "
+                "sessions overlap in a steady state, which a short run only approaches")
     else:
         rate = f"{plan.rate_qps:.2f} sessions/s (set explicitly, ~{plan.rate_qps * per_session:.2f} req/s)"
     arrivals = "Poisson" if cfg.arrival == "poisson" else f"bursty (Gamma gaps, cv {cfg.cv:g})"
