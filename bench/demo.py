@@ -18,6 +18,18 @@ Settings (``--setting``; every figure can be overridden by its flag):
 Modes: ``--quick`` (one seed, fewer requests, astrolabe and the two least-request baselines), the default, and
 ``--thorough`` (three seeds, more requests, every baseline).
 
+Workloads (``--workload``): ``sharegpt`` (the default: single-turn prompts, open loop), ``multi-turn`` (held-out
+ShareGPT conversations replayed as closed-loop chat sessions, ``bench.loadgen.replay_sessions``; later turns resend
+the recorded replies, which the emulators generate token for token) and ``shared-prefix`` (tenants' long contexts
+with short questions, open loop).
+
+NOTE on the keyed workloads (multi-turn, shared-prefix): the extprocs get ``prefix_cache`` keys with the emulators'
+own tokenizer and chat template (`write_chat_tokenizer`), so the router's block keys are the engines'; the
+sidecars keep a ledger (the emulators publish no KV events, so a plugin-mode sidecar would see no cached free
+block); each policy's replay puts its own system message first in every prompt, so it hits no block an earlier
+policy left cached; the cache-aware baselines run with their default settings; and the rate is ``load`` x the
+fleet's capacity with no cache hits (in sessions/s for multi-turn: divided by the turns per session).
+
 NOTE: sizing for a 2-core machine on which Python and Envoy carry ~1,000 SSE events/s in total: one SSE event
 per 16 tokens, an output cap of 512 tokens and a time scale that puts the fleet's capacity near 20 req/s keep
 traffic at a few hundred events/s while the fleet runs near saturation. The arrival rate is ``load`` x the fleet
@@ -648,7 +660,8 @@ def _format_sessions_header(cfg: DemoConfig, plan: TracePlan, instances: Sequenc
         f"{statistics.fmean(t.num_output_tokens for t in turns):.0f} tokens; conversations end before outgrowing "
         f"{cfg.max_model_len} tokens",
         "path: client -> Envoy -> extproc policy -> instance; the same sessions for every policy, each policy's "
-        "behind its own system message ('replay <n>'), so no policy hits blocks an earlier one left in the caches",
+        "behind its own system message ('replay <n>.<seed>'), so no policy hits blocks an earlier one left in the "
+        "caches",
     ])
 
 
