@@ -601,8 +601,10 @@ def format_header(cfg: DemoConfig, plan: TracePlan, instances: Sequence[str]) ->
                        f"at {rate}; mean prompt {mean_prompt:.0f} tokens, mean reply {mean_output:.0f} tokens "
                        f"(max_tokens {cfg.max_output_tokens}: {num_capped} replies hit it; prompt+reply <= "
                        f"{cfg.max_model_len}); ~{events_per_s:.0f} SSE events/s")
+    salt = (", each policy's behind its own system message ('replay <n>.<seed>'), so no policy hits blocks an "
+            "earlier one left in the caches" if cfg.workload != "sharegpt" else "")
     return "\n".join([*_common_header(cfg, instances), traces_line,
-                      "path: client -> Envoy -> extproc policy -> instance; the same traces for every policy"])
+                      f"path: client -> Envoy -> extproc policy -> instance; the same traces for every policy{salt}"])
 
 
 def _common_header(cfg: DemoConfig, instances: Sequence[str]) -> list[str]:
