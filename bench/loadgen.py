@@ -1,10 +1,13 @@
-"""Open-loop replay of a request trace against an OpenAI-compatible endpoint (Envoy in the demo).
+"""Replay of a request trace (open loop) or of chat sessions (closed loop) against an OpenAI-compatible endpoint
+(Envoy in the demo).
 
 Owns: sending each :class:`bench.workloads.TraceRequest` at its arrival offset as a streaming
-``POST /v1/chat/completions``, timing it, and reporting one :class:`RequestResult` per request. Must not start
+``POST /v1/chat/completions`` (`replay`), replaying recorded conversations turn by turn (`ChatSession`,
+`replay_sessions`), timing each request, and reporting one :class:`RequestResult` per request. Must not start
 processes or import gRPC.
 
-NOTE: arrivals are open-loop (a slow server does not delay later sends). All times are taken on
+NOTE: `replay`'s arrivals are open-loop (a slow server does not delay later sends); `replay_sessions` is
+closed-loop within a session (a turn waits for the previous reply) and open-loop across sessions. All times are taken on
 ``time.monotonic()`` in this process, so they include Envoy and extproc overhead. TTFT is the time from sending the
 request to the first SSE event that carries content; E2E is the time to ``data: [DONE]``.
 """
@@ -70,12 +73,14 @@ class RequestResult:
         return self.error is None
 
 
-def chat_body(model: str, request: TraceRequest) -> dict[str, object]:
+def chat_body(model: str, request: TraceRequest, system_prompt: str | None = None) -> dict[str, object]:
     """The JSON body sent for ``request``: a streaming chat completion capped at ``request.max_tokens``, or of
-    exactly ``num_output_tokens`` tokens (``ignore_eos``) when the trace sets no cap."""
+    exactly ``num_output_tokens`` tokens (``ignore_eos``) when the trace sets no cap; ``system_prompt`` (if any)
+    is a system message before the prompt."""
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
     body: dict[str, object] = {
         "model": model,
-        "messages": [{"role": "user", "content": request.prompt}],
+        "messages": [*system, {"role": "user", "content": request.prompt}],
         "max_tokens": request.num_output_tokens if request.max_tokens is None else request.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -135,6 +140,7 @@ async def send_request(
     request: TraceRequest,
     replay_start_s: float,
     request_timeout_s: float,
+    system_prompt: str | None = None,
 ) -> RequestResult:
     """Send one streaming chat completion and time it; never raises for request failures.
 
@@ -145,6 +151,7 @@ async def send_request(
         request: the trace request.
         replay_start_s: ``time.monotonic()`` at the start of the replay, for ``send_offset_s``.
         request_timeout_s: limit on the whole request (headers and stream), seconds.
+        system_prompt: a system message before the prompt (None: none).
 
     Returns:
         The result; ``error`` is set if the status is not 200, the stream broke or timed out, or
@@ -153,32 +160,35 @@ async def send_request(
     sent_s = time.monotonic()
     result = RequestResult(request.id, request.num_prompt_tokens, expected_completion_tokens(request),
                            sent_s - replay_start_s)
+    await _post_chat(session, url, chat_body(model, request, system_prompt), request_headers(request), result, sent_s,
+                     request_timeout_s)
+    return result
+
+
+async def _post_chat(session: aiohttp.ClientSession, url: str, body: dict[str, object], headers: dict[str, str],
+                     result: RequestResult, sent_s: float, request_timeout_s: float) -> None:
+    """POST one streaming chat completion and fill ``result`` (status, instance, times, error); never raises for
+    request failures. ``result.max_tokens`` is the reply length the stream must report."""
     try:
-        async with session.post(
-            url,
-            json=chat_body(model, request),
-            headers=request_headers(request),
-            timeout=aiohttp.ClientTimeout(total=request_timeout_s),
-        ) as resp:
+        async with session.post(url, json=body, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=request_timeout_s)) as resp:
             result.status = resp.status
             result.instance = resp.headers.get(INSTANCE_HEADER)
             if resp.status != 200:
                 text = await resp.text(errors="replace")
                 result.error = f"HTTP {resp.status}: {text[:_MAX_ERROR_CHARS]}"
-                return result
+                return
             await _read_stream(resp, result, sent_s)
     except asyncio.TimeoutError:
         result.error = f"timed out after {request_timeout_s:g} s"
-        return result
+        return
     except (aiohttp.ClientError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_CHARS]
-        return result
+        return
     if result.e2e_s is None:
         result.error = "stream ended before [DONE]"
-    elif result.num_completion_tokens != expected_completion_tokens(request):
-        result.error = (f"usage.completion_tokens={result.num_completion_tokens}, "
-                        f"expected {expected_completion_tokens(request)}")
-    return result
+    elif result.num_completion_tokens != result.max_tokens:
+        result.error = f"usage.completion_tokens={result.num_completion_tokens}, expected {result.max_tokens}"
 
 
 async def replay(
@@ -190,6 +200,7 @@ async def replay(
     overall_timeout_s: float = 600.0,
     progress: bool = True,
     progress_desc: str = "requests",
+    system_prompt: str | None = None,
 ) -> list[RequestResult]:
     """Send every request of ``trace`` at its arrival offset and wait for all of them.
 
@@ -203,6 +214,7 @@ async def replay(
             cancelled and reported with an error, and requests not yet sent are reported unsent.
         progress: show a tqdm bar of completed requests (on stderr).
         progress_desc: label of the bar.
+        system_prompt: a system message put before every request's prompt (None: none).
 
     Returns:
         One result per trace request, trace order.
@@ -224,7 +236,7 @@ async def replay(
                     await asyncio.sleep(delay_s)
                 task = asyncio.create_task(
                     send_request(session, urls[request.router % len(urls)], model, request, start_s,
-                                 request_timeout_s)
+                                 request_timeout_s, system_prompt)
                 )
                 task.add_done_callback(lambda _t: bar.update(1))
                 tasks.append(task)
@@ -237,6 +249,154 @@ async def replay(
     finally:
         bar.close()
     return [_result_of(task, request, start_s, overall_timeout_s) for task, request in _pad(tasks, trace)]
+
+
+REPLY_TEXT_FIELD = "emulator_reply_text"
+"""Body field naming the reply the emulator must generate token for token (``bench.emulator.openai_api``)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChatTurn:
+    """One turn of a recorded chat session.
+
+    Attributes:
+        user: the human message.
+        reply: the recorded reply's text (the emulator generates exactly its tokens, `REPLY_TEXT_FIELD`).
+        num_prompt_tokens: the turn's prompt, tokens (the messages' own tokens, ``tagger.tokenizer``: the
+            conversation so far plus ``user``; the chat template's few tokens are not counted).
+        num_output_tokens: the reply's tokens (same tokenizer).
+    """
+
+    user: str
+    reply: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChatSession:
+    """A recorded conversation replayed as a closed-loop chat session.
+
+    Attributes:
+        id: unique within the replay; its turns' results are ``"<id>/<k>"`` (k from 0).
+        start_offset_s: when turn 0 is sent, seconds after the replay starts.
+        turns: the turns, in order (>= 1).
+        think_times_s: one per gap between turns: turn k + 1 is sent this long after turn k's reply ended.
+        router: which router replica (base URL) every turn goes to (a client keeps its connection's gateway).
+    """
+
+    id: str
+    start_offset_s: float
+    turns: tuple[ChatTurn, ...]
+    think_times_s: tuple[float, ...]
+    router: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.turns or len(self.think_times_s) != len(self.turns) - 1:
+            raise ValueError(f"session {self.id}: {len(self.turns)} turns need {len(self.turns) - 1} think times, "
+                             f"got {len(self.think_times_s)}")
+
+
+def session_messages(session: ChatSession, turn: int, system_prompt: str | None = None) -> list[dict[str, str]]:
+    """The messages of ``session``'s turn ``turn``: the optional system message, every earlier (user, recorded
+    reply) pair, then the turn's user message."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    for t in session.turns[:turn]:
+        messages += [{"role": "user", "content": t.user}, {"role": "assistant", "content": t.reply}]
+    messages.append({"role": "user", "content": session.turns[turn].user})
+    return messages
+
+
+async def _replay_session(http: aiohttp.ClientSession, url: str, model: str, chat: ChatSession, start_s: float,
+                          deadline_s: float, request_timeout_s: float, system_prompt: str | None,
+                          on_done: object) -> list[RequestResult]:
+    results: list[RequestResult] = []
+    send_at_s = start_s + chat.start_offset_s
+    for k, turn in enumerate(chat.turns):
+        result = RequestResult(f"{chat.id}/{k}", turn.num_prompt_tokens, turn.num_output_tokens,
+                               send_at_s - start_s)
+        if results and not results[-1].ok:
+            result.error = "not sent: an earlier turn of its session failed"
+        elif send_at_s > deadline_s:
+            result.error = "not sent: overall timeout"
+        else:
+            await asyncio.sleep(max(0.0, send_at_s - time.monotonic()))
+            body = {"model": model, "messages": session_messages(chat, k, system_prompt),
+                    "max_tokens": turn.num_output_tokens, "stream": True,
+                    "stream_options": {"include_usage": True}, REPLY_TEXT_FIELD: turn.reply}
+            sent_s = time.monotonic()
+            result.send_offset_s = sent_s - start_s
+            await _post_chat(http, url, body, {"x-request-id": result.id}, result, sent_s, request_timeout_s)
+            if k + 1 < len(chat.turns):
+                send_at_s = time.monotonic() + chat.think_times_s[k]
+        results.append(result)
+        on_done()  # type: ignore[operator]
+    return results
+
+
+async def replay_sessions(
+    base_url: str | Sequence[str],
+    sessions: Sequence[ChatSession],
+    *,
+    model: str,
+    system_prompt: str | None = None,
+    request_timeout_s: float = 120.0,
+    overall_timeout_s: float = 600.0,
+    progress: bool = True,
+    progress_desc: str = "turns",
+) -> list[RequestResult]:
+    """Replay chat sessions closed-loop: each session sends turn 0 at its start offset as a streaming chat
+    completion; a think time after a reply ends it sends the next turn, whose messages are the conversation so far
+    (the recorded replies, which the emulator generates token for token through `REPLY_TEXT_FIELD`, so the turn's
+    prompt can hit the blocks of the previous reply as on a real chat) plus the next user message.
+
+    Args:
+        base_url: scheme, host and port, or one per router replica (``session.router`` indexes them).
+        sessions: sessions, in start order.
+        model: served model name put in each body.
+        system_prompt: a system message put first in every turn's messages (None: none).
+        request_timeout_s: limit per turn, seconds.
+        overall_timeout_s: limit on the whole replay, seconds; turns still open then are reported as cancelled,
+            turns not sent by then as not sent.
+        progress: show a tqdm bar of finished turns (on stderr).
+        progress_desc: label of the bar.
+
+    Returns:
+        One result per turn, session order then turn order (ids ``"<session id>/<k>"``); a turn after a failed
+        one is not sent (its session ends there) and reported with an error.
+    """
+    urls = [u.rstrip("/") + CHAT_PATH for u in ([base_url] if isinstance(base_url, str) else base_url)]
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    bar = tqdm(total=sum(len(s.turns) for s in sessions), desc=progress_desc, unit="req", disable=not progress,
+               leave=True)
+    start_s = time.monotonic()
+    deadline_s = start_s + overall_timeout_s
+    try:
+        async with aiohttp.ClientSession(connector=connector) as http:
+            tasks = [asyncio.create_task(_replay_session(http, urls[s.router % len(urls)], model, s, start_s,
+                                                         deadline_s, request_timeout_s, system_prompt,
+                                                         lambda: bar.update(1)))
+                     for s in sessions]
+            if tasks:
+                await asyncio.wait(tasks, timeout=max(0.0, deadline_s - time.monotonic()))
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        bar.close()
+    out: list[RequestResult] = []
+    for task, chat in zip(tasks, sessions):
+        if not task.cancelled() and task.exception() is None:
+            out.extend(task.result())
+            continue
+        if not task.cancelled():
+            logger.error("session %s raised %r", chat.id, task.exception())
+        why = (f"cancelled at the overall timeout of {overall_timeout_s:g} s" if task.cancelled()
+               else f"{type(task.exception()).__name__}: {task.exception()}"[:_MAX_ERROR_CHARS])
+        out.extend(RequestResult(f"{chat.id}/{k}", t.num_prompt_tokens, t.num_output_tokens, chat.start_offset_s,
+                                 error=why) for k, t in enumerate(chat.turns))
+    return out
 
 
 def _pad(

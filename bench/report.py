@@ -91,6 +91,8 @@ class PolicyRun:
         decisions: the decision-log summary (None for a policy without extproc).
         cost: control-plane cost.
         sidecar_checks: what the sidecars checked themselves during this policy's replays (None: no sidecars).
+        prefix_cache_tokens: (queried, hit) prompt tokens of the instances' prefix caches during the replays
+            (``vllm:prefix_cache_queries_total`` / ``_hits_total``), or None if not counted.
     """
 
     policy: str
@@ -98,6 +100,7 @@ class PolicyRun:
     decisions: DecisionSummary | None
     cost: ControlPlaneCost
     sidecar_checks: SidecarChecks | None = None
+    prefix_cache_tokens: tuple[float, float] | None = None
 
     @property
     def results(self) -> list[RequestResult]:
@@ -174,11 +177,13 @@ def _render(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def format_table(summaries: Sequence[PolicySummary], instances: Sequence[str],
-                 decisions: Sequence[DecisionSummary | None] | None = None) -> str:
+                 decisions: Sequence[DecisionSummary | None] | None = None,
+                 hit_rates: Sequence[float | None] | None = None) -> str:
     """A fixed-width table, one row per summary, plus a legend of the instance columns.
 
     Columns: policy, requests, errors, TTFT mean/p50/p99 (s) and the P99's 95% interval when computed, E2E
-    mean/p99 (s), routing overhead p50/p99 (ms, from the decision logs, when given), then one column per
+    mean/p99 (s), the instances' prefix-cache hit rate (hit / queried prompt tokens, when ``hit_rates`` is given;
+    None = not counted), routing overhead p50/p99 (ms, from the decision logs, when given), then one column per
     instance (``i0``, ``i1``, ... in the order of ``instances``) with the requests it answered; answers from an
     instance not in ``instances`` are added up in a final ``other`` column, shown only when non-zero somewhere.
 
@@ -191,6 +196,7 @@ def format_table(summaries: Sequence[PolicySummary], instances: Sequence[str],
     header = ["policy", "requests", "errors", "TTFT mean", "TTFT p50", "TTFT p99"]
     header += ["p99 95% interval"] if with_ci else []
     header += ["E2E mean", "E2E p99"]
+    header += ["cache hit"] if hit_rates is not None else []
     header += ["route p50 ms", "route p99 ms"] if decisions is not None else []
     header += [f"i{i}" for i in range(len(instances))]
     if any(others):
@@ -202,6 +208,8 @@ def format_table(summaries: Sequence[PolicySummary], instances: Sequence[str],
         if with_ci:
             row.append(f"[{_fmt_s(summary.ttft_p99_low_s)}, {_fmt_s(summary.ttft_p99_high_s)}]")
         row += [_fmt_s(summary.e2e_mean_s), _fmt_s(summary.e2e_p99_s)]
+        if hit_rates is not None:
+            row.append(_fmt_pct(math.nan if hit_rates[n] is None else hit_rates[n]))
         if decisions is not None:
             d = decisions[n]
             row += [_fmt_ms(d.routing_p50_s), _fmt_ms(d.routing_p99_s)] if d is not None else ["-", "-"]
@@ -211,8 +219,11 @@ def format_table(summaries: Sequence[PolicySummary], instances: Sequence[str],
         rows.append(row)
     out = _render(header, rows)
     out.append("latencies in seconds over successful requests (measured by the client, through Envoy); route = "
-               "the extproc's time from the request's headers to its decision; i<k> = requests answered by "
-               "instance k:")
+               "the extproc's time from the request's headers to its decision; "
+               + ("cache hit = prompt tokens found in the instances' prefix caches / prompt tokens looked up "
+                  "(vllm:prefix_cache_hits_total / _queries_total over the policy's replays); " if hit_rates is not None
+                  else "")
+               + "i<k> = requests answered by instance k:")
     out += [f"  i{i} = {inst}" for i, inst in enumerate(instances)]
     return "\n".join(out)
 

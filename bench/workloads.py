@@ -292,6 +292,15 @@ class SharedPrefixShape:
         return cls(num_tenants, context_tokens, **kwargs)
 
 
+def shared_prefix_draws(shape: SharedPrefixShape, num_requests: int,
+                        rng: random.Random) -> list[tuple[int, int, int]]:
+    """(tenant, question tokens, answer tokens) of each of ``num_requests`` requests of the mix, in draw order:
+    the tenant uniformly at random (as llm-d's benchmark spreads its prompts over the groups), the lengths
+    uniformly in the shape's ranges. Request n's question is message ``"question/<n>"`` (`pseudo_token_ids`)."""
+    return [(rng.randrange(shape.num_tenants), rng.randint(*shape.question_tokens), rng.randint(*shape.answer_tokens))
+            for _ in range(num_requests)]
+
+
 def shared_prefix_turns(shape: SharedPrefixShape, num_requests: int, rng: random.Random,
                         block_size: int) -> list[KeyedTurn]:
     """``num_requests`` requests of the mix: each picks a tenant uniformly at random (as llm-d's benchmark
@@ -309,10 +318,7 @@ def shared_prefix_turns(shape: SharedPrefixShape, num_requests: int, rng: random
     """
     contexts = {}
     turns = []
-    for n in range(num_requests):
-        tenant = rng.randrange(shape.num_tenants)
-        question = rng.randint(*shape.question_tokens)
-        answer = rng.randint(*shape.answer_tokens)
+    for n, (tenant, question, answer) in enumerate(shared_prefix_draws(shape, num_requests, rng)):
         if tenant not in contexts:
             contexts[tenant] = pseudo_token_ids(f"tenant/{tenant}", shape.context_tokens)
         ids = np.concatenate([contexts[tenant], pseudo_token_ids(f"question/{n}", question + answer)])

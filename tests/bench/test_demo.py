@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench import demo
+from bench.loadgen import session_messages
 from bench.otlp_receiver import group_traces, read_spans
 from astrolabe.procs import pid_alive
 
@@ -81,6 +82,52 @@ def test_plan_trace_sets_the_rate_from_simulated_capacity() -> None:
     oracle = demo.plan_trace(demo._parse_args(["--num-requests", "5", "--rate-qps", "1", "--output-length-source",
                                                "oracle"]))
     assert all(r.max_tokens is None for r in oracle.trace)  # exact lengths with ignore_eos
+
+
+def test_multi_turn_plan_replays_held_out_conversations_as_sessions_that_fit_the_context() -> None:
+    cfg = demo._parse_args(["--workload", "multi-turn", "--num-requests", "30", "--num-instances", "2",
+                            "--seeds", "0,1"])
+    assert cfg.arrival == "poisson" and "llm-d" in cfg.policies and "gie-prefix" in cfg.policies
+    quick = demo._parse_args(["--workload", "multi-turn", "--quick"])
+    assert {"astrolabe", "least-requests"} <= set(quick.policies) and set(quick.policies) & {
+        "gie-prefix", "llm-d", "sglang-cache-aware", "dynamo-kv"}
+    plan = demo.plan_trace(cfg)
+    assert set(plan.sessions) == {0, 1} and plan.rate_qps > 0
+    from tagger.data import load_split
+    from tagger.tokenizer import count_tokens
+
+    held_out = {e.id for e in load_split().test}
+    for sessions in plan.sessions.values():
+        assert sum(len(s.turns) for s in sessions) >= 30 and any(len(s.turns) > 1 for s in sessions)
+        starts = [s.start_offset_s for s in sessions]
+        assert starts == sorted(starts)
+        for s in sessions:
+            assert s.id.split(":", 1)[1] in held_out
+            assert all(t >= demo.MIN_THINK_TIME_S for t in s.think_times_s)
+            last = s.turns[-1]
+            assert last.num_prompt_tokens + last.num_output_tokens <= cfg.max_model_len
+            # turn k's prompt = the conversation so far (recorded replies) + its message, counted as the engine does
+            messages = session_messages(s, len(s.turns) - 1)
+            assert [m["content"] for m in messages[1::2]] == [t.reply for t in s.turns[:-1]]
+            assert sum(count_tokens(m["content"]) for m in messages) == last.num_prompt_tokens
+            assert count_tokens(last.reply) == last.num_output_tokens
+    config = demo.extproc_config(cfg, "llm-d", ["127.0.0.1:1"], {}, Path("/tok"))
+    assert config["prefix_cache"] == {"enabled": True, "block_size": 16}
+    assert config["tokenizers"] == {"llama-2-7b": "/tok"}
+    assert "prefix_cache" not in demo.extproc_config(demo._parse_args([]), "astrolabe", ["127.0.0.1:1"], {})
+
+
+def test_shared_prefix_plan_shares_each_tenants_context() -> None:
+    cfg = demo._parse_args(["--workload", "shared-prefix", "--num-requests", "40", "--rate-qps", "2"])
+    trace = demo.plan_trace(cfg).trace
+    assert len(trace) == 40 and all(r.max_tokens is None for r in trace)  # exact reply lengths
+    by_tenant: dict[str, set[str]] = {}
+    for r in trace:
+        context = r.prompt.split("\n")[0]
+        by_tenant.setdefault(r.id.split(":")[1], set()).add(context)
+        assert len(context.split()) == 2048 and r.num_prompt_tokens == 2048 + len(r.prompt.split("\n")[1].split())
+    assert all(len(contexts) == 1 for contexts in by_tenant.values()) and len(by_tenant) > 1
+    assert len({next(iter(c)) for c in by_tenant.values()}) == len(by_tenant)
 
 
 def _run_demo(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
@@ -156,6 +203,37 @@ def test_quick_demo_end_to_end(tmp_path: Path) -> None:
     (state_dir,) = [line.split("emulator state files in ")[1].split(" (removed")[0]
                     for line in done.stderr.splitlines() if "emulator state files in " in line]
     assert not Path(state_dir).exists()
+
+
+@pytest.mark.envoy
+@pytest.mark.slow
+def test_quick_multi_turn_demo_hits_the_prefix_cache_on_later_turns(tmp_path: Path) -> None:
+    """Sessions through Envoy: every turn completes (the emulators generate the recorded replies token for token)
+    and later turns hit the blocks of the conversation so far, under astrolabe and a cache-aware baseline."""
+    argv = ["--workload", "multi-turn", "--num-instances", "2", "--num-requests", "16", "--policies",
+            "astrolabe,llm-d", "--rate-qps", "1", "--think-time-s", "1.5", "--no-progress", "--log-dir",
+            str(tmp_path)]
+    done = _run_demo(argv, timeout_s=300)
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr[-5000:]}"
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("Astrolabe demo, workload 'multi-turn'")
+    (sessions_line,) = [line for line in lines if line.startswith("sessions: ")]
+    num_turns = int(sessions_line.split(" requests)")[0].rsplit("(", 1)[1])
+    assert any(line.startswith("policy ") and "cache hit" in line for line in lines)
+    rows = {}
+    for cells in map(str.split, lines):
+        if cells[:1] and cells[0] in ("astrolabe", "llm-d") and cells[0] not in rows:
+            rows[cells[0]] = cells
+    assert set(rows) == {"astrolabe", "llm-d"}
+    for policy, cells in rows.items():
+        assert cells[1:3] == [str(num_turns), "0"], cells  # every turn of every session completed
+        hit_rate = next(c for c in cells if c.endswith("%"))  # the only percentage in a latency row
+        assert float(hit_rate.rstrip("%")) > 0, (policy, cells)  # later turns hit the cache
+    for policy in ("astrolabe", "llm-d"):
+        results = [json.loads(line) for line in (tmp_path / f"results-{policy}.jsonl").open()]
+        assert len(results) == num_turns and all(r["error"] is None for r in results)
+        assert any(r["id"].endswith("/1") for r in results)  # sessions had second turns
+    assert not [pid for pid in _started_pids(done.stderr) if pid_alive(pid)]
 
 
 @pytest.mark.envoy
