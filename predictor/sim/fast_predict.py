@@ -38,7 +38,8 @@ NOTE: prefix caching (requests with `RequestState.block_keys`) is modelled for k
 keyed request on, a `predictor.sim.prefix_cache.PrefixCachePool` (the scheduler's own pool class) mirrors every
 block change in the order `Scheduler` makes it (running reservations, then admissions with their hits; preemptions
 at once; a step's finishes in schedule order; the snapshot's cached free blocks,
-`InstanceSnapshot.cached_block_keys`, named after the running requests' blocks, behind the anonymous free blocks, as
+`InstanceSnapshot.cached_block_keys`, named after the running requests' blocks, behind the anonymous free blocks
+(vLLM's free-queue order: anonymous free blocks first, cached ones in LRU order, see `predictor.sim.prefix_cache`), as
 `InstanceSnapshot.to_scheduler` does: with no keyed request they are plain free blocks and no pool is made),
 `num_free_blocks` follows its count after releases (blocks shared with running requests stay used), and a keyed
 queue head is admitted by an exact step (its hits depend on what the decodes' blocks evict first). Keys of prompt
@@ -51,11 +52,12 @@ NOTE: identities only where a lookup can see them (the cost of keyed predictions
 to a lookup of its key; all lookups are by the simulated requests' own keys (admissions, re-admissions after
 preemption). So the pool names a block only if its key is in two or more requests' keys (counted once per
 prediction, `key_counts`): a chain's leading blocks up to its last such key (`num_shared`). Its other full blocks
-are private: held as anonymous blocks (in the same places of the table and the free queue, so eviction order and
-counts are unchanged), freed as anonymous when it finishes (no one will look them up), and named when it is
-preempted, just before its blocks are freed (it looks them up again when re-admitted; no other request names those
-keys, so the pool's state is the one naming them as they filled would give). Likewise a snapshot's cached free
-block whose key no request has stays an anonymous free block in its place (`PrefixCachePool.restore_cached_free`).
+are private: held as anonymous blocks (in the same places of the table, so counts are unchanged), freed when it
+finishes into the cached section of the free queue WITHOUT identity (they carry a key, so vLLM appends them to the
+LRU tail; no one will look them up: `PrefixCachePool.release` ``num_unnamed``), and named when it is preempted,
+just before its blocks are freed (it looks them up again when re-admitted; no other request names those keys, so
+the pool's state is the one naming them as they filled would give). Likewise a snapshot's cached free block whose
+key no request has stays in its LRU place without identity (`PrefixCachePool.restore_cached_free` ``needed``).
 
 NOTE: the module is also compiled as is with mypyc where the build can (see `predictor.sim.predict`): keep every
 attribute typed (the `_Rec` annotations, `isinstance` rather than `__class__` checks) so mypy accepts it and the
@@ -415,20 +417,22 @@ class _FastScheduler:
                 block_ids.extend(pool.cache_blocks(keys[num_named:num_eager]))
 
     def release(self, rec: _Rec, pool: PrefixCachePool, preempted: bool) -> None:
-        """Free a rec's blocks as `Scheduler._free_blocks` does. Its private full blocks (`cache_full_blocks`) are
-        anonymous: no other request looks them up, so they are freed as such when it finishes; when it is
-        preempted it will look them up itself, so they are named first (in their place: the free queue's order
-        and each key's list of blocks are those of naming them when they filled, since no other request names
-        these keys)."""
+        """Free a rec's blocks as `Scheduler._free_blocks` does. Its private full blocks (`cache_full_blocks`) have
+        no identity: no other request looks them up, so when it finishes they go to the cached section of the free
+        queue without one (`PrefixCachePool.release` ``num_unnamed``: evicted in their LRU place, never hit); when
+        it is preempted it will look them up itself, so they are named first (in their place: the free queue's
+        order and each key's list of blocks are those of naming them when they filled, since no other request
+        names these keys)."""
         block_ids = rec.block_ids
-        if preempted and block_ids is not None and rec.num_full > len(block_ids):
-            keys = rec.keys
-            assert keys is not None
-            block_ids.extend(pool.cache_blocks(keys[len(block_ids):rec.num_full]))
-        if block_ids:
-            pool.release(block_ids, rec.num_blocks_held - len(block_ids))
+        if block_ids is None:
+            pool.free(rec.num_blocks_held)  # no keys: every block is anonymous
         else:
-            pool.free(rec.num_blocks_held)
+            num_full = rec.num_full
+            if preempted and num_full > len(block_ids):
+                keys = rec.keys
+                assert keys is not None
+                block_ids.extend(pool.cache_blocks(keys[len(block_ids):num_full]))
+            pool.release(block_ids, rec.num_blocks_held - num_full, num_full - len(block_ids))
         rec.block_ids = None
         rec.num_full = 0
 
@@ -881,7 +885,7 @@ class _FastScheduler:
             # Only a request with keys can hit them; without one they are free blocks like the others.
             if self.pool is not None or request.block_keys or any(s.block_keys for s in snapshot.waiting):
                 pool = self.ensure_pool()
-                pool.restore_cached_free(cached, self.key_counts)  # keys no request has stay anonymous
+                pool.restore_cached_free(cached, self.key_counts)  # keys no request has: no identity
         self.waiting.extend(snapshot.waiting)
         target = self.convert(request)
         target.is_target = True

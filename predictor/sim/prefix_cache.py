@@ -8,9 +8,13 @@ Source: vllm/v1/core/block_pool.py `BlockPool` (`get_cached_block`, `cache_full_
 `_maybe_evict_cached_block`, `touch`, `free_blocks`), vllm/v1/core/kv_cache_utils.py `FreeKVCacheBlockQueue`,
 vllm/v1/core/kv_cache_manager.py `KVCacheManager.get_computed_blocks` / `allocate_slots` and
 single_type_kv_cache_manager.py `SingleTypeKVCacheManager.free` (vLLM V1). The rules kept:
-- a block whose reference count drops to 0 goes to the TAIL of the free queue and keeps its key: it is free (an
-  allocation may take it) but still reusable; a request frees its blocks in REVERSE order (its tail block first),
-  so its last blocks are evicted first;
+- a block whose reference count drops to 0 keeps its key and goes to the TAIL of the free queue: it is free (an
+  allocation may take it) but still reusable; a freed block WITHOUT a key (a partial block, or one past the
+  request's keys) goes to the HEAD (vLLM: "LIFO reuse of non-cached blocks", ``prepend_n``; cached ones:
+  "FIFO reuse ... for LRU eviction", ``append_n``, block_pool.py `BlockPool.free_blocks`). So the free queue is
+  always every anonymous free block, then the cached free blocks in LRU order, and anonymous blocks are taken
+  before any cached one is evicted (`InstanceSnapshot.cached_block_keys` relies on it). A request frees its blocks
+  in REVERSE order (its tail block first), so its last cached blocks are evicted first;
 - an allocation takes blocks from the HEAD of the free queue (least recently freed) and drops the key of each
   cached block it takes (eviction);
 - a hit on a free cached block takes it out of the free queue and counts a reference ("touch"); a hit on a block
@@ -21,16 +25,18 @@ single_type_kv_cache_manager.py `SingleTypeKVCacheManager.free` (vLLM V1). The r
 Representation (ours): only blocks that carry a key have an identity (a small int id, not vLLM's block id, indexing
 lists of keys and reference counts; an evicted block's id names the next block cached, so there are never more ids
 than KV blocks). A request's other blocks (its partial last block, blocks past its keys) are anonymous and counted,
-as in `BlockPool`. The free queue is an ordered dict of entries, a cached block (id -> 1) or a run of anonymous free
-blocks (a negative id -> its count); it is kept only while some cached block is free: otherwise every free block is
-anonymous, their order does not matter, and the pool is a count (the cost of `BlockPool` for requests without keys).
+as in `BlockPool`. The anonymous free blocks are a count (their order does not matter: none carries a key), so with
+no cached block free the pool costs what `BlockPool` does (requests without keys). The cached section of the free
+queue is an ordered dict, LRU first, of a cached block (id -> 1) or a run of cached free blocks kept WITHOUT identity
+(a negative id -> its count): blocks whose key no lookup will ask for (`predictor.sim.fast_predict` only), which
+must still be evicted in their LRU place.
 Not modelled: the null block (block 0, never free in vLLM), KV cache groups and hybrid models, KV events.
 
 NOTE: compiled with mypyc where the build can (setup.py, with `predictor.sim.kv_blocks`, whose `BlockPool` it
 extends): every prediction with block keys runs this pool's per-block work. Keep every attribute and local typed so
 mypy accepts it; the tests run whichever is loaded.
 
-NOTE: invariants (`check_invariants`, asserted by the property tests): free blocks == the free queue's total;
+NOTE: invariants (`check_invariants`, asserted by the property tests): the cached section <= free blocks;
 no identified block is both in the free queue and referenced; each cached key maps to live blocks with that key.
 """
 
@@ -60,12 +66,16 @@ class PrefixCachePool(BlockPool):
         ValueError: If num_gpu_blocks < 1.
     """
 
-    __slots__ = ("_queue", "_key_of", "_ref", "_free_ids", "_blocks_of_key", "_num_cached", "_num_cached_free",
-                 "_num_extra_refs", "_next_run_id", "num_evicted_blocks")
+    __slots__ = ("_lru", "_num_lru", "_key_of", "_ref", "_free_ids", "_blocks_of_key", "_num_cached",
+                 "_num_cached_free", "_num_extra_refs", "_next_run_id", "num_evicted_blocks")
 
     def __init__(self, num_gpu_blocks: int) -> None:
         super().__init__(num_gpu_blocks)
-        self._queue: OrderedDict[int, int] = OrderedDict()
+        # The free queue's cached section, head (next evicted) first: a cached block's id -> 1, or a run of
+        # cached free blocks kept without identity (a negative id -> its count). The anonymous free blocks
+        # (ahead of it) are a count: num_free_blocks - _num_lru.
+        self._lru: OrderedDict[int, int] = OrderedDict()
+        self._num_lru = 0
         # Indexed by block id: its key, and its references (-1: the id names no cached block, and is in
         # _free_ids for the next block named).
         self._key_of: list[int] = []
@@ -91,6 +101,11 @@ class PrefixCachePool(BlockPool):
         return self._num_cached_free
 
     @property
+    def num_anonymous_free_blocks(self) -> int:
+        """Free blocks without a key: the head of the free queue, all taken before any cached block is evicted."""
+        return self._num_free_blocks - self._num_lru
+
+    @property
     def num_extra_refs(self) -> int:
         """Sum over cached blocks of (references - 1) where > 0: how much the holders' block counts exceed the
         used blocks (a block shared by n requests is used once, held n times)."""
@@ -105,34 +120,34 @@ class PrefixCachePool(BlockPool):
         return self._key_of[block_id] if self._refs_of(block_id) >= 0 else None
 
     def free_queue(self) -> list[int | None]:
-        """The free queue, head (next evicted) first: a cached block's id, or None for an anonymous free block
-        (for tests and debugging; O(free blocks))."""
-        if not self._num_cached_free:
-            return [None] * self._num_free_blocks
-        order: list[int | None] = []
-        for entry, count in self._queue.items():
+        """The free queue, head (next evicted) first: None for an anonymous free block (all of them first), then
+        the cached free blocks' ids in LRU order, None for a cached free block kept without identity
+        (`restore_cached_free` with `needed`, `release` with `num_unnamed`) (for tests and debugging;
+        O(free blocks))."""
+        order: list[int | None] = [None] * (self._num_free_blocks - self._num_lru)
+        for entry, count in self._lru.items():
             order.extend([entry] if entry >= 0 else [None] * count)
         return order
 
     def cached_free_keys(self) -> list[int]:
         """Keys of the free cached blocks, head (next evicted) first (`InstanceSnapshot.cached_block_keys`;
-        O(free queue entries))."""
+        O(cached free blocks); blocks kept without identity have no key to give and are left out)."""
         if not self._num_cached_free:
             return []
         key_of = self._key_of
-        return [key_of[entry] for entry in self._queue if entry >= 0]
+        return [key_of[entry] for entry in self._lru if entry >= 0]
 
     def restore_cached_free(self, keys: Sequence[int], needed: dict[int, int] | None = None) -> None:
-        """Give `len(keys)` anonymous free blocks these keys and move them, in this order, to the TAIL of the free
-        queue (free but reusable: a snapshot's cached blocks no request holds, `InstanceSnapshot.cached_block_keys`).
-        The anonymous blocks are taken from the head of the queue; the other free blocks keep their order, so they
-        are all evicted before these.
+        """Give `len(keys)` anonymous free blocks these keys and append them, in this order, to the TAIL of the
+        free queue (free but reusable: a snapshot's cached blocks no request holds,
+        `InstanceSnapshot.cached_block_keys`). Anonymous free blocks stay at the head, so they are all taken before
+        these (vLLM's order, see the module docstring).
 
         Args:
             keys: Block keys, eviction order.
-            needed: If given, only keys in it get an identity; the others stay anonymous blocks in their place in
-                the queue (the same eviction order for the named ones, no identity to keep for keys no lookup
-                will ask for).
+            needed: If given, only keys in it get an identity; the others are cached free blocks without identity
+                in their place in the LRU order (the same eviction order for all of them, no identity to keep for
+                keys no lookup will ask for).
 
         Raises:
             ValueError: If fewer anonymous blocks are free than keys are given (state unchanged).
@@ -140,58 +155,38 @@ class PrefixCachePool(BlockPool):
         num_keys = len(keys)
         if not num_keys:
             return
-        num_anonymous = self._num_free_blocks - self._num_cached_free
+        num_anonymous = self.num_anonymous_free_blocks
         if num_keys > num_anonymous:
             raise ValueError(f"{num_keys} cached free blocks to restore, {num_anonymous} anonymous blocks free")
-        queue = self._queue
-        if self._num_cached_free:
-            num_left = num_keys
-            for entry in [e for e in queue if e < 0]:
-                count = queue[entry]
-                if count > num_left:
-                    queue[entry] = count - num_left
-                    break
-                del queue[entry]
-                num_left -= count
-                if not num_left:
-                    break
-        else:
-            queue.clear()
-            if num_anonymous > num_keys:
-                queue[self._next_run_id] = num_anonymous - num_keys
-                self._next_run_id -= 1
+        lru = self._lru
         if needed is None:
             for block_id in self._name_blocks(keys, 0):
-                queue[block_id] = 1
+                lru[block_id] = 1
             self._num_cached_free += num_keys
+            self._num_lru += num_keys
             return
         named = [key for key in keys if key in needed]
-        if not named:
-            if not self._num_cached_free:
-                queue.clear()
-            else:
-                self._append_run(num_keys)
-            return
-        block_ids = self._name_blocks(named, 0)
+        block_ids = self._name_blocks(named, 0) if named else []
         num_run = 0
         index = 0
         for key in keys:
             if key in needed:
                 if num_run:
-                    self._append_run(num_run)
+                    self._append_unnamed(num_run)
                     num_run = 0
-                queue[block_ids[index]] = 1
+                lru[block_ids[index]] = 1
                 index += 1
             else:
                 num_run += 1
         if num_run:
-            self._append_run(num_run)
+            self._append_unnamed(num_run)
         self._num_cached_free += len(named)
+        self._num_lru += num_keys
 
     # ---- anonymous blocks ----------------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> bool:
-        """Take `num_blocks` anonymous blocks from the head of the free queue (all or nothing), evicting the cached
-        blocks among them (their keys are dropped).
+        """Take `num_blocks` blocks from the head of the free queue (all or nothing): anonymous free blocks first,
+        then cached free blocks in LRU order, whose keys are dropped (eviction). The blocks taken are anonymous.
 
         Returns:
             True if taken; False (nothing changed) if fewer are free.
@@ -199,21 +194,25 @@ class PrefixCachePool(BlockPool):
         Raises:
             ValueError: If num_blocks < 0.
 
-        Source: block_pool.py `BlockPool.get_new_blocks` (``free_block_queue.popleft``, `_maybe_evict_cached_block`).
+        Source: block_pool.py `BlockPool.get_new_blocks` (``free_block_queue.popleft_n``,
+        `_maybe_evict_cached_block`).
         """
+        num_anonymous = self._num_free_blocks - self._num_lru
         if not super().allocate(num_blocks):
             return False
-        if not self._num_cached_free:
-            return True  # every free block is anonymous: a count (BlockPool's cost)
-        queue = self._queue
+        num_left = num_blocks - num_anonymous
+        if num_left <= 0:
+            return True  # only anonymous free blocks taken: a count (BlockPool's cost)
+        lru = self._lru
         key_of = self._key_of
         ref = self._ref
         free_ids = self._free_ids
         blocks_of_key = self._blocks_of_key
-        num_left = num_blocks
+        self._num_lru -= num_left
+        self.num_evicted_blocks += num_left
         num_evicted = 0
         while num_left:
-            entry, count = queue.popitem(last=False)
+            entry, count = lru.popitem(last=False)
             if entry >= 0:  # a cached free block: evict it (block_pool.py `_maybe_evict_cached_block`)
                 key = key_of[entry]
                 ref[entry] = -1
@@ -225,28 +224,25 @@ class PrefixCachePool(BlockPool):
                     blocks.remove(entry)
                 num_evicted += 1
                 num_left -= 1
-            elif count > num_left:
-                queue[entry] = count - num_left
-                queue.move_to_end(entry, last=False)
+            elif count > num_left:  # cached free blocks without identity
+                lru[entry] = count - num_left
+                lru.move_to_end(entry, last=False)
                 num_left = 0
             else:
                 num_left -= count
         self._num_cached_free -= num_evicted
         self._num_cached -= num_evicted
-        self.num_evicted_blocks += num_evicted
-        if not self._num_cached_free:
-            queue.clear()
         return True
 
     def free(self, num_blocks: int) -> None:
-        """Return `num_blocks` anonymous blocks to the TAIL of the free queue.
+        """Return `num_blocks` anonymous blocks to the HEAD of the free queue (taken before any cached free block).
 
         Raises:
             ValueError: If num_blocks < 0 or more blocks would be free than exist (a double free).
+
+        Source: block_pool.py `BlockPool.free_blocks` (blocks without a hash: ``free_block_queue.prepend_n``).
         """
         super().free(num_blocks)
-        if num_blocks and self._num_cached_free:
-            self._append_run(num_blocks)
 
     # ---- identified blocks ---------------------------------------------------------------------------------
     def cache_block(self, key: int) -> int:
@@ -331,7 +327,7 @@ class PrefixCachePool(BlockPool):
         Source: block_pool.py `BlockPool.touch`.
         """
         ref = self._ref
-        queue = self._queue
+        lru = self._lru
         num_taken_free = 0
         num_extra_refs = 0
         for block_id in block_ids:
@@ -339,47 +335,58 @@ class PrefixCachePool(BlockPool):
             if refs < 0:
                 self._num_cached_free -= num_taken_free
                 self._num_free_blocks -= num_taken_free
+                self._num_lru -= num_taken_free
                 self._num_extra_refs += num_extra_refs
                 raise ValueError(f"block {block_id} is not cached")
             if refs == 0:
-                del queue[block_id]
+                del lru[block_id]
                 num_taken_free += 1
             else:
                 num_extra_refs += 1
             ref[block_id] = refs + 1
         self._num_cached_free -= num_taken_free
         self._num_free_blocks -= num_taken_free
+        self._num_lru -= num_taken_free
         self._num_extra_refs += num_extra_refs
-        if not self._num_cached_free:
-            queue.clear()
 
-    def release(self, block_ids: Sequence[int], num_anonymous: int) -> None:
-        """Free one holder's blocks in vLLM's order: its table is `block_ids` (cached, in table order) followed by
-        `num_anonymous` anonymous blocks; they are freed last block first, so the tail is evicted first. A cached
-        block still referenced by another holder only loses a reference.
+    def release(self, block_ids: Sequence[int], num_anonymous: int, num_unnamed: int = 0) -> None:
+        """Free one holder's blocks in vLLM's order: its table is `block_ids` (cached, in table order), then
+        `num_unnamed` full blocks that carry a key no lookup will ask for (kept without identity), then
+        `num_anonymous` anonymous blocks; they are freed last block first. The anonymous ones go to the HEAD of the
+        free queue, the cached ones to its TAIL (unnamed ones first, then `block_ids` reversed), so the table's tail
+        is evicted first among them. A cached block still referenced by another holder only loses a reference.
 
         Raises:
-            ValueError: As `free`, or an id that is not cached or not referenced.
+            ValueError: As `free` (for all `num_anonymous + num_unnamed` blocks), or an id that is not cached or not
+                referenced.
 
         Source: single_type_kv_cache_manager.py `SingleTypeKVCacheManager.free` (``reversed(req_blocks)``),
-        block_pool.py `BlockPool.free_blocks` (``free_block_queue.append`` when the count reaches 0).
+        block_pool.py `BlockPool.free_blocks` (when the count reaches 0: ``prepend_n`` without a hash, ``append_n``
+        with one).
         """
-        self.free(num_anonymous)
+        super().free(num_anonymous + num_unnamed)
+        if num_unnamed:
+            self._append_unnamed(num_unnamed)
+            self._num_lru += num_unnamed
         ref = self._ref
-        queue = self._queue
+        lru = self._lru
+        num_freed = 0
         for block_id in reversed(block_ids):
             refs = ref[block_id] if 0 <= block_id < len(ref) else -1
             if refs <= 0:
+                self._num_free_blocks += num_freed
+                self._num_cached_free += num_freed
+                self._num_lru += num_freed
                 raise ValueError(f"block {block_id} is not cached or not referenced")
             ref[block_id] = refs - 1
             if refs > 1:
                 self._num_extra_refs -= 1
                 continue
-            if not self._num_cached_free and self._num_free_blocks:
-                self._append_run(self._num_free_blocks)  # materialise the anonymous free blocks ahead of it
-            queue[block_id] = 1
-            self._num_cached_free += 1
-            self._num_free_blocks += 1
+            lru[block_id] = 1
+            num_freed += 1
+        self._num_free_blocks += num_freed
+        self._num_cached_free += num_freed
+        self._num_lru += num_freed
 
     # ---- internals -----------------------------------------------------------------------------------------
     def _refs_of(self, block_id: int) -> int:
@@ -387,25 +394,25 @@ class PrefixCachePool(BlockPool):
         ref = self._ref
         return ref[block_id] if 0 <= block_id < len(ref) else -1
 
-    def _append_run(self, num_blocks: int) -> None:
-        queue = self._queue
-        if queue:
-            tail = next(reversed(queue))
+    def _append_unnamed(self, num_blocks: int) -> None:
+        """Append a run of cached free blocks without identity to the LRU tail (the caller counts `_num_lru`)."""
+        lru = self._lru
+        if lru:
+            tail = next(reversed(lru))
             if tail < 0:
-                queue[tail] += num_blocks
+                lru[tail] += num_blocks
                 return
-        queue[self._next_run_id] = num_blocks
+        lru[self._next_run_id] = num_blocks
         self._next_run_id -= 1
 
     def check_invariants(self) -> None:
         """Assert the pool's invariants (see the module docstring); O(cached blocks)."""
-        queued = sum(self._queue.values()) if self._num_cached_free else self._num_free_blocks
-        assert queued == self._num_free_blocks, (queued, self._num_free_blocks)
-        assert 0 <= self._num_free_blocks <= self._num_gpu_blocks
-        free_cached = [b for b in self._queue if b >= 0]
+        assert sum(self._lru.values()) == self._num_lru, (self._lru, self._num_lru)
+        assert 0 <= self._num_lru <= self._num_free_blocks <= self._num_gpu_blocks
+        free_cached = [b for b in self._lru if b >= 0]
         assert len(free_cached) == self._num_cached_free
         assert all(self._ref[b] == 0 for b in free_cached), "a free block is referenced"
-        assert all(n >= 1 for n in self._queue.values())
+        assert all(n >= 1 for n in self._lru.values())
         num_unreferenced = sum(1 for n in self._ref if n == 0)
         assert num_unreferenced == self._num_cached_free, "a cached block is unreferenced but not free"
         assert self._num_extra_refs == sum(n - 1 for n in self._ref if n > 1)

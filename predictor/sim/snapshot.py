@@ -10,10 +10,10 @@ of `config.num_gpu_blocks`, so block accounting is consistent by construction. W
 with `RequestState.block_keys`, vllm-v1 rules) a block shared by running requests is in each one's count, so
 `num_used_blocks` is an upper bound there; `to_scheduler` shares such blocks again (a running request's full
 computed blocks whose keys an earlier running request cached). The cached blocks no request holds (free but
-reusable) are `InstanceSnapshot.cached_block_keys`, in eviction order; the snapshot does not say where the anonymous
-free blocks stood between them (vLLM's free queue interleaves both), and `to_scheduler` puts them all ahead, so they
-are evicted first: an approximation of a live pool (exact when no anonymous block was freed after a cached one),
-and a defined state that the fast predictor (`predictor.sim.fast_predict`) reproduces exactly.
+reusable) are `InstanceSnapshot.cached_block_keys`, in eviction order; `to_scheduler` puts every anonymous free
+block ahead of them, so they are taken first: vLLM's free queue is always in that order (block_pool.py
+`BlockPool.free_blocks` prepends blocks without a hash and appends cached ones; `predictor.sim.prefix_cache`), so
+the order is exact, and a defined state that the fast predictor (`predictor.sim.fast_predict`) reproduces exactly.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ from predictor.sim import EngineConfig
 from predictor.state_source import parse_plugin_state
 from tests.bench.emulator.prefix_sequence import (
     BLOCK_SIZE,
-    EVICTION_XFAIL_REASON,
     NUM_FITTING,
     run_sequence,
     steps,
@@ -106,7 +105,6 @@ def test_vllm_reuses_unhashed_blocks_before_evicting_cached_ones(runs):
     assert _cached(runs["vllm"])[NUM_FITTING:] == [s.expected_cached_tokens for s in tail], [s.name for s in tail]
 
 
-@pytest.mark.xfail(strict=True, reason=EVICTION_XFAIL_REASON)
 def test_the_emulator_evicts_what_vllm_evicts(runs):
     assert _cached(runs["emulator"]) == _cached(runs["vllm"])
     assert runs["emulator_growth"] == runs["vllm_growth"]

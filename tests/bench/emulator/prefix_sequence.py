@@ -29,12 +29,6 @@ REPLY_TOKENS = 40
 """Output tokens of that request."""
 NUM_FITTING = 10
 """Steps of the sequence before its eviction tail."""
-EVICTION_XFAIL_REASON = (
-    "the engine model (predictor/sim/prefix_cache.py PrefixCachePool.release) appends a finished request's "
-    "unhashed blocks to the free queue's tail among the cached ones, so it evicts cached blocks that vLLM 0.32 keeps "
-    "(vLLM 0.32 puts unhashed blocks at the queue's head and reuses them first: vllm/v1/core/block_pool.py "
-    "BlockPool.free_blocks, prepend_n); reported for the engine model's owner")
-"""Why the emulator's counts after evictions differ from vLLM 0.32's (a strict xfail: it fails once fixed)."""
 
 
 def words(rng: random.Random, n: int) -> str:

@@ -10,7 +10,7 @@ import pytest
 
 from bench.emulator.tokens import prompt_token_ids
 from predictor.sim import EngineConfig
-from tests.bench.emulator.prefix_sequence import BLOCK_SIZE, EVICTION_XFAIL_REASON, run_sequence, steps
+from tests.bench.emulator.prefix_sequence import BLOCK_SIZE, run_sequence, steps
 from tests.bench.emulator.test_server import MODEL, emulator, metric, sse_events
 
 VLLM_TIER_ENGINE = EngineConfig(max_num_seqs=16, max_num_batched_tokens=256, block_size=BLOCK_SIZE, num_gpu_blocks=31)
@@ -22,8 +22,7 @@ def _counters(text: str) -> tuple[float, float]:
             metric(text, "vllm:prefix_cache_hits_total", model_name=MODEL, engine="0"))
 
 
-@pytest.mark.parametrize("eviction", [False, pytest.param(True, marks=pytest.mark.xfail(
-    strict=True, reason=EVICTION_XFAIL_REASON))], ids=["fits", "evicts"])
+@pytest.mark.parametrize("eviction", [False, True], ids=["fits", "evicts"])
 async def test_cached_tokens_and_counters_follow_vllms_lookup_rule(eviction: bool) -> None:
     sequence = steps(eviction=eviction)
     async with emulator(VLLM_TIER_ENGINE, max_model_len=256, enable_prompt_tokens_details=True) as client:

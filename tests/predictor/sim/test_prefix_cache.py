@@ -37,6 +37,28 @@ def test_freed_blocks_stay_cached_and_are_freed_tail_first():
     pool.check_invariants()
 
 
+def test_anonymous_blocks_are_reused_before_any_cached_block_whatever_the_free_order():
+    # vLLM 0.32 block_pool.py `BlockPool.free_blocks`: blocks without a hash are prepended, cached ones appended.
+    pool = PrefixCachePool(5)
+    ids = _hold(pool, [1, 2], num_anonymous=1)
+    other = _hold(pool, [], num_anonymous=2)
+    pool.release(ids, 1)  # queue: its partial block, then 2, 1
+    pool.release(other, 2)  # its 2 anonymous blocks go to the head, ahead of the cached ones
+    assert pool.free_queue() == [None, None, None, ids[1], ids[0]]
+    assert pool.allocate(3) and pool.num_evicted_blocks == 0 and pool.cached_free_keys() == [2, 1]
+    assert pool.allocate(1) and pool.cached_free_keys() == [1]
+    pool.check_invariants()
+
+
+def test_full_blocks_released_without_identity_queue_with_the_cached_ones():
+    pool = PrefixCachePool(6)
+    ids = _hold(pool, [1], num_anonymous=3)  # table: 1, two full blocks no lookup needs, a partial block
+    pool.release(ids, 1, num_unnamed=2)  # queue: 2 never used + partial, then the two unnamed, then 1
+    assert pool.free_queue() == [None] * 5 + [ids[0]] and pool.num_cached_free_blocks == 1
+    assert pool.allocate(5) and pool.num_evicted_blocks == 2 and pool.cached_free_keys() == [1]
+    pool.check_invariants()
+
+
 def test_allocation_evicts_least_recently_freed_first():
     pool = PrefixCachePool(4)
     first = _hold(pool, [1, 2])
@@ -122,11 +144,11 @@ def test_restored_cached_free_blocks_queue_behind_the_anonymous_ones_in_order():
     assert pool.allocate(4)  # the 3 anonymous blocks, then 21 (evicted)
     assert pool.cached_free_keys() == [22, 23] and pool.num_evicted_blocks == 1
     pool.check_invariants()
-    # With cached blocks already free, the named blocks come out of the anonymous runs, head first.
-    pool.free(4)  # queue: 22 23 + 4 anonymous
+    # Anonymous blocks freed after cached ones still go ahead of them; a restored block joins the LRU tail.
+    pool.free(4)  # queue: 4 anonymous + 22 23
     pool.restore_cached_free([31])
     assert [pool.key_of(b) for b in pool.free_queue() if b is not None] == [22, 23, 31]
-    assert pool.free_queue()[2:5] == [None] * 3
+    assert pool.free_queue()[:3] == [None] * 3
     pool.check_invariants()
     with pytest.raises(ValueError):
         pool.restore_cached_free([1, 2, 3, 4])  # 3 anonymous blocks free
@@ -134,13 +156,18 @@ def test_restored_cached_free_blocks_queue_behind_the_anonymous_ones_in_order():
     pool.check_invariants()
 
 
-def test_restored_keys_no_lookup_needs_stay_anonymous_in_their_place():
+def test_restored_keys_no_lookup_needs_keep_their_lru_place_without_identity():
     pool = PrefixCachePool(6)
     assert pool.allocate(1)
     pool.restore_cached_free([1, 2, 3, 4], needed={2: 1, 4: 1})
     queue = pool.free_queue()
     assert queue[:2] == [None, None] and pool.key_of(queue[2]) == 2 and queue[3] is None and pool.key_of(queue[4]) == 4
     assert pool.cached_free_keys() == [2, 4] and pool.num_free_blocks == 5 and pool.lookup([1], 1) == []
+    pool.check_invariants()
+    pool.free(0)
+    assert pool.allocate(2)  # the anonymous block, then key 1's block (evicted in its place, before key 2's)
+    assert pool.cached_free_keys() == [2, 4] and pool.num_evicted_blocks == 1
+    assert pool.allocate(1) and pool.cached_free_keys() == [4]
     pool.check_invariants()
     pool.restore_cached_free([], needed={})
     other = PrefixCachePool(6)
@@ -159,8 +186,9 @@ def test_invariants_hold_under_random_operations(ops):
     for op, n in ops:
         if op == "hold":
             keys = list(range(n % 4))
-            if pool.num_free_blocks >= len(keys) + 1:
-                holders.append((_hold(pool, keys, 1), 1))
+            num_anon = 1 + n % 2  # a partial block, and maybe a full one no lookup needs (released unnamed)
+            if pool.num_free_blocks >= len(keys) + num_anon:
+                holders.append((_hold(pool, keys, num_anon), num_anon))
         elif op == "hit":
             hits = pool.lookup(list(range(4)), n)
             if pool.num_free_among(hits) <= pool.num_free_blocks:
@@ -168,14 +196,14 @@ def test_invariants_hold_under_random_operations(ops):
                 holders.append((hits, 0))
         elif op == "release" and holders:
             ids, num_anon = holders.pop(n % len(holders))
-            pool.release(ids, num_anon)
+            pool.release(ids, min(num_anon, 1), num_anon - min(num_anon, 1))
         elif op == "anon" and pool.allocate(n):
             anonymous += n
         elif op == "free":
             take = min(n, anonymous)
             pool.free(take)
             anonymous -= take
-        elif op == "restore" and n <= pool.num_free_blocks - pool.num_cached_free_blocks:
+        elif op == "restore" and n <= pool.num_anonymous_free_blocks:
             before = pool.cached_free_keys()
             keys = [100 + k for k in range(n)]
             needed = {k: 1 for k in keys if k % 2} if n % 2 else None
@@ -187,3 +215,5 @@ def test_invariants_hold_under_random_operations(ops):
         queue = pool.free_queue()
         assert len(queue) == pool.num_free_blocks
         assert all(pool.ref_count(b) == 0 for b in queue if b is not None)
+        num_anonymous = pool.num_anonymous_free_blocks
+        assert queue[:num_anonymous] == [None] * num_anonymous  # vLLM's order: anonymous free blocks first
