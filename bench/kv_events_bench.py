@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import msgpack
 
+from astrolabe.cli import HelpFormatter
 from predictor.kv_events import KvEventIndex
 
 
@@ -53,10 +54,11 @@ def _batches(num_batches: int, blocks_per_event: int, events_per_batch: int, blo
 
 
 def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="astrolabe bench kv-events", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="astrolabe bench kv-events", description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--batches", type=int, default=2000, help="batches (engine steps) per case (default 2000)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids (default 0)")
     args = parser.parse_args(argv)
     if args.batches < 1 or args.block_size < 1:
         parser.error("--batches and --block-size must be >= 1")
