@@ -191,6 +191,17 @@ async def _post_chat(session: aiohttp.ClientSession, url: str, body: dict[str, o
         result.error = f"usage.completion_tokens={result.num_completion_tokens}, expected {result.max_tokens}"
 
 
+async def _finish_by(tasks: list[asyncio.Task], deadline_s: float) -> None:
+    """Waits for ``tasks`` until ``deadline_s`` (``time.monotonic()`` seconds), cancels those still running, and
+    waits for all to end (their exceptions stay in the tasks)."""
+    if tasks:
+        await asyncio.wait(tasks, timeout=max(0.0, deadline_s - time.monotonic()))
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def replay(
     base_url: str | Sequence[str],
     trace: Sequence[TraceRequest],
@@ -240,12 +251,7 @@ async def replay(
                 )
                 task.add_done_callback(lambda _t: bar.update(1))
                 tasks.append(task)
-            if tasks:
-                await asyncio.wait(tasks, timeout=max(0.0, deadline_s - time.monotonic()))
-            for task in tasks:
-                if not task.done():
-                    task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _finish_by(tasks, deadline_s)
     finally:
         bar.close()
     return [_result_of(task, request, start_s, overall_timeout_s) for task, request in _pad(tasks, trace)]
@@ -377,12 +383,7 @@ async def replay_sessions(
                                                          deadline_s, request_timeout_s, system_prompt,
                                                          lambda: bar.update(1)))
                      for s in sessions]
-            if tasks:
-                await asyncio.wait(tasks, timeout=max(0.0, deadline_s - time.monotonic()))
-            for task in tasks:
-                if not task.done():
-                    task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _finish_by(tasks, deadline_s)
     finally:
         bar.close()
     out: list[RequestResult] = []
