@@ -186,10 +186,11 @@ class StreamHandler:
     async def _on_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self._phase is not Phase.BODY:
             return [_acknowledge("request_body")]
-        self._body += body.body
-        if len(self._body) > self._max_body_bytes:
+        chunk = body.body  # a copy (upb): read once; a chunk past the limit is not appended (a third copy)
+        if len(self._body) + len(chunk) > self._max_body_bytes:
             raise RoutingError(ErrorCode.BODY_TOO_LARGE,
                                f"request body exceeds the limit of {self._max_body_bytes} bytes")
+        self._body += chunk
         if self._body_mode == _BodyMode.BUFFERED:
             decision = await self._route_body()
             return [messages.body_route(decision.destination_value, self._span.upstream_headers())]

@@ -48,8 +48,10 @@ def _decisions(stack) -> list[dict]:
     return [json.loads(line) for line in stack.decision_log.read_text().splitlines() if line.strip()]
 
 
-def _send(stack, prompt: str = PROMPT) -> str:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "ignore_eos": True}
+def _send(stack, prompt: str = PROMPT, max_tokens: int = 4) -> str:
+    """One completion through Envoy; its ``max_tokens`` tells its decision apart in the log (the log is flushed once
+    a second, so a record's position says nothing about which request it is)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
     response = httpx.post(f"{stack.envoy_url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     return response.headers["x-emulator-instance"]
@@ -84,18 +86,17 @@ def test_a_repeated_long_prompt_is_predicted_shorter_where_its_prefix_is_cached(
 def test_a_long_prompt_repeated_while_the_first_runs_is_predicted_shorter_where_it_runs(stack):
     prompt = PROMPT.replace("section", "chapter")
 
-    def decisions():
-        return [d for d in _decisions(stack) if d["num_prompt_tokens"] > 1000]
+    def decision(max_tokens: int):
+        return next((d for d in _decisions(stack) if d["max_tokens"] == max_tokens), None)
 
-    num_before = len(decisions())
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{stack.envoy_url}/v1/completions", json=body, timeout=60) as running:
         assert running.status_code == 200
         lines = running.iter_lines()
         next(line for line in lines if line.startswith("data: "))  # its first token: its prompt is prefilled
-        _send(stack, prompt)
-        first, second = poll_until(lambda: decisions()[num_before:] if len(decisions()) >= num_before + 2
-                                   else None, 10, "both decisions in the log")[:2]
+        _send(stack, prompt, max_tokens=5)
+        first, second = poll_until(lambda: decision(200) and decision(5) and (decision(200), decision(5)), 10,
+                                   "both decisions in the log")
     ttft = {c["endpoint"]: c["ttft_s"] for c in second["candidates"]}
     other = next(e for e in ttft if e != first["destination"])
     assert ttft[first["destination"]] < 0.5 * ttft[other], ttft
@@ -137,13 +138,13 @@ def test_an_engine_restarted_at_the_same_address_loses_its_cache_credit(tmp_path
             return "astrolabe_predictor_backend_restarts_total 1.0" in text
 
         poll_until(restarts, 15, "the sidecar to see the restart", interval_s=0.1)
-        count = len(ttfts())
 
         def after_restart():
-            # 503 until the extproc's health checks take the restarted instance back
+            # 503 until the extproc's health checks take the restarted instance back; max_tokens 3 marks these
+            # requests' decisions (the log is flushed once a second: late records of the requests above may follow)
             httpx.post(f"{s.envoy_url}/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True})
-            return ttfts()[count] if len(ttfts()) > count else None
+                       json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
+            return next((d["candidates"][0]["ttft_s"] for d in _decisions(s) if d["max_tokens"] == 3), None)
 
         after_s = poll_until(after_restart, 10, "a decision after the restart", interval_s=0.2)
         assert after_s == pytest.approx(cold_s, rel=0.1), (after_s, cold_s, warm)
