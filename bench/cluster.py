@@ -186,8 +186,8 @@ def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthMo
     random) and ``-stale<S>`` (its sidecars' states published every S seconds,
     replacing ``--staleness-s`` for this label: ``bench.cluster_sim`` NOTE on the decision path);
     ``llumnix-migrate`` (``llumnix`` dispatch + live migration with ``migration``, default `MigrationParams()`)
-    and ``llumnix-migrate-bw<X>`` (the same at X GB/s); a registry name other than astrolabe followed by
-    ``:KEY=VALUE[:KEY=VALUE...]`` sets its parameters (e.g. ``llm-d:max_tokens_in_flight_penalty=50000``, for
+    and ``llumnix-migrate-bw<X>`` (the same at X GB/s); a registry name other than astrolabe, or an astrolabe
+    label, followed by ``:KEY=VALUE[:KEY=VALUE...]`` sets its parameters (e.g. ``llm-d:max_tokens_in_flight_penalty=50000``, for
     tuning a baseline; checked when the policy is built).
 
     Raises:
@@ -204,7 +204,8 @@ def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthMo
         if migrate.group("bw") is not None:
             params = with_bandwidth(params, float(migrate.group("bw")))
         return PolicySpec(label, "llumnix", migration=params)
-    match = _LABEL.fullmatch(label)
+    base, _, assignments = label.partition(":")
+    match = _LABEL.fullmatch(base)
     if match is None:
         raise ValueError(f"unknown policy {label!r}; known: {', '.join(POLICY_NAMES)}, {ENVOY_LEAST_REQUEST}, "
                          "astrolabe-k<N>, astrolabe-full, astrolabe-paper (+ -ttft, -e2e, -blend, -mem, -nomem, "
@@ -232,6 +233,8 @@ def policy_spec(label: str, num_instances: int, paper_residual: ResidualLengthMo
             staleness_s = float(mod.removeprefix("stale"))
         else:
             params["metric"] = mod
+    if assignments:
+        params.update(_label_params(label, assignments))
     return PolicySpec(label, "astrolabe", params, residual, staleness_s=staleness_s)
 
 
@@ -419,7 +422,8 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)), help="trace seeds, comma-separated")
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                    help="comma-separated labels: a policy name, envoy-least-request, or astrolabe-k<N>|full|paper "
-                        "with -ttft|-e2e|-blend|-mem|-nomem|-noextra (policy_spec)")
+                        "with -ttft|-e2e|-blend|-mem|-nomem|-noextra|-noprefix|-stale<S>, any of them + "
+                        ":KEY=VALUE[:KEY=VALUE...] (policy params) (policy_spec)")
     p.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson", help="arrival process")
     p.add_argument("--cv", type=float, default=2.0, help="coefficient of variation of gaps for --arrival gamma")
     add_engine_arguments(p, EngineConfig(num_gpu_blocks=A30_LIKE_NUM_GPU_BLOCKS))  # an A30-like KV cache

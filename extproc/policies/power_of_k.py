@@ -33,6 +33,14 @@ blocks (``EndpointView.num_prefix_blocks_cached``, None counting as 0): a cache 
 one instance for a real reason (less prefill), which the allowance would otherwise cancel, sending the request to
 the cold instance whenever the queues are alike.
 
+The price of a miss (``miss_weight``, default 0: off): the score prices this request's own TTFT, so a candidate
+that misses the cache wins as soon as its shorter queue outweighs the prefill the hit would save. That prefill is
+also work every later request on that instance waits behind, and on a full cache it evicts another prefix. With
+``miss_weight`` w > 0, a candidate holding fewer of the prompt's leading blocks than another is charged w x (its
+idle TTFT - the least idle TTFT among the candidates holding more). Measured on the shared-prefix workload
+(bench/README.md "Against the cache-aware routers"), w = 1, 3 and 10 did not move the knee (w = 10 moved it down):
+the hit rate still collapses past it, so it stays off.
+
 A bound on what one sidecar can pull: a candidate whose in-flight count (this replica's), counting the request
 being routed, would exceed ``max_load_ratio`` times the fleet's mean (``EndpointView.mean_in_flight``, + 1 on both
 sides so that small counts are not over-constrained) is passed over while another candidate stays within the
@@ -132,6 +140,11 @@ class Params:
             another is not (>= 1; 0 = no bound).
         prefix_probe: one probe goes to the prompt's prefix home (module docstring), when the request carries
             block keys and k >= 2.
+        miss_weight: what a cache miss costs the requests after it, in multiples of the extra prefill it brings
+            (>= 0; 0 = only the request's own TTFT counts). A candidate holding fewer of the prompt's leading
+            blocks than another is charged ``miss_weight`` x (its idle TTFT - the least idle TTFT among the
+            candidates holding more): the prefill the miss adds there, which later requests on that instance wait
+            for (module docstring, "The price of a miss").
     """
 
     k: int = 2
@@ -144,6 +157,7 @@ class Params:
     tie_tolerance: float = 0.05
     max_load_ratio: float = 2.0
     prefix_probe: bool = True
+    miss_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
@@ -155,6 +169,9 @@ class Params:
             raise ValueError(f"policy {TYPE!r}: e2e_weight must be a finite number >= 0, got {self.e2e_weight!r}")
         if not isinstance(self.probe_best, bool):
             raise ValueError(f"policy {TYPE!r}: probe_best must be true or false, got {self.probe_best!r}")
+        if (isinstance(self.miss_weight, bool) or not isinstance(self.miss_weight, int | float)
+                or not math.isfinite(self.miss_weight) or self.miss_weight < 0):
+            raise ValueError(f"policy {TYPE!r}: miss_weight must be a finite number >= 0, got {self.miss_weight!r}")
         if not isinstance(self.prefix_probe, bool):
             raise ValueError(f"policy {TYPE!r}: prefix_probe must be true or false, got {self.prefix_probe!r}")
         if (isinstance(self.memory_s, bool) or not isinstance(self.memory_s, int | float)
@@ -262,16 +279,32 @@ class PowerOfKPolicy(Policy):
         ratio = self.params.max_load_ratio
         if ratio:
             scored = self._within_load_bound(scored, ratio)
-        best = min(scored, key=self.score)
-        best_s, best_idle_s = self.score(best), self.idle_score(best)
+        score = self.score
+        if self.params.miss_weight:
+            penalties = self._miss_penalties(scored)
+            if any(penalties.values()):
+                score = lambda e: self.score(e) + penalties[id(e)]  # noqa: E731 - one decision's scores
+        best = min(scored, key=score)
+        best_s, best_idle_s = score(best), self.idle_score(best)
         tolerance = max(self.params.tie_tolerance, min(max(e.prediction.model_error for e in scored),
                                                        MAX_TIE_TOLERANCE))
         best_cached = best.num_prefix_blocks_cached or 0
         tied = [e for e in scored
-                if self.score(e) <= best_s * (1 + tolerance) + (max(self.idle_score(e) - best_idle_s, 0.0)
+                if score(e) <= best_s * (1 + tolerance) + (max(self.idle_score(e) - best_idle_s, 0.0)
                                                                 if (e.num_prefix_blocks_cached or 0) == best_cached
                                                                 else 0.0)]
         return min_random_tie(tied, lambda e: (e.num_in_flight, load(e)), self._rng)
+
+    def _miss_penalties(self, scored: Sequence[EndpointView]) -> dict[int, float]:
+        """id(candidate) -> its miss price, seconds: ``miss_weight`` x (its idle TTFT - the least idle TTFT among
+        the candidates holding more of the prompt's leading blocks), 0 for the candidates holding the most."""
+        cached = {id(e): e.num_prefix_blocks_cached or 0 for e in scored}
+        idle = {id(e): e.prediction.ttft_s - e.prediction.queue_s for e in scored}
+        penalties = {}
+        for e in scored:
+            warmer = [idle[id(o)] for o in scored if cached[id(o)] > cached[id(e)]]
+            penalties[id(e)] = self.params.miss_weight * max(idle[id(e)] - min(warmer), 0.0) if warmer else 0.0
+        return penalties
 
     def idle_score(self, endpoint: EndpointView) -> float:
         """`score` of the request on the candidate's instance idle, by its sidecar's model (``ttft_s - queue_s``,

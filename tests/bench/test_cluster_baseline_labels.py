@@ -17,7 +17,7 @@ def test_a_label_sets_the_policys_parameters():
     assert policy_spec("dynamo-kv-precise:overlap_score_weight=2", 12).params == {"overlap_score_weight": 2}
 
 
-@pytest.mark.parametrize("label", ["llm-d:penalty", "nope:a=1", "astrolabe:k=2"])
+@pytest.mark.parametrize("label", ["llm-d:penalty", "nope:a=1", "astrolabe:k=2", "astrolabe-k2:miss_weight"])
 def test_bad_labels(label):
     with pytest.raises(ValueError):
         policy_spec(label, 12)
@@ -26,3 +26,11 @@ def test_bad_labels(label):
 def test_a_parameter_the_policy_does_not_take_fails_when_built():
     with pytest.raises(ValueError, match="unknown parameter"):
         build_sim_policy(policy_spec("sglang-cache-aware:tau=1", 12), random.Random(0))
+
+
+def test_an_astrolabe_label_takes_parameters_after_its_modifiers():
+    spec = policy_spec("astrolabe-k2-noextra:miss_weight=3:max_load_ratio=0", 12)
+    assert spec.name == "astrolabe"
+    assert spec.params == {"k": 2, "extra_probes": 0, "miss_weight": 3, "max_load_ratio": 0}
+    policy = build_sim_policy(spec, random.Random(0))
+    assert policy.params.miss_weight == 3 and policy.params.max_load_ratio == 0

@@ -326,3 +326,36 @@ def test_a_cache_hit_is_not_cancelled_by_the_idle_cost_allowance():
     assert {policy.choose(keyed([1]), pair(8, 0)).address for _ in range(20)} == {"10.0.0.1:80"}
     # same cache state: the difference counts as the models', and the less loaded one wins the tie
     assert {policy.choose(keyed([1]), pair(8, 8)).address for _ in range(20)} == {"10.0.0.2:80"}
+
+
+def _home_and_cold(home_queue_s: float) -> list[EndpointView]:
+    """The home holds the prompt's 128 blocks (idle TTFT 0.05 s) behind a queue; the cold instance holds none (idle
+    TTFT 0.45 s: the whole prefill) and queues nothing."""
+    return [EndpointView("10.0.0.1:80", num_prefix_blocks_cached=128,
+                         prediction=Prediction(0.05 + home_queue_s, 1.0, queue_s=home_queue_s)),
+            EndpointView("10.0.0.2:80", num_prefix_blocks_cached=0,
+                         prediction=Prediction(0.45, 1.4, queue_s=0.0))]
+
+
+@pytest.mark.parametrize("miss_weight, home_queue_s, home", [
+    (0, 0.30, True), (0, 0.50, False),  # the request's own TTFT alone: home while its queue is under 0.4 s
+    (1, 0.50, True), (1, 0.70, True), (1, 0.90, False),  # + the 0.4 s of prefill the miss adds: under 0.8 s
+    (3, 1.50, True), (3, 1.70, False)])
+def test_a_miss_is_charged_miss_weight_times_the_prefill_it_adds(miss_weight, home_queue_s, home):
+    policy = build({"metric": "ttft", "tie_tolerance": 0, "miss_weight": miss_weight}, random.Random(0))
+    chosen = {policy.choose(keyed([1]), _home_and_cold(home_queue_s)).address for _ in range(10)}
+    assert chosen == {"10.0.0.1:80" if home else "10.0.0.2:80"}
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_miss_weight_changes_nothing_between_instances_holding_the_same_blocks(seed):
+    """No cache difference, no charge: the near-tie of two cold instances still goes to the less loaded one."""
+    policy = build({"metric": "ttft", "miss_weight": 10}, random.Random(seed))
+    assert policy.choose(REQ, [view(1, 0.100, num_requests=3, idle_ttft_s=0.09),
+                               view(2, 0.104, num_requests=1, idle_ttft_s=0.1)]).address == "10.0.0.2:80"
+
+
+@pytest.mark.parametrize("value", [-1, float("inf"), True, "1"])
+def test_miss_weight_must_be_a_finite_number_at_least_0(value):
+    with pytest.raises(ValueError, match="miss_weight"):
+        Params(miss_weight=value)
