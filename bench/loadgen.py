@@ -77,17 +77,22 @@ def chat_body(model: str, request: TraceRequest, system_prompt: str | None = Non
     """The JSON body sent for ``request``: a streaming chat completion capped at ``request.max_tokens``, or of
     exactly ``num_output_tokens`` tokens (``ignore_eos``) when the trace sets no cap; ``system_prompt`` (if any)
     is a system message before the prompt."""
-    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    body: dict[str, object] = {
-        "model": model,
-        "messages": [*system, {"role": "user", "content": request.prompt}],
-        "max_tokens": request.num_output_tokens if request.max_tokens is None else request.max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = _streaming_chat(model, [*_system_messages(system_prompt), {"role": "user", "content": request.prompt}],
+                           request.num_output_tokens if request.max_tokens is None else request.max_tokens)
     if request.max_tokens is None:
         body["ignore_eos"] = True
     return body
+
+
+def _streaming_chat(model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, object]:
+    """A streaming chat completion body whose last event reports the usage (``stream_options.include_usage``)."""
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+def _system_messages(system_prompt: str | None) -> list[dict[str, str]]:
+    """``[the system message]``, or ``[]`` without a system prompt."""
+    return [{"role": "system", "content": system_prompt}] if system_prompt else []
 
 
 def expected_completion_tokens(request: TraceRequest) -> int:
@@ -306,7 +311,7 @@ class ChatSession:
 def session_messages(session: ChatSession, turn: int, system_prompt: str | None = None) -> list[dict[str, str]]:
     """The messages of ``session``'s turn ``turn``: the optional system message, every earlier (user, recorded
     reply) pair, then the turn's user message."""
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages = _system_messages(system_prompt)
     for t in session.turns[:turn]:
         messages += [{"role": "user", "content": t.user}, {"role": "assistant", "content": t.reply}]
     messages.append({"role": "user", "content": session.turns[turn].user})
@@ -327,9 +332,8 @@ async def _replay_session(http: aiohttp.ClientSession, url: str, model: str, cha
             result.error = "not sent: overall timeout"
         else:
             await asyncio.sleep(max(0.0, send_at_s - time.monotonic()))
-            body = {"model": model, "messages": session_messages(chat, k, system_prompt),
-                    "max_tokens": turn.num_output_tokens, "stream": True,
-                    "stream_options": {"include_usage": True}, REPLY_TEXT_FIELD: turn.reply}
+            body = {**_streaming_chat(model, session_messages(chat, k, system_prompt), turn.num_output_tokens),
+                    REPLY_TEXT_FIELD: turn.reply}
             sent_s = time.monotonic()
             result.send_offset_s = sent_s - start_s
             await _post_chat(http, url, body, {"x-request-id": result.id}, result, sent_s, request_timeout_s)

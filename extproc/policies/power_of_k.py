@@ -298,12 +298,11 @@ class PowerOfKPolicy(Policy):
     def _miss_penalties(self, scored: Sequence[EndpointView]) -> dict[int, float]:
         """id(candidate) -> its miss price, seconds: ``miss_weight`` x (its idle TTFT - the least idle TTFT among
         the candidates holding more of the prompt's leading blocks), 0 for the candidates holding the most."""
-        cached = {id(e): e.num_prefix_blocks_cached or 0 for e in scored}
-        idle = {id(e): e.prediction.ttft_s - e.prediction.queue_s for e in scored}
         penalties = {}
         for e in scored:
-            warmer = [idle[id(o)] for o in scored if cached[id(o)] > cached[id(e)]]
-            penalties[id(e)] = self.params.miss_weight * max(idle[id(e)] - min(warmer), 0.0) if warmer else 0.0
+            cached = e.num_prefix_blocks_cached or 0
+            warmer = [idle_ttft_s(o) for o in scored if (o.num_prefix_blocks_cached or 0) > cached]
+            penalties[id(e)] = self.params.miss_weight * max(idle_ttft_s(e) - min(warmer), 0.0) if warmer else 0.0
         return penalties
 
     def idle_score(self, endpoint: EndpointView) -> float:
@@ -311,7 +310,7 @@ class PowerOfKPolicy(Policy):
         ``Prediction.idle_e2e_s``; an unknown idle E2E counts as 0): the request's own cost as that sidecar prices
         it. Sidecars of like instances differ here only by their models. ``endpoint.prediction`` must be set."""
         prediction = endpoint.prediction
-        ttft_s = prediction.ttft_s - prediction.queue_s
+        ttft_s = idle_ttft_s(endpoint)
         if self.params.metric == "ttft":
             return ttft_s
         if self.params.metric == "e2e":
@@ -344,6 +343,13 @@ def rendezvous_home(key: int, endpoints: Sequence[EndpointView]) -> EndpointView
     prefix = (key % (1 << 64)).to_bytes(8, "little")
     return max(endpoints, key=lambda e: (hashlib.blake2b(prefix + e.address.encode("utf-8"), digest_size=8).digest(),
                                          e.address))
+
+
+def idle_ttft_s(endpoint: EndpointView) -> float:
+    """The request's TTFT on ``endpoint``'s instance idle, seconds, by its sidecar's model: ``Prediction.ttft_s`` less
+    ``queue_s`` (its prefill of what the instance's cache does not hold, and its first decode step);
+    ``endpoint.prediction`` must be set."""
+    return endpoint.prediction.ttft_s - endpoint.prediction.queue_s
 
 
 def load(endpoint: EndpointView) -> int:

@@ -48,6 +48,11 @@ def _decisions(stack) -> list[dict]:
     return [json.loads(line) for line in stack.decision_log.read_text().splitlines() if line.strip()]
 
 
+def _decision(stack, max_tokens: int) -> dict | None:
+    """The first logged decision of a request that asked for ``max_tokens`` (`_send`), or None."""
+    return next((d for d in _decisions(stack) if d["max_tokens"] == max_tokens), None)
+
+
 def _send(stack, prompt: str = PROMPT, max_tokens: int = 4) -> str:
     """One completion through Envoy; its ``max_tokens`` tells its decision apart in the log (the log is flushed once
     a second, so a record's position says nothing about which request it is)."""
@@ -86,17 +91,14 @@ def test_a_repeated_long_prompt_is_predicted_shorter_where_its_prefix_is_cached(
 def test_a_long_prompt_repeated_while_the_first_runs_is_predicted_shorter_where_it_runs(stack):
     prompt = PROMPT.replace("section", "chapter")
 
-    def decision(max_tokens: int):
-        return next((d for d in _decisions(stack) if d["max_tokens"] == max_tokens), None)
-
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{stack.envoy_url}/v1/completions", json=body, timeout=60) as running:
         assert running.status_code == 200
         lines = running.iter_lines()
         next(line for line in lines if line.startswith("data: "))  # its first token: its prompt is prefilled
         _send(stack, prompt, max_tokens=5)
-        first, second = poll_until(lambda: decision(200) and decision(5) and (decision(200), decision(5)), 10,
-                                   "both decisions in the log")
+        first = poll_until(lambda: _decision(stack, 200), 10, "the running request's decision in the log")
+        second = poll_until(lambda: _decision(stack, 5), 10, "the repeated request's decision in the log")
     ttft = {c["endpoint"]: c["ttft_s"] for c in second["candidates"]}
     other = next(e for e in ttft if e != first["destination"])
     assert ttft[first["destination"]] < 0.5 * ttft[other], ttft
@@ -144,7 +146,8 @@ def test_an_engine_restarted_at_the_same_address_loses_its_cache_credit(tmp_path
             # requests' decisions (the log is flushed once a second: late records of the requests above may follow)
             httpx.post(f"{s.envoy_url}/v1/completions", timeout=60,
                        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
-            return next((d["candidates"][0]["ttft_s"] for d in _decisions(s) if d["max_tokens"] == 3), None)
+            decision = _decision(s, 3)
+            return decision and decision["candidates"][0]["ttft_s"]
 
         after_s = poll_until(after_restart, 10, "a decision after the restart", interval_s=0.2)
         assert after_s == pytest.approx(cold_s, rel=0.1), (after_s, cold_s, warm)
