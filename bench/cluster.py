@@ -135,7 +135,7 @@ DEFAULT_POLICIES = ("random", "round-robin", "least-requests", ENVOY_LEAST_REQUE
 DEFAULT_RATES_QPS = (100.0, 110.0, 120.0, 125.0, 130.0, 135.0, 140.0)
 WORKLOADS = ("sharegpt", "multi-turn", "shared-prefix")
 DEFAULT_WORKLOAD_RATES = {"sharegpt": DEFAULT_RATES_QPS, "multi-turn": (16.0, 20.0, 24.0, 28.0),
-                          "shared-prefix": (40.0, 50.0, 60.0, 70.0)}
+                          "shared-prefix": (60.0, 70.0, 80.0, 90.0)}
 """Default sweep per ``--workload`` (requests/s; sessions/s for multi-turn): around the knees measured in
 bench/README.md "Workloads with prefix reuse"."""
 DEFAULT_WORKLOAD_REQUESTS = {"sharegpt": 3000, "multi-turn": 6000, "shared-prefix": 3000}

@@ -33,13 +33,26 @@ blocks (``EndpointView.num_prefix_blocks_cached``, None counting as 0): a cache 
 one instance for a real reason (less prefill), which the allowance would otherwise cancel, sending the request to
 the cold instance whenever the queues are alike.
 
-The price of a miss (``miss_weight``, default 0: off): the score prices this request's own TTFT, so a candidate
-that misses the cache wins as soon as its shorter queue outweighs the prefill the hit would save. That prefill is
-also work every later request on that instance waits behind, and on a full cache it evicts another prefix. With
-``miss_weight`` w > 0, a candidate holding fewer of the prompt's leading blocks than another is charged w x (its
-idle TTFT - the least idle TTFT among the candidates holding more). Measured on the shared-prefix workload
-(bench/README.md "Against the cache-aware routers"), w = 1, 3 and 10 did not move the knee (w = 10 moved it down):
-the hit rate still collapses past it, so it stays off.
+Cache affinity (``cache_affinity``, default on): when the candidates left after the load bound (below) hold
+different numbers of the prompt's leading blocks, only those holding the most (and idle ones, below) are compared;
+the prediction then chooses among the instances holding the prefix (and, when none holds any, among all
+candidates). The score prices this request's own TTFT, in which a miss costs only its extra prefill (about 25 ms
+for a 2,048-token context on the simulated H200 fleet). What it does not price is the KV cache the miss takes: a second copy of the prefix on a cold
+instance holds its blocks (128 for that context: an eighth of an instance's cache) beside that instance's own
+prefixes, evicts one of them, and the evicted prefix's next requests miss in turn. Measured on the shared-prefix
+workload (working set = the fleet's KV cache; bench/README.md "Against the cache-aware routers"), choosing on the
+score alone left the home for 35% of the requests at 70 req/s, the hit rate fell from 0.65 to 0.31 and the
+preemptions grew 25-fold: the knee was 68 req/s. Leaving the home only when its predicted TTFT passes a bound
+collapsed the same way, only later (bound 0.5 and 1 s: before 70 req/s; 2 s: past 80; 4 s and no bound: 86 req/s):
+every spill copies a prefix, so spilling once the home queues turns into a cascade at the rate that makes homes
+queue. Affinity therefore does not yield to a predicted queue, only to two things: the load bound (below), which
+passes over a home whose in-flight count is past ``max_load_ratio`` times the fleet's mean, and an idle candidate
+(its sidecar counts no request and this replica sent it none the answer lacks: ``load`` 0), which stays in the
+comparison beside the homes: a copy there delays no request, and it is how a prefix that every request shares
+reaches the instances that hold nothing yet (without it, such a prefix at 100 req/s on 6 instances stayed on the 4
+the load bound had spread it to, tests/bench/test_cluster_prefix.py). A charge per miss in seconds (a weight on the
+extra prefill, tried before this rule) did not move the knee at any weight. Off, the score alone decides (the
+earlier behaviour).
 
 A bound on what one sidecar can pull: a candidate whose in-flight count (this replica's), counting the request
 being routed, would exceed ``max_load_ratio`` times the fleet's mean (``EndpointView.mean_in_flight``, + 1 on both
@@ -140,11 +153,9 @@ class Params:
             another is not (>= 1; 0 = no bound).
         prefix_probe: one probe goes to the prompt's prefix home (module docstring), when the request carries
             block keys and k >= 2.
-        miss_weight: what a cache miss costs the requests after it, in multiples of the extra prefill it brings
-            (>= 0; 0 = only the request's own TTFT counts). A candidate holding fewer of the prompt's leading
-            blocks than another is charged ``miss_weight`` x (its idle TTFT - the least idle TTFT among the
-            candidates holding more): the prefill the miss adds there, which later requests on that instance wait
-            for (module docstring, "The price of a miss").
+        cache_affinity: only the candidates holding the most of the prompt's leading blocks
+            (``EndpointView.num_prefix_blocks_cached``), and idle ones, are compared when some hold more than
+            others (module docstring, "Cache affinity"); false = the score alone decides.
     """
 
     k: int = 2
@@ -157,7 +168,7 @@ class Params:
     tie_tolerance: float = 0.05
     max_load_ratio: float = 2.0
     prefix_probe: bool = True
-    miss_weight: float = 0.0
+    cache_affinity: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
@@ -169,9 +180,8 @@ class Params:
             raise ValueError(f"policy {TYPE!r}: e2e_weight must be a finite number >= 0, got {self.e2e_weight!r}")
         if not isinstance(self.probe_best, bool):
             raise ValueError(f"policy {TYPE!r}: probe_best must be true or false, got {self.probe_best!r}")
-        if (isinstance(self.miss_weight, bool) or not isinstance(self.miss_weight, int | float)
-                or not math.isfinite(self.miss_weight) or self.miss_weight < 0):
-            raise ValueError(f"policy {TYPE!r}: miss_weight must be a finite number >= 0, got {self.miss_weight!r}")
+        if not isinstance(self.cache_affinity, bool):
+            raise ValueError(f"policy {TYPE!r}: cache_affinity must be true or false, got {self.cache_affinity!r}")
         if not isinstance(self.prefix_probe, bool):
             raise ValueError(f"policy {TYPE!r}: prefix_probe must be true or false, got {self.prefix_probe!r}")
         if (isinstance(self.memory_s, bool) or not isinstance(self.memory_s, int | float)
@@ -238,9 +248,9 @@ class PowerOfKPolicy(Policy):
         """Where the prompt whose block keys are ``keys`` (non-empty) most likely has its prefix: the endpoint with
         the most ``num_prefix_blocks_cached`` (ties at random; None counts as 0), or `rendezvous_home` of the first
         key when none has any."""
-        most = max((e.num_prefix_blocks_cached or 0) for e in endpoints)
-        if most > 0:
-            return self._rng.choice([e for e in endpoints if (e.num_prefix_blocks_cached or 0) == most])
+        warm = most_cached(endpoints)
+        if warm[0].num_prefix_blocks_cached:
+            return self._rng.choice(list(warm))
         return rendezvous_home(keys[0], endpoints)
 
     def _best_recent(self, now_s: float, endpoints: Sequence[EndpointView]) -> EndpointView | None:
@@ -279,11 +289,10 @@ class PowerOfKPolicy(Policy):
         ratio = self.params.max_load_ratio
         if ratio:
             scored = self._within_load_bound(scored, ratio)
+        if self.params.cache_affinity:
+            warm = most_cached(scored)
+            scored = [e for e in scored if any(e is w for w in warm) or not load(e)]
         score = self.score
-        if self.params.miss_weight:
-            penalties = self._miss_penalties(scored)
-            if any(penalties.values()):
-                score = lambda e: self.score(e) + penalties[id(e)]  # noqa: E731 - one decision's scores
         best = min(scored, key=score)
         best_s, best_idle_s = score(best), self.idle_score(best)
         tolerance = max(self.params.tie_tolerance, min(max(e.prediction.model_error for e in scored),
@@ -294,16 +303,6 @@ class PowerOfKPolicy(Policy):
                                                                 if (e.num_prefix_blocks_cached or 0) == best_cached
                                                                 else 0.0)]
         return min_random_tie(tied, lambda e: (e.num_in_flight, load(e)), self._rng)
-
-    def _miss_penalties(self, scored: Sequence[EndpointView]) -> dict[int, float]:
-        """id(candidate) -> its miss price, seconds: ``miss_weight`` x (its idle TTFT - the least idle TTFT among
-        the candidates holding more of the prompt's leading blocks), 0 for the candidates holding the most."""
-        penalties = {}
-        for e in scored:
-            cached = e.num_prefix_blocks_cached or 0
-            warmer = [idle_ttft_s(o) for o in scored if (o.num_prefix_blocks_cached or 0) > cached]
-            penalties[id(e)] = self.params.miss_weight * max(idle_ttft_s(e) - min(warmer), 0.0) if warmer else 0.0
-        return penalties
 
     def idle_score(self, endpoint: EndpointView) -> float:
         """`score` of the request on the candidate's instance idle, by its sidecar's model (``ttft_s - queue_s``,
@@ -343,6 +342,15 @@ def rendezvous_home(key: int, endpoints: Sequence[EndpointView]) -> EndpointView
     prefix = (key % (1 << 64)).to_bytes(8, "little")
     return max(endpoints, key=lambda e: (hashlib.blake2b(prefix + e.address.encode("utf-8"), digest_size=8).digest(),
                                          e.address))
+
+
+def most_cached(candidates: Sequence[EndpointView]) -> Sequence[EndpointView]:
+    """The candidates holding the most of the prompt's leading blocks (``num_prefix_blocks_cached``, None counting
+    as 0), or all of them when none holds any."""
+    most = max((e.num_prefix_blocks_cached or 0) for e in candidates)
+    if not most:
+        return candidates
+    return [e for e in candidates if (e.num_prefix_blocks_cached or 0) == most]
 
 
 def idle_ttft_s(endpoint: EndpointView) -> float:

@@ -17,7 +17,7 @@ def test_a_label_sets_the_policys_parameters():
     assert policy_spec("dynamo-kv-precise:overlap_score_weight=2", 12).params == {"overlap_score_weight": 2}
 
 
-@pytest.mark.parametrize("label", ["llm-d:penalty", "nope:a=1", "astrolabe:k=2", "astrolabe-k2:miss_weight"])
+@pytest.mark.parametrize("label", ["llm-d:penalty", "nope:a=1", "astrolabe:k=2", "astrolabe-k2:cache_affinity"])
 def test_bad_labels(label):
     with pytest.raises(ValueError):
         policy_spec(label, 12)
@@ -29,8 +29,8 @@ def test_a_parameter_the_policy_does_not_take_fails_when_built():
 
 
 def test_an_astrolabe_label_takes_parameters_after_its_modifiers():
-    spec = policy_spec("astrolabe-k2-noextra:miss_weight=3:max_load_ratio=0", 12)
+    spec = policy_spec("astrolabe-k2-noextra:cache_affinity=false:max_load_ratio=0", 12)
     assert spec.name == "astrolabe"
-    assert spec.params == {"k": 2, "extra_probes": 0, "miss_weight": 3, "max_load_ratio": 0}
+    assert spec.params == {"k": 2, "extra_probes": 0, "cache_affinity": False, "max_load_ratio": 0}
     policy = build_sim_policy(spec, random.Random(0))
-    assert policy.params.miss_weight == 3 and policy.params.max_load_ratio == 0
+    assert policy.params.cache_affinity is False and policy.params.max_load_ratio == 0

@@ -330,32 +330,65 @@ def test_a_cache_hit_is_not_cancelled_by_the_idle_cost_allowance():
 
 def _home_and_cold(home_queue_s: float) -> list[EndpointView]:
     """The home holds the prompt's 128 blocks (idle TTFT 0.05 s) behind a queue; the cold instance holds none (idle
-    TTFT 0.45 s: the whole prefill) and queues nothing."""
+    TTFT 0.45 s: the whole prefill), runs one request and queues nothing."""
     return [EndpointView("10.0.0.1:80", num_prefix_blocks_cached=128,
                          prediction=Prediction(0.05 + home_queue_s, 1.0, queue_s=home_queue_s)),
             EndpointView("10.0.0.2:80", num_prefix_blocks_cached=0,
-                         prediction=Prediction(0.45, 1.4, queue_s=0.0))]
+                         prediction=Prediction(0.45, 1.4, queue_s=0.0, num_requests=1))]
 
 
-@pytest.mark.parametrize("miss_weight, home_queue_s, home", [
-    (0, 0.30, True), (0, 0.50, False),  # the request's own TTFT alone: home while its queue is under 0.4 s
-    (1, 0.50, True), (1, 0.70, True), (1, 0.90, False),  # + the 0.4 s of prefill the miss adds: under 0.8 s
-    (3, 1.50, True), (3, 1.70, False)])
-def test_a_miss_is_charged_miss_weight_times_the_prefill_it_adds(miss_weight, home_queue_s, home):
-    policy = build({"metric": "ttft", "tie_tolerance": 0, "miss_weight": miss_weight}, random.Random(0))
+@pytest.mark.parametrize("home_queue_s", [0.0, 0.5, 5.0, 60.0])
+def test_cache_affinity_keeps_the_home_whatever_its_queue(home_queue_s):
+    """A miss copies the prefix onto a cold instance and evicts another there: the home keeps the request however
+    much shorter the cold instance's predicted TTFT is (only the load bound releases it)."""
+    policy = build({"metric": "ttft", "tie_tolerance": 0}, random.Random(0))
+    chosen = {policy.choose(keyed([1]), _home_and_cold(home_queue_s)).address for _ in range(10)}
+    assert chosen == {"10.0.0.1:80"}
+
+
+@pytest.mark.parametrize("home_queue_s, home", [(0.30, True), (0.50, False)])
+def test_without_cache_affinity_the_requests_own_ttft_decides(home_queue_s, home):
+    policy = build({"metric": "ttft", "tie_tolerance": 0, "cache_affinity": False}, random.Random(0))
     chosen = {policy.choose(keyed([1]), _home_and_cold(home_queue_s)).address for _ in range(10)}
     assert chosen == {"10.0.0.1:80" if home else "10.0.0.2:80"}
 
 
+def test_cache_affinity_compares_the_instances_holding_the_most_by_their_predictions():
+    """Two homes hold the whole prefix, one holds part of it: the partial one is out, and the prediction picks the
+    home that starts the request sooner."""
+    views = [EndpointView("10.0.0.1:80", num_prefix_blocks_cached=128, prediction=Prediction(0.9, 2.0, queue_s=0.8)),
+             EndpointView("10.0.0.2:80", num_prefix_blocks_cached=128, prediction=Prediction(0.1, 1.0, queue_s=0.0)),
+             EndpointView("10.0.0.3:80", num_prefix_blocks_cached=64,
+                          prediction=Prediction(0.05, 1.0, queue_s=0.0, num_requests=2))]
+    policy = build({"metric": "ttft", "tie_tolerance": 0}, random.Random(0))
+    assert {policy.choose(keyed([1]), views).address for _ in range(10)} == {"10.0.0.2:80"}
+
+
+@pytest.mark.parametrize("unseen, idle_wins", [(0, True), (1, False)])
+def test_cache_affinity_keeps_an_idle_instance_in_the_comparison(unseen, idle_wins):
+    """An instance with no request at all (its sidecar counts none and this replica sent it none unseen) is
+    compared beside the homes: a copy there delays nobody, and a prefix every request shares spreads that way."""
+    views = _home_and_cold(0.5)
+    views[1] = EndpointView("10.0.0.2:80", num_prefix_blocks_cached=0, num_unseen_dispatches=unseen,
+                            prediction=Prediction(0.45, 1.4, queue_s=0.0, num_requests=0))
+    policy = build({"metric": "ttft", "tie_tolerance": 0}, random.Random(0))
+    chosen = {policy.choose(keyed([1]), views).address for _ in range(10)}
+    assert chosen == {"10.0.0.2:80" if idle_wins else "10.0.0.1:80"}
+
+
 @pytest.mark.parametrize("seed", range(10))
-def test_miss_weight_changes_nothing_between_instances_holding_the_same_blocks(seed):
-    """No cache difference, no charge: the near-tie of two cold instances still goes to the less loaded one."""
-    policy = build({"metric": "ttft", "miss_weight": 10}, random.Random(seed))
-    assert policy.choose(REQ, [view(1, 0.100, num_requests=3, idle_ttft_s=0.09),
-                               view(2, 0.104, num_requests=1, idle_ttft_s=0.1)]).address == "10.0.0.2:80"
+def test_cache_affinity_yields_to_the_load_bound(seed):
+    """A home whose in-flight count is past max_load_ratio x the mean is passed over for a cold instance within
+    the bound that counts no more requests: affinity never makes one instance draw every request of a prefix."""
+    views = [EndpointView("10.0.0.1:80", num_in_flight=9, mean_in_flight=2.0, num_prefix_blocks_cached=128,
+                          prediction=Prediction(0.2, 1.0, queue_s=0.1, num_requests=9)),
+             EndpointView("10.0.0.2:80", num_in_flight=1, mean_in_flight=2.0, num_prefix_blocks_cached=0,
+                          prediction=Prediction(0.45, 1.4, queue_s=0.0, num_requests=1))]
+    policy = build({"metric": "ttft"}, random.Random(seed))
+    assert policy.choose(keyed([1]), views).address == "10.0.0.2:80"
 
 
-@pytest.mark.parametrize("value", [-1, float("inf"), True, "1"])
-def test_miss_weight_must_be_a_finite_number_at_least_0(value):
-    with pytest.raises(ValueError, match="miss_weight"):
-        Params(miss_weight=value)
+@pytest.mark.parametrize("value", [1, 0, "true", None])
+def test_cache_affinity_must_be_true_or_false(value):
+    with pytest.raises(ValueError, match="cache_affinity"):
+        Params(cache_affinity=value)
