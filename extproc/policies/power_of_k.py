@@ -34,23 +34,33 @@ one instance for a real reason (less prefill), which the allowance would otherwi
 the cold instance whenever the queues are alike.
 
 Cache affinity (``cache_affinity``, default on): when the candidates left after the load bound (below) hold
-different numbers of the prompt's leading blocks, only those holding the most (and idle ones, below) are compared;
-the prediction then chooses among the instances holding the prefix (and, when none holds any, among all
+different numbers of the prompt's leading blocks, only those holding the most (with the exceptions below) are
+compared; the prediction then chooses among the instances holding the prefix (and, when none holds any, among all
 candidates). The score prices this request's own TTFT, in which a miss costs only its extra prefill (about 25 ms
-for a 2,048-token context on the simulated H200 fleet). What it does not price is the KV cache the miss takes: a second copy of the prefix on a cold
-instance holds its blocks (128 for that context: an eighth of an instance's cache) beside that instance's own
-prefixes, evicts one of them, and the evicted prefix's next requests miss in turn. Measured on the shared-prefix
+for a 2,048-token context on the simulated H200 fleet). What it does not price is the KV cache the miss takes: a
+second copy of the prefix on a cold instance holds its blocks (128 for that context: an eighth of an instance's
+cache) beside that instance's own prefixes, evicts one of them, and the evicted prefix's next requests miss in turn. Measured on the shared-prefix
 workload (working set = the fleet's KV cache; bench/README.md "Against the cache-aware routers"), choosing on the
 score alone left the home for 35% of the requests at 70 req/s, the hit rate fell from 0.65 to 0.31 and the
 preemptions grew 25-fold: the knee was 68 req/s. Leaving the home only when its predicted TTFT passes a bound
 collapsed the same way, only later (bound 0.5 and 1 s: before 70 req/s; 2 s: past 80; 4 s and no bound: 86 req/s):
 every spill copies a prefix, so spilling once the home queues turns into a cascade at the rate that makes homes
-queue. Affinity therefore does not yield to a predicted queue, only to two things: the load bound (below), which
-passes over a home whose in-flight count is past ``max_load_ratio`` times the fleet's mean, and an idle candidate
-(its sidecar counts no request and this replica sent it none the answer lacks: ``load`` 0), which stays in the
-comparison beside the homes: a copy there delays no request, and it is how a prefix that every request shares
-reaches the instances that hold nothing yet (without it, such a prefix at 100 req/s on 6 instances stayed on the 4
-the load bound had spread it to, tests/bench/test_cluster_prefix.py). A charge per miss in seconds (a weight on the
+queue. Affinity therefore does not yield to an ordinary queue, only to: the load bound (below), which passes over
+a home whose in-flight count is past ``max_load_ratio`` times the fleet's mean; a home whose predicted TTFT is past
+``affinity_max_ttft_s`` (4 s: a frozen or far slower instance; every home of the prefix among the candidates must
+be past it; measured at the shared-prefix knee, a 4 s bound changed nothing); an idle candidate (its sidecar counts
+no request and this replica sent it none the answer lacks: ``load`` 0), which stays in the comparison beside the
+homes: a copy there delays no request, and it is how a prefix that every request shares reaches the instances that
+hold nothing yet (without it, such a prefix at 100 req/s on 6 instances stayed on the 4 the load bound had spread it
+to, tests/bench/test_cluster_prefix.py); a candidate whose cache state is unknown (``num_prefix_blocks_cached``
+None: a sidecar that publishes no state, or another block size), which its own prediction prices; and a lead too
+small to be worth a copy (under `AFFINITY_MIN_LEAD` of the prompt's blocks), where the score alone decides. What
+affinity costs, and is not fixed: an instance that is slower but not past the bound keeps its prefixes' traffic
+up to the load bound (measured in a small simulation: one of 4 instances 10x slower, 40 req/s: P99 TTFT 0.3-5 s
+against 0.12 s without affinity), and when every instance's cache could hold every prefix, the prefixes stay
+partitioned where spreading them would shorten queues (bench/README.md, "Cache affinity: what it costs").
+Pricing the copy itself (passing a cold candidate over only when the copy would evict cached blocks there) needs
+the free, never-used blocks of each candidate in its answer; not done. A charge per miss in seconds (a weight on the
 extra prefill, tried before this rule) did not move the knee at any weight. Off, the score alone decides (the
 earlier behaviour).
 
@@ -128,6 +138,12 @@ from extproc.policies.base import EndpointView, Policy, min_random_tie
 
 TYPE = "astrolabe"
 METRICS = ("blend", "ttft", "e2e")
+AFFINITY_MIN_LEAD = 1 / 8
+"""Cache affinity passes a candidate over only when it lacks at least this fraction of the prompt's full blocks
+against the candidate holding the most (a copy worth keeping off it). Measured on the shared-prefix workload (seed 0,
+85 req/s, P99 TTFT): 1/2 7.5 s (partly evicted contexts no longer kept their home), 1/4 1.47 s, 1/8 1.15 s,
+any lead 1.21 s; a lead of one 16-token block on a 400-token prompt otherwise confined a new application to the
+instances that first held that block (bench/README.md, "Cache affinity")."""
 MAX_TIE_TOLERANCE = 0.5
 """Widest near-tie, a fraction of the best score: a sidecar reporting a larger model error still leaves a
 prediction twice as good as another's decisive."""
@@ -156,6 +172,8 @@ class Params:
         cache_affinity: only the candidates holding the most of the prompt's leading blocks
             (``EndpointView.num_prefix_blocks_cached``), and idle ones, are compared when some hold more than
             others (module docstring, "Cache affinity"); false = the score alone decides.
+        affinity_max_ttft_s: affinity yields when every candidate holding the most predicts a TTFT past this,
+            seconds (>= 0; 0 = never).
     """
 
     k: int = 2
@@ -169,6 +187,7 @@ class Params:
     max_load_ratio: float = 2.0
     prefix_probe: bool = True
     cache_affinity: bool = True
+    affinity_max_ttft_s: float = 4.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
@@ -182,6 +201,10 @@ class Params:
             raise ValueError(f"policy {TYPE!r}: probe_best must be true or false, got {self.probe_best!r}")
         if not isinstance(self.cache_affinity, bool):
             raise ValueError(f"policy {TYPE!r}: cache_affinity must be true or false, got {self.cache_affinity!r}")
+        if (isinstance(self.affinity_max_ttft_s, bool) or not isinstance(self.affinity_max_ttft_s, int | float)
+                or not math.isfinite(self.affinity_max_ttft_s) or self.affinity_max_ttft_s < 0):
+            raise ValueError(f"policy {TYPE!r}: affinity_max_ttft_s must be a finite number >= 0, got "
+                             f"{self.affinity_max_ttft_s!r}")
         if not isinstance(self.prefix_probe, bool):
             raise ValueError(f"policy {TYPE!r}: prefix_probe must be true or false, got {self.prefix_probe!r}")
         if (isinstance(self.memory_s, bool) or not isinstance(self.memory_s, int | float)
@@ -218,13 +241,12 @@ class PowerOfKPolicy(Policy):
         replica dispatched there that the prediction does not include (``num_unseen_dispatches``) are priced at
         the prediction's own cost of one more request like this one (``Prediction.*_per_request``)."""
         prediction, unseen = endpoint.prediction, endpoint.num_unseen_dispatches
-        ttft_s = prediction.ttft_s + unseen * prediction.ttft_s_per_request
         if self.params.metric == "ttft":
-            return ttft_s
+            return ttft_s(endpoint)
         e2e_s = prediction.e2e_s + unseen * prediction.e2e_s_per_request
         if self.params.metric == "e2e":
             return e2e_s
-        return ttft_s + self.params.e2e_weight * e2e_s
+        return ttft_s(endpoint) + self.params.e2e_weight * e2e_s
 
     def candidates(self, request, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
         k = self.params.k
@@ -290,8 +312,7 @@ class PowerOfKPolicy(Policy):
         if ratio:
             scored = self._within_load_bound(scored, ratio)
         if self.params.cache_affinity:
-            warm = most_cached(scored)
-            scored = [e for e in scored if any(e is w for w in warm) or not load(e)]
+            scored = self._affine(request, scored)
         score = self.score
         best = min(scored, key=score)
         best_s, best_idle_s = score(best), self.idle_score(best)
@@ -303,6 +324,22 @@ class PowerOfKPolicy(Policy):
                                                                 if (e.num_prefix_blocks_cached or 0) == best_cached
                                                                 else 0.0)]
         return min_random_tie(tied, lambda e: (e.num_in_flight, load(e)), self._rng)
+
+    def _affine(self, request, scored: list[EndpointView]) -> list[EndpointView]:
+        """``scored`` less the cold candidates that cache affinity passes over (module docstring, "Cache affinity"):
+        those lacking, against the candidate holding the most, at least `AFFINITY_MIN_LEAD` of the prompt's full
+        blocks (``RoutingRequest.block_keys``), unless idle (``load`` 0) or without a known cache state
+        (``num_prefix_blocks_cached`` None: their sidecar prices the hit itself). None is passed over when every
+        candidate holding the most predicts a TTFT (`ttft_s`) past ``affinity_max_ttft_s``."""
+        most = max((e.num_prefix_blocks_cached or 0) for e in scored)
+        lead = len(getattr(request, "block_keys", None) or ()) * AFFINITY_MIN_LEAD
+        if not most or most < lead:
+            return scored
+        bound_s = self.params.affinity_max_ttft_s
+        if bound_s and all(ttft_s(e) > bound_s for e in scored if e.num_prefix_blocks_cached == most):
+            return scored
+        return [e for e in scored if e.num_prefix_blocks_cached is None or not load(e)
+                or most - e.num_prefix_blocks_cached < lead]
 
     def idle_score(self, endpoint: EndpointView) -> float:
         """`score` of the request on the candidate's instance idle, by its sidecar's model (``ttft_s - queue_s``,
@@ -351,6 +388,13 @@ def most_cached(candidates: Sequence[EndpointView]) -> Sequence[EndpointView]:
     if not most:
         return candidates
     return [e for e in candidates if (e.num_prefix_blocks_cached or 0) == most]
+
+
+def ttft_s(endpoint: EndpointView) -> float:
+    """The request's predicted TTFT on ``endpoint``, seconds: ``Prediction.ttft_s`` plus this replica's dispatches
+    there that the prediction lacks, each priced at ``Prediction.ttft_s_per_request``; ``endpoint.prediction``
+    must be set."""
+    return endpoint.prediction.ttft_s + endpoint.num_unseen_dispatches * endpoint.prediction.ttft_s_per_request
 
 
 def idle_ttft_s(endpoint: EndpointView) -> float:

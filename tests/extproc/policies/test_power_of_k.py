@@ -1,3 +1,4 @@
+import dataclasses
 import collections
 import random
 
@@ -337,13 +338,37 @@ def _home_and_cold(home_queue_s: float) -> list[EndpointView]:
                          prediction=Prediction(0.45, 1.4, queue_s=0.0, num_requests=1))]
 
 
-@pytest.mark.parametrize("home_queue_s", [0.0, 0.5, 5.0, 60.0])
-def test_cache_affinity_keeps_the_home_whatever_its_queue(home_queue_s):
+@pytest.mark.parametrize("home_queue_s, home", [(0.0, True), (0.5, True), (3.9, True), (4.1, False), (60.0, False)])
+def test_cache_affinity_keeps_the_home_until_its_ttft_passes_affinity_max_ttft_s(home_queue_s, home):
     """A miss copies the prefix onto a cold instance and evicts another there: the home keeps the request however
-    much shorter the cold instance's predicted TTFT is (only the load bound releases it)."""
+    much shorter the cold instance's predicted TTFT is, until the home's passes 4 s (a frozen or far slower one)."""
     policy = build({"metric": "ttft", "tie_tolerance": 0}, random.Random(0))
     chosen = {policy.choose(keyed([1]), _home_and_cold(home_queue_s)).address for _ in range(10)}
-    assert chosen == {"10.0.0.1:80"}
+    assert chosen == {"10.0.0.1:80" if home else "10.0.0.2:80"}
+
+
+def test_affinity_max_ttft_s_0_never_releases_the_home():
+    policy = build({"metric": "ttft", "tie_tolerance": 0, "affinity_max_ttft_s": 0}, random.Random(0))
+    assert policy.choose(keyed([1]), _home_and_cold(60.0)).address == "10.0.0.1:80"
+
+
+def test_a_candidate_without_a_cache_state_stays_in_the_comparison():
+    """num_prefix_blocks_cached None (a sidecar that publishes no state): its own prediction prices the hit, so it
+    is compared, not passed over as cold."""
+    views = _home_and_cold(0.5)
+    views[1] = dataclasses.replace(views[1], num_prefix_blocks_cached=None)
+    policy = build({"metric": "ttft", "tie_tolerance": 0}, random.Random(0))
+    assert {policy.choose(keyed([1]), views).address for _ in range(10)} == {"10.0.0.2:80"}
+
+
+@pytest.mark.parametrize("num_prompt_blocks, home", [(8, True), (25, False)])
+def test_a_lead_under_an_eighth_of_the_prompt_leaves_the_choice_to_the_score(num_prompt_blocks, home):
+    """The home holds 1 more block than the cold instance: on an 8-block prompt that is an eighth (kept); on a
+    25-block prompt, the score decides."""
+    policy = build({"metric": "ttft", "tie_tolerance": 0}, random.Random(0))
+    views = [dataclasses.replace(v, num_prefix_blocks_cached=n) for v, n in zip(_home_and_cold(0.5), (1, 0))]
+    chosen = {policy.choose(keyed(list(range(num_prompt_blocks))), views).address for _ in range(10)}
+    assert chosen == {"10.0.0.1:80" if home else "10.0.0.2:80"}
 
 
 @pytest.mark.parametrize("home_queue_s, home", [(0.30, True), (0.50, False)])
