@@ -143,7 +143,7 @@ AFFINITY_MIN_LEAD = 1 / 8
 against the candidate holding the most (a copy worth keeping off it). Measured on the shared-prefix workload (seed 0,
 85 req/s, P99 TTFT): 1/2 7.5 s (partly evicted contexts no longer kept their home), 1/4 1.47 s, 1/8 1.15 s,
 any lead 1.21 s; a lead of one 16-token block on a 400-token prompt otherwise confined a new application to the
-instances that first held that block (bench/README.md, "Cache affinity")."""
+instances that first held that block (bench/README.md, "Cache affinity: what it costs")."""
 MAX_TIE_TOLERANCE = 0.5
 """Widest near-tie, a fraction of the best score: a sidecar reporting a larger model error still leaves a
 prediction twice as good as another's decisive."""
@@ -170,8 +170,9 @@ class Params:
         prefix_probe: one probe goes to the prompt's prefix home (module docstring), when the request carries
             block keys and k >= 2.
         cache_affinity: only the candidates holding the most of the prompt's leading blocks
-            (``EndpointView.num_prefix_blocks_cached``), and idle ones, are compared when some hold more than
-            others (module docstring, "Cache affinity"); false = the score alone decides.
+            (``EndpointView.num_prefix_blocks_cached``) are compared when others lack at least
+            `AFFINITY_MIN_LEAD` of the prompt's blocks, idle candidates and ones without a cache state excepted
+            (module docstring, "Cache affinity"); false = the score alone decides.
         affinity_max_ttft_s: affinity yields when every candidate holding the most predicts a TTFT past this,
             seconds (>= 0; 0 = never).
     """
@@ -346,12 +347,12 @@ class PowerOfKPolicy(Policy):
         ``Prediction.idle_e2e_s``; an unknown idle E2E counts as 0): the request's own cost as that sidecar prices
         it. Sidecars of like instances differ here only by their models. ``endpoint.prediction`` must be set."""
         prediction = endpoint.prediction
-        ttft_s = idle_ttft_s(endpoint)
+        idle_s = idle_ttft_s(endpoint)
         if self.params.metric == "ttft":
-            return ttft_s
+            return idle_s
         if self.params.metric == "e2e":
             return prediction.idle_e2e_s
-        return ttft_s + self.params.e2e_weight * prediction.idle_e2e_s
+        return idle_s + self.params.e2e_weight * prediction.idle_e2e_s
 
     @staticmethod
     def _within_load_bound(scored: list[EndpointView], ratio: float) -> list[EndpointView]:

@@ -1,5 +1,5 @@
-import dataclasses
 import collections
+import dataclasses
 import random
 
 import pytest
