@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 _POLL_INTERVAL_S = 0.05
 _TAIL_READ_BYTES = 64 * 1024
+_FREE_PORT_TRIES = 64
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
 
 
 class ProcessStartError(RuntimeError):
@@ -36,13 +40,25 @@ class ProcessStartError(RuntimeError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that was free on ``host`` a moment ago.
+    """Return a TCP port that was free on ``host`` a moment ago and that this process has not handed out before.
 
-    The port is released before returning, so another process may take it first (rare on loopback).
+    The port is released before returning, so another process may take it first (rare on loopback). The kernel
+    may hand the same ephemeral port to two binds in a row, so two calls could return one port (a listener and
+    its admin port then collide); the ports returned are remembered to rule that out within one process.
+
+    Raises:
+        OSError: no port could be bound on ``host``.
     """
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for _ in range(_FREE_PORT_TRIES):
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        with _handed_out_lock:
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
+    raise OSError(f"no port on {host} that was not handed out already after {_FREE_PORT_TRIES} tries")
 
 
 def pid_alive(pid: int) -> bool:

@@ -148,3 +148,10 @@ def test_free_port_can_be_bound() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
     assert 0 < port < 65536
+
+
+def test_free_port_never_hands_out_one_port_twice() -> None:
+    # The kernel may give the same ephemeral port to two binds in a row: CI once saw a listener and its admin port
+    # drawn equal. 500 draws from ~28k ephemeral ports repeat one with probability ~0.99 without the guard.
+    ports = [free_port() for _ in range(500)]
+    assert len(set(ports)) == len(ports)

@@ -18,7 +18,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import time
 import tomllib
@@ -26,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from astrolabe.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = ROOT / "deploy" / "images"
@@ -234,12 +235,6 @@ _BUILD = os.environ.get("ASTROLABE_IMAGE_BUILD") == "1" and shutil.which("builda
 _BUILDAH = ["buildah", "--storage-driver", os.environ.get("STORAGE_DRIVER", "vfs")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _buildah_build(containerfile: Path, tag: str, *extra: str) -> None:
     args = [*_BUILDAH, "build", "--isolation", "chroot", "--layers", "-f", str(containerfile), "-t", tag, *extra]
     python_image = os.environ.get("ASTROLABE_PYTHON_IMAGE")
@@ -297,7 +292,7 @@ def test_images_build_and_serve(tmp_path):
     _buildah_build(CONTAINERFILE, extproc_tag, "--target", "extproc")
     _buildah_build(CONTAINERFILE, predictor_tag, "--target", "predictor")
 
-    extproc_port, predictor_port = _free_port(), _free_port()
+    extproc_port, predictor_port = free_port(), free_port()
     (tmp_path / "extproc.yaml").write_text(f'listen: "127.0.0.1:{extproc_port}"\nendpoints: []\n')
     tmp_path.chmod(0o755)
     (tmp_path / "extproc.yaml").chmod(0o644)

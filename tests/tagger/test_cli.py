@@ -3,7 +3,6 @@
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from astrolabe.cli import SUBCOMMANDS
 from astrolabe.cli import main as astrolabe_main
+from astrolabe.procs import free_port
 from tagger.cli import main
 from tagger.serve import SHIPPED_LIGHT_DIR
 
@@ -37,14 +37,8 @@ def test_bad_arguments_exit_2(argv):
     assert exc.value.code == 2
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 async def test_serve_process_is_healthy_logs_json_lines_and_stops_on_sigterm(tmp_path):
-    port, log = _free_port(), tmp_path / "tagger.log"
+    port, log = free_port(), tmp_path / "tagger.log"
     with log.open("w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "astrolabe", "tagger", "serve", "--listen", f"127.0.0.1:{port}",
                                  "--log-format", "json"], stdout=subprocess.DEVNULL, stderr=stderr)

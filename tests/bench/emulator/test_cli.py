@@ -5,28 +5,17 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 
+from astrolabe.procs import free_port
 from bench.emulator.server import INSTANCE_HEADER
 
 NUM_INSTANCES = 8
 _STARTUP_LIMIT_S = 90.0  # 8 interpreters importing numpy/aiohttp/tokenizers on a shared 2-core box
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _start(port: int, *extra: str) -> subprocess.Popen[bytes]:
@@ -75,7 +64,7 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> list[int | None]:
 
 
 async def test_eight_instances_as_subprocesses() -> None:
-    ports = _free_ports(NUM_INSTANCES)
+    ports = [free_port() for _ in range(NUM_INSTANCES)]
     procs = [_start(port, "--time-scale", "2", "--max-num-seqs", "8") for port in ports]
     try:
         async with httpx.AsyncClient(timeout=30.0) as client:
@@ -99,7 +88,7 @@ async def test_eight_instances_as_subprocesses() -> None:
 
 
 async def test_sigterm_with_request_in_flight_exits_zero() -> None:
-    (port,) = _free_ports(1)
+    port = free_port()
     proc = _start(port, "--time-scale", "10")
     try:
         async with httpx.AsyncClient(timeout=30.0) as client:

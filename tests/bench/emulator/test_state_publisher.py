@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import grpc
 import httpx
 import pytest
 
+from astrolabe.procs import free_port
 from bench.emulator.server import EmulatorConfig, _parse_args, start_emulator
 from bench.emulator.state_publisher import sim_state_publisher
 from predictor.api import pb, pb_grpc
@@ -206,18 +206,12 @@ async def test_chat_requests_are_named_chatcmpl_and_an_abort_is_published(tmp_pa
     assert not path.exists()  # a stopped emulator leaves no state file
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _PROCESS_ENGINE = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, block_size=16, num_gpu_blocks=512)
 
 
 def _emulator_process(path: Path, time_scale: float) -> tuple[subprocess.Popen, int]:
     """An emulator process with `_PROCESS_ENGINE`'s limits publishing its state to ``path``; (process, port)."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "astrolabe", "emulator", "--port", str(port), "--log-level", "WARNING",
          "--time-scale", str(time_scale), "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
