@@ -59,8 +59,9 @@ affinity costs, and is not fixed: an instance that is slower but not past the bo
 up to the load bound (measured in a small simulation: one of 4 instances 10x slower, 40 req/s: P99 TTFT 0.3-5 s
 against 0.12 s without affinity), and when every instance's cache could hold every prefix, the prefixes stay
 partitioned where spreading them would shorten queues (bench/README.md, "Cache affinity: what it costs").
-Pricing the copy itself (passing a cold candidate over only when the copy would evict cached blocks there) needs
-the free, never-used blocks of each candidate in its answer; not done. A charge per miss in seconds (a weight on the
+Keeping a cold candidate whose never-used blocks could take the copy without evicting anything was tried and
+lost capacity (86.2 -> 82.9 req/s): such copies happen while caches fill and leave tenants with two homes that
+later crowd out others (bench/README.md, "Cache affinity: what it costs"). A charge per miss in seconds (a weight on the
 extra prefill, tried before this rule) did not move the knee at any weight. Off, the score alone decides (the
 earlier behaviour).
 
