@@ -122,6 +122,7 @@ from predictor.sim.residual import (
     EmpiricalResidual,
     ExactLengths,
     FixedExtraTokens,
+    QuantileResidual,
     ResidualLengthModel,
 )
 from tagger.serve import SHIPPED_LIGHT_DIR
@@ -378,13 +379,18 @@ def _error_model(args: argparse.Namespace, pairs: Sequence[SharegptPair]
         true = [p.num_output_tokens for p in rng.choices(list(pairs), k=5000)]
         residual = EmpiricalResidual([model(t, rng) for t in true], true)
         return model, f"log-normal, sigma {args.length_sigma:g}", residual
-    from tagger.errors import LengthErrorModel  # noqa: PLC0415 (numpy only; no torch)
+    from tagger.errors import FIRST_ERRORS_FILE, LengthErrorModel  # noqa: PLC0415 (numpy only; no torch)
 
-    errors = LengthErrorModel.load(args.length_errors)
+    path = Path(args.length_errors)
+    # A tagger directory holds its errors on every exchange (errors.npz: multi-turn traffic) and on first
+    # exchanges only (errors_first.npz: single-turn traffic and the shared-prefix questions).
+    if path.is_dir() and args.workload != "multi-turn" and (path / FIRST_ERRORS_FILE).exists():
+        path = path / FIRST_ERRORS_FILE
+    errors = LengthErrorModel.load(path)
     if errors.predicted_tokens is None:
         raise ValueError(f"{args.length_errors}: the error sample has no (predicted, true) pairs")
     residual = EmpiricalResidual(errors.predicted_tokens, errors.true_tokens)
-    return (lambda n, rng: errors.sample(n, rng)), f"tagger's measured errors ({_shown(args.length_errors)})", residual
+    return (lambda n, rng: errors.sample(n, rng)), f"tagger's measured errors ({_shown(str(path))})", residual
 
 
 def _shown(path: str) -> str:
@@ -443,9 +449,13 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "policy (production: ~0.003, the demo's astrolabe route time p50)")
     p.add_argument("--oracle-lengths", action="store_true", help="predictors get the true output lengths")
     p.add_argument("--length-errors", default=str(SHIPPED_LIGHT_DIR),
-                   help="a tagger directory (or its errors.npz) whose measured errors give predicted lengths, "
-                        "or 'lognormal'")
+                   help="a tagger directory (its errors_first.npz for single-turn workloads, errors.npz for "
+                        "multi-turn) or an errors file whose measured errors give predicted lengths, or 'lognormal'")
     p.add_argument("--length-sigma", type=float, default=LOGNORMAL_SIGMA, help="log-normal error sigma")
+    p.add_argument("--length-distribution", choices=("quantiles", "binned"), default="binned",
+                   help="the sidecars' residual length of a live request: quantiles = from the request's own "
+                        "predicted distribution (the tagger's quantiles.npz around its predicted length); binned = "
+                        "from the tagger's held-out errors in the bin of its predicted length")
     p.add_argument("--prediction-noise", type=float, default=0.0,
                    help="stddev of multiplicative Gaussian noise on predicted latencies (0-1)")
     p.add_argument("--slo-ttft-s", type=float, default=2.0, help="P99 TTFT SLO for capacity, seconds")
@@ -578,6 +588,24 @@ def _traces(args: argparse.Namespace, engine: EngineConfig, pairs: Sequence[Shar
                     f"end before outgrowing {max_len} tokens; rate axis: sessions/s")
 
 
+def _with_length_distributions(traces: dict[int, Trace], quantiles) -> dict[int, Trace]:
+    """Each request with its own predicted length distribution: the tagger's quantiles (``tagger.quantiles``)
+    around its predicted length, as the extproc would send them (a session's later turns have a history)."""
+
+    def own(request: ClusterRequest, has_history: bool) -> ClusterRequest:
+        q = quantiles.quantile_tokens(math.log1p(request.num_predicted_output_tokens), has_history)
+        return dataclasses.replace(request, length_residual=QuantileResidual(quantiles.levels, q))
+
+    out: dict[int, Trace] = {}
+    for seed, trace in traces.items():
+        if trace and isinstance(trace[0], ClusterSession):
+            out[seed] = [dataclasses.replace(s, turns=tuple(own(t, k > 0) for k, t in enumerate(s.turns)))
+                         for s in trace]
+        else:
+            out[seed] = [own(r, False) for r in trace]
+    return out
+
+
 def main(argv: Sequence[str]) -> int:
     """Runs the sweep and prints the tables; returns 0, or 2 on a bad argument."""
     args = _parse_args(argv)
@@ -591,6 +619,14 @@ def main(argv: Sequence[str]) -> int:
         sample_predicted_tokens, error_desc, residual = _error_model(args, pairs)
         specs = [policy_spec(label, args.num_instances, migration=args.migration) for label in _labels(args)]
         requests_by_seed, workload_desc = _traces(args, engine, pairs, seeds, sample_predicted_tokens, max_len)
+        if args.length_distribution == "quantiles" and not args.oracle_lengths \
+                and str(args.length_errors) != "lognormal":
+            from tagger.quantiles import LengthQuantiles  # noqa: PLC0415 (numpy only)
+
+            directory = Path(args.length_errors)
+            quantiles = LengthQuantiles.load(directory if directory.is_dir() else directory.parent)
+            requests_by_seed = _with_length_distributions(requests_by_seed, quantiles)
+            error_desc += ", each request's own quantiles (tagger/quantiles.py) for its residual length"
     except ValueError as exc:
         print(f"astrolabe bench cluster: {exc}", file=sys.stderr)
         return 2

@@ -163,6 +163,10 @@ class ClusterRequest:
     ``block_keys``: keys of the full blocks of its prompt AND reply tokens (``bench.workloads.KeyedTurn``); None =
     token ids unknown (no prefix caching for it). The engine gets them all (a reply's blocks are cached for the
     next turn, as vLLM does); the router and the sidecar states see only the prompt's (`prompt_block_keys`).
+
+    ``length_residual``: the request's own predicted length distribution (``predictor.sim.residual
+    .QuantileResidual`` over the tagger's quantiles), which the sidecars then use for it instead of the fleet's
+    rule; None = the fleet's rule (``ClusterConfig.residual``).
     """
 
     arrival_time_s: float
@@ -171,6 +175,7 @@ class ClusterRequest:
     num_predicted_output_tokens: int
     max_tokens: int | None = None
     block_keys: tuple[int, ...] | None = None
+    length_residual: ResidualLengthModel | None = None
 
     def prompt_block_keys(self, block_size: int) -> tuple[int, ...] | None:
         """The keys of the prompt's full blocks (None without keys)."""
@@ -396,6 +401,7 @@ class _Cluster:
         self.config = config
         self.routers = [_Router(config, spec, r) for r in range(config.num_routers)]
         self.residual = spec.residual or config.residual
+        self._per_request_rules = spec.residual is None  # a policy's own rule (the paper's) applies to every request
         self.policy = self.routers[0].policy
         self._assign_rng = random.Random(config.seed + 2)
         self._noise_rng = random.Random(config.seed + 1)
@@ -408,7 +414,8 @@ class _Cluster:
         self.index = {a: i for i, a in enumerate(self.addresses)}
         # request id -> (router replica, instance it dispatched the request to)
         self.router_of: dict[str, tuple[int, int]] = {}
-        self.predicted: list[dict[str, tuple[int, int | None]]] = [{} for _ in range(config.num_instances)]
+        self.predicted: list[dict[str, tuple[int, int | None, ResidualLengthModel]]] = [
+            {} for _ in range(config.num_instances)]
         self.finished: list[SimRequest] = []
         # request id -> the RoutingRequest its policy decided on (for Policy.on_finished)
         self.routing_requests: dict[str, RoutingRequest] = {}
@@ -574,25 +581,28 @@ class _Cluster:
         predicted length and progress (``config.residual``) instead of its true length."""
         engine = self.engines[i]
         predicted = self.predicted[i]
-        residual = self.residual
-
         block_size = self.block_size
 
         def expected(r: RequestState) -> RequestState:
             # a sidecar knows a request's prompt blocks only (the router sends those)
-            num_predicted, max_tokens = predicted[r.request_id]
+            num_predicted, max_tokens, rule = predicted[r.request_id]
             keys = r.block_keys if r.block_keys is None else r.block_keys[:r.num_prompt_tokens // block_size]
-            return dataclasses.replace(r, num_output_tokens=residual.expected_output_tokens(
+            return dataclasses.replace(r, num_output_tokens=rule.expected_output_tokens(
                 num_predicted, r.num_generated_tokens, max_tokens), block_keys=keys)
 
         snapshot = InstanceSnapshot.from_scheduler(engine.scheduler, engine.now_s)
         return dataclasses.replace(snapshot, waiting=tuple(map(expected, snapshot.waiting)),
                                    running=tuple(map(expected, snapshot.running)))
 
+    def _rule(self, request: ClusterRequest) -> ResidualLengthModel:
+        """The residual-length rule a sidecar applies to ``request``: its own distribution when it has one."""
+        return (request.length_residual or self.residual) if self._per_request_rules else self.residual
+
     def _expected_state(self, request_id: str, request: ClusterRequest) -> RequestState:
         """A request not started yet as a sidecar prices it: its expected output length from its predicted one,
         its prompt's block keys."""
-        return RequestState(request_id, request.num_prompt_tokens, self.residual.expected_output_tokens(
+        rule = self._rule(request)
+        return RequestState(request_id, request.num_prompt_tokens, rule.expected_output_tokens(
             request.num_predicted_output_tokens, 0, request.max_tokens),
             block_keys=request.prompt_block_keys(self.block_size))
 
@@ -666,7 +676,8 @@ class _Cluster:
             self.in_transit[i].append((request.arrival_time_s + self.latency_s, request_id, request))
         self.router_of[request_id] = (r, i)
         self.dispatched_to[request_id] = i
-        self.predicted[i][request_id] = (request.num_predicted_output_tokens, request.max_tokens)
+        self.predicted[i][request_id] = (request.num_predicted_output_tokens, request.max_tokens,
+                                         self._rule(request))
 
 
 def _migration_fields(cluster: _Cluster) -> dict[str, Any]:

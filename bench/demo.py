@@ -337,11 +337,12 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
 
 
 def _held_out_pairs(max_model_len: int, max_output_tokens: int):
-    """The length tagger's held-out prompts (``tagger.data.load_split``) whose prompt plus the ``max_tokens`` cap
-    fit the context length (a server rejects the request otherwise, whatever the reply's length)."""
+    """The length tagger's held-out first-exchange prompts (``tagger.data.load_split().test_first``) whose prompt
+    plus the ``max_tokens`` cap fit the context length (a server rejects the request otherwise, whatever the
+    reply's length)."""
     from tagger.data import load_split  # noqa: PLC0415 (reads the ShareGPT cache; no torch)
 
-    return [p for p in filter_pairs(load_split().test, max_model_len=max_model_len)
+    return [p for p in filter_pairs(load_split().test_first, max_model_len=max_model_len)
             if p.num_prompt_tokens + max_output_tokens <= max_model_len]
 
 
@@ -438,7 +439,7 @@ def _plan_sessions(cfg: DemoConfig) -> TracePlan:
     from tagger.sharegpt import load_sharegpt_conversations  # noqa: PLC0415
     from tagger.tokenizer import count_tokens_batch  # noqa: PLC0415
 
-    held_out = {e.id for e in load_split().test}
+    held_out = load_split().test_conversation_ids
     conversations = [c for c in load_sharegpt_conversations() if c.id in held_out and min(c.num_message_tokens) > 0]
     drawn = {}
     for seed in cfg.seeds:

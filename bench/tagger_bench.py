@@ -111,7 +111,7 @@ async def run(args: argparse.Namespace) -> list[LatencyRow]:
     """Measure every (tagger, concurrency) pair; prompts come from the held-out split, in split order."""
     from tagger.data import load_split
 
-    prompts = [e.prompt for e in load_split().test[: args.num_requests]]
+    prompts = [e.prompt for e in load_split().test_first[: args.num_requests]]
     rows = []
     for name, service in _services(args):
         try:

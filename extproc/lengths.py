@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from extproc.request import RoutingRequest
 from predictor.residual_rules import LENGTH_SOURCE_EXACT, LENGTH_SOURCE_FIXED, LENGTH_SOURCE_TAGGER
+from tagger.features import NO_HISTORY, HistoryStats
 from tagger.tokenizer import count_tokens
 
 MAX_TOKENIZED_CHARS = 8192
@@ -56,6 +57,16 @@ def count_prompt_tokens(request: RoutingRequest) -> int:
     return max(extrapolated_tokens(request.prompt_text or "", count_tokens), 1)
 
 
+def chat_history(request: RoutingRequest) -> HistoryStats:
+    """The sizes of a chat request's messages before its last user message (`NO_HISTORY` for a first turn, a
+    completions request, or a chat without a user message, whose whole text the tagger reads instead)."""
+    messages = request.chat_messages
+    if not messages:
+        return NO_HISTORY
+    last_user = max((i for i, (role, _) in enumerate(messages) if role == "user"), default=0)
+    return HistoryStats.of(messages[:last_user]) if last_user else NO_HISTORY
+
+
 class OutputLengthEstimator:
     """Predicted output tokens of a request.
 
@@ -89,7 +100,8 @@ class OutputLengthEstimator:
             return max(cap, 1), LENGTH_SOURCE_EXACT
         if self.config.source == "tagger":
             text = request.last_user_message if request.last_user_message is not None else request.prompt_text
-            guess, source = await self.tagger.estimate(text, request.prompt_token_ids, cap), LENGTH_SOURCE_TAGGER
+            guess = await self.tagger.estimate(text, request.prompt_token_ids, cap, chat_history(request))
+            source = LENGTH_SOURCE_TAGGER
         else:
             guess, source = self.config.fixed_tokens, LENGTH_SOURCE_FIXED
         return max(min(guess, cap) if cap is not None else guess, 1), source

@@ -1,7 +1,7 @@
 """A trained tagger's directory: its metadata file, the tagger interface, and the target transform.
 
 Owns: the on-disk layout shared by training (writes) and serving (reads) and the ``log1p`` target transform.
-Imports only the stdlib and numpy; must not import torch.
+Imports only the stdlib, numpy and ``tagger.features``; must not import torch.
 
 Directory layout (``astrolabe tagger train -o DIR``)::
 
@@ -27,6 +27,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tagger.features import HistoryStats
+
 logger = logging.getLogger(__name__)
 
 META_FILE = "tagger.json"
@@ -44,8 +46,11 @@ class LengthTagger(Protocol):
 
     kind: str
 
-    def predict_log1p(self, prompts: Sequence[str]) -> np.ndarray:
-        """Predicted ``log1p(num_output_tokens)`` per prompt; float64 array of shape ``(len(prompts),)``."""
+    def predict_log1p(self, prompts: Sequence[str], histories: Sequence[HistoryStats] | None = None) -> np.ndarray:
+        """Predicted ``log1p(num_output_tokens)`` per prompt; float64 array of shape ``(len(prompts),)``.
+
+        ``prompts`` are a chat request's last user message; ``histories`` (same order, None = first turns) what
+        came before it (``tagger.features.HistoryStats``; a tagger that does not read them ignores them)."""
         ...
 
 

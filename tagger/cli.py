@@ -93,10 +93,31 @@ def _eval(args: argparse.Namespace) -> int:
     from tagger.evaluate import evaluate_tagger, format_table
     from tagger.serve import load_tagger
 
+    import numpy as np
+
+    from tagger.evaluate import format_coverage, predict_examples
+    from tagger.quantiles import LengthQuantiles, QuantileError, coverage
+
     split = load_split()
-    rows, _ = evaluate_tagger(load_tagger(args.tagger), split.train, split.test)
-    print(f"held-out split: seed {split.seed}, {len(split.test)} test / {len(split.train)} train examples")
-    print(format_table(rows))
+    tagger = load_tagger(args.tagger)
+    try:
+        quantiles = LengthQuantiles.load(args.tagger)
+    except QuantileError:
+        quantiles = None
+    print(f"held-out split by conversation: seed {split.seed}, {len(split.train)} train / {len(split.test)} test "
+          f"exchanges, {len(split.test_first)} in the first-exchange view")
+    covered = []
+    for view, test in (("first-exchange", split.test_first), ("all-exchange", split.test)):
+        rows, _ = evaluate_tagger(tagger, split.train, test)
+        print(f"\n{view} view ({len(test)} exchanges):\n{format_table(rows)}")
+        if quantiles is not None:
+            q = quantiles.quantiles_batch(predict_examples(tagger, test), np.array([bool(e.history) for e in test]))
+            covered.append((view, coverage(q, [e.num_output_tokens for e in test]).tolist()))
+    if quantiles is not None:
+        print(f"\nquantile coverage (fraction of true lengths <= the predicted quantile):\n"
+              f"{format_coverage(quantiles.levels, covered)}")
+    else:
+        print(f"\nno {args.tagger}/quantiles.npz: this tagger gives point estimates only")
     return 0
 
 

@@ -20,6 +20,9 @@ import numpy as np
 
 from tagger.artifact import ERRORS_FILE
 
+FIRST_ERRORS_FILE = "errors_first.npz"
+"""The errors on first exchanges only (single-turn traffic); ``errors.npz`` holds them on every exchange."""
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_BINS = 10
@@ -89,9 +92,9 @@ class LengthErrorModel:
         pred = max(1, round(num_true_tokens * float(np.exp(self.sample_log_error(num_true_tokens, rng)))))
         return min(pred, max_tokens) if max_tokens is not None else pred
 
-    def save(self, directory: Path) -> Path:
-        """Write ``DIR/errors.npz``; returns its path."""
-        path = Path(directory) / ERRORS_FILE
+    def save(self, directory: Path, name: str = ERRORS_FILE) -> Path:
+        """Write ``DIR/<name>`` (default ``errors.npz``); returns its path."""
+        path = Path(directory) / name
         arrays = {f"bin_{i}": e for i, e in enumerate(self.log_errors_by_bin)}
         if self.predicted_tokens is not None and self.true_tokens is not None:
             arrays.update(predicted_tokens=self.predicted_tokens, true_tokens=self.true_tokens)

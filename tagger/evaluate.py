@@ -1,6 +1,7 @@
 """Held-out evaluation of a tagger next to two baselines, and the eval table.
 
-Owns: the accuracy metrics (MAE, MAPE, accuracy within 50/100 tokens, Kendall tau-b, Spearman rho), the two
+Owns: the accuracy metrics (MAE, MAPE, accuracy within 50/100 tokens, Kendall tau-b, pairwise ranking accuracy,
+Spearman rho, the coverage of predicted quantiles), the two
 baselines (global median of the training labels; least-squares line of ``log1p(output tokens)`` on
 ``log1p(prompt tokens)``), and the printed table. Imports only the stdlib, numpy and ``tagger`` modules that do
 not import torch; scipy is not installed here, so the rank statistics are implemented with numpy.
@@ -16,6 +17,7 @@ import numpy as np
 
 from tagger.artifact import LengthTagger, log1p_tokens, tokens_from_log1p
 from tagger.data import Example
+from tagger.features import HistoryStats
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ class Metrics:
         within_100_frac: same with 100 tokens.
         kendall_tau: Kendall tau-b between predicted and true lengths (tie-corrected).
         spearman_rho: Spearman rank correlation (average ranks for ties).
+        pairwise_accuracy: of the pairs whose true lengths differ, the fraction the prediction orders the same
+            way (a tie in the prediction counts half): what a shortest-first scheduler gets right.
     """
 
     name: str
@@ -45,6 +49,7 @@ class Metrics:
     within_100_frac: float
     kendall_tau: float
     spearman_rho: float
+    pairwise_accuracy: float = float("nan")
 
 
 def kendall_tau_b(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> float:
@@ -63,20 +68,41 @@ def kendall_tau_b(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarr
     Raises:
         ValueError: lengths differ.
     """
-    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    if x.shape != y.shape or x.ndim != 1:
-        raise ValueError(f"x and y must be 1-D of equal length, got {x.shape} and {y.shape}")
-    concordance = untied_x = untied_y = 0.0
-    for start in range(0, len(x), _TAU_BLOCK_ROWS):
-        sx = np.sign(x[start : start + _TAU_BLOCK_ROWS, None] - x[None, :])
-        sy = np.sign(y[start : start + _TAU_BLOCK_ROWS, None] - y[None, :])
-        # Each unordered pair appears twice over the full square, with the same product of signs.
-        concordance += float(np.sum(sx * sy))
-        untied_x += float(np.count_nonzero(sx))
-        untied_y += float(np.count_nonzero(sy))
+    concordance, untied_x, untied_y, _, _ = _pair_counts(x, y)
     if untied_x == 0 or untied_y == 0:
         return float("nan")
     return concordance / np.sqrt(untied_x * untied_y)
+
+
+def pairwise_accuracy(pred: Sequence[float] | np.ndarray, true: Sequence[float] | np.ndarray) -> float:
+    """Of the pairs whose ``true`` values differ, the fraction ``pred`` orders the same way (ties in ``pred``
+    count half); NaN when every ``true`` is equal. Same cost as :func:`kendall_tau_b`.
+
+    Raises:
+        ValueError: lengths differ.
+    """
+    _, _, untied_true, agree, tied_pred = _pair_counts(pred, true)
+    return float("nan") if untied_true == 0 else (agree + 0.5 * tied_pred) / untied_true
+
+
+def _pair_counts(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray
+                 ) -> tuple[float, float, float, float, float]:
+    """Over ordered pairs (each unordered pair twice): (sum of sign products, pairs untied in x, untied in y,
+    pairs untied in y ordered alike by x, pairs untied in y tied in x)."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if x.shape != y.shape or x.ndim != 1:
+        raise ValueError(f"x and y must be 1-D of equal length, got {x.shape} and {y.shape}")
+    concordance = untied_x = untied_y = agree = tied_x = 0.0
+    for start in range(0, len(x), _TAU_BLOCK_ROWS):
+        sx = np.sign(x[start : start + _TAU_BLOCK_ROWS, None] - x[None, :])
+        sy = np.sign(y[start : start + _TAU_BLOCK_ROWS, None] - y[None, :])
+        product = sx * sy
+        concordance += float(np.sum(product))
+        untied_x += float(np.count_nonzero(sx))
+        untied_y += float(np.count_nonzero(sy))
+        agree += float(np.count_nonzero(product > 0))
+        tied_x += float(np.count_nonzero((sx == 0) & (sy != 0)))
+    return concordance, untied_x, untied_y, agree, tied_x
 
 
 def average_ranks(values: Sequence[float] | np.ndarray) -> np.ndarray:
@@ -125,6 +151,7 @@ def compute_metrics(name: str, pred_tokens: np.ndarray, true_tokens: np.ndarray)
         within_100_frac=float((abs_err <= 100).mean()),
         kendall_tau=kendall_tau_b(pred, true),
         spearman_rho=spearman_rho(pred, true),
+        pairwise_accuracy=pairwise_accuracy(pred, true),
     )
 
 
@@ -145,6 +172,12 @@ def prompt_length_baseline(train: Sequence[Example], test: Sequence[Example]) ->
     return tokens_from_log1p(intercept + slope * log1p_tokens([e.num_prompt_tokens for e in test]))
 
 
+def predict_examples(tagger: LengthTagger, examples: Sequence[Example]) -> np.ndarray:
+    """The tagger's predicted ``log1p(tokens)`` for examples, each with its conversation so far; float64
+    ``(len(examples),)``."""
+    return tagger.predict_log1p([e.prompt for e in examples], [HistoryStats.of(e.history) for e in examples])
+
+
 def evaluate_tagger(
     tagger: LengthTagger, train: Sequence[Example], test: Sequence[Example], name: str | None = None
 ) -> tuple[list[Metrics], np.ndarray]:
@@ -161,7 +194,7 @@ def evaluate_tagger(
         predictions are int64 of shape ``(len(test),)``, test order.
     """
     true = np.array([e.num_output_tokens for e in test])
-    pred = tokens_from_log1p(tagger.predict_log1p([e.prompt for e in test]))
+    pred = tokens_from_log1p(predict_examples(tagger, test))
     rows = [
         compute_metrics(name or f"{tagger.kind} tagger", pred, true),
         compute_metrics("baseline: global median", median_baseline(train, test), true),
@@ -178,12 +211,22 @@ def _corr(value: float) -> str:
 def format_table(rows: Sequence[Metrics]) -> str:
     """The eval table as Markdown (one row per :class:`Metrics`)."""
     lines = [
-        "| model | n | MAE (tokens) | MAPE | within 50 | within 100 | Kendall τ | Spearman ρ |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| model | n | MAE (tokens) | MAPE | within 50 | within 100 | Kendall τ | pairwise acc. | Spearman ρ |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for m in rows:
         lines.append(
             f"| {m.name} | {m.num_examples} | {m.mae_tokens:.1f} | {m.mape:.1%} | {m.within_50_frac:.1%} | "
-            f"{m.within_100_frac:.1%} | {_corr(m.kendall_tau)} | {_corr(m.spearman_rho)} |"
+            f"{m.within_100_frac:.1%} | {_corr(m.kendall_tau)} | {_corr(m.pairwise_accuracy)} | "
+            f"{_corr(m.spearman_rho)} |"
         )
+    return "\n".join(lines)
+
+
+def format_coverage(levels: Sequence[float], rows: Sequence[tuple[str, Sequence[float]]]) -> str:
+    """The quantile coverage table as Markdown: per view, the fraction of true lengths at most each predicted
+    quantile (calibrated: about the level itself)."""
+    lines = ["| view | " + " | ".join(f"q{round(100 * q):02d}" for q in levels) + " |",
+             "| --- | " + " | ".join("---:" for _ in levels) + " |"]
+    lines += [f"| {name} | " + " | ".join(f"{c:.1%}" for c in cover) + " |" for name, cover in rows]
     return "\n".join(lines)

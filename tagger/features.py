@@ -1,6 +1,7 @@
 """Text features of the light tagger, shared by training and serving so both see exactly the same input.
 
-Owns: word splitting, signed feature hashing of word 1- and 2-grams, and the dense length features. Imports
+Owns: word splitting, signed feature hashing of word 1- and 2-grams, the dense length features, and what the
+tagger reads of a conversation's earlier messages (`HistoryStats`: roles and sizes in characters, no text). Imports
 only the stdlib and numpy (no tokenizer, no torch): featurising one prompt takes well under a millisecond for
 typical prompts, and long prompts are bounded by :data:`MAX_WORDS`.
 
@@ -31,8 +32,17 @@ usually sit at the start or the end of a long pasted prompt."""
 
 TAIL_WORDS = 256
 
-DENSE_NAMES = ("log1p_words", "log1p_words_sq", "log1p_lines", "log1p_chars")
-"""Dense features, in column order; all from the full (untruncated) prompt."""
+PROMPT_NAMES = ("log1p_words", "log1p_words_sq", "log1p_lines", "log1p_chars")
+"""Dense features of the prompt (the last user message), all from the full (untruncated) text."""
+
+HISTORY_NAMES = ("log1p_history_messages", "log1p_history_chars", "log1p_last_reply_chars",
+                 "mean_log1p_reply_chars", "has_reply")
+"""Dense features of the conversation before the prompt (`HistoryStats.features`); all 0 for a first turn. On
+the all-exchange test view they lift the light tagger's Kendall tau from 0.376 to 0.479 (``tagger/README.md``):
+an assistant that answered at length keeps doing so."""
+
+DENSE_NAMES = PROMPT_NAMES + HISTORY_NAMES
+"""Dense features, in column order."""
 
 _WORD_RE = re.compile(r"\w+|[^\w\s]")
 
@@ -62,6 +72,59 @@ class FeatureBatch:
     def row_ids(self) -> np.ndarray:
         """Row index of each stored value; int64 ``(nnz,)``."""
         return np.repeat(np.arange(self.num_rows), np.diff(self.indptr))
+
+    def take(self, rows: np.ndarray) -> FeatureBatch:
+        """The batch of the given rows (int indices), in that order."""
+        rows = np.asarray(rows, dtype=np.int64)
+        starts, ends = self.indptr[rows], self.indptr[rows + 1]
+        picked = np.concatenate([np.arange(a, b) for a, b in zip(starts.tolist(), ends.tolist())]
+                                ) if len(rows) else np.zeros(0, dtype=np.int64)
+        return FeatureBatch(np.concatenate(([0], np.cumsum(ends - starts))).astype(np.int64),
+                            self.indices[picked], self.values[picked], self.dense[rows], self.num_buckets)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HistoryStats:
+    """What the light tagger reads of the messages before a chat request's last user message: their roles and
+    sizes in characters (counting characters costs nothing on the request path; tokenizing a long history would).
+
+    Attributes:
+        num_messages: earlier messages (any role).
+        num_chars: their characters.
+        num_replies: earlier ``assistant`` messages.
+        last_reply_chars: characters of the last ``assistant`` message (0 if none).
+        sum_log1p_reply_chars: sum of ``log1p(characters)`` over the ``assistant`` messages.
+    """
+
+    num_messages: int = 0
+    num_chars: int = 0
+    num_replies: int = 0
+    last_reply_chars: int = 0
+    sum_log1p_reply_chars: float = 0.0
+
+    @classmethod
+    def from_sizes(cls, sizes: Sequence[tuple[str, int]]) -> HistoryStats:
+        """From ``(role, characters)`` of each earlier message, in order."""
+        replies = [n for role, n in sizes if role == "assistant"]
+        return cls(len(sizes), sum(n for _, n in sizes), len(replies), replies[-1] if replies else 0,
+                   math.fsum(math.log1p(n) for n in replies))
+
+    @classmethod
+    def of(cls, history: Sequence[tuple[str, str]]) -> HistoryStats:
+        """From ``(role, text)`` of each earlier message, in order (OpenAI role names)."""
+        return cls.from_sizes([(role, len(text)) for role, text in history])
+
+    def features(self) -> list[float]:
+        """The :data:`HISTORY_NAMES` columns."""
+        if self.num_messages == 0:
+            return [0.0] * len(HISTORY_NAMES)
+        mean_reply = self.sum_log1p_reply_chars / self.num_replies if self.num_replies else 0.0
+        return [math.log1p(self.num_messages), math.log1p(self.num_chars), math.log1p(self.last_reply_chars),
+                mean_reply, 1.0 if self.num_replies else 0.0]
+
+
+NO_HISTORY = HistoryStats()
+"""A first turn (or a completions request): no earlier messages."""
 
 
 def words(text: str) -> list[str]:
@@ -93,32 +156,39 @@ def _hashed_ngrams(tokens: list[str], num_buckets: int) -> tuple[list[int], list
 
 
 def dense_features(text: str, tokens: list[str]) -> list[float]:
-    """Length features of one prompt, in :data:`DENSE_NAMES` order."""
+    """Length features of one prompt, in :data:`PROMPT_NAMES` order."""
     log_words = float(np.log1p(len(tokens)))
     return [log_words, log_words * log_words, float(np.log1p(text.count("\n"))), float(np.log1p(len(text)))]
 
 
-def featurize(prompts: Sequence[str], num_buckets: int = DEFAULT_NUM_BUCKETS) -> FeatureBatch:
+def featurize(prompts: Sequence[str], num_buckets: int = DEFAULT_NUM_BUCKETS,
+              histories: Sequence[HistoryStats] | None = None) -> FeatureBatch:
     """Features of ``prompts`` (any length, including 0).
 
     Args:
-        prompts: prompt texts.
+        prompts: prompt texts (a chat request's last user message).
         num_buckets: hash width (must match the trained weights).
+        histories: each prompt's earlier messages, same order; None = all first turns.
 
     Returns:
         The batch, rows in input order.
+
+    Raises:
+        ValueError: ``histories`` is not as long as ``prompts``.
     """
+    if histories is not None and len(histories) != len(prompts):
+        raise ValueError(f"{len(histories)} histories for {len(prompts)} prompts")
     indptr = [0]
     indices: list[int] = []
     values: list[float] = []
     dense = []
-    for text in prompts:
+    for i, text in enumerate(prompts):
         tokens = words(text)
         idx, val = _hashed_ngrams(tokens, num_buckets)
         indices += idx
         values += val
         indptr.append(len(indices))
-        dense.append(dense_features(text, tokens))
+        dense.append(dense_features(text, tokens) + (histories[i] if histories is not None else NO_HISTORY).features())
     return FeatureBatch(
         indptr=np.asarray(indptr, dtype=np.int64),
         indices=np.asarray(indices, dtype=np.int64),

@@ -25,6 +25,7 @@ import os
 import shutil
 import signal
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -33,6 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
 from astrolabe.tracing import LENGTH_ESTIMATE_SPAN, NUM_PREDICTED_OUTPUT_TOKENS, Tracing, grpc_metadata
+from tagger.features import HistoryStats
 from tagger.serve import TaggerService
 
 logger = logging.getLogger(__name__)
@@ -113,6 +115,7 @@ class TaggerServicer(pb2_grpc.TaggerServicer):
             request.prompt_text if request.HasField("prompt_text") else None,
             list(request.prompt_token_ids),
             request.max_tokens if request.HasField("max_tokens") else None,
+            HistoryStats.from_sizes([(m.role, m.num_chars) for m in request.history]),
         )
 
     async def Estimate(self, request, context):  # noqa: N802 - gRPC method name
@@ -188,14 +191,17 @@ class TaggerClient:
         self._stub = pb2_grpc.TaggerStub(self._channel)
         self.timeout_s = timeout_s
 
-    async def estimate(self, prompt_text: str | None, prompt_token_ids=None, max_tokens: int | None = None) -> int:
-        """Predicted output tokens, as :meth:`tagger.serve.TaggerService.estimate` (the current span's context, if
+    async def estimate(self, prompt_text: str | None, prompt_token_ids=None, max_tokens: int | None = None,
+                       history_sizes: Sequence[tuple[str, int]] = ()) -> int:
+        """Predicted output tokens, as :meth:`tagger.serve.TaggerService.estimate` (``history_sizes``: ``(role,
+        characters)`` of a chat request's messages before its last user message; the current span's context, if
         any, travels as metadata).
 
         Raises:
             grpc.aio.AioRpcError: the call failed or passed its deadline.
         """
-        request = pb2.EstimateRequest(prompt_token_ids=list(prompt_token_ids or ()))
+        request = pb2.EstimateRequest(prompt_token_ids=list(prompt_token_ids or ()), history=[
+            pb2.HistoryMessage(role=role, num_chars=num_chars) for role, num_chars in history_sizes])
         if prompt_text is not None:
             request.prompt_text = prompt_text
         if max_tokens is not None:

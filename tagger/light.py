@@ -5,7 +5,7 @@ never forming the 2^18-wide matrix), prediction, and the ``light.npz`` file. Imp
 ``tagger.features`` only; this is the tagger used when no transformer checkpoint is configured, so it must
 load and run without torch.
 
-Model: ``log1p(tokens) ≈ intercept + w_s · hashed_ngrams(prompt) + w_d · standardise(dense(prompt))``,
+Model: ``log1p(tokens) ≈ intercept + w_s · hashed_ngrams(prompt) + w_d · standardise(dense(prompt, history))``,
 minimising ``||y - ŷ||² + alpha (||w_s||² + ||w_d||²)`` (the intercept is not penalised: targets are centred
 before the solve and the intercept is the mean residual after it).
 Source: ridge normal equations ``(AᵀA + αI) w = Aᵀy`` (Hoerl & Kennard 1970); CG as in Shewchuk (1994),
@@ -22,13 +22,21 @@ import numpy as np
 
 from tagger.artifact import TaggerLoadError, log1p_tokens
 from tagger.data import Example
-from tagger.features import DEFAULT_NUM_BUCKETS, DENSE_NAMES, FeatureBatch, featurize
+from tagger.features import DEFAULT_NUM_BUCKETS, DENSE_NAMES, FeatureBatch, HistoryStats, featurize
 
 logger = logging.getLogger(__name__)
 
 LIGHT_FILE = "light.npz"
 DEFAULT_ALPHA = 1.0
 """Ridge penalty; chosen on a 10 % validation cut of the training split (never on the test split)."""
+
+PAIRWISE_EPOCHS = 3
+"""Passes of the pairwise ranking refinement after the ridge solve (0: plain ridge). On a 10 % validation cut of
+the training split (by conversation) three passes raised Kendall tau from 0.474 to 0.487 on every exchange and
+from 0.334 to 0.357 on first exchanges (one to five passes: +0.007..+0.014 and +0.012..+0.023)."""
+PAIRWISE_LEARNING_RATE = 0.01
+PAIRWISE_BATCH_SIZE = 512
+PAIRWISE_L2 = 1e-6
 
 _CG_MAX_ITERS = 500
 _CG_REL_TOL = 1e-6
@@ -42,6 +50,11 @@ class _Design:
         self.rows = batch.row_ids()
         self.dense = (batch.dense - dense_mean) / dense_std
         self.width = batch.num_buckets + self.dense.shape[1]
+        self.dense_mean, self.dense_std = dense_mean, dense_std
+
+    def take(self, rows: np.ndarray) -> _Design:
+        """The design of the given rows, same standardisation."""
+        return _Design(self.batch.take(rows), self.dense_mean, self.dense_std)
 
     def dot(self, w: np.ndarray) -> np.ndarray:
         """``A w``: shape ``(n,)``."""
@@ -90,6 +103,40 @@ def solve_ridge(design: _Design, y: np.ndarray, alpha: float) -> np.ndarray:
     return w
 
 
+def featurize_examples(examples: Sequence[Example], num_buckets: int = DEFAULT_NUM_BUCKETS) -> FeatureBatch:
+    """Features of examples: each one's prompt and conversation so far."""
+    return featurize([e.prompt for e in examples], num_buckets, [HistoryStats.of(e.history) for e in examples])
+
+
+def refine_pairwise(design: _Design, y: np.ndarray, w: np.ndarray, epochs: int = PAIRWISE_EPOCHS,
+                    seed: int = 0) -> np.ndarray:
+    """Refine weights ``w`` (shape ``(design.width,)``) for ranking: Adam on the pairwise logistic loss
+    ``log(1 + exp(-sign(y_i - y_j) (s_i - s_j)))`` over every pair of a shuffled mini-batch of
+    `PAIRWISE_BATCH_SIZE` examples (RankNet: Burges et al. 2005, "Learning to rank using gradient descent", ICML),
+    plus ``PAIRWISE_L2 * ||w||^2 / 2``, starting from the ridge solution. Adam: Kingma & Ba 2015. Returns the new
+    weights (the scale of ``s`` is no longer ``log1p(tokens)``: the caller recalibrates it)."""
+    rng = np.random.default_rng(seed)
+    w = w.copy()
+    m, v = np.zeros_like(w), np.zeros_like(w)
+    step = 0
+    for _ in range(epochs):
+        order = rng.permutation(len(y))
+        for start in range(0, len(y), PAIRWISE_BATCH_SIZE):
+            rows = order[start:start + PAIRWISE_BATCH_SIZE]
+            sub = design.take(rows)
+            s, target = sub.dot(w), y[rows]
+            sign = np.sign(target[:, None] - target[None, :])
+            # d loss / d (s_i - s_j) = -sign * sigmoid(-sign * (s_i - s_j)); each unordered pair appears twice.
+            g = -sign / (1.0 + np.exp(np.clip(sign * (s[:, None] - s[None, :]), -30.0, 30.0)))
+            coefficient = (g.sum(axis=1) - g.sum(axis=0)) / max(np.count_nonzero(sign), 1)
+            grad = sub.tdot(coefficient) + PAIRWISE_L2 * w
+            step += 1
+            m = 0.9 * m + 0.1 * grad
+            v = 0.999 * v + 0.001 * grad * grad
+            w -= PAIRWISE_LEARNING_RATE * (m / (1 - 0.9**step)) / (np.sqrt(v / (1 - 0.999**step)) + 1e-8)
+    return w
+
+
 class LightTagger:
     """Hashed n-gram + length ridge regression predicting ``log1p(num_output_tokens)``.
 
@@ -131,12 +178,32 @@ class LightTagger:
         """
         if not examples or not alpha > 0:
             raise ValueError(f"need examples and alpha > 0 (got {len(examples)} examples, alpha={alpha})")
-        batch = featurize([e.prompt for e in examples], num_buckets)
-        y = log1p_tokens([e.num_output_tokens for e in examples])
+        return cls.fit_features(featurize_examples(examples, num_buckets),
+                                log1p_tokens([e.num_output_tokens for e in examples]), alpha)
+
+    @classmethod
+    def fit_features(cls, batch: FeatureBatch, y: np.ndarray, alpha: float = DEFAULT_ALPHA,
+                     pairwise_epochs: int = PAIRWISE_EPOCHS) -> LightTagger:
+        """Fit on featurised examples and their targets ``log1p(tokens)`` (float ``(batch.num_rows,)``): the ridge
+        solve, then `refine_pairwise` for ``pairwise_epochs`` passes, then a least-squares line from the refined
+        score back to ``log1p(tokens)`` (so that predictions stay in tokens; a line keeps the ranking).
+
+        Raises:
+            ValueError: no rows, a target count that differs, or ``alpha <= 0``.
+        """
+        if batch.num_rows == 0 or len(y) != batch.num_rows or not alpha > 0:
+            raise ValueError(f"need rows, one target per row and alpha > 0 (got {batch.num_rows} rows, "
+                             f"{len(y)} targets, alpha={alpha})")
+        num_buckets = batch.num_buckets
         dense_mean = batch.dense.mean(axis=0)
         dense_std = np.where(batch.dense.std(axis=0) > 0, batch.dense.std(axis=0), 1.0)
         design = _Design(batch, dense_mean, dense_std)
         w = solve_ridge(design, y - y.mean(), alpha)
+        if pairwise_epochs > 0 and len(y) > 1:
+            w = refine_pairwise(design, y, w, pairwise_epochs)
+            score = design.dot(w)
+            slope = float(np.polyfit(score, y, 1)[0]) if np.ptp(score) > 0 else 1.0
+            w *= slope if slope > 0 else 1.0
         intercept = float(np.mean(y - design.dot(w)))
         return cls(w[:num_buckets], w[num_buckets:], dense_mean, dense_std, intercept, alpha)
 
@@ -145,9 +212,10 @@ class LightTagger:
         design = _Design(batch, self.dense_mean, self.dense_std)
         return design.dot(self._weights) + self.intercept
 
-    def predict_log1p(self, prompts: Sequence[str]) -> np.ndarray:
-        """Predicted ``log1p(num_output_tokens)`` per prompt; float64 ``(len(prompts),)``."""
-        return self.predict_features(featurize(prompts, self.num_buckets))
+    def predict_log1p(self, prompts: Sequence[str], histories: Sequence[HistoryStats] | None = None) -> np.ndarray:
+        """Predicted ``log1p(num_output_tokens)`` per prompt (a chat request's last user message) given what came
+        before it (``histories``, same order; None = first turns); float64 ``(len(prompts),)``."""
+        return self.predict_features(featurize(prompts, self.num_buckets, histories))
 
     def save(self, directory: Path) -> Path:
         """Write ``DIR/light.npz`` (weights as float32: ~1 MiB); returns its path."""

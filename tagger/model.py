@@ -130,8 +130,12 @@ class TransformerTagger:
         """Standardised predictions for an encoded batch; shape ``(batch,)``, with gradients if enabled."""
         return self.model(**batch).logits.squeeze(-1)
 
-    def predict_log1p(self, prompts: Sequence[str], batch_size: int = 32) -> np.ndarray:
-        """Predicted ``log1p(num_output_tokens)`` per prompt; float64 array of shape ``(len(prompts),)``."""
+    def predict_log1p(self, prompts: Sequence[str], histories: Sequence | None = None,
+                      batch_size: int = 32) -> np.ndarray:
+        """Predicted ``log1p(num_output_tokens)`` per prompt; float64 array of shape ``(len(prompts),)``.
+
+        ``histories`` (``tagger.features.HistoryStats``) are accepted for the tagger interface and NOT read: this
+        encoder sees the last user message only (reading the conversation is not built for it yet)."""
         self.model.eval()
         out = np.empty(len(prompts), dtype=np.float64)
         # Sorting by length keeps padding (wasted CPU) small when prompts differ a lot in length.

@@ -11,7 +11,8 @@ that hand-off: ~0.3 ms per prompt of a few hundred words, measured, against a 1 
 thread switches (which, under the GIL, buy no parallelism); so prompts of at most ``inline_max_chars``
 characters are tagged inline, on the caller's thread (``load_service`` enables it for the light tagger), and
 longer ones still go through the worker. Predictions are cached by the
-SHA-256 of the prompt text (bounded LRU) before the ``max_tokens`` cap is applied. Estimation never raises on
+SHA-256 of the prompt text and its conversation's sizes (``HistoryStats``; bounded LRU) before the ``max_tokens``
+cap is applied. Estimation never raises on
 the request path: a prompt without text falls back to a line on the prompt's token count, and a model failure
 is logged and falls back the same way.
 """
@@ -31,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from tagger.artifact import LengthTagger, TaggerLoadError, read_meta
+from tagger.features import NO_HISTORY, HistoryStats
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +102,13 @@ def load_length_fallback(path: Path | str | None = None) -> LengthFallback:
     return LengthFallback(float(line.get("slope", 0.0)), float(line.get("intercept", _FALLBACK_LOG1P)))
 
 
-def prompt_key(prompt_text: str) -> bytes:
-    """Cache key of a prompt: SHA-256 digest of its UTF-8 text (32 bytes)."""
-    return hashlib.sha256(prompt_text.encode("utf-8", "surrogatepass")).digest()
+def prompt_key(prompt_text: str, history: HistoryStats = NO_HISTORY) -> bytes:
+    """Cache key of a prompt in its conversation: SHA-256 digest of its UTF-8 text and, for a later turn, the
+    history's sizes (32 bytes)."""
+    digest = hashlib.sha256(prompt_text.encode("utf-8", "surrogatepass"))
+    if history != NO_HISTORY:
+        digest.update(repr(dataclasses.astuple(history)).encode())
+    return digest.digest()
 
 
 def cap_tokens(log1p_value: float, max_tokens: int | None) -> int:
@@ -141,7 +147,7 @@ class TaggerService:
         self.max_batch_delay_s = max_batch_delay_s
         self.cache_size = cache_size
         self._cache: collections.OrderedDict[bytes, float] = collections.OrderedDict()
-        self._pending: list[tuple[bytes, str]] = []
+        self._pending: list[tuple[bytes, str, HistoryStats]] = []
         self._inflight: dict[bytes, asyncio.Future[float]] = {}
         self._flush_handle: asyncio.TimerHandle | None = None
         # One worker: batches run one after another, and the next batch fills up meanwhile.
@@ -154,13 +160,14 @@ class TaggerService:
         return self.tagger.kind
 
     async def estimate(self, prompt_text: str | None, prompt_token_ids: Sequence[int] | None = None,
-                       max_tokens: int | None = None) -> int:
+                       max_tokens: int | None = None, history: HistoryStats = NO_HISTORY) -> int:
         """Predicted output tokens of one request, capped by ``max_tokens``.
 
         Args:
             prompt_text: the prompt (for chat requests, the last user message); None if only token ids are known.
             prompt_token_ids: prompt token ids (any tokenizer; only their count is used, and only without text).
             max_tokens: the request's ``max_tokens``; None or < 1 means no cap.
+            history: a chat request's messages before its last user message (sizes only).
 
         Returns:
             Predicted output tokens, >= 1 and <= ``max_tokens`` when it is >= 1. Never raises for model errors.
@@ -168,7 +175,7 @@ class TaggerService:
         if not prompt_text:
             num_prompt_tokens = len(prompt_token_ids) if prompt_token_ids is not None else 0
             return cap_tokens(self.length_fallback.predict_log1p(num_prompt_tokens), max_tokens)
-        key = prompt_key(prompt_text)
+        key = prompt_key(prompt_text, history)
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)
@@ -176,7 +183,7 @@ class TaggerService:
             return cap_tokens(cached, max_tokens)
         if len(prompt_text) <= self.inline_max_chars and key not in self._inflight:
             try:
-                value = float(self.tagger.predict_log1p([prompt_text])[0])
+                value = float(self.tagger.predict_log1p([prompt_text], [history])[0])
             except Exception:  # noqa: BLE001 - the request path must not fail because of the tagger
                 logger.warning("tagger failed; using the prompt-length fallback", exc_info=True)
                 return cap_tokens(self.length_fallback.predict_log1p(
@@ -188,7 +195,7 @@ class TaggerService:
         if future is None:
             future = asyncio.get_running_loop().create_future()
             self._inflight[key] = future
-            self._pending.append((key, prompt_text))
+            self._pending.append((key, prompt_text, history))
             self._schedule_flush()
         try:
             value = await asyncio.shield(future)
@@ -212,11 +219,11 @@ class TaggerService:
         if batch:
             asyncio.get_running_loop().create_task(self._run_batch(batch))
 
-    async def _run_batch(self, batch: list[tuple[bytes, str]]) -> None:
-        keys = [k for k, _ in batch]
+    async def _run_batch(self, batch: list[tuple[bytes, str, HistoryStats]]) -> None:
+        keys = [k for k, _, _ in batch]
         try:
             values = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self.tagger.predict_log1p, [t for _, t in batch]
+                self._executor, self.tagger.predict_log1p, [t for _, t, _ in batch], [h for _, _, h in batch]
             )
             self.num_batches += 1
         except Exception as exc:  # noqa: BLE001 - handed to every waiter instead

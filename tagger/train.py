@@ -1,8 +1,9 @@
 """Training of both taggers on the standard split, then held-out evaluation and the error sample.
 
 Owns: the transformer fine-tuning loop (AdamW, linear warm-up and decay, MSE on the standardised
-``log1p(tokens)``), the light tagger's fit, and writing a complete tagger directory (``tagger.artifact``
-layout: weights, ``tagger.json``, ``eval.json``, ``errors.npz``). torch is imported only inside
+``log1p(tokens)``), the light tagger's fit and its cross-fitted quantile calibration (``tagger.quantiles``), and
+writing a complete tagger directory (``tagger.artifact`` layout: weights, ``tagger.json``, ``eval.json``,
+``errors.npz``, ``errors_first.npz``, ``quantiles.npz``). torch is imported only inside
 :func:`train_transformer`, so ``--kind light`` needs none.
 """
 
@@ -20,9 +21,14 @@ from typing import Any
 import numpy as np
 
 from tagger.artifact import EVAL_FILE, LengthTagger, log1p_tokens, write_meta
-from tagger.data import Example, Split
-from tagger.errors import LengthErrorModel
-from tagger.evaluate import Metrics, evaluate_tagger, format_table
+from tagger.data import Example, Split, conversation_group
+from tagger.errors import FIRST_ERRORS_FILE, LengthErrorModel
+from tagger.evaluate import Metrics, evaluate_tagger, format_coverage, format_table, predict_examples
+from tagger.quantiles import LengthQuantiles, coverage
+
+NUM_CALIBRATION_FOLDS = 5
+"""Folds (by conversation) of the light tagger's cross-fitting: each fold's estimates come from a tagger fitted
+on the other folds, and their residuals calibrate the quantiles (``tagger.quantiles``)."""
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +174,8 @@ def train_transformer(split: Split, out_dir: Path, params: TransformerParams) ->
 
 
 def train_light(split: Split, out_dir: Path, alpha: float | None = None) -> list[Metrics]:
-    """Fit the light tagger on all of ``split.train``, save it to ``out_dir`` and evaluate it.
+    """Fit the light tagger on all of ``split.train``, calibrate its quantiles by cross-fitting, save it to
+    ``out_dir`` and evaluate it.
 
     Args:
         split: the standard split.
@@ -176,20 +183,56 @@ def train_light(split: Split, out_dir: Path, alpha: float | None = None) -> list
         alpha: ridge penalty; None = ``tagger.light.DEFAULT_ALPHA``.
 
     Returns:
-        The eval rows (tagger, median baseline, prompt-length baseline).
+        The eval rows of the first-exchange view (tagger, median baseline, prompt-length baseline).
     """
-    from tagger.light import DEFAULT_ALPHA, LightTagger
+    from tagger.light import DEFAULT_ALPHA, LightTagger, featurize_examples
 
+    alpha = DEFAULT_ALPHA if alpha is None else alpha
     start_s = time.monotonic()
-    tagger = LightTagger.fit(split.train, alpha=DEFAULT_ALPHA if alpha is None else alpha)
+    batch = featurize_examples(split.train)
+    y = log1p_tokens([e.num_output_tokens for e in split.train])
+    tagger = LightTagger.fit_features(batch, y, alpha=alpha)
     train_time_s = time.monotonic() - start_s
     tagger.save(out_dir)
+    start_s = time.monotonic()
+
+    def fit_and_predict_rest(rows: np.ndarray) -> np.ndarray:
+        rest = np.setdiff1d(np.arange(len(y)), rows)
+        return LightTagger.fit_features(batch.take(rows), y[rows], alpha).predict_features(batch.take(rest))
+
+    quantiles = calibrate_quantiles(split.train, fit_and_predict_rest)
+    quantiles.save(out_dir)
     meta = {
         "kind": "light", "target": "log1p(num_output_tokens)", "alpha": tagger.alpha,
         "num_buckets": tagger.num_buckets, "num_train_examples": len(split.train),
-        "train_time_s": round(train_time_s, 2),
+        "train_time_s": round(train_time_s, 2), "calibration_folds": NUM_CALIBRATION_FOLDS,
+        "calibration_time_s": round(time.monotonic() - start_s, 1),
     }
-    return finish(tagger, split, out_dir, meta)
+    return finish(tagger, split, out_dir, meta, quantiles)
+
+
+def calibration_folds(examples: Sequence[Example], num_folds: int = NUM_CALIBRATION_FOLDS) -> np.ndarray:
+    """Fold of each example (int64 ``(len(examples),)``): conversations (``conversation_group``) dealt to folds
+    in a seeded shuffle, so that no conversation is in two folds."""
+    groups = sorted({conversation_group(e.id) for e in examples})
+    random.Random(0).shuffle(groups)
+    fold_of = {g: i % num_folds for i, g in enumerate(groups)}
+    return np.array([fold_of[conversation_group(e.id)] for e in examples], dtype=np.int64)
+
+
+def calibrate_quantiles(train: Sequence[Example], fit_and_predict_rest, num_folds: int = NUM_CALIBRATION_FOLDS
+                        ) -> LengthQuantiles:
+    """Quantiles from cross-fitted residuals: for each fold, ``fit_and_predict_rest(rows)`` fits on the examples
+    at ``rows`` (int indices into ``train``, every other fold) and returns ``log1p`` estimates for the remaining
+    examples, ascending index order."""
+    folds = calibration_folds(train, num_folds)
+    estimates = np.empty(len(train))
+    for k in range(num_folds):
+        held_out = np.flatnonzero(folds == k)
+        estimates[held_out] = fit_and_predict_rest(np.flatnonzero(folds != k))
+        logger.info("calibration fold %d/%d: %d held-out estimates", k + 1, num_folds, len(held_out))
+    return LengthQuantiles.fit(estimates, np.array([e.num_output_tokens for e in train]),
+                               np.array([bool(e.history) for e in train]))
 
 
 def length_fallback(train: Sequence[Example]) -> dict[str, float]:
@@ -204,24 +247,39 @@ def _json_row(row: Metrics) -> dict[str, Any]:
     return {k: (None if isinstance(v, float) and np.isnan(v) else v) for k, v in dataclasses.asdict(row).items()}
 
 
-def finish(tagger: LengthTagger, split: Split, out_dir: Path, meta: dict[str, Any]) -> list[Metrics]:
-    """Evaluate on the held-out split; write ``eval.json``, ``errors.npz`` and ``tagger.json``.
+def finish(tagger: LengthTagger, split: Split, out_dir: Path, meta: dict[str, Any],
+           quantiles: LengthQuantiles | None = None) -> list[Metrics]:
+    """Evaluate on both held-out views; write ``eval.json``, ``errors.npz`` (all exchanges: what a chat endpoint
+    sees), ``errors_first.npz`` (first exchanges: single-turn traffic) and ``tagger.json``.
 
     Returns:
-        The eval rows (tagger, median baseline, prompt-length baseline).
+        The eval rows of the first-exchange view (tagger, median baseline, prompt-length baseline).
     """
     out_dir = Path(out_dir)
     start_s = time.monotonic()
-    rows, pred = evaluate_tagger(tagger, split.train, split.test)
+    views = {"first-exchange": split.test_first, "all-exchange": split.test}
+    report: dict[str, Any] = {}
+    tables = []
+    first_rows: list[Metrics] = []
+    for view, test in views.items():
+        rows, pred = evaluate_tagger(tagger, split.train, test)
+        first_rows = first_rows or rows
+        true = np.array([e.num_output_tokens for e in test])
+        model = LengthErrorModel.from_predictions(pred, true)
+        model.save(out_dir) if view == "all-exchange" else model.save(out_dir, FIRST_ERRORS_FILE)
+        report[view] = {"rows": [_json_row(r) for r in rows]}
+        tables.append(f"{view} view ({len(test)} exchanges):\n{format_table(rows)}")
+        if quantiles is not None:
+            q = quantiles.quantiles_batch(predict_examples(tagger, test), np.array([bool(e.history) for e in test]))
+            report[view]["coverage"] = dict(zip(map(str, quantiles.levels), coverage(q, true).round(4).tolist()))
+    if quantiles is not None:
+        tables.append("quantile coverage (fraction of true lengths <= the predicted quantile):\n" + format_coverage(
+            quantiles.levels, [(v, [report[v]["coverage"][str(q)] for q in quantiles.levels]) for v in views]))
     eval_s = time.monotonic() - start_s
-    true = np.array([e.num_output_tokens for e in split.test])
-    LengthErrorModel.from_predictions(pred, true).save(out_dir)
-    (out_dir / EVAL_FILE).write_text(
-        json.dumps({"rows": [_json_row(r) for r in rows], "eval_time_s": round(eval_s, 1)}, indent=2)
-        + "\n",
-        encoding="utf-8",
-    )
+    (out_dir / EVAL_FILE).write_text(json.dumps({**report, "eval_time_s": round(eval_s, 1)}, indent=2) + "\n",
+                                     encoding="utf-8")
     write_meta(out_dir, {**meta, "split_seed": split.seed, "test_frac": split.test_frac,
-                         "num_test_examples": len(split.test), "length_fallback": length_fallback(split.train)})
-    logger.info("held-out evaluation (%.1f s):\n%s", eval_s, format_table(rows))
-    return rows
+                         "num_test_examples": len(split.test), "num_test_first_examples": len(split.test_first),
+                         "length_fallback": length_fallback(split.train)})
+    logger.info("held-out evaluation (%.1f s):\n%s", eval_s, "\n\n".join(tables))
+    return first_rows

@@ -200,3 +200,45 @@ def test_a_burst_of_identical_cold_prompts_goes_home_not_everywhere():
     with_probe = _shares(PolicySpec("k2", "astrolabe", {"k": 2}), burst, 12)
     assert sum(1 for n in with_probe if n) <= 3, with_probe
     assert sum(1 for n in _shares(PolicySpec("lr", "least-requests"), burst, 12) if n) == 8  # what scattering is
+
+
+def test_a_request_with_its_own_distribution_is_priced_by_it_unless_the_policy_has_its_own_rule():
+    from predictor.sim.residual import ExactLengths, FixedExtraTokens, QuantileResidual
+
+    own = QuantileResidual((0.1, 0.5, 0.9), (800, 1000, 1200))  # the request's own: ~1,000 tokens
+    request = dataclasses.replace(keyed("a", 64, 300), num_predicted_output_tokens=40, length_residual=own)
+    cluster = _Cluster(ClusterConfig(num_instances=1, engine=ENGINE, residual=ExactLengths()),
+                       PolicySpec("k2", "astrolabe", {"k": 2}))
+    cluster.dispatch(0, 0, "r0", request)
+    cluster.advance_to(0.05)
+    (state,) = cluster.snapshot(0).running + cluster.snapshot(0).waiting
+    assert state.num_output_tokens == own.expected_output_tokens(40, state.num_generated_tokens) > 700
+    paper = _Cluster(ClusterConfig(num_instances=1, engine=ENGINE, residual=ExactLengths()),
+                     PolicySpec("paper", "astrolabe", {"k": 2}, FixedExtraTokens()))
+    paper.dispatch(0, 0, "r0", request)
+    paper.advance_to(0.05)
+    (state,) = paper.snapshot(0).running + paper.snapshot(0).waiting
+    assert state.num_output_tokens == 40  # the paper's rule: the point estimate, not the request's distribution
+
+
+def test_with_length_distributions_gives_later_turns_the_history_quantiles():
+    from bench.cluster import _with_length_distributions
+    from bench.cluster_sim import ClusterSession
+    from predictor.sim.residual import QuantileResidual
+    from tagger.quantiles import LengthQuantiles
+
+    rng = np.random.default_rng(0)
+    s = rng.uniform(3, 6, 4000)
+    history = np.arange(4000) % 2 == 1
+    quantiles = LengthQuantiles.fit(s, np.maximum(1, np.expm1(s + rng.normal(0, np.where(history, 1.0, 0.1)))),
+                                    history)
+    turns = (keyed("a", 64, 100), keyed("b", 64, 100))
+    turns = tuple(dataclasses.replace(t, num_predicted_output_tokens=100) for t in turns)
+    sessions = {0: [ClusterSession(0.0, turns, (1.0,))]}
+    (session,) = _with_length_distributions(sessions, quantiles)[0]
+    first, later = (t.length_residual for t in session.turns)
+    assert isinstance(first, QuantileResidual) and isinstance(later, QuantileResidual)
+    # a later turn's spread is wider: more tokens expected once it has outlived its median
+    assert later.expected_output_tokens(100, 300) > first.expected_output_tokens(100, 300)
+    (single,) = _with_length_distributions({0: [turns[0]]}, quantiles)[0]
+    assert single.length_residual.expected_output_tokens(100, 0) == first.expected_output_tokens(100, 0)

@@ -73,7 +73,7 @@ def test_plan_trace_sets_the_rate_from_simulated_capacity() -> None:
     # the prompts come from the tagger's held-out split only (the shipped tagger never trained on them)
     from tagger.data import load_split
 
-    held_out = {e.prompt for e in load_split().test}
+    held_out = {e.prompt for e in load_split().test_first}
     assert all(r.prompt in held_out for t in plan.traces.values() for r in t)
     # The same seed gives the same requests whatever the rate.
     explicit = demo.plan_trace(demo._parse_args(["--num-requests", "40", "--rate-qps", "1.0", "--seeds", "0,1"]))
@@ -96,7 +96,7 @@ def test_multi_turn_plan_replays_held_out_conversations_as_sessions_that_fit_the
     from tagger.data import load_split
     from tagger.tokenizer import count_tokens
 
-    held_out = {e.id for e in load_split().test}
+    held_out = load_split().test_conversation_ids
     for sessions in plan.sessions.values():
         assert sum(len(s.turns) for s in sessions) >= 30 and any(len(s.turns) > 1 for s in sessions)
         starts = [s.start_offset_s for s in sessions]

@@ -4,15 +4,22 @@ import random
 
 import pytest
 
-from extproc.lengths import MAX_TOKENIZED_CHARS, OutputLengthConfig, OutputLengthEstimator, count_prompt_tokens
+from extproc.lengths import (
+    MAX_TOKENIZED_CHARS,
+    OutputLengthConfig,
+    OutputLengthEstimator,
+    chat_history,
+    count_prompt_tokens,
+)
 from extproc.request import RoutingRequest
+from tagger.features import NO_HISTORY, HistoryStats
 from tagger.serve import load_service
 from tagger.tokenizer import count_tokens
 
 
-def req(text=None, ids=None, max_tokens=None, last_user=None):
+def req(text=None, ids=None, max_tokens=None, last_user=None, messages=None):
     return RoutingRequest("r", "POST", "/v1/chat/completions", prompt_text=text, prompt_token_ids=ids,
-                          max_tokens=max_tokens, last_user_message=last_user)
+                          max_tokens=max_tokens, last_user_message=last_user, chat_messages=messages)
 
 
 def test_prompt_tokens_exact_for_ids_and_short_texts():
@@ -49,6 +56,28 @@ async def test_tagger_source_reads_the_last_user_message_and_is_capped():
         long_guess = await estimator.estimate(req(text="system prompt\n" + essay, last_user=essay))
         assert long_guess == await service.estimate(essay)
         assert await estimator.estimate(req(text=essay, last_user=essay, max_tokens=5)) == 5
+    finally:
+        service.close()
+
+
+def test_chat_history_is_every_message_before_the_last_user_message():
+    messages = (("system", "be brief"), ("user", "q1"), ("assistant", "a" * 50), ("user", "q2"), ("assistant", "x"))
+    assert chat_history(req(messages=messages)) == HistoryStats.of(messages[:3])
+    assert chat_history(req(messages=(("user", "only"),))) == NO_HISTORY
+    assert chat_history(req(messages=(("system", "s"),))) == NO_HISTORY  # no user message: nothing answers
+    assert chat_history(req(text="completions")) == NO_HISTORY
+
+
+async def test_a_later_turn_is_tagged_with_its_conversation():
+    service = load_service(None)
+    try:
+        estimator = OutputLengthEstimator(OutputLengthConfig(), service)
+        question = "Can you explain that in more detail?"
+        first = await estimator.estimate(req(text=question, last_user=question, messages=(("user", question),)))
+        long_answer = (("user", "Tell me about Rome."), ("assistant", "Rome " * 2000), ("user", question))
+        later = await estimator.estimate(req(text=question, last_user=question, messages=long_answer))
+        assert later == await service.estimate(question, None, None, HistoryStats.of(long_answer[:2]))
+        assert later > first  # an assistant that answered at length is expected to again
     finally:
         service.close()
 

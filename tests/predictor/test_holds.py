@@ -187,7 +187,9 @@ async def test_a_watching_router_gets_the_state_a_predict_would_simulate():
         state = states[-1]
         assert len(state.snapshot.running) + len(state.snapshot.waiting) == 12  # its own hold left out
         assert state.state_source == "ledger" and state.batch_time == sidecar.batch_time
-        new = RequestState("new", 200, 100)
+        # the sidecar simulates the residual rule's expected length for a guess of 100 tokens, not the guess
+        expected = sidecar.residual.for_source(0).expected_output_tokens(100, 0, None)
+        new = RequestState("new", 200, expected)
         local = predict(state.snapshot, new, state.batch_time)
         reply = await stub.Predict(pb.PredictRequest(request_id="q", num_prompt_tokens=200,
                                                      num_predicted_output_tokens=100, router_id=7), timeout=5)

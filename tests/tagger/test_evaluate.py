@@ -70,3 +70,19 @@ def test_baselines():
 def test_format_table_has_one_row_per_metrics():
     m = compute_metrics("light", np.array([1, 2]), np.array([1, 2]))
     assert format_table([m, m]).count("| light |") == 2
+
+
+def test_pairwise_accuracy_counts_prediction_ties_half_and_ignores_true_ties():
+    from tagger.evaluate import pairwise_accuracy
+
+    assert pairwise_accuracy([1, 2, 3], [10, 20, 30]) == 1.0
+    assert pairwise_accuracy([3, 2, 1], [10, 20, 30]) == 0.0
+    assert pairwise_accuracy([1, 1, 1], [10, 20, 30]) == 0.5
+    # pairs (a, b) true-tied are not counted: (a, c) right, (b, c) wrong
+    assert pairwise_accuracy([1, 5, 3], [10, 10, 30]) == 0.5
+    assert np.isnan(pairwise_accuracy([1, 2], [7, 7]))
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 20, 600), rng.integers(0, 20, 600)
+    brute = [(np.sign(x[i] - x[j]) * np.sign(y[i] - y[j]), x[i] == x[j]) for i in range(600) for j in range(i)
+             if y[i] != y[j]]
+    assert pairwise_accuracy(x, y) == pytest.approx(sum((s > 0) + 0.5 * t for s, t in brute) / len(brute))

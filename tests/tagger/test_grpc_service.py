@@ -10,6 +10,7 @@ from opentelemetry.trace import SpanKind
 
 from astrolabe.tracing import LENGTH_ESTIMATE_SPAN, setup_tracing
 from tagger import grpc_service
+from tagger.features import HistoryStats
 from tagger.grpc_service import SERVICE_NAME, TaggerClient, load_stubs, start_server
 from tagger.serve import load_service
 
@@ -98,6 +99,13 @@ async def test_estimates_over_grpc_are_the_taggers_own():
         reference.close()
         assert over_grpc == in_process
         assert len(set(over_grpc)) > 1
+        # a later turn: the history's roles and sizes travel and change the estimate as in process
+        sizes = [("user", 40), ("assistant", 6000)]
+        later = await client.estimate(prompts[2], history_sizes=sizes)
+        reference = load_service(None)
+        assert later == await reference.estimate(prompts[2], history=HistoryStats.from_sizes(sizes))
+        reference.close()
+        assert later != over_grpc[2]
     finally:
         await client.close()
         await server.stop(None)

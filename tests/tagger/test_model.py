@@ -8,14 +8,15 @@ pytestmark = pytest.mark.tagger
 
 @pytest.fixture(scope="module")
 def trained_dir(tmp_path_factory):
-    from tagger.data import load_examples, split_examples
+    from tagger.data import load_examples, split_by_conversation
     from tagger.train import TransformerParams, train_transformer
 
     out = tmp_path_factory.mktemp("minilm")
-    split = split_examples(load_examples()[:60], seed=2)
+    split = split_by_conversation(load_examples()[:60], seed=2)
     params = TransformerParams(max_length=32, epochs=1, batch_size=8, num_threads=1, lr=1e-4)
     rows = train_transformer(split, out, params)
-    assert rows[0].name == "transformer tagger" and rows[0].num_examples == 12
+    (out / "num_train").write_text(str(len(split.train)))
+    assert rows[0].name == "transformer tagger" and rows[0].num_examples == len(split.test_first) > 0
     return out
 
 
@@ -33,7 +34,9 @@ def test_trained_directory_loads_and_predicts(trained_dir):
     from tagger.serve import load_tagger
 
     meta = read_meta(trained_dir)
-    assert meta["kind"] == "transformer" and meta["steps"] == 6 and meta["num_train_examples"] == 48
+    num_train = int((trained_dir / "num_train").read_text())
+    assert meta["kind"] == "transformer" and meta["num_train_examples"] == num_train
+    assert meta["steps"] == -(-num_train // 8)  # one epoch of batches of 8
     tagger = load_tagger(trained_dir)
     prompts = ["Write a long story.", "yes or no?", "x " * 500]
     pred = tagger.predict_log1p(prompts)

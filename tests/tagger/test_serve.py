@@ -16,11 +16,13 @@ class RecordingTagger:
 
     def __init__(self, fail=False):
         self.batches = []
+        self.histories = []
         self.threads = set()
         self.fail = fail
 
-    def predict_log1p(self, prompts):
+    def predict_log1p(self, prompts, histories=None):
         self.batches.append(list(prompts))
+        self.histories.append(list(histories) if histories is not None else None)
         self.threads.add(threading.current_thread())
         if self.fail:
             raise RuntimeError("model down")
@@ -142,3 +144,16 @@ def test_light_tagger_service_tags_inline_by_default():
         assert service.inline_max_chars > 0
     finally:
         service.close()
+
+
+async def test_the_history_reaches_the_model_and_keys_the_cache(make_service):
+    from tagger.features import HistoryStats
+
+    tagger = RecordingTagger()
+    service = make_service(tagger, max_batch_delay_s=0.0)
+    history = HistoryStats.of([("user", "q"), ("assistant", "a" * 30)])
+    await service.estimate("same")
+    await service.estimate("same", None, None, history)
+    await service.estimate("same", None, None, history)  # cached under the (prompt, history) key
+    assert tagger.batches == [["same"], ["same"]] and service.num_cache_hits == 1
+    assert tagger.histories[1] == [history]

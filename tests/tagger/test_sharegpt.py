@@ -158,3 +158,24 @@ def test_conversations_count_every_message_and_use_the_cache(tmp_path) -> None:
     lines[-1] = json.dumps(["m_0", [9, 9]])
     cache.write_text("\n".join(lines) + "\n", encoding="utf-8")
     assert load_sharegpt_conversations(dataset, cache_path=cache)[-1] == SharegptConversation("m_0", (9, 9))
+
+
+def test_load_exchanges_counts_every_exchange_and_caches_only_the_counts(tmp_path) -> None:
+    from tagger.sharegpt import load_sharegpt_exchanges
+
+    dataset, cache = tmp_path / "sharegpt.json", tmp_path / "cache" / "exchanges.jsonl"
+    _write_dataset(dataset, RECORDS)
+    exchanges = load_sharegpt_exchanges(dataset, cache_path=cache)
+    # b_0 starts with the assistant and ends on a human turn: no exchange; e_0's reply is empty (0 tokens)
+    assert [(e.id, e.turn) for e in exchanges] == [("a_0", 0), ("d_0", 0), ("e_0", 0)]
+    assert exchanges[0].num_output_tokens == count_tokens("Paris is the capital.")
+    # warm: the counts come from the cache (texts are decoded again)
+    lines = cache.read_text(encoding="utf-8").splitlines()
+    lines[1] = json.dumps(["a_0", 0, 111, 222])
+    cache.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    warm = load_sharegpt_exchanges(dataset, cache_path=cache)
+    assert (warm[0].prompt, warm[0].num_prompt_tokens, warm[0].num_output_tokens) == (exchanges[0].prompt, 111, 222)
+    # a cache whose rows do not match the dataset's exchanges is rebuilt
+    lines[1] = json.dumps(["zz", 9, 1, 1])
+    cache.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert load_sharegpt_exchanges(dataset, cache_path=cache) == exchanges

@@ -1,4 +1,5 @@
-"""Residual output lengths: the paper's rule, exact lengths, and the empirical conditional mean."""
+"""Residual output lengths: the paper's rule, exact lengths, the empirical conditional mean, and one request's own
+quantiles."""
 
 import math
 
@@ -12,6 +13,7 @@ from predictor.sim.residual import (
     EmpiricalResidual,
     ExactLengths,
     FixedExtraTokens,
+    QuantileResidual,
 )
 
 RNG = np.random.default_rng(0)
@@ -77,3 +79,43 @@ def test_empirical_rejects_bad_samples(pred, true, bins):
 def test_paper_rule_rejects_bad_extra():
     with pytest.raises(ValueError):
         FixedExtraTokens(0)
+
+
+LEVELS = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99)
+LOGNORMAL = np.exp(np.random.default_rng(1).normal(5.0, 0.8, 400_000))
+OWN = QuantileResidual(LEVELS, np.quantile(LOGNORMAL, LEVELS))
+
+
+@pytest.mark.parametrize("generated, cap", [(0, None), (50, None), (150, None), (400, None), (0, 300), (150, 300)])
+def test_quantiles_give_the_conditional_mean_of_the_distribution_they_describe(generated, cap):
+    alive = LOGNORMAL[LOGNORMAL > generated]
+    reference = float(np.mean(np.minimum(alive, cap) if cap else alive))
+    assert OWN.expected_output_tokens(0, generated, cap) == pytest.approx(reference, rel=0.03)
+
+
+@given(st.integers(0, 20_000), st.one_of(st.none(), st.integers(1, 5000)))
+def test_quantiles_stay_within_bounds_and_grow_with_progress(generated, cap):
+    value = OWN.expected_output_tokens(7, generated, cap)
+    assert value > generated
+    if cap is not None and cap > generated:
+        assert value <= cap
+    assert OWN.expected_output_tokens(7, generated + 100, None) >= OWN.expected_output_tokens(7, generated, None)
+
+
+def test_quantiles_of_a_point_mass_and_of_a_wider_request():
+    point = QuantileResidual((0.1, 0.5, 0.9), (200, 200, 200))
+    # 90 % of the mass at 200 tokens, the lowest 10 % log-uniform from 1 token up to it
+    assert 170 < point.expected_output_tokens(0, 0) < 200 and point.expected_output_tokens(0, 199) == 200
+    assert point.expected_output_tokens(0, 200) == 210  # past every quantile: the tail excess (>= 10 tokens)
+    narrow = QuantileResidual((0.1, 0.5, 0.9), (150, 200, 260))
+    wide = QuantileResidual((0.1, 0.5, 0.9), (40, 200, 1000))
+    assert wide.expected_output_tokens(0, 0) > narrow.expected_output_tokens(0, 0)  # same median, longer tail
+    assert wide.expected_output_tokens(0, 300) > narrow.expected_output_tokens(0, 300)
+
+
+@pytest.mark.parametrize("levels, quantiles", [((0.5,), (10, 20)), ((0.5, 0.1), (10, 20)), ((0.0, 0.5), (1, 2)),
+                                               ((0.1, 0.5), (0.5, 2)), ((0.1, 0.5), (30, 20)), ((), ())],
+                         ids=["lengths", "levels-order", "level-0", "below-1-token", "decreasing", "empty"])
+def test_quantiles_reject_bad_input(levels, quantiles):
+    with pytest.raises(ValueError):
+        QuantileResidual(levels, quantiles)
