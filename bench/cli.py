@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "tagger": ("bench.tagger_bench", "per-request latency of both length taggers at 1 and 16 concurrent"),
     "predictor": ("bench.predictor_bench", "latency of one prediction (predictor.sim.predict) versus instance size"),
     "cluster": ("bench.cluster", "dispatch policies on a simulated fleet in virtual time: capacity, P99 TTFT"),
+    "goodput": ("bench.goodput", "latency objectives and admission under overload on the simulated fleet: goodput"),
     "plugin-overhead": ("bench.plugin_overhead", "cost of the vLLM state plugin: per publish, and throughput A/B"),
     "accuracy": ("bench.accuracy", "predicted vs actual E2E and Po2 hindsight agreement on 2 real vLLM servers"),
     "tracing": ("bench.tracing_cost", "cost of OpenTelemetry tracing per routing decision: off vs on, same run"),

@@ -368,9 +368,18 @@ def run_sweep(specs: Sequence[PolicySpec], rates_qps: Sequence[float],
     return sorted(points, key=lambda p: (order[p.result.policy], p.result.rate_qps, p.seed))
 
 
-def _error_model(args: argparse.Namespace, pairs: Sequence[SharegptPair]
-                 ) -> tuple[SamplePredictedTokens, str, ResidualLengthModel]:
-    """(predicted-length sampler, its description, the sidecars' residual rule calibrated on the same errors)."""
+def error_model(args: argparse.Namespace, pairs: Sequence[SharegptPair]
+                ) -> tuple[SamplePredictedTokens, str, ResidualLengthModel]:
+    """(predicted-length sampler, its description, the sidecars' residual rule calibrated on the same errors).
+
+    Args:
+        args: reads ``oracle_lengths``, ``length_errors`` (a tagger directory, an errors.npz, or ``lognormal``),
+            ``length_sigma`` and ``workload`` (multi-turn traffic takes the errors on every exchange).
+        pairs: the ShareGPT pairs (the log-normal model's residual rule samples their lengths).
+
+    Raises:
+        ValueError: an error sample without (predicted, true) pairs.
+    """
     if args.oracle_lengths:
         return oracle_lengths, "oracle (predicted = true)", ExactLengths()
     if str(args.length_errors) == "lognormal":
@@ -616,7 +625,7 @@ def main(argv: Sequence[str]) -> int:
         engine = engine_from_args(args)
         max_len = min(args.max_model_len, engine.num_gpu_blocks * engine.block_size)
         pairs = filter_pairs(load_sharegpt_pairs(), max_model_len=max_len)
-        sample_predicted_tokens, error_desc, residual = _error_model(args, pairs)
+        sample_predicted_tokens, error_desc, residual = error_model(args, pairs)
         specs = [policy_spec(label, args.num_instances, migration=args.migration) for label in _labels(args)]
         requests_by_seed, workload_desc = _traces(args, engine, pairs, seeds, sample_predicted_tokens, max_len)
         if args.length_distribution == "quantiles" and not args.oracle_lengths \

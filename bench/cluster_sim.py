@@ -71,6 +71,7 @@ from typing import Any
 import numpy as np
 
 from bench.migration import MigrationController, MigrationParams
+from extproc.admission import NO_OBJECTIVES, AdmissionParams, CriticalPressure, Objectives, meets, shed_reason
 from extproc.fleet_state import predict_from_state
 from extproc.policies.base import EndpointMetrics, EndpointView, Policy, Prediction
 from extproc.policies.least_requests import LeastRequestsPolicy
@@ -167,6 +168,9 @@ class ClusterRequest:
     ``length_residual``: the request's own predicted length distribution (``predictor.sim.residual
     .QuantileResidual`` over the tagger's quantiles), which the sidecars then use for it instead of the fleet's
     rule; None = the fleet's rule (``ClusterConfig.residual``).
+
+    ``objectives``: its latency objectives and priority (``extproc.admission``), as the extproc resolves them from
+    its headers; they steer the choice and, with a policy's ``admission``, may refuse it.
     """
 
     arrival_time_s: float
@@ -176,6 +180,7 @@ class ClusterRequest:
     max_tokens: int | None = None
     block_keys: tuple[int, ...] | None = None
     length_residual: ResidualLengthModel | None = None
+    objectives: Objectives = NO_OBJECTIVES
 
     def prompt_block_keys(self, block_size: int) -> tuple[int, ...] | None:
         """The keys of the prompt's full blocks (None without keys)."""
@@ -223,6 +228,10 @@ class PolicySpec:
     ``migration``: Llumnix's live migration run beside the policy (``bench.migration``); None or a bandwidth of 0
     = none. ``staleness_s`` replaces ``ClusterConfig.staleness_s`` for this policy (None = the fleet's), so that
     one run compares several stalenesses on the same traces.
+    ``admission``: the extproc's admission rule (``extproc.admission.shed_reason``) applied to this policy's
+    probed candidates, with ``protect_ttft_s`` the ``headroom`` rule's bound (seconds; None = none) and
+    ``pressure_window_s`` its ``extproc.admission.CriticalPressure`` window (seconds; 0 = none), one per router
+    replica; None = no admission. Only a predicting policy can refuse (the rule reads predictions).
     """
 
     label: str
@@ -231,6 +240,9 @@ class PolicySpec:
     residual: ResidualLengthModel | None = None
     migration: MigrationParams | None = None
     staleness_s: float | None = None
+    admission: AdmissionParams | None = None
+    protect_ttft_s: float | None = None
+    pressure_window_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +271,11 @@ class PointResult:
         request_rate_qps: requests per second that arrived between the first and the last arrival (for sessions:
             between the first and the last session's START, while sessions keep starting, which leaves out the
             ramp-down of the last sessions' later turns): what ``rate_qps`` gave.
+        num_shed: requests the policy's admission rule refused (``PolicySpec.admission``; never dispatched).
+        num_shed_unprobed_met: of those, the ones for which an instance that was not probed was predicted (by the
+            same model, at the same moment) to meet the request's objectives: what probing only k + extra
+            instances costs admission.
+        arrival_span_s: seconds from the first to the last arrival (the span goodput is taken over).
     """
 
     policy: str
@@ -286,6 +303,9 @@ class PointResult:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     request_rate_qps: float = math.nan
+    num_shed: int = 0
+    num_shed_unprobed_met: int = 0
+    arrival_span_s: float = math.nan
 
 
 SHARE_WINDOW_S = 1.0
@@ -392,6 +412,7 @@ class _Router:
         # Replicas scrape at their own phase of the interval (they start at different times).
         self.phase_s = config.metrics_interval_s * index / config.num_routers
         self.last_sample_s = -math.inf
+        self.pressure = CriticalPressure(spec.pressure_window_s)
 
 
 class _Cluster:
@@ -424,6 +445,11 @@ class _Cluster:
         self.block_size = config.engine.block_size
         self.num_predictions = 0
         self.num_fallbacks = 0
+        self.admission = spec.admission if self.policy.needs_predictions else None
+        self.protect_ttft_s = spec.protect_ttft_s
+        # request id -> the admission rule's reason for refusing it
+        self.shed: dict[str, str] = {}
+        self.num_shed_unprobed_met = 0
         migration = spec.migration
         self.migration = (MigrationController(migration, self.engines, self._moved)
                           if migration is not None and migration.enabled else None)
@@ -638,14 +664,16 @@ class _Cluster:
                           (queue_s - shift_s) * factor,
                           num_requests=len(snapshot.running) + len(snapshot.waiting), idle_e2e_s=idle.e2e_s * factor)
 
-    def route(self, request_id: str, request: ClusterRequest) -> tuple[int, int]:
-        """(router replica, instance) for ``request``."""
+    def route(self, request_id: str, request: ClusterRequest) -> tuple[int, int] | None:
+        """(router replica, instance) for ``request``; None when the policy's admission rule refuses it (counted in
+        ``shed``; it is never dispatched)."""
         r = self._assign_rng.randrange(len(self.routers))
         router = self.routers[r]
         keys = request.prompt_block_keys(self.block_size)
         routing_request = RoutingRequest(request_id, "POST", "/v1/completions", max_tokens=request.max_tokens,
-                                         arrival_time_s=request.arrival_time_s, block_keys=keys)
-        self.routing_requests[request_id] = routing_request
+                                         arrival_time_s=request.arrival_time_s, block_keys=keys,
+                                         objectives=request.objectives,
+                                         num_predicted_output_tokens=request.num_predicted_output_tokens)
         views = self.views(router, request.arrival_time_s, keys)
         if router.policy.needs_predictions:
             candidates = router.policy.candidates(routing_request, views)
@@ -654,13 +682,35 @@ class _Cluster:
             more = router.policy.more_candidates(routing_request, scored, views)
             scored += [dataclasses.replace(v, prediction=self.predict(self.index[v.address], request_id, request,
                                                                       router)) for v in more]
+            if self.admission is not None:
+                now_s = request.arrival_time_s
+                router.pressure.observe(request.objectives, scored, now_s, self.protect_ttft_s)
+                reason = shed_reason(request.objectives, scored, request.num_predicted_output_tokens,
+                                     self.admission.rule, self.protect_ttft_s, router.pressure.active(now_s))
+                if reason is not None:
+                    self._refuse(request_id, request, reason, router, scored, views)
+                    return None
             chosen = router.policy.choose(routing_request, scored)
         else:
             chosen = router.policy.choose(routing_request, views)
+        self.routing_requests[request_id] = routing_request
         if chosen is None:
             self.num_fallbacks += 1
             chosen = router.fallback.choose(routing_request, views)
         return r, self.index[chosen.address]
+
+    def _refuse(self, request_id: str, request: ClusterRequest, reason: str, router: _Router,
+                scored: Sequence[EndpointView], views: Sequence[EndpointView]) -> None:
+        """Records a refusal and whether an unprobed instance was predicted to meet the request's objectives (the
+        simulation can ask every instance; those predictions are not counted as the policy's)."""
+        self.shed[request_id] = reason
+        probed = {v.address for v in scored}
+        num_predictions = self.num_predictions
+        unprobed_met = any(meets(request.objectives, dataclasses.replace(
+            v, prediction=self.predict(self.index[v.address], request_id, request, router)),
+            request.num_predicted_output_tokens) for v in views if v.address not in probed)
+        self.num_predictions = num_predictions
+        self.num_shed_unprobed_met += unprobed_met
 
     def dispatch(self, r: int, i: int, request_id: str, request: ClusterRequest) -> None:
         """Sends ``request`` to instance ``i``, where it arrives ``decision_latency_s`` later; replica ``r``
@@ -713,7 +763,8 @@ def _mean_p99(values_s: list[float]) -> tuple[float, float]:
 
 @dataclass(frozen=True, slots=True)
 class PointLatencies:
-    """Per-request latencies of one point, trace (arrival) order, seconds: what bootstrap intervals resample."""
+    """Per-request latencies of one point, trace (arrival) order, seconds: what bootstrap intervals resample. A
+    request the admission rule refused has NaN (``bench.stats``: a failure)."""
 
     ttfts_s: np.ndarray
     e2es_s: np.ndarray
@@ -755,7 +806,9 @@ def simulate_point_latencies(spec: PolicySpec, rate_qps: float, requests: Sequen
     for n, request in enumerate(requests):
         cluster.advance_to(request.arrival_time_s)
         request_id = f"r{n}"
-        cluster.dispatch(*cluster.route(request_id, request), request_id, request)
+        routed = cluster.route(request_id, request)
+        if routed is not None:
+            cluster.dispatch(*routed, request_id, request)
     cluster.drain()
     return _point_result(cluster, spec, rate_qps, requests, start_s)
 
@@ -794,13 +847,13 @@ def simulate_sessions_latencies(spec: PolicySpec, rate_sps: float, sessions: Seq
     think_s = [t for session in sessions for t in session.think_times_s]
     step_s = min(think_s, default=math.inf)
 
-    def next_turn(request: SimRequest) -> None:
-        n = int(request.request_id[1:])
+    def next_turn(request_id: str, end_s: float) -> None:
+        n = int(request_id[1:])
         s, k = owner[n]
         if k + 1 < len(sessions[s].turns):
-            heapq.heappush(due, (request.finish_time_s + sessions[s].think_times_s[k], n + 1, s, k + 1))
+            heapq.heappush(due, (end_s + sessions[s].think_times_s[k], n + 1, s, k + 1))
 
-    cluster.on_request_finished = next_turn
+    cluster.on_request_finished = lambda request: next_turn(request.request_id, request.finish_time_s)
     now_s = -math.inf
     while due or cluster.has_work():
         if due and due[0][0] <= now_s:
@@ -808,7 +861,11 @@ def simulate_sessions_latencies(spec: PolicySpec, rate_sps: float, sessions: Seq
             request = realized[n] = dataclasses.replace(sessions[s].turns[k], arrival_time_s=arrival_s)
             cluster.advance_to(arrival_s)
             request_id = f"r{n}"
-            cluster.dispatch(*cluster.route(request_id, request), request_id, request)
+            routed = cluster.route(request_id, request)
+            if routed is not None:
+                cluster.dispatch(*routed, request_id, request)
+            else:  # refused: the client sends its next message a think time after the refusal
+                next_turn(request_id, arrival_s)
             continue
         next_s = due[0][0] if due else math.inf
         now_s = min(next_s, now_s + step_s) if now_s > -math.inf else next_s
@@ -829,12 +886,18 @@ def _point_result(cluster: _Cluster, spec: PolicySpec, rate_qps: float, requests
     config = cluster.config
     done = sorted(cluster.finished, key=lambda r: int(r.request_id[1:]))
     assert len({r.request_id for r in done}) == len(done), "a request finished twice"
+    assert len(done) + len(cluster.shed) == len(requests), "a request was neither served nor refused"
     # from the request's arrival at the router (the instance sees it decision_latency_s later)
     arrivals_s = np.array([requests[int(r.request_id[1:])].arrival_time_s for r in done])
     ttfts_s = np.array([r.first_token_time_s for r in done]) - arrivals_s
     e2es_s = np.array([r.finish_time_s for r in done]) - arrivals_s
     ttft_mean_s, ttft_p99_s = _mean_p99(list(ttfts_s))
     e2e_mean_s, e2e_p99_s = _mean_p99(list(e2es_s))
+    if cluster.shed:  # trace order, NaN for the refused
+        index = np.array([int(r.request_id[1:]) for r in done], dtype=int)
+        all_ttfts_s, all_e2es_s = np.full(len(requests), np.nan), np.full(len(requests), np.nan)
+        all_ttfts_s[index], all_e2es_s[index] = ttfts_s, e2es_s
+        ttfts_s, e2es_s = all_ttfts_s, all_e2es_s
     tpots_s = [(r.finish_time_s - r.first_token_time_s) / (r.num_output_tokens - 1)
                for r in done if r.num_output_tokens > 1]
     arrivals = sorted(r.arrival_time_s for r in requests)
@@ -861,5 +924,8 @@ def _point_result(cluster: _Cluster, spec: PolicySpec, rate_qps: float, requests
         prefix_cache_queries=sum(e.scheduler.prefix_cache_queries for e in cluster.engines),
         prefix_cache_hits=sum(e.scheduler.prefix_cache_hits for e in cluster.engines),
         request_rate_qps=(num_in_window - 1) / span_s if span_s > 0 else math.nan,
+        num_shed=len(cluster.shed),
+        num_shed_unprobed_met=cluster.num_shed_unprobed_met,
+        arrival_span_s=span_s,
     )
     return result, PointLatencies(ttfts_s, e2es_s)

@@ -63,6 +63,16 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
                                     # prompts' counts extrapolated)
       block_size: 16                # tokens per KV block: the instances' vLLM --block-size
       max_keyed_chars: 262144       # a longer prompt (characters) gets no keys
+    objectives:                     # latency objectives and admission (extproc/admission.py); headers
+                                    # x-slo-ttft-ms / x-slo-tpot-ms (and llm-d's x-llm-d-slo-*) set a request's own
+      named: {}                     # objective name (x-gateway-inference-objective) -> {priority, ttft_ms, tpot_ms}
+      models: {}                    # served model -> {priority, ttft_ms, tpot_ms} of requests naming none
+      default: {}                   # every other request (priority 0, no objective)
+      admission: headroom           # none | slo | headroom: when a sheddable (priority < 0) request gets 429
+      protect_ttft_ms: null         # headroom bound (null = half the tightest TTFT objective of priority >= 0)
+      retry_after_s: 1              # retry-after of a refused request
+      pressure_window_s: 2.0        # headroom: refuse every sheddable request this long after a priority >= 0 one
+                                    # was predicted to wait past the bound everywhere it probed (0 = never)
     reload_interval_s: 1.0          # how often the file is checked for changes (endpoints reload live)
     metrics_interval_s: 0.05        # endpoint /metrics scrape interval (only for infaas | llumnix | gie)
     metrics_staleness_s: 2.0        # an older scrape counts as missing (GIE's default)
@@ -134,6 +144,7 @@ from pydantic_core import core_schema
 
 from astrolabe.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
 from astrolabe.tracing import PROTOCOLS, TracingConfig, TracingConfigError, normalize_endpoint
+from extproc.admission import ADMISSION_RULES, DEFAULT_PRESSURE_WINDOW_S, MAX_OBJECTIVE_S, AdmissionParams, ObjectiveConfig, Objectives
 from extproc.lengths import SOURCES, OutputLengthConfig
 from extproc.policies.registry import POLICY_NAMES, build_policy
 from predictor.backend_metrics import METRICS_FORMATS
@@ -433,6 +444,67 @@ class PrefixCacheConfig:
                           "no keys (rendering costs ~0.09 ms a message).")
 
 
+_ObjectiveMs = Annotated[float, Field(strict=True, gt=0, le=MAX_OBJECTIVE_S * 1000)]
+
+
+@dataclass(frozen=True, slots=True, config=_config("ObjectiveEntry"))
+class ObjectiveEntry:
+    """One objective: a priority and latency objectives (``extproc.admission.Objectives``)."""
+
+    priority: Annotated[int, Field(strict=True)] = Field(
+        0, description="The Inference Extension's priority: negative = sheddable (may be refused with 429), 0 = the "
+                       "default; higher is not served sooner (the engines schedule first come, first served).")
+    ttft_ms: _ObjectiveMs | None = Field(None, description="TTFT objective, milliseconds; null = none.")
+    tpot_ms: _ObjectiveMs | None = Field(
+        None, description="TPOT objective (mean time per output token after the first), milliseconds; null = none.")
+
+    def objectives(self) -> Objectives:
+        return Objectives(None if self.ttft_ms is None else self.ttft_ms / 1000,
+                          None if self.tpot_ms is None else self.tpot_ms / 1000, self.priority)
+
+
+_ObjectiveMap = Annotated[dict[_NonEmptyStr, ObjectiveEntry],
+                          BeforeValidator(_none_as(dict), json_schema_input_type=dict[str, ObjectiveEntry] | None)]
+
+
+@dataclass(frozen=True, slots=True, config=_config("ObjectivesConfig"))
+class ObjectivesConfig:
+    """Latency objectives per request and admission on predicted latency (``extproc/admission.py``)."""
+
+    named: _ObjectiveMap = Field(
+        default_factory=dict, description="Objective name (the InferenceObjective a request names in "
+                                          "x-gateway-inference-objective) -> its priority and objectives.")
+    models: _ObjectiveMap = Field(
+        default_factory=dict, description="Served model -> the objectives of its requests that name no configured "
+                                          "objective.")
+    default: Annotated[ObjectiveEntry, BeforeValidator(_none_as(dict),
+                                                        json_schema_input_type=ObjectiveEntry | None)] = Field(
+        default_factory=ObjectiveEntry, description="The objectives of every other request (default: none, "
+                                                    "priority 0: never refused).")
+    admission: Literal[ADMISSION_RULES] = Field(  # type: ignore[valid-type]
+        "headroom", description="When a sheddable request (priority < 0) is refused with 429: none (never), slo "
+                                "(no probed endpoint is predicted to meet its objectives: llm-d's rule), headroom "
+                                "(that, or the best probed endpoint's predicted TTFT is past protect_ttft_ms).")
+    protect_ttft_ms: _ObjectiveMs | None = Field(
+        None, description="The headroom rule's bound, milliseconds; null = half the tightest TTFT objective of "
+                          "priority >= 0 (no bound when none has one).")
+    retry_after_s: Annotated[int, Field(strict=True, ge=0)] = Field(
+        1, description="retry-after of a refused request, whole seconds.")
+    pressure_window_s: _NonNegativeSeconds = Field(
+        DEFAULT_PRESSURE_WINDOW_S, description="headroom rule: for this long after a request of priority >= 0 was "
+                                               "predicted to wait past protect_ttft_ms on every endpoint it probed, "
+                                               "every sheddable request is refused, seconds (0 = never).")
+
+    def objective_config(self) -> ObjectiveConfig:
+        """The router's view (``extproc.admission.ObjectiveConfig``)."""
+        return ObjectiveConfig({name: e.objectives() for name, e in self.named.items()},
+                               {name: e.objectives() for name, e in self.models.items()}, self.default.objectives(),
+                               None if self.protect_ttft_ms is None else self.protect_ttft_ms / 1000)
+
+    def admission_params(self) -> AdmissionParams:
+        return AdmissionParams(self.admission, self.retry_after_s, self.pressure_window_s)
+
+
 @dataclass(frozen=True, slots=True, config=_config("EndpointConfig"))
 class EndpointConfig:
     """One backend instance.
@@ -705,6 +777,11 @@ class ExtprocConfig:
                                                                 json_schema_input_type=PrefixCacheConfig | None)] = \
         Field(default_factory=PrefixCacheConfig,
               description="The prompt's KV block keys, computed from its token ids and sent with predictions.")
+    objectives: Annotated[ObjectivesConfig, BeforeValidator(_none_as(dict),
+                                                            json_schema_input_type=ObjectivesConfig | None)] = \
+        Field(default_factory=ObjectivesConfig,
+              description="Latency objectives per request (headers, named objectives, defaults per model) and the "
+                          "admission rule that refuses sheddable requests predicted to miss.")
 
     @field_validator("endpoints")
     @classmethod
@@ -730,9 +807,11 @@ _CLASS_AT: dict[tuple[str, ...], type] = {
     ("output_length",): OutputLengthSection, ("predictor_client",): PredictorClientSection,
     ("tracing",): TracingSection, ("discovery",): DiscoveryConfig, ("tls",): ServerTlsConfig,
     ("predictor_tls",): ClientTlsConfig, ("backend_tls",): BackendTlsConfig, ("prefix_cache",): PrefixCacheConfig,
+    ("objectives",): ObjectivesConfig, ("objectives", "named"): ObjectiveEntry,
+    ("objectives", "models"): ObjectiveEntry, ("objectives", "default"): ObjectiveEntry,
 }
 _MAPPING_KEYS = ("health_check", "output_length", "predictor_client", "policy_params", "tokenizers", "tracing",
-                 "discovery", "tls", "predictor_tls", "backend_tls", "prefix_cache")
+                 "discovery", "tls", "predictor_tls", "backend_tls", "prefix_cache", "objectives")
 """Root keys whose own keys an ``<SECTION>__<KEY>`` override may set."""
 
 

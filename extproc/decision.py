@@ -44,6 +44,8 @@ class Decision:
             probed (None: unknown); empty when the policy does not predict.
         num_prompt_blocks: full KV blocks of the prompt that had keys (``len(RoutingRequest.block_keys)``); None:
             no keys.
+        shed_reason: why the request was refused (``extproc.admission.SHED_REASONS``; basis ``shed``, destination
+            ""), or "".
         routed: the request as the policy saw it (its block keys included), less its prompt (text, token ids and
             messages: a routed request is not held in memory for its whole life), for ``Policy.on_finished``
             when it ends; None when the policy did not choose (a fallback, no prompt).
@@ -68,6 +70,7 @@ class Decision:
     routed: RoutingRequest | None = None
     prefix_blocks_cached: tuple[int | None, ...] = ()
     num_prompt_blocks: int | None = None
+    shed_reason: str = ""
 
     @property
     def destination_value(self) -> str:

@@ -10,12 +10,14 @@ Record (keys always present; times in seconds)::
      "model": "llama-2-7b", "max_tokens": 256,  # from the body (null when absent; the model cut to 256 chars)
      "admit_id": "abc/9f3c2a1b7e4d",     # the id the chosen sidecar knows it by ("" when not predicted)
      "policy": "astrolabe",              # the policy that decided ("least-requests" on a fallback)
-     "basis": "prediction",              # prediction | partial | fallback | policy (extproc.router)
+     "basis": "prediction",              # prediction | partial | fallback | policy | shed (extproc.router)
      "fallback_reason": "",              # why least-requests decided (extproc.router.FALLBACK_REASONS), else ""
-     "destination": "10.0.0.5:8000",
+     "destination": "10.0.0.5:8000",     # "" when refused (basis shed)
      "routing_s": 0.0021,                # from the request's headers to the decision
      "stage_s": {"tokens": 0.0002, "length": 0.0003, "predict": 0.0012},  # predicted decisions only
      "num_prompt_tokens": 291, "num_predicted_output_tokens": 180, "length_source": 1,
+     "priority": 0, "ttft_objective_s": 1.0,  # the request's objectives (extproc.admission; null: none)
+     "shed_reason": "",                  # why it was refused with 429 (extproc.admission.SHED_REASONS), else ""
      "num_prompt_blocks": 18,            # full KV blocks with keys (prefix_cache); null: no keys
      "candidates": [{"endpoint": "10.0.0.5:8000", "ttft_s": 0.031, "e2e_s": 2.9, "state_age_s": 0.004,
                      "queue_s": 0.0, "prefix_blocks_cached": 16},  # leading blocks its state holds or caches
@@ -103,6 +105,8 @@ class DecisionLog:
             "num_prompt_tokens": decision.num_prompt_tokens,
             "num_predicted_output_tokens": decision.num_predicted_output_tokens,
             "length_source": decision.length_source,
+            "priority": request.objectives.priority, "ttft_objective_s": request.objectives.ttft_s,
+            "shed_reason": decision.shed_reason,
             "num_prompt_blocks": decision.num_prompt_blocks,
             "candidates": [{"endpoint": address,
                             "ttft_s": None if p is None else round(p.ttft_s, 6),

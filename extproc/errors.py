@@ -21,7 +21,7 @@ class ErrorCode(enum.Enum):
     MODEL_NOT_FOUND = "model_not_found"    # no endpoint declares the requested model
     BODY_TOO_LARGE = "body_too_large"      # over the configured max_body_bytes
     NO_HEALTHY_ENDPOINT = "no_healthy_endpoint"
-    SHED = "shed"                          # load shed (reserved: the Endpoint Picker protocol's 429)
+    SHED = "shed"                          # refused to protect latency objectives (extproc/admission.py): 429
     INTERNAL = "internal"                  # a bug in the extproc; logged with its traceback
 
 
@@ -43,13 +43,18 @@ class RoutingError(Exception):
         code: the reason; decides the HTTP status.
         message: human-readable explanation sent to the client.
         param: the offending request field, if any (OpenAI ``param``).
+        reason: a finer reason within ``code`` (a SHED's ``extproc.admission.SHED_REASONS`` entry), or "".
+        headers: more response headers, (name, value) pairs (a SHED's ``retry-after`` and drop reason).
     """
 
-    def __init__(self, code: ErrorCode, message: str, param: str | None = None) -> None:
+    def __init__(self, code: ErrorCode, message: str, param: str | None = None, reason: str = "",
+                 headers: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param
+        self.reason = reason
+        self.headers = headers
 
     @property
     def http_status(self) -> int:

@@ -106,7 +106,9 @@ def immediate_error(error: RoutingError) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=error.http_status),
-            headers=pb.HeaderMutation(set_headers=[_set_header("content-type", wire.CONTENT_TYPE_JSON)]),
+            headers=pb.HeaderMutation(set_headers=[_set_header("content-type", wire.CONTENT_TYPE_JSON),
+                                                   *(_set_header(name, value.encode("latin-1"))
+                                                     for name, value in error.headers)]),
             body=error.json_body(),
             details=f"{IMMEDIATE_RESPONSE_DETAILS_PREFIX}{error.code.value}",
         )

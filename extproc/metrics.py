@@ -127,6 +127,12 @@ class ExtprocMetrics:
                                    ["outcome"], registry=self.registry)
         self.decisions = Counter("astrolabe_extproc_decisions", "Routing decisions by basis",
                                  ["basis"], registry=self.registry)
+        self.shed = Counter("astrolabe_extproc_shed", "Requests refused with 429 to protect latency objectives, by "
+                            "reason and priority (extproc/admission.py)", ["reason", "priority"],
+                            registry=self.registry)
+        self.objective_headers_invalid = Counter(
+            "astrolabe_extproc_objective_headers_invalid", "Objective header values ignored (not a number, not "
+            "finite, <= 0) or clamped (past an hour), by header", ["header"], registry=self.registry)
         self.routing_seconds = Histogram(
             "astrolabe_extproc_routing_seconds", "Time to choose an endpoint, seconds",
             buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from pydantic import TypeAdapter, ValidationError
 
+from extproc.admission import NO_OBJECTIVES, Objectives
 from extproc.errors import ErrorCode, RoutingError
 
 COMPLETIONS_PATH = "/v1/completions"
@@ -75,6 +76,10 @@ class RoutingRequest:
         num_prompts: prompts of the request, >= 1: a completions ``prompt`` (or SGLang ``text`` / ``input_ids``)
             list holds several, which ``prompt_text`` / ``prompt_token_ids`` join; such a request gets no block
             keys (a join is no engine request's prompt).
+        objectives: the request's latency objectives and priority (``extproc/admission.py``: its headers resolved
+            against the config); `NO_OBJECTIVES` by default.
+        num_predicted_output_tokens: the output-length estimate the router made for it (0 until then): what a
+            TPOT objective is checked with.
     """
 
     request_id: str
@@ -93,6 +98,8 @@ class RoutingRequest:
     num_sequences: int = 1
     block_keys: tuple[int, ...] | None = None
     num_prompts: int = 1
+    objectives: Objectives = NO_OBJECTIVES
+    num_predicted_output_tokens: int = 0
 
 
 MAX_CHOICES = 128

@@ -3,6 +3,8 @@
 Failure policy (the only place it is decided):
 - the requested model is served by no configured endpoint -> MODEL_NOT_FOUND (404);
 - endpoints serve it but none is healthy -> NO_HEALTHY_ENDPOINT (503);
+- a sheddable request (priority < 0) that the admission rule refuses on the probed candidates' predictions -> SHED
+  (429, with ``retry-after`` and the drop-reason header: ``extproc/admission.py``); priority >= 0 is never refused;
 - a prediction policy got no usable prediction (no sidecar, sidecars failed or late) -> ``least-requests`` over
   all healthy endpoints, counted as outcome ``fallback``; a sidecar failure never fails a request.
 
@@ -20,7 +22,9 @@ answer says up to which one it includes (``admits_seen``), and the ones it does 
 (``Prediction.ttft_s_per_request``).
 
 Every decision has a *basis*, counted in ``astrolabe_extproc_decisions_total{basis}``: ``prediction`` (every
-probed sidecar answered), ``partial`` (some did: the policy's rule for a partial answer decided),
+probed sidecar answered), ``partial`` (some did: the policy's rule for a partial answer decided), ``shed`` (refused
+with 429: a sheddable request the admission rule refused on the probed candidates' predictions,
+``extproc/admission.py``; also counted in ``astrolabe_extproc_shed_total{reason,priority}``),
 ``fallback`` (none did: least-requests decided), ``policy`` (a policy that does not predict) or ``no_prompt`` (a
 request without a prompt, e.g. ``GET /v1/models``, under a predicting policy: least-requests, no sidecar asked or
 told). A fallback
@@ -46,6 +50,8 @@ from opentelemetry.trace import Status, StatusCode
 
 from astrolabe.tracing import (ADMIT_ID, LENGTH_ESTIMATE_SPAN, LOCAL_PREDICT_SPAN, NUM_PREDICTED_OUTPUT_TOKENS,
                                PREDICTED_E2E_S, PREDICTED_QUEUE_S, PREDICTED_TTFT_S, SERVER_ADDRESS, STATE_AGE_S)
+from extproc.admission import DROP_REASON_HEADER, NO_OBJECTIVES, AdmissionParams, CriticalPressure, HeaderObjectives, ObjectiveConfig, Objectives, \
+    shed_reason
 from extproc.decision import Decision
 from extproc.decision_log import DecisionLog
 from extproc.endpoint_metrics import MetricsScraper
@@ -63,6 +69,8 @@ from extproc.spans import LENGTH_SOURCE, LENGTH_SOURCE_LABELS, host_port
 
 logger = logging.getLogger(__name__)
 
+BASIS_SHED = "shed"
+"""The basis of a refused request (``extproc.admission``): counted and logged, never routed."""
 BASIS_NO_PROMPT = "no_prompt"
 """The basis of a request without a prompt under a predicting policy: least-requests, no Predict, no Admit."""
 FALLBACK_NO_SIDECAR = "no_sidecar"
@@ -113,6 +121,9 @@ class Router:
             active health check; only with active health checks on (else nothing would bring it back).
         fleet: the sidecars' streamed states (``predictor_client.mode`` watch): candidates whose sidecar it covers
             are predicted here, without a round trip; None = every prediction is a Predict call.
+        objectives: the configured objectives (``extproc.admission.ObjectiveConfig``): what `resolve_objectives`
+            makes of a request's headers.
+        admission: when a sheddable request is refused (``extproc.admission``; a predicting policy only).
     """
 
     def __init__(self, pool: EndpointPool, policy: Policy, metrics: ExtprocMetrics | None = None,
@@ -120,7 +131,8 @@ class Router:
                  rng: random.Random | None = None, endpoint_metrics: MetricsScraper | None = None,
                  clock=time.monotonic, decision_log: DecisionLog | None = None,
                  prompt_tokens: PromptTokenCounter | None = None, tracer: trace.Tracer | None = None,
-                 num_fallbacks: int = 0, passive_ejection: bool = False, fleet: FleetState | None = None) -> None:
+                 num_fallbacks: int = 0, passive_ejection: bool = False, fleet: FleetState | None = None,
+                 objectives: ObjectiveConfig | None = None, admission: AdmissionParams | None = None) -> None:
         if policy.needs_predictions and (predictors is None or lengths is None):
             raise ValueError(f"policy {policy.TYPE!r} needs a predictor client and an output-length estimator")
         self.pool = pool
@@ -138,6 +150,17 @@ class Router:
         self._passive_ejection = passive_ejection
         self._consecutive_5xx: dict[str, int] = {}
         self.fleet = fleet
+        self.objectives = objectives or ObjectiveConfig()
+        self.admission = admission or AdmissionParams()
+        self._protect_ttft_s = self.objectives.protect_ttft_bound_s()
+        self._pressure = CriticalPressure(self.admission.pressure_window_s)
+
+    def resolve_objectives(self, headers: HeaderObjectives, model: str | None) -> Objectives:
+        """A request's objectives from its headers (``extproc.admission.header_objectives``) and the config;
+        every ignored or clamped header value is counted (``astrolabe_extproc_objective_headers_invalid_total``)."""
+        for name in headers.invalid:
+            self.metrics.objective_headers_invalid.labels(name).inc()
+        return self.objectives.resolve(headers, model)
 
     def _healthy_views(self, request: RoutingRequest) -> list[EndpointView]:
         if not self.pool.endpoints:
@@ -253,6 +276,9 @@ class Router:
         t2_s = self._clock()
         self.metrics.length_estimate_seconds.observe(t2_s - t1_s)
         metric = getattr(getattr(self.policy, "params", None), "metric", "e2e")
+        objectives = request.objectives
+        if objectives is not NO_OBJECTIVES:  # a TPOT objective is checked with the estimate
+            request = replace(request, num_predicted_output_tokens=num_output_tokens)
 
         # sidecar -> (Admits this replica had sent it, of which not answered yet) when this Predict was sent
         asked_at: dict[str, tuple[int, int]] = {}
@@ -311,6 +337,21 @@ class Router:
         num_ok = sum(p is not None for p in predictions)
         self.metrics.predictions.labels("ok").inc(num_ok)
         self.metrics.predictions.labels("failed").inc(sum(v.predictor is not None for v in candidates) - num_ok)
+        now_s = self._clock()
+        self._pressure.observe(objectives, scored, now_s, self._protect_ttft_s)
+        if objectives.sheddable and self.admission.rule != "none":
+            reason = shed_reason(objectives, scored, num_output_tokens, self.admission.rule, self._protect_ttft_s,
+                                 self._pressure.active(now_s))
+            if reason is not None:
+                if self.predictors.config.hold_s:  # every sidecar asked held the request: drop it
+                    for predictor in remote:
+                        if not self.predictors.is_backing_off(predictor):
+                            self.predictors.release(predictor, ledger_id)
+                self._refuse(request, reason, Decision(
+                    "", self.policy.TYPE, ledger_id, None, BASIS_SHED,
+                    tuple((v.address, p) for v, p in zip(candidates, predictions)), num_prompt_tokens,
+                    num_output_tokens, length_source, stage_s=stage_s, shed_reason=reason,
+                    prefix_blocks_cached=tuple(v.num_prefix_blocks_cached for v in scored)))
         chosen = self.policy.choose(request, scored)
         policy_name = self.policy.TYPE
         basis = "prediction" if num_ok == len(candidates) else "partial"
@@ -335,6 +376,29 @@ class Router:
                         num_output_tokens, length_source, stage_s=stage_s, fallback_reason=reason,
                         prefix_blocks_cached=tuple(v.num_prefix_blocks_cached for v in scored),
                         num_prompt_blocks=None if request.block_keys is None else len(request.block_keys))
+
+    def _refuse(self, request: RoutingRequest, reason: str, decision: Decision) -> None:
+        """Counts, logs and raises the refusal of ``request`` (``decision``: what the probes said, basis
+        `BASIS_SHED`).
+
+        Raises:
+            RoutingError: always, SHED (429) with ``retry-after`` and the drop-reason header.
+        """
+        priority = request.objectives.priority
+        self.metrics.shed.labels(reason, str(priority)).inc()
+        self.metrics.decisions.labels(BASIS_SHED).inc()
+        end_s = self._clock()
+        decision = replace(decision, routing_s=end_s - request.arrival_time_s, decided_at_s=end_s)
+        self.metrics.routing_seconds.observe(end_s - request.arrival_time_s)
+        if self.decision_log is not None:
+            self.decision_log.write(request, decision)
+        best_s = min((p.ttft_s for _, p in decision.candidates if p is not None), default=None)
+        predicted = f"; best predicted TTFT {best_s:.3f} s" if best_s is not None else ""
+        logger.debug("request %s refused (%s, priority %d)%s", request.request_id, reason, priority, predicted)
+        raise RoutingError(ErrorCode.SHED, f"The request was refused to protect latency objectives ({reason}, "
+                                            f"priority {priority}{predicted}); retry later.",
+                           reason=reason, headers=((DROP_REASON_HEADER, reason),
+                                                   ("retry-after", str(self.admission.retry_after_s))))
 
     def _with_current_load(self, scored: list[EndpointView], views: Sequence[EndpointView],
                            asked_at: dict[str, tuple[int, int]]) -> list[EndpointView]:

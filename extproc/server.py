@@ -316,7 +316,9 @@ class ExtprocServer:
                              OutputLengthEstimator(config.output_length, _load_tagger(config)), rng,
                              endpoint_metrics=self.endpoint_metrics, decision_log=self.decision_log,
                              prompt_tokens=prompt_tokens, tracer=tracer, num_fallbacks=config.fallback_endpoints,
-                             passive_ejection=config.health_check.enabled, fleet=self.fleet)
+                             passive_ejection=config.health_check.enabled, fleet=self.fleet,
+                             objectives=config.objectives.objective_config(),
+                             admission=config.objectives.admission_params())
         if config.fallback_endpoints:
             logger.warning("fallback_endpoints %d: the destination is a list of %d endpoints, which only a gateway "
                            "that takes a list follows (Envoy's override_host policy: astrolabe envoy --pool); "

@@ -52,6 +52,7 @@ POLICY = "astrolabe.policy"                    # the policy that decided (least-
 BASIS = "astrolabe.basis"                      # prediction | partial | fallback | policy (extproc.router)
 OUTCOME = "astrolabe.outcome"                  # routed | fallback | an error code | abandoned
 FALLBACK_REASON = "astrolabe.fallback_reason"  # on a fallback: extproc.router.FALLBACK_REASONS
+DROP_REASON = "astrolabe.drop_reason"          # on a refusal (429): extproc.admission.SHED_REASONS
 LENGTH_SOURCE = "astrolabe.length_source"      # tagger | fixed | exact | unspecified
 DESTINATION = "astrolabe.destination"          # the destination header's value, ip:port
 ROUTING_S = "astrolabe.routing_s"              # headers to decision, seconds
@@ -197,6 +198,8 @@ class RequestSpan:
         if span.is_recording():
             span.set_attributes({OUTCOME: error.code.value, ERROR_TYPE: error.code.value,
                                  "http.response.status_code": error.http_status})
+            if error.reason:
+                span.set_attribute(DROP_REASON, error.reason)
             if error.http_status >= 500:
                 span.set_status(Status(StatusCode.ERROR, error.message))
         self.end()

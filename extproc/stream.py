@@ -35,6 +35,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from astrolabe.logs import bind_request
 from extproc import messages, wire
+from extproc.admission import NO_HEADER_OBJECTIVES, header_objectives
 from extproc.config import ConfigError, parse_ip_port
 from extproc.errors import ErrorCode, RoutingError
 from extproc.request import MAX_DECODED_FACTOR, RoutingRequest, bodiless_request, parse_body
@@ -79,6 +80,7 @@ class StreamHandler:
         self._arrival_time_s = 0.0
         self._span = span
         self._allowed: frozenset[str] | None = None
+        self._objectives = NO_HEADER_OBJECTIVES
         self._num_messages = 0
         self._failed = False  # the backend answered with an error status (its response headers said so)
         self.decision: Decision | None = None
@@ -171,6 +173,7 @@ class StreamHandler:
         self._content_encoding = ", ".join((h.raw_value or h.value.encode()).decode("latin-1")
                                            for h in encodings) if encodings else None
         self._request_id = values.get(wire.REQUEST_ID_HEADER) or uuid.uuid4().hex
+        self._objectives = header_objectives(values)
         self._span.start(values, self._request_id)
         bind_request(self._request_id, self._span.trace_id)
         if headers.end_of_stream or self._body_mode not in (_BodyMode.BUFFERED, _BodyMode.FULL_DUPLEX_STREAMED):
@@ -224,7 +227,8 @@ class StreamHandler:
         self._span.request(request)
         with self._span.activated():
             self.decision = await self._router.route(dataclasses.replace(
-                request, arrival_time_s=self._arrival_time_s, allowed_endpoints=self._allowed))
+                request, arrival_time_s=self._arrival_time_s, allowed_endpoints=self._allowed,
+                objectives=self._router.resolve_objectives(self._objectives, request.model)))
         self._phase = Phase.ROUTED
         self._span.decision(self.decision, self._router.policy.TYPE)
         return self.decision

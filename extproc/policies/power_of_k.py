@@ -74,6 +74,14 @@ at most about ``max_load_ratio`` times its fair share of the requests in flight,
 is SGLang's cache-aware router's load-balance guard (sgl-router ``cache_aware.rs``: a worker over
 ``balance_rel_threshold`` x the least loaded is skipped), taken on this replica's own in-flight counts.
 
+Objectives (``prefer_meeting``, default on): a request with a TTFT or TPOT objective (``RoutingRequest.objectives``,
+``extproc/admission.py``) is placed among the candidates predicted to meet all of its objectives when any does (the
+rules below then choose among those), and among all of them otherwise; TTFT and TPOT are not weighed against each
+other, they are met or not, and the score (the blend) decides within. When no first-round candidate meets them, the
+second round of probes runs as for a queue. llm-d's headroom scorer instead packs requests onto the candidate with
+the least positive headroom; here the candidates that meet the objective compete on the score, which keeps the
+headroom of the others for the next request.
+
 A second round when the first finds only queues: if every first-round candidate predicts that the request
 would wait there (``Prediction.queue_s`` above ``queue_threshold_s``, 50 ms), up to ``extra_probes`` (4) more
 endpoints, drawn at random from the rest, are asked before choosing among all of them. Below the knee nearly
@@ -135,6 +143,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from extproc.admission import NO_OBJECTIVES, meets, predicted_ttft_s
 from extproc.policies.base import EndpointView, Policy, min_random_tie
 
 TYPE = "astrolabe"
@@ -176,6 +185,9 @@ class Params:
             (module docstring, "Cache affinity"); false = the score alone decides.
         affinity_max_ttft_s: affinity yields when every candidate holding the most predicts a TTFT past this,
             seconds (>= 0; 0 = never).
+        prefer_meeting: a request with objectives (``RoutingRequest.objectives``) is placed among the candidates
+            predicted to meet them (``extproc.admission.meets``) when any does, and gets the second round of
+            probes when none of the first round does (module docstring, "Objectives").
     """
 
     k: int = 2
@@ -190,6 +202,7 @@ class Params:
     prefix_probe: bool = True
     cache_affinity: bool = True
     affinity_max_ttft_s: float = 4.0
+    prefer_meeting: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
@@ -207,6 +220,8 @@ class Params:
                 or not math.isfinite(self.affinity_max_ttft_s) or self.affinity_max_ttft_s < 0):
             raise ValueError(f"policy {TYPE!r}: affinity_max_ttft_s must be a finite number >= 0, got "
                              f"{self.affinity_max_ttft_s!r}")
+        if not isinstance(self.prefer_meeting, bool):
+            raise ValueError(f"policy {TYPE!r}: prefer_meeting must be true or false, got {self.prefer_meeting!r}")
         if not isinstance(self.prefix_probe, bool):
             raise ValueError(f"policy {TYPE!r}: prefix_probe must be true or false, got {self.prefix_probe!r}")
         if (isinstance(self.memory_s, bool) or not isinstance(self.memory_s, int | float)
@@ -295,7 +310,10 @@ class PowerOfKPolicy(Policy):
         extra = self.params.extra_probes
         if not extra or any(e.prediction is None for e in scored):
             return ()
-        if min(e.prediction.queue_s for e in scored) <= self.params.queue_threshold_s:
+        objectives = getattr(request, "objectives", NO_OBJECTIVES)
+        missed = (self.params.prefer_meeting and _has_objective(objectives)
+                  and not any(meets(objectives, e, request.num_predicted_output_tokens) for e in scored))
+        if not missed and min(e.prediction.queue_s for e in scored) <= self.params.queue_threshold_s:
             return ()
         asked = {e.address for e in scored}
         rest = [e for e in endpoints if e.address not in asked]
@@ -310,6 +328,9 @@ class PowerOfKPolicy(Policy):
             return None
         if len(scored) < len(endpoints):
             return min_random_tie(endpoints, lambda e: e.num_in_flight, self._rng)
+        objectives = getattr(request, "objectives", NO_OBJECTIVES)
+        if self.params.prefer_meeting and _has_objective(objectives):
+            scored = [e for e in scored if meets(objectives, e, request.num_predicted_output_tokens)] or scored
         ratio = self.params.max_load_ratio
         if ratio:
             scored = self._within_load_bound(scored, ratio)
@@ -368,6 +389,10 @@ class PowerOfKPolicy(Policy):
         return [e for e in scored if e in within or load(e) < least]
 
 
+def _has_objective(objectives) -> bool:
+    return objectives.ttft_s is not None or objectives.tpot_s is not None
+
+
 def rendezvous_home(key: int, endpoints: Sequence[EndpointView]) -> EndpointView:
     """The endpoint that rendezvous (highest-random-weight) hashing gives block key ``key``: the one with the
     highest 64-bit BLAKE2b of (key, address). The same for every process given the same addresses, whatever their
@@ -392,11 +417,9 @@ def most_cached(candidates: Sequence[EndpointView]) -> Sequence[EndpointView]:
     return [e for e in candidates if (e.num_prefix_blocks_cached or 0) == most]
 
 
-def ttft_s(endpoint: EndpointView) -> float:
-    """The request's predicted TTFT on ``endpoint``, seconds: ``Prediction.ttft_s`` plus this replica's dispatches
-    there that the prediction lacks, each priced at ``Prediction.ttft_s_per_request``; ``endpoint.prediction``
-    must be set."""
-    return endpoint.prediction.ttft_s + endpoint.num_unseen_dispatches * endpoint.prediction.ttft_s_per_request
+ttft_s = predicted_ttft_s
+"""The request's predicted TTFT on a candidate, with this replica's unseen dispatches there priced in
+(``extproc.admission.predicted_ttft_s``)."""
 
 
 def idle_ttft_s(endpoint: EndpointView) -> float:

@@ -403,3 +403,77 @@ async def test_a_request_with_n_choices_weighs_n_in_the_load():
         assert (router.pool.in_flight(wide.destination), router.pool.in_flight(other)) == (1, 2)
     finally:
         await router.predictors.close()
+
+
+async def _loaded(sidecar, num_requests=40, num_prompt_tokens=2000):
+    """Admits ``num_requests`` long prompts at ``sidecar``: its predicted TTFT for one more is seconds."""
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.port}")
+    stub = pb_grpc.PredictorStub(channel)
+    for i in range(num_requests):
+        await stub.Admit(pb.AdmitRequest(request_id=f"load{i}", num_prompt_tokens=num_prompt_tokens,
+                                         num_predicted_output_tokens=500))
+    await channel.close()
+
+
+async def test_a_sheddable_request_predicted_to_queue_is_refused_and_the_holds_dropped(sidecars, tmp_path):
+    import dataclasses
+    import json
+
+    from extproc.admission import DROP_REASON_HEADER, AdmissionParams, ObjectiveConfig, Objectives
+    from extproc.decision_log import DecisionLog
+    from extproc.errors import ErrorCode, RoutingError
+
+    started = await sidecars(2)
+    for sidecar in started:
+        await _loaded(sidecar)
+    router = make_router([f"127.0.0.1:{s.port}" for s in started])
+    router.objectives, router.admission = ObjectiveConfig(protect_ttft_s=0.5), AdmissionParams("headroom", 2)
+    router._protect_ttft_s = 0.5
+    router.decision_log = DecisionLog(tmp_path / "d.jsonl")
+    sheddable = dataclasses.replace(request(0), objectives=Objectives(60.0, None, -1))
+    try:
+        with pytest.raises(RoutingError) as refused:
+            await router.route(sheddable)
+        error = refused.value
+        assert error.code is ErrorCode.SHED and error.http_status == 429 and error.reason == "headroom"
+        assert dict(error.headers) == {DROP_REASON_HEADER: "headroom", "retry-after": "2"}
+        assert json.loads(error.json_body())["error"]["code"] == 429
+        assert all(router.pool.in_flight(e.address) == 0 for e in router.pool.endpoints)
+        await asyncio.sleep(0.2)  # the Releases are fire and forget
+        assert all(len(s.holds) == 0 and s.holds.num_dropped >= 1 for s in started)  # the holds were dropped
+        # the same request with priority 0 is routed, and so is the sheddable one under the slo rule (60 s is met)
+        critical = dataclasses.replace(sheddable, objectives=Objectives(60.0, None, 0))
+        assert (await router.route(critical)).destination
+        router.admission = AdmissionParams("slo")
+        assert (await router.route(sheddable)).destination
+        # ... until its own objective is out of reach
+        with pytest.raises(RoutingError, match="slo_unreachable"):
+            await router.route(dataclasses.replace(sheddable, objectives=Objectives(0.01, None, -1)))
+    finally:
+        router.decision_log.close()
+        await router.predictors.close()
+    records = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert [(r["basis"], r["shed_reason"], r["priority"]) for r in records] == [
+        ("shed", "headroom", -1), ("prediction", "", 0), ("prediction", "", -1), ("shed", "slo_unreachable", -1)]
+    assert records[0]["destination"] == "" and all(c["ttft_s"] > 0.5 for c in records[0]["candidates"])
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for m in router.metrics.registry.collect() for s in m.samples}
+    assert samples[("astrolabe_extproc_shed_total", (("priority", "-1"), ("reason", "headroom")))] == 1
+    assert samples[("astrolabe_extproc_shed_total", (("priority", "-1"), ("reason", "slo_unreachable")))] == 1
+    assert samples[("astrolabe_extproc_decisions_total", (("basis", "shed"),))] == 2
+
+
+async def test_an_idle_instance_admits_a_sheddable_request(sidecars):
+    import dataclasses
+
+    from extproc.admission import AdmissionParams, Objectives
+
+    busy, idle = await sidecars(2)
+    await _loaded(busy)
+    router = make_router([f"127.0.0.1:{busy.port}", f"127.0.0.1:{idle.port}"])
+    router.admission, router._protect_ttft_s = AdmissionParams("headroom"), 0.000001
+    try:
+        decision = await router.route(dataclasses.replace(request(0), objectives=Objectives(0.000001, None, -1)))
+        assert decision.destination == "10.0.0.2:8000"
+    finally:
+        await router.predictors.close()

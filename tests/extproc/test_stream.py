@@ -250,3 +250,4 @@ async def test_a_bodiless_request_elsewhere_is_routed_on_its_headers(server, met
     response = await call.read()
     await call.done_writing()
     assert destination_of(response.request_headers.response) in {e["address"] for e in ENDPOINTS}
+

@@ -28,7 +28,8 @@ def stack(tmp_path_factory):
         s.sidecars = {e: s.start_sidecar(e, "--time-scale", TIME_SCALE, *engine) for e in emulators}
         s.write_config([{"address": e, "models": [MODEL], "predictor": p} for e, p in s.sidecars.items()],
                        policy="astrolabe", policy_params={"k": 2},
-                       predictor_client={"predict_timeout_s": 0.5})
+                       predictor_client={"predict_timeout_s": 0.5},
+                       objectives={"named": {"batch": {"priority": -1, "ttft_ms": 60000}}, "retry_after_s": 2})
         s.start_extproc()
         s.start_envoy()
         yield s
@@ -68,3 +69,32 @@ def test_sidecars_were_told_and_reconcile(stack):
     states = [asyncio.run(_state(p)) for p in stack.sidecars.values()]
     assert all(s["state_age_s"] < 2.0 for s in states)  # reconciled with the emulator's /metrics recently
     assert sum(s["reconcile"]["num_reconciliations"] for s in states) > 0
+
+
+async def _loaded_then(stack, headers):
+    """While a burst of 24 requests keeps every instance busy, one more request with ``headers``: its status,
+    headers and body; and the burst's statuses."""
+    async with httpx.AsyncClient(timeout=60) as client:
+        burst = [asyncio.create_task(_one(client, stack, i)) for i in range(24)]
+        await asyncio.sleep(0.5)
+        body = {"model": MODEL, "prompt": "one more " * 20, "max_tokens": 8}
+        response = await client.post(f"{stack.envoy_url}/v1/completions", json=body, headers=headers)
+        statuses = [status for status, _, _ in await asyncio.gather(*burst)]
+    return response, statuses
+
+
+def test_a_sheddable_request_that_would_miss_its_objective_gets_429_with_retry_after(stack):
+    # names the sheddable objective and tightens it to 1 ms, out of reach on a busy instance
+    response, statuses = asyncio.run(_loaded_then(stack, {"x-gateway-inference-objective": "batch",
+                                                          "x-slo-ttft-ms": "1"}))
+    assert statuses == [200] * 24
+    assert response.status_code == 429, response.text
+    assert response.headers["retry-after"] == "2"
+    assert response.headers["x-astrolabe-drop-reason"] == "slo_unreachable"
+    assert response.json()["error"]["code"] == 429 and "slo_unreachable" in response.json()["error"]["message"]
+    assert stack.metric('astrolabe_extproc_shed_total{priority="-1",reason="slo_unreachable"}') >= 1
+    # the same objective without the sheddable priority is routed (priority >= 0 is never refused); so is a
+    # request whose objective header is absurd (ignored, counted)
+    response, _ = asyncio.run(_loaded_then(stack, {"x-slo-ttft-ms": "1", "x-slo-tpot-ms": "-4"}))
+    assert response.status_code == 200
+    assert stack.metric('astrolabe_extproc_objective_headers_invalid_total{header="x-slo-tpot-ms"}') >= 1

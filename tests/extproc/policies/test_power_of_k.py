@@ -417,3 +417,36 @@ def test_cache_affinity_yields_to_the_load_bound(seed):
 def test_cache_affinity_must_be_true_or_false(value):
     with pytest.raises(ValueError, match="cache_affinity"):
         Params(cache_affinity=value)
+
+
+def test_a_request_with_an_objective_goes_where_it_is_predicted_to_meet_it():
+    from extproc.admission import Objectives
+
+    # the blend prefers the second (0.30 + 0.1 x 1.0 < 0.25 + 0.1 x 9.0), whose TTFT misses the 0.28 s objective
+    candidates = scored((0.25, 9.0), (0.30, 1.0))
+    plain = RoutingRequest("r", "POST", "/v1/completions")
+    tight = RoutingRequest("r", "POST", "/v1/completions", objectives=Objectives(0.28, None, 0),
+                           num_predicted_output_tokens=100)
+    policy = build({}, random.Random(0))
+    assert policy.choose(plain, candidates).address == "10.0.0.2:80"
+    assert policy.choose(tight, candidates).address == "10.0.0.1:80"
+    assert build({"prefer_meeting": False}, random.Random(0)).choose(tight, candidates).address == "10.0.0.2:80"
+    # none meets it: the score decides among all
+    impossible = dataclasses.replace(tight, objectives=Objectives(0.1, None, 0))
+    assert policy.choose(impossible, candidates).address == "10.0.0.2:80"
+    with pytest.raises(ValueError):
+        build({"prefer_meeting": "yes"}, random.Random(0))
+
+
+def test_a_second_round_when_no_first_round_candidate_meets_the_objective():
+    from extproc.admission import Objectives
+
+    first = scored((0.03, 1.0), (0.04, 1.0))  # no queue: no second round for a plain request
+    rest = [EndpointView(f"10.0.0.{i}:80") for i in range(3, 9)]
+    plain = RoutingRequest("r", "POST", "/v1/completions")
+    tight = dataclasses.replace(plain, objectives=Objectives(0.02, None, 0), num_predicted_output_tokens=10)
+    policy = build({"extra_probes": 2}, random.Random(0))
+    assert policy.more_candidates(plain, first, first + rest) == ()
+    assert len(policy.more_candidates(tight, first, first + rest)) == 2
+    loose = dataclasses.replace(tight, objectives=Objectives(0.05, None, 0))
+    assert policy.more_candidates(loose, first, first + rest) == ()
