@@ -87,6 +87,7 @@ from predictor.sim import (
     StepResult,
     blocks_for_tokens,
 )
+from predictor.sim.request import vllm_priority
 from predictor.sim.residual import FixedExtraTokens, ResidualLengthModel
 
 logger = logging.getLogger(__name__)
@@ -232,6 +233,9 @@ class PolicySpec:
     probed candidates, with ``protect_ttft_s`` the ``headroom`` rule's bound (seconds; None = none) and
     ``pressure_window_s`` its ``extproc.admission.CriticalPressure`` window (seconds; 0 = none), one per router
     replica; None = no admission. Only a predicting policy can refuse (the rule reads predictions).
+    ``engine_priority``: the engines run vLLM's ``--scheduling-policy priority`` (``predictor.sim.scheduler``) and
+    every request carries its objectives' priority to them (``predictor.sim.request.vllm_priority``); the sidecars'
+    states and the predictions carry it too. False = FCFS, as ``ClusterConfig.engine`` says.
     """
 
     label: str
@@ -243,6 +247,7 @@ class PolicySpec:
     admission: AdmissionParams | None = None
     protect_ttft_s: float | None = None
     pressure_window_s: float = 0.0
+    engine_priority: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,7 +434,9 @@ class _Cluster:
         base = LinearBatchTimeModel.default(config.batch_time_model)
         scales = config.instance_time_scales or (1.0,) * config.num_instances
         self.batch_times = [base.scaled(scale) for scale in scales]
-        self.engines = [Engine(config.engine, model) for model in self.batch_times]
+        engine = dataclasses.replace(config.engine, scheduling_policy="priority") if spec.engine_priority else (
+            config.engine)
+        self.engines = [Engine(engine, model) for model in self.batch_times]
         # Zero-padded names keep address order equal to index order (policies see endpoints in address order).
         self.addresses = [f"instance-{i:03d}" for i in range(config.num_instances)]
         self.index = {a: i for i, a in enumerate(self.addresses)}
@@ -630,7 +637,9 @@ class _Cluster:
         rule = self._rule(request)
         return RequestState(request_id, request.num_prompt_tokens, rule.expected_output_tokens(
             request.num_predicted_output_tokens, 0, request.max_tokens),
-            block_keys=request.prompt_block_keys(self.block_size))
+            arrival_time_s=request.arrival_time_s + self.latency_s,
+            block_keys=request.prompt_block_keys(self.block_size),
+            priority=vllm_priority(request.objectives.priority))
 
     def _unseen(self, router: _Router, i: int, seen: frozenset[str]) -> list[tuple[float, str, ClusterRequest]]:
         """``router``'s dispatches to instance ``i`` still in flight that a state holding ``seen`` lacks, oldest
@@ -717,7 +726,8 @@ class _Cluster:
         counts it from now."""
         self.engines[i].add_request(SimRequest(request_id, request.num_prompt_tokens, request.num_output_tokens,
                                                arrival_time_s=request.arrival_time_s + self.latency_s,
-                                               block_keys=request.block_keys))
+                                               block_keys=request.block_keys,
+                                               priority=vllm_priority(request.objectives.priority)))
         router = self.routers[r]
         router.in_flight[i] += 1
         router.dispatch_times_s[i].append(request.arrival_time_s)

@@ -11,7 +11,8 @@ Routers (``--policies``): any ``bench.cluster.policy_spec`` label, optionally fo
 ``extproc.admission`` rule: ``slo`` = llm-d's latency-slo-admitter rule on our predictions, ``headroom`` = ours with
 the extproc's defaults, ``headroom=<S>`` with its bound S seconds instead of ``--protect-ttft-s``, ``...@<W>`` with
 its critical-pressure window W seconds instead of the default 2, ``@0`` none); without ``+`` nothing is
-refused.
+refused. A trailing ``/priority`` runs that router's engines with vLLM's ``--scheduling-policy priority``
+(``bench.cluster_sim.PolicySpec.engine_priority``: each request's priority goes to the engine, critical first).
 
 Per (router, multiple), pooled over the seeds: goodput (requests per second that met their TTFT objective; a refused
 request meets nothing), SLO attainment per class, each class's P99 TTFT over its served requests (95% block-bootstrap
@@ -52,20 +53,25 @@ DEFAULT_CAPACITY_QPS = 139.0
 where its pooled P99 TTFT crosses 2 s, 3 seeds; bench/README.md "What the length tagger buys")."""
 DEFAULT_MULTIPLES = (1.0, 1.2, 1.5, 2.0)
 DEFAULT_POLICIES = ("envoy-least-request", "least-requests", "astrolabe-k2", "astrolabe-k2+slo",
-                    "astrolabe-k2+headroom@0", "astrolabe-k2+headroom")
+                    "astrolabe-k2+headroom@0", "astrolabe-k2+headroom", "astrolabe-k2+slo/priority",
+                    "astrolabe-k2+headroom/priority")
 DEFAULT_OUT_DIR = REPO_ROOT / "out" / "goodput"
 CRITICAL, SHEDDABLE = "critical", "sheddable"
 
 
 def spec_of(label: str, num_instances: int, protect_ttft_s: float,
             pressure_window_s: float = DEFAULT_PRESSURE_WINDOW_S) -> PolicySpec:
-    """``LABEL[+RULE[=S][@W]]`` -> the policy spec with its admission rule (module docstring).
+    """``LABEL[+RULE[=S][@W]][/priority]`` -> the policy spec with its admission rule and engine policy (module
+    docstring).
 
     Raises:
-        ValueError: an unknown label or rule, a bound that is not a number.
+        ValueError: an unknown label, rule or engine policy, a bound that is not a number.
     """
-    base, plus, rule = label.partition("+")
-    spec = dataclasses.replace(policy_spec(base, num_instances), label=label)
+    head, slash, engine_policy = label.partition("/")
+    if slash and engine_policy != "priority":
+        raise ValueError(f"{label!r}: the engine policy after '/' must be 'priority', got {engine_policy!r}")
+    base, plus, rule = head.partition("+")
+    spec = dataclasses.replace(policy_spec(base, num_instances), label=label, engine_priority=bool(slash))
     if not plus:
         return spec
     rule, _, window = rule.partition("@")
@@ -229,7 +235,8 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--capacity", type=float, default=DEFAULT_CAPACITY_QPS,
                    help="astrolabe-k2's capacity at the 2 s P99 TTFT SLO on this workload, req/s (the 1x rate)")
     p.add_argument("--multiples", default=",".join(map(str, DEFAULT_MULTIPLES)), help="rates as multiples of it")
-    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="LABEL[+RULE[=S]], comma-separated")
+    p.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                   help="LABEL[+RULE[=S][@W]][/priority], comma-separated")
     p.add_argument("--reference", default="astrolabe-k2+slo", help="router the goodput ratios are taken to")
     p.add_argument("--critical-frac", type=float, default=0.4, help="share of critical requests (priority 0)")
     p.add_argument("--critical-ttft-s", type=float, default=1.0, help="critical requests' TTFT objective, s")

@@ -6,11 +6,15 @@ Extension's convention: an ``InferenceObjective``'s ``spec.priority``, negative 
 from the request's headers (`HeaderObjectives`: ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` and llm-d's
 ``x-llm-d-slo-ttft-ms`` / ``x-llm-d-slo-tpot-ms``; the objective's name from ``x-gateway-inference-objective`` or
 llm-d's ``x-llm-d-inference-objective``) resolved against the configuration (`ObjectiveConfig`: named objectives
-with their priority and objectives, and defaults per model). A header value that is not a number, not finite, or
-not above 0 is ignored; one above `MAX_OBJECTIVE_S` is clamped to it; both are counted
-(``astrolabe_extproc_objective_headers_invalid_total``). A header can tighten or loosen the request's own
-objective, never its priority: priority comes only from a configured objective, so no header earns a request
-better treatment than having none (a tighter objective only makes it more likely to be refused, if sheddable).
+with their priority and objectives, and defaults per model). A header value that is not a plain decimal number
+(digits, an optional point and exponent: no ``_``, hex or words), not finite, or not above 0 is ignored, as is a
+header repeated with different values; one below `MIN_OBJECTIVE_S` or above `MAX_OBJECTIVE_S` is clamped; all are
+counted (``astrolabe_extproc_objective_headers_invalid_total``). A header value can only TIGHTEN the objective the
+configuration gives the request (the smaller of the two is kept; a header sets one only where the configuration
+has none), and never sets a priority: a looser header would let a sheddable client escape refusal. Priority comes
+from the configured objective the request names (``x-gateway-inference-objective``: the Inference Extension's
+design, where the gateway, not the client, is expected to set that header; strip it at the gateway if clients are
+not trusted to pick among the configured objectives), else its model's default, else the default.
 
 Admission (`shed_reason`), decided on the probed candidates' predictions after the second round of probes, for
 sheddable requests only (priority < 0; a request with priority >= 0 is never refused here: it goes to the best
@@ -46,7 +50,8 @@ objectives, and asks the second round of probes also when no first-round candida
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from extproc.policies.base import EndpointView
@@ -58,9 +63,16 @@ TPOT_HEADERS = ("x-slo-tpot-ms", "x-llm-d-slo-tpot-ms")
 OBJECTIVE_HEADERS = ("x-gateway-inference-objective", "x-llm-d-inference-objective")
 """Headers naming the request's objective (an ``InferenceObjective``: Gateway API Inference Extension; llm-d's
 alias), first present wins; the name is looked up in `ObjectiveConfig.objectives`."""
+_OBJECTIVE_HEADER_NAMES = frozenset((*TTFT_HEADERS, *TPOT_HEADERS, *OBJECTIVE_HEADERS))
 MAX_OBJECTIVE_S = 3600.0
 """Largest objective kept, seconds; a larger header value is clamped to it (an hour: far past any request's
 timeout), so that no value overflows a deadline computed from it."""
+MIN_OBJECTIVE_S = 1e-6
+"""Smallest objective kept, seconds (a microsecond); a smaller positive header value is clamped up to it, so that
+no objective rounds to 0 s."""
+_DECIMAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
+"""A plain decimal number (what `float` reads, less its ``_`` separators, ``inf`` / ``nan`` words and non-ASCII
+digits)."""
 ADMISSION_RULES = ("none", "slo", "headroom")
 """`AdmissionParams.rule` values (module docstring)."""
 SHED_SLO_UNREACHABLE = "slo_unreachable"
@@ -112,7 +124,8 @@ class HeaderObjectives:
         ttft_s: the TTFT header's value, seconds (clamped), or None (absent or invalid).
         tpot_s: the TPOT header's value, seconds (clamped), or None.
         objective: the objective's name, or None.
-        invalid: names of the headers whose value was ignored (not a number, not finite, <= 0) or clamped.
+        invalid: names of the headers whose value was ignored (not a number, not finite, <= 0, repeated with
+            different values) or clamped.
     """
 
     ttft_s: float | None = None
@@ -129,32 +142,46 @@ def _header_ms(headers: Mapping[str, str], names: Sequence[str], invalid: list[s
         text = headers.get(name)
         if text is None:
             continue
-        try:
-            value_ms = float(text.strip())
-        except ValueError:
+        text = text.strip()
+        if not _DECIMAL.fullmatch(text):
             invalid.append(name)
             return None
+        value_ms = float(text)
         if not math.isfinite(value_ms) or value_ms <= 0:
             invalid.append(name)
             return None
         value_s = value_ms / 1000.0
-        if value_s > MAX_OBJECTIVE_S:
+        if not MIN_OBJECTIVE_S <= value_s <= MAX_OBJECTIVE_S:
             invalid.append(name)
-            return MAX_OBJECTIVE_S
+            return min(max(value_s, MIN_OBJECTIVE_S), MAX_OBJECTIVE_S)
         return value_s
     return None
 
 
-def header_objectives(headers: Mapping[str, str]) -> HeaderObjectives:
+def objective_header_values(pairs: Iterable[tuple[str, str]]) -> dict[str, str | None]:
+    """The objective headers among a request's (lower-case name, value) pairs, in the form `header_objectives`
+    takes: a header sent more than once with different values maps to None (RFC 9110 5.3 allows repeating only
+    list-valued fields; these are single numbers or names, so which line to believe is unknowable)."""
+    values: dict[str, str | None] = {}
+    for name, value in pairs:
+        if name in _OBJECTIVE_HEADER_NAMES:
+            values[name] = value if values.setdefault(name, value) == value else None
+    return values
+
+
+def header_objectives(headers: Mapping[str, str | None]) -> HeaderObjectives:
     """The objectives a request's headers carry (module docstring). Never raises.
 
     Args:
-        headers: lower-case header names -> values.
+        headers: lower-case header names -> values; a header sent more than once is the value ``None`` if its
+            values differ (ignored and counted here), else its one value.
     """
-    invalid: list[str] = []
-    ttft_s = _header_ms(headers, TTFT_HEADERS, invalid)
-    tpot_s = _header_ms(headers, TPOT_HEADERS, invalid)
-    objective = next((headers[name].strip() for name in OBJECTIVE_HEADERS if headers.get(name, "").strip()), None)
+    invalid: list[str] = [name for name in (*TTFT_HEADERS, *TPOT_HEADERS, *OBJECTIVE_HEADERS)
+                          if name in headers and headers[name] is None]
+    known: dict[str, str] = {name: value for name, value in headers.items() if value is not None}
+    ttft_s = _header_ms(known, TTFT_HEADERS, invalid)
+    tpot_s = _header_ms(known, TPOT_HEADERS, invalid)
+    objective = next((known[name].strip() for name in OBJECTIVE_HEADERS if known.get(name, "").strip()), None)
     if ttft_s is None and tpot_s is None and objective is None and not invalid:
         return NO_HEADER_OBJECTIVES
     return HeaderObjectives(ttft_s, tpot_s, objective, tuple(invalid))
@@ -179,14 +206,15 @@ class ObjectiveConfig:
 
     def resolve(self, headers: HeaderObjectives, model: str | None) -> Objectives:
         """The request's objectives: the named objective (if configured), else its model's default, else the
-        default; the headers' TTFT / TPOT values replace that objective's (priority never comes from a header)."""
+        default; a header's TTFT / TPOT value only tightens that objective's (the smaller is kept; it sets one only
+        where that objective has none), and priority never comes from a header."""
         base = self.objectives.get(headers.objective) if headers.objective is not None else None
         if base is None:
             base = self.model_defaults.get(model, self.default) if model is not None else self.default
         if headers.ttft_s is None and headers.tpot_s is None:
             return base
-        return Objectives(headers.ttft_s if headers.ttft_s is not None else base.ttft_s,
-                          headers.tpot_s if headers.tpot_s is not None else base.tpot_s, base.priority)
+        return Objectives(_tighter(headers.ttft_s, base.ttft_s), _tighter(headers.tpot_s, base.tpot_s),
+                          base.priority)
 
     def protect_ttft_bound_s(self) -> float | None:
         """The ``headroom`` rule's bound, seconds (``protect_ttft_s``, or its default), None = none."""
@@ -195,6 +223,12 @@ class ObjectiveConfig:
         tightest = [o.ttft_s for o in (*self.objectives.values(), *self.model_defaults.values(), self.default)
                     if o.priority >= 0 and o.ttft_s is not None]
         return min(tightest) / 2 if tightest else None
+
+
+def _tighter(header_s: float | None, configured_s: float | None) -> float | None:
+    if header_s is None or configured_s is None:
+        return configured_s if header_s is None else header_s
+    return min(header_s, configured_s)
 
 
 def predicted_ttft_s(endpoint: EndpointView) -> float:

@@ -132,6 +132,7 @@ import dataclasses
 import ipaddress
 import os
 import random
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -444,14 +445,25 @@ class PrefixCacheConfig:
                           "no keys (rendering costs ~0.09 ms a message).")
 
 
-_ObjectiveMs = Annotated[float, Field(strict=True, gt=0, le=MAX_OBJECTIVE_S * 1000)]
+def _yaml_exponent_as_float(value: object) -> object:
+    """PyYAML (YAML 1.1) reads ``1e3`` (an exponent without a point or sign) as a string: take it as the number."""
+    if isinstance(value, str) and _YAML_EXPONENT.fullmatch(value.strip()):
+        return float(value)
+    return value
+
+
+_YAML_EXPONENT = re.compile(r"[+-]?\d+(?:\.\d*)?[eE][+-]?\d+", re.ASCII)
+_ObjectiveMs = Annotated[float, Field(strict=True, gt=0, le=MAX_OBJECTIVE_S * 1000),
+                         BeforeValidator(_yaml_exponent_as_float, json_schema_input_type=float)]
+_INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+"""Bounds of a configured priority: a 32-bit integer (it becomes a metric label and vLLM's request priority)."""
 
 
 @dataclass(frozen=True, slots=True, config=_config("ObjectiveEntry"))
 class ObjectiveEntry:
     """One objective: a priority and latency objectives (``extproc.admission.Objectives``)."""
 
-    priority: Annotated[int, Field(strict=True)] = Field(
+    priority: Annotated[int, Field(strict=True, ge=_INT32_MIN, le=_INT32_MAX)] = Field(
         0, description="The Inference Extension's priority: negative = sheddable (may be refused with 429), 0 = the "
                        "default; higher is not served sooner (the engines schedule first come, first served).")
     ttft_ms: _ObjectiveMs | None = Field(None, description="TTFT objective, milliseconds; null = none.")
@@ -488,8 +500,8 @@ class ObjectivesConfig:
     protect_ttft_ms: _ObjectiveMs | None = Field(
         None, description="The headroom rule's bound, milliseconds; null = half the tightest TTFT objective of "
                           "priority >= 0 (no bound when none has one).")
-    retry_after_s: Annotated[int, Field(strict=True, ge=0)] = Field(
-        1, description="retry-after of a refused request, whole seconds.")
+    retry_after_s: Annotated[int, Field(strict=True, ge=0, le=int(MAX_OBJECTIVE_S))] = Field(
+        1, description="retry-after of a refused request, whole seconds (at most 3600).")
     pressure_window_s: _NonNegativeSeconds = Field(
         DEFAULT_PRESSURE_WINDOW_S, description="headroom rule: for this long after a request of priority >= 0 was "
                                                "predicted to wait past protect_ttft_ms on every endpoint it probed, "

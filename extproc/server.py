@@ -319,6 +319,13 @@ class ExtprocServer:
                              passive_ejection=config.health_check.enabled, fleet=self.fleet,
                              objectives=config.objectives.objective_config(),
                              admission=config.objectives.admission_params())
+        objectives = config.objectives.objective_config()
+        if not policy.needs_predictions and any(
+                o.sheddable for o in (*objectives.objectives.values(), *objectives.model_defaults.values(),
+                                      objectives.default)):
+            logger.warning("objectives: sheddable (priority < 0) objectives are configured, but policy %r makes no "
+                           "predictions, so admission never refuses a request (only a predicting policy can)",
+                           config.policy)
         if config.fallback_endpoints:
             logger.warning("fallback_endpoints %d: the destination is a list of %d endpoints, which only a gateway "
                            "that takes a list follows (Envoy's override_host policy: astrolabe envoy --pool); "

@@ -35,7 +35,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from astrolabe.logs import bind_request
 from extproc import messages, wire
-from extproc.admission import NO_HEADER_OBJECTIVES, header_objectives
+from extproc.admission import NO_HEADER_OBJECTIVES, header_objectives, objective_header_values
 from extproc.config import ConfigError, parse_ip_port
 from extproc.errors import ErrorCode, RoutingError
 from extproc.request import MAX_DECODED_FACTOR, RoutingRequest, bodiless_request, parse_body
@@ -165,7 +165,8 @@ class StreamHandler:
 
     async def _on_headers(self, headers: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
         self._arrival_time_s = time.monotonic()
-        values = {h.key.lower(): (h.raw_value or h.value.encode()).decode("latin-1") for h in headers.headers.headers}
+        pairs = [(h.key.lower(), (h.raw_value or h.value.encode()).decode("latin-1")) for h in headers.headers.headers]
+        values = dict(pairs)
         self._method = values.get(":method", "")
         self._path = values.get(":path", "")
         # Repeated content-encoding lines are one list, in order (RFC 9110 5.3): each coding applies.
@@ -173,7 +174,7 @@ class StreamHandler:
         self._content_encoding = ", ".join((h.raw_value or h.value.encode()).decode("latin-1")
                                            for h in encodings) if encodings else None
         self._request_id = values.get(wire.REQUEST_ID_HEADER) or uuid.uuid4().hex
-        self._objectives = header_objectives(values)
+        self._objectives = header_objectives(objective_header_values(pairs))
         self._span.start(values, self._request_id)
         bind_request(self._request_id, self._span.trace_id)
         if headers.end_of_stream or self._body_mode not in (_BodyMode.BUFFERED, _BodyMode.FULL_DUPLEX_STREAMED):

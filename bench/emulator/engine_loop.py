@@ -157,7 +157,8 @@ class EngineLoop:
 
     def add_request(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int,
                     planned_finish_reason: str, stream_interval: int, max_tokens: int | None = None,
-                    block_keys: tuple[int, ...] | None = None, reply: Any = None) -> RequestHandle:
+                    block_keys: tuple[int, ...] | None = None, reply: Any = None,
+                    priority: int = 0) -> RequestHandle:
         """Queues a request in the scheduler and returns its handle.
 
         Args:
@@ -170,13 +171,14 @@ class EngineLoop:
             block_keys: keys of the full blocks of its prompt and output tokens (`SimRequest.block_keys`), or
                 None: it neither hits the prefix cache nor leaves anything in it.
             reply: its output tokens and their text (kept on the handle for its handler).
+            priority: vLLM's request priority (lower = earlier), read under the "priority" scheduling policy.
 
         Raises:
             ValueError: the scheduler refuses it (duplicate id, or it could never fit in the KV cache).
         """
         sim = SimRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
                          num_output_tokens=num_output_tokens, arrival_time_s=time.monotonic(),
-                         max_new_tokens=max_tokens, block_keys=block_keys)
+                         max_new_tokens=max_tokens, block_keys=block_keys, priority=priority)
         self.scheduler.add_request(sim)
         handle = RequestHandle(sim=sim, planned_finish_reason=planned_finish_reason, stream_interval=stream_interval,
                                next_notify_tokens=1 if stream_interval else _NEVER, max_tokens=max_tokens,

@@ -66,6 +66,8 @@ class ParsedRequest:
         return_token_ids: vLLM extension (completions, non-streaming here): the choice carries
             ``prompt_token_ids`` and ``token_ids``.
         recorded_reply: the `REPLY_TEXT_FIELD` test hook: the reply to generate token for token, or None.
+        priority: vLLM extension: the request's scheduling priority (lower = earlier; default 0), honoured under
+            ``--scheduling-policy priority`` (vllm/entrypoints/openai/protocol.py ``priority: int = 0``).
     """
 
     is_chat: bool
@@ -78,6 +80,7 @@ class ParsedRequest:
     ignore_eos: bool
     return_token_ids: bool = False
     recorded_reply: str | None = None
+    priority: int = 0
 
     @property
     def num_prompt_token_ids(self) -> int | None:
@@ -214,6 +217,7 @@ def parse_request(raw_body: bytes, is_chat: bool) -> ParsedRequest:
     ignore_eos = _check_type(body, "ignore_eos", (bool,), False)
     return_token_ids = _check_type(body, "return_token_ids", (bool,), False)
     recorded_reply = _check_type(body, REPLY_TEXT_FIELD, (str,), None)
+    priority = _count(body, "priority", 0)
     if is_chat:
         prompt_text, token_ids = apply_chat_template(body.get("messages")), None
         max_tokens = _count(body, "max_completion_tokens", None)
@@ -227,7 +231,7 @@ def parse_request(raw_body: bytes, is_chat: bool) -> ParsedRequest:
     return ParsedRequest(is_chat=is_chat, model=model, prompt_text=prompt_text, prompt_token_ids=token_ids,
                          max_tokens=max_tokens, stream=stream,
                          include_usage=bool(stream_options.get("include_usage", False)), ignore_eos=ignore_eos,
-                         return_token_ids=return_token_ids, recorded_reply=recorded_reply)
+                         return_token_ids=return_token_ids, recorded_reply=recorded_reply, priority=priority)
 
 
 def context_length_error(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None) -> ApiError:

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import logging
 import math
@@ -101,6 +102,7 @@ from bench.emulator.openai_api import (
 )
 from predictor.engine_flags import add_engine_arguments, engine_from_args
 from predictor.sim import EngineConfig, LinearBatchTimeModel, Scheduler
+from predictor.sim.scheduler import SCHEDULING_POLICIES
 from predictor.vllm_plugin import DEFAULT_MIN_INTERVAL_S
 from bench.emulator.tokens import RecordedReply, Reply, prompt_token_ids, request_block_keys
 from tagger.tokenizer import TOKENIZER_NAME
@@ -295,13 +297,18 @@ class _Instance:
                 raise ApiError(400, "the recorded reply is not valid Unicode", param=REPLY_TEXT_FIELD) from None
             if num_reply_tokens is None:  # the recorded reply ends where its text does
                 num_reply_tokens = max(1, len(recorded.token_ids))
+        if parsed.priority and cfg.engine.scheduling_policy != "priority":
+            # vllm/v1/engine/processor.py (and the V0 engines): the request is refused before it is queued
+            raise ApiError(400, f"Got priority {parsed.priority} but Priority scheduling is not enabled.",
+                           param="priority")
         num_output_tokens, finish_reason = self.num_output_tokens(max_tokens, parsed.ignore_eos, num_reply_tokens)
         reply = Reply(prompt_ids, num_output_tokens, recorded)
         keys = request_block_keys(prompt_ids, reply.token_ids, cfg.engine.block_size) if self.prefix_caching else None
         try:
             return self.engine.add_request(request_id, num_prompt_tokens, num_output_tokens, finish_reason,
                                            stream_interval=cfg.stream_interval if parsed.stream else 0,
-                                           max_tokens=max_tokens, block_keys=keys, reply=reply)
+                                           max_tokens=max_tokens, block_keys=keys, reply=reply,
+                                           priority=parsed.priority)
         except ValueError as exc:
             raise ApiError(400, f"request cannot be served by this instance: {exc}") from None
 
@@ -637,6 +644,11 @@ def _parse_args(argv: Sequence[str]) -> tuple[EmulatorConfig, argparse.Namespace
                    help="vLLM --max-model-len: context limit, prompt + output tokens")
     add_engine_arguments(p, d.engine, kv_note="; /metrics reports it in vllm:cache_config_info",
                          scheduling_note="default: sglang with --api sglang, else vllm-v1; ")
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d.engine.scheduling_policy,
+                   help="vLLM's --scheduling-policy: fcfs, or priority (the waiting queue by each request's "
+                        "'priority' body field, lower first, then arrival; preemption takes the largest); a "
+                        "nonzero 'priority' under fcfs is refused with 400, as vLLM does. The predictor sidecars "
+                        "do not model it (their states carry no priorities)")
     p.add_argument("--batch-time-model", default=d.batch_time_model,
                    help="step-time model: a shipped name (predictor/sim/*.json) or a JSON path")
     p.add_argument("--stream-interval", type=int, default=d.stream_interval,
@@ -672,7 +684,8 @@ def _parse_args(argv: Sequence[str]) -> tuple[EmulatorConfig, argparse.Namespace
         p.error(f"--state-path {a.state_path}: must name a file in an existing folder")
     try:
         config = EmulatorConfig(
-            engine=engine_from_args(a), batch_time_model=a.batch_time_model, served_model_name=a.served_model_name,
+            engine=dataclasses.replace(engine_from_args(a), scheduling_policy=a.scheduling_policy),
+            batch_time_model=a.batch_time_model, served_model_name=a.served_model_name,
             host=a.host, port=a.port, seed=a.seed, max_model_len=a.max_model_len, stream_interval=a.stream_interval,
             time_scale=a.time_scale, step_noise_frac=a.step_noise, output_len_median_tokens=a.output_len_median,
             output_len_sigma=a.output_len_sigma, state_path=a.state_path, state_interval_s=a.state_interval_s,

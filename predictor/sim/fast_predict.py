@@ -48,6 +48,15 @@ blocks are all cached by the end of a prefill, so a decode never names a block. 
 `predictor.sim.predict.predict` then steps the `Scheduler` instead. Requests without keys cost what they did (one
 `pool is None` test per event).
 
+NOTE: vLLM's "priority" scheduling policy (`EngineConfig.scheduling_policy`): the waiting queue is kept in
+(priority, arrival) order (the snapshot's waiting requests stably sorted, the new request and every preemption
+victim inserted behind its equals), as `Scheduler` does. The event walk assumes a preemption's victim is the last
+running request, which FCFS guarantees and the priority policy does not (its victim is the largest (priority,
+arrival), wherever it runs): such a preemption, and a step that preemptions left empty (`Scheduler.schedule`'s
+extra round), raise `PriorityPreemptionNotModelled` and `predictor.sim.predict.predict` steps the `Scheduler`
+instead. With every request at one priority the victim is the latest arrival, which is the last running request
+unless a recomputed one was re-admitted after a later arrival.
+
 NOTE: identities only where a lookup can see them (the cost of keyed predictions). A block's identity matters only
 to a lookup of its key; all lookups are by the simulated requests' own keys (admissions, re-admissions after
 preemption). So the pool names a block only if its key is in two or more requests' keys (counted once per
@@ -89,9 +98,18 @@ _NONE: list = []
 """Shared empty list (no starved decodes); never mutated."""
 
 
-class PrefixCacheNotModelled(Exception):
+class NotModelled(Exception):
+    """A state this module does not model reached it (caller: step the `Scheduler` instead)."""
+
+
+class PrefixCacheNotModelled(NotModelled):
     """A request whose block keys reach past its prompt's full blocks reached this module, which models only
-    prompt keys (caller: step the `Scheduler` instead)."""
+    prompt keys."""
+
+
+class PriorityPreemptionNotModelled(NotModelled):
+    """Under the "priority" scheduling policy a preemption's victim (the largest (priority, arrival)) is not the
+    last running request: the event walk assumes victims come off the end of the running list."""
 
 
 def _prompt_block_keys(state: RequestState, block_size: int) -> tuple[int, ...] | None:
@@ -135,7 +153,7 @@ class _Rec:
     __slots__ = (
         "seq", "num_prompt_tokens", "num_output_tokens", "num_computed_tokens", "num_generated_tokens",
         "num_blocks_held", "is_decode", "anchor", "boundary", "phase", "finish_step", "heap_id", "chunk",
-        "is_target", "keys", "block_ids", "num_shared", "num_full",
+        "is_target", "keys", "block_ids", "num_shared", "num_full", "priority", "arrival_time_s",
     )
     seq: int
     num_prompt_tokens: int
@@ -155,6 +173,8 @@ class _Rec:
     block_ids: list[int] | None
     num_shared: int
     num_full: int
+    priority: int
+    arrival_time_s: float
 
     def __init__(self, num_prompt_tokens: int, num_output_tokens: int, num_generated_tokens: int) -> None:
         # seq is set on admission; anchor, boundary, phase (-1: irregular, else boundary % block_size) and
@@ -173,6 +193,8 @@ class _Rec:
         self.block_ids = None
         self.num_shared = 0
         self.num_full = 0
+        self.priority = 0
+        self.arrival_time_s = 0.0
 
 
 def _waiting_rec(config: EngineConfig, state: RequestState) -> _Rec:
@@ -202,7 +224,13 @@ def _waiting_rec(config: EngineConfig, state: RequestState) -> _Rec:
         check_request_fits(config, state.request_id, num_prompt_tokens, num_output_tokens)  # raises, with details
     rec = _Rec(num_prompt_tokens, num_output_tokens, num_generated_tokens)
     rec.keys = keys
+    rec.priority = state.priority
+    rec.arrival_time_s = state.arrival_time_s
     return rec
+
+
+def _priority_key(rec: _Rec | RequestState) -> tuple[int, float]:
+    return (rec.priority, rec.arrival_time_s)
 
 
 def _seq_of(rec: _Rec) -> int:
@@ -219,6 +247,7 @@ class _FastScheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.threshold = config.long_prefill_token_threshold
         self.chunked = config.enable_chunked_prefill
+        self.by_priority = config.scheduling_policy == "priority"
         self.step_time = batch_time.step_time_from_counts_s
         self.run_time = batch_time.decode_run_time_from_counts_s
         # If more context never makes a step faster, a decode run's last step is its slowest and its first
@@ -449,9 +478,25 @@ class _FastScheduler:
         releases.clear()
         self.num_free_blocks = pool.num_free_blocks  # blocks shared with running requests stay used
 
+    def enqueue_by_priority(self, rec: _Rec | RequestState) -> None:
+        """Insert into the waiting queue behind every request of smaller or equal (priority, arrival), as
+        `Scheduler._enqueue_by_priority` does."""
+        waiting = self.waiting
+        key = _priority_key(rec)
+        index = len(waiting)
+        while index and _priority_key(waiting[index - 1]) > key:
+            index -= 1
+        waiting.insert(index, rec)
+
     def preempt_last(self) -> _Rec:
-        """Pop the last running request, free its blocks, put it at the front of the waiting queue."""
-        victim = self.running.pop()
+        """Pop the last running request, free its blocks, put it at the front of the waiting queue (FCFS) or at
+        its (priority, arrival) place ("priority" policy, where the victim must be the last running request:
+        `PriorityPreemptionNotModelled` if another one has a larger key)."""
+        running = self.running
+        if self.by_priority and _priority_key(running[-1]) < max(map(_priority_key, running)):
+            # Scheduler._schedule_running takes the last of the largest keys: here one before the last
+            raise PriorityPreemptionNotModelled(f"preemption victim before the last of {len(running)} running requests")
+        victim = running.pop()
         if victim.is_decode:
             self.leave_decode(victim)
         else:
@@ -464,7 +509,10 @@ class _FastScheduler:
         victim.num_blocks_held = 0
         victim.num_computed_tokens = 0
         victim.chunk = 0
-        self.waiting.appendleft(victim)
+        if self.by_priority:
+            self.enqueue_by_priority(victim)
+        else:
+            self.waiting.appendleft(victim)
         self.num_preemptions += 1
         return victim
 
@@ -814,6 +862,8 @@ class _FastScheduler:
             num_tokens += num_admitted_tokens
             attention_work += admitted_work
             context += admitted_context
+        if not num_seqs and self.by_priority:
+            raise PriorityPreemptionNotModelled("a priority preemption emptied the step (Scheduler.schedule rounds)")
         assert num_seqs, "scheduler made no progress with unfinished requests"
         duration_s = self.step_time(num_tokens, attention_work, context, num_seqs)
         if not (duration_s > 0 and duration_s != _INF):
@@ -886,10 +936,16 @@ class _FastScheduler:
             if self.pool is not None or request.block_keys or any(s.block_keys for s in snapshot.waiting):
                 pool = self.ensure_pool()
                 pool.restore_cached_free(cached, self.key_counts)  # keys no request has: no identity
-        self.waiting.extend(snapshot.waiting)
         target = self.convert(request)
         target.is_target = True
-        self.waiting.append(target)
+        if self.by_priority:
+            # Scheduler.add_request inserts each by key: a stable sort; the new request arrives now.
+            self.waiting.extend(sorted(snapshot.waiting, key=_priority_key))
+            target.arrival_time_s = snapshot.new_arrival_time_s()
+            self.enqueue_by_priority(target)
+        else:
+            self.waiting.extend(snapshot.waiting)
+            self.waiting.append(target)
 
     def restore_running(self, state: RequestState) -> None:
         """Append one running snapshot request (checks of `Scheduler.restore_running`, which it mirrors: its full
@@ -922,6 +978,8 @@ class _FastScheduler:
             raise ValueError(f"request {state.request_id!r}: {num_held} blocks wanted, {self.num_free_blocks} free")
         self.num_free_blocks -= num_taken
         rec = _Rec(state.num_prompt_tokens, num_generated + state.num_remaining_output_tokens, num_generated)
+        rec.priority = state.priority
+        rec.arrival_time_s = state.arrival_time_s
         if pool is not None:
             pool.touch(hits)
             pool.allocate(num_held - len(hits))
@@ -963,6 +1021,8 @@ def simulate_until_finished(
         ValueError: For an invalid snapshot or request (as `InstanceSnapshot.to_scheduler` and
             `Scheduler.add_request`), or a non-positive step time from the model.
         PrefixCacheNotModelled: A request in the snapshot or the new one has block keys past its prompt.
+        PriorityPreemptionNotModelled: Under the "priority" policy, a preemption's victim is not the last running
+            request.
     """
     sim = _FastScheduler(snapshot.config, batch_time)
     sim.load(snapshot, request)

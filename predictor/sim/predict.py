@@ -154,11 +154,13 @@ class Prediction:
 
 
 def _target_request(snapshot: InstanceSnapshot, request: RequestState) -> SimRequest:
-    """The new request as a fresh waiting `SimRequest` arriving at the snapshot's time."""
+    """The new request as a fresh waiting `SimRequest` arriving at the snapshot's time (under the "priority" policy,
+    after every request in it: `InstanceSnapshot.new_arrival_time_s`)."""
     if request.num_computed_tokens or request.num_generated_tokens:
         raise ValueError(f"new request {request.request_id!r} must have no computed or generated tokens")
     target = request.to_sim_request(RequestStatus.WAITING)
-    target.arrival_time_s = snapshot.now_s
+    target.arrival_time_s = (snapshot.new_arrival_time_s() if snapshot.config.scheduling_policy == "priority"
+                             else snapshot.now_s)
     return target
 
 
@@ -217,8 +219,9 @@ def predict(
         request: The new request (no progress); its id must not be in the snapshot.
         batch_time: Step execution-time model. With `step_time_from_counts_s` and
             `decode_run_time_from_counts_s` (as `LinearBatchTimeModel`) and the vLLM V1 rules the event-driven
-            path (`predictor.sim.fast_predict`) is used, unless a request's block keys reach past its prompt;
-            otherwise the `Scheduler` with decode runs skipped.
+            path (`predictor.sim.fast_predict`) is used, unless a request's block keys reach past its prompt or,
+            under the "priority" policy, a preemption takes a request other than the last running one
+            (`fast_predict.NotModelled`); otherwise the `Scheduler` with decode runs skipped.
         compiled: False runs the pure-Python `fast_predict` even where the compiled one is loaded (the
             reference, for tests and benchmarks); the results are identical.
 
@@ -238,7 +241,7 @@ def predict(
         module = _FAST_PREDICT if compiled else _load_python_fast_predict()
         try:
             result = module.simulate_until_finished(snapshot, request, batch_time)
-        except module.PrefixCacheNotModelled:
+        except module.NotModelled:
             return _predict_with_scheduler(snapshot, request, batch_time)
         return Prediction(
             ttft_s=result.ttft_s,

@@ -61,6 +61,11 @@ class SimRequest:
         num_cached_tokens: Prompt tokens found in the prefix cache at the request's first admission (vLLM
             `Request.num_cached_tokens`, reported as ``usage.prompt_tokens_details.cached_tokens``); None before
             its first admission.
+        priority: Scheduling priority as vLLM reads it (`Request.priority`: LOWER is served earlier; default 0).
+            Read only under ``EngineConfig.scheduling_policy == "priority"`` (vllm-v1 rules): the waiting queue
+            is ordered by (priority, arrival_time_s) and a preemption takes the running request with the largest
+            (priority, arrival_time_s). The Inference Extension's priority runs the other way (higher = more
+            important, negative = sheddable): `vllm_priority` converts it.
 
     Raises:
         ValueError: On construction, if a token count is out of range.
@@ -79,6 +84,7 @@ class SimRequest:
     max_new_tokens: int | None = None
     block_keys: tuple[int, ...] | None = None
     num_cached_tokens: int | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 1:
@@ -107,3 +113,14 @@ class SimRequest:
     def is_finished(self) -> bool:
         """True once the request is FINISHED or ABORTED."""
         return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+
+def vllm_priority(objective_priority: int) -> int:
+    """The vLLM request priority (lower = earlier) for an Inference Extension objective priority (higher = more
+    important; negative = sheddable): its negation, so priority 0 stays 0 and a sheddable -1 becomes 1.
+
+    Source: vLLM's OpenAI server, ``priority`` request field ("lower values mean earlier handling", default 0,
+    vllm/entrypoints/openai/protocol.py); the Gateway API Inference Extension's InferenceObjective ``priority``
+    (api/v1alpha2 inferenceobjective_types.go: higher is more critical).
+    """
+    return -int(objective_priority)

@@ -44,8 +44,10 @@ Simplifications (both styles):
   identities;
 - no speculative decoding, no lookahead slots, no structured output, no multimodal encoder budget, no LoRA;
 - no swapping (neither engine swaps by default): preemption / retraction frees the KV and the request recomputes;
-- no priorities beyond FCFS (SGLang's default `schedule_policy` is "fcfs"; "lpm" keeps FCFS order too when no
-  prompts share a prefix); no max_model_len cap (callers pass valid lengths);
+- priorities: vllm-v1 models vLLM's ``--scheduling-policy priority`` (`EngineConfig.scheduling_policy`: the waiting
+  queue by (priority, arrival), the preemption victim the largest (priority, arrival); a waiting request never
+  preempts a running one, as in vLLM V1); SGLang only FCFS (its default `schedule_policy` is "fcfs"; "lpm" keeps
+  FCFS order too when no prompts share a prefix); no max_model_len cap (callers pass valid lengths);
 - a step's tokens are applied when the caller calls `update_after_step` (vLLM advances `num_computed_tokens` at
   schedule time; the result after a step is the same).
 SGLang rules left out: `enable_mixed_chunk`, priority preemption, `max_prefill_tokens` while chunked prefill is
@@ -98,6 +100,11 @@ request id (a str)."""
 
 SCHEDULING_STYLES = ("vllm-v1", "sglang")
 """The rule sets `Scheduler` implements, the values of `EngineConfig.scheduling` (see the module docstring)."""
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+"""vLLM's scheduling policies (``--scheduling-policy``), the values of `EngineConfig.scheduling_policy`.
+
+Source: vllm/v1/core/sched/request_queue.py `SchedulingPolicy` (FCFS, PRIORITY)."""
 
 SGLANG_CLIP_MAX_NEW_TOKENS = 4096
 """Most output tokens SGLang assumes a request may still need when it reserves KV for it, tokens.
@@ -155,6 +162,12 @@ class EngineConfig:
             (vLLM `long_prefill_token_threshold`), tokens, >= 0; must be 0 with "sglang" (SGLang has no such
             knob).
         scheduling: Rule set, one of `SCHEDULING_STYLES`: "vllm-v1" (default) or "sglang".
+        scheduling_policy: vLLM's ``--scheduling-policy``, one of `SCHEDULING_POLICIES`: "fcfs" (default) or
+            "priority" (vllm-v1 rules only): the waiting queue ordered by (`SimRequest.priority`, arrival time),
+            lower first, ties in arrival order; a preemption takes the running request with the largest
+            (priority, arrival time) instead of the last one (of equal keys, the last admitted). Source: vllm/v1/core/sched/scheduler.py
+            `Scheduler.schedule` (``if self.policy == SchedulingPolicy.PRIORITY``), request_queue.py
+            `PriorityRequestQueue`.
 
     Raises:
         ValueError: On construction, with the offending field named, if a value is out of range.
@@ -167,6 +180,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling: str = "vllm-v1"
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_gpu_blocks"):
@@ -176,6 +190,11 @@ class EngineConfig:
         if self.scheduling not in SCHEDULING_STYLES:
             raise ValueError(f"EngineConfig.scheduling must be one of {', '.join(SCHEDULING_STYLES)}, "
                              f"got {self.scheduling!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"EngineConfig.scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
+        if self.scheduling_policy == "priority" and self.scheduling != "vllm-v1":
+            raise ValueError("EngineConfig.scheduling_policy='priority' is modelled for scheduling='vllm-v1' only")
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             raise ValueError(
                 f"EngineConfig.long_prefill_token_threshold must be an int >= 0, got "
@@ -300,8 +319,12 @@ def check_request_fits(config: EngineConfig, request_id: str, num_prompt_tokens:
         )
 
 
+def _priority_key(request: SimRequest) -> tuple[int, float]:
+    return (request.priority, request.arrival_time_s)
+
+
 class Scheduler:
-    """FCFS continuous-batching scheduler of one instance, vLLM V1 or SGLang rules (see the module docstring).
+    """FCFS (or vLLM priority) continuous-batching scheduler of one instance, vLLM V1 or SGLang rules (see the module docstring).
 
     Drive it with `schedule()` then `update_after_step(batch, now_s)`, once per engine step: every non-empty
     batch must be applied before the next `schedule()` (blocks are reserved at schedule time, tokens counted
@@ -341,6 +364,7 @@ class Scheduler:
         self._requests: dict[str, SimRequest] = {}
         # SGLang rules only (see SGLangState): admission state, and what the last schedule() decided.
         self._sglang = config.scheduling == "sglang"
+        self._by_priority = config.scheduling_policy == "priority"
         self._new_token_ratio = SGLANG_INIT_NEW_TOKEN_RATIO
         self._batch_is_full = False
         self._stale_reserved_tokens: list[int] = []
@@ -438,7 +462,21 @@ class Scheduler:
             raise ValueError(f"duplicate request_id {request.request_id!r}")
         self.validate_request(request)
         self._requests[request.request_id] = request
-        self.waiting.append(request)
+        if self._by_priority:
+            self._enqueue_by_priority(request)
+        else:
+            self.waiting.append(request)
+
+    def _enqueue_by_priority(self, request: SimRequest) -> None:
+        """Insert into the waiting queue behind every request whose (priority, arrival time) is <= its own (vLLM's
+        `PriorityRequestQueue` pops the smallest; equal keys here keep their insertion order, where vLLM then
+        compares request ids)."""
+        waiting = self.waiting
+        key = (request.priority, request.arrival_time_s)
+        index = len(waiting)
+        while index and (waiting[index - 1].priority, waiting[index - 1].arrival_time_s) > key:
+            index -= 1
+        waiting.insert(index, request)
 
     def validate_request(self, request: SimRequest) -> None:
         """Check that `add_request` would accept `request`, apart from its id; change nothing.
@@ -609,23 +647,46 @@ class Scheduler:
             self._check_invariants_sglang(batch)
             return batch
         batch = ScheduledBatch()
-        token_budget = self.config.max_num_batched_tokens
-        token_budget = self._schedule_running(batch, token_budget)
-        if not batch.preempted_request_ids:
-            self._schedule_waiting(batch, token_budget)
+        preempted_before: list[str] = []
+        while True:
+            token_budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+            if not batch.preempted_request_ids:
+                self._schedule_waiting(batch, token_budget)
+            if batch.num_scheduled_tokens or not (self._by_priority and batch.preempted_request_ids):
+                break
+            # Priority policy only: the first running request's reservation preempted itself (it had the largest
+            # key) and nothing ran. vLLM's engine runs no model for an empty schedule and calls schedule() again
+            # (which may then admit waiting requests); here that next round is this step's batch, with the
+            # preemptions of the empty rounds first. Each round preempts or schedules, so this ends.
+            preempted_before.extend(batch.preempted_request_ids)
+            batch = ScheduledBatch()
+        if preempted_before:
+            batch.preempted_request_ids[:0] = preempted_before
         self._check_invariants(batch)
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, token_budget: int) -> int:
         """Schedule running requests in order; return the budget left."""
         index = 0
-        while index < len(self.running) and token_budget > 0:
-            request = self.running[index]
+        running = self.running
+        while index < len(running) and token_budget > 0:
+            request = running[index]
             num_new_tokens = self._num_new_tokens(request, token_budget)
             scheduled = True
             while not self._reserve_blocks(request, num_new_tokens):
-                # Lowest priority under FCFS is the last running request; it may be this one.
-                victim = self.running.pop()
+                if self._by_priority:
+                    # The largest (priority, arrival). Of equal keys (vLLM's clock never gives two requests one
+                    # arrival time; snapshots may) the last admitted, as under FCFS: taking the first, as max()
+                    # would, lets two equal requests preempt each other's recomputation forever. One already
+                    # scheduled this step gives its tokens back and the walk steps back over it.
+                    victim_index = max(range(len(running)), key=lambda i: (_priority_key(running[i]), i))
+                    victim = running.pop(victim_index)
+                    if victim_index < index:
+                        token_budget += self._remove_from_batch(batch, victim)
+                        index -= 1
+                else:
+                    # Lowest priority under FCFS is the last running request; it may be this one.
+                    victim = running.pop()
                 self._preempt(victim, batch)
                 if victim is request:
                     scheduled = False
@@ -776,13 +837,29 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        if to_front:
+        if self._by_priority:
+            self._enqueue_by_priority(request)  # vLLM's PriorityRequestQueue.prepend_request = add_request
+        elif to_front:
             self.waiting.appendleft(request)
         else:
             self.waiting.append(request)
         batch.preempted_request_ids.append(request.request_id)
         logger.debug("%s %s (%d times)", "preempted" if to_front else "retracted", request.request_id,
                      request.num_preemptions)
+
+    @staticmethod
+    def _remove_from_batch(batch: ScheduledBatch, request: SimRequest) -> int:
+        """Undo `_add_to_batch` for a request scheduled earlier in this step (before its counters change); return
+        the tokens it had."""
+        num_new_tokens = batch.num_scheduled_tokens.pop(request.request_id)
+        num_computed = request.num_computed_tokens
+        if num_new_tokens == 1 and num_computed >= request.num_prompt_tokens:
+            batch.num_decode_seqs -= 1
+            batch.decode_context_tokens -= num_computed + 1
+        else:
+            batch.num_prefill_tokens -= num_new_tokens
+            batch.prefill_attention_work -= num_new_tokens * (num_computed + num_new_tokens)
+        return num_new_tokens
 
     @staticmethod
     def _add_to_batch(batch: ScheduledBatch, request: SimRequest, num_new_tokens: int) -> None:

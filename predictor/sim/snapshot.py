@@ -55,6 +55,8 @@ class RequestState:
             rules read it (`SimRequest.max_new_tokens`).
         block_keys: Keys of its full KV blocks (`SimRequest.block_keys`); None = unknown tokens (no prefix
             caching for it).
+        priority: vLLM scheduling priority (`SimRequest.priority`: lower = earlier; read only under the
+            "priority" scheduling policy).
     """
 
     request_id: str
@@ -67,6 +69,7 @@ class RequestState:
     num_preemptions: int = 0
     max_new_tokens: int | None = None
     block_keys: tuple[int, ...] | None = None
+    priority: int = 0
 
     @property
     def num_remaining_output_tokens(self) -> int:
@@ -92,6 +95,7 @@ class RequestState:
             num_preemptions=self.num_preemptions,
             max_new_tokens=self.max_new_tokens,
             block_keys=self.block_keys,
+            priority=self.priority,
         )
 
     @classmethod
@@ -108,6 +112,7 @@ class RequestState:
             num_preemptions=request.num_preemptions,
             max_new_tokens=request.max_new_tokens,
             block_keys=request.block_keys,
+            priority=request.priority,
         )
 
 
@@ -188,6 +193,12 @@ class InstanceSnapshot:
         prompt (at least 1 token; a prompt that cannot fit stays unservable)."""
         limit = max(self.config.num_gpu_blocks * self.config.block_size - request.num_prompt_tokens, 1)
         return request if request.num_output_tokens <= limit else replace(request, num_output_tokens=limit)
+
+    def new_arrival_time_s(self) -> float:
+        """When a new request arrives on this state, seconds: its time, or the latest arrival in it if later (a
+        state with unseen dispatches queued in, `extproc.fleet_state.predict_from_state`, holds requests sent after
+        it was taken). Under vLLM's "priority" policy a new request queues behind every request of its priority."""
+        return max((self.now_s, *(r.arrival_time_s for r in self.waiting), *(r.arrival_time_s for r in self.running)))
 
     @classmethod
     def from_scheduler(cls, scheduler: Scheduler, now_s: float) -> InstanceSnapshot:

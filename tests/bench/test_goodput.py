@@ -36,7 +36,12 @@ def test_labels_carry_the_admission_rule():
     assert spec_of("astrolabe-k2+headroom=0.25", 12, 0.5).protect_ttft_s == 0.25
     assert spec.pressure_window_s == 2.0 and spec_of("astrolabe-k2+headroom=0.3@0", 12, 0.5).pressure_window_s == 0
     assert spec_of("astrolabe-k2:prefer_meeting=false+slo", 12, 0.5).params["prefer_meeting"] is False
-    for bad in ("astrolabe-k2+refuse", "astrolabe-k2+slo=1", "astrolabe-k2+headroom=x", "astrolabe-k2+headroom@x"):
+    assert not spec.engine_priority
+    prio = spec_of("astrolabe-k2+slo/priority", 12, 0.5)
+    assert prio.engine_priority and prio.admission == AdmissionParams("slo") and prio.label == "astrolabe-k2+slo/priority"
+    assert spec_of("least-requests/priority", 12, 0.5).engine_priority
+    for bad in ("astrolabe-k2+refuse", "astrolabe-k2+slo=1", "astrolabe-k2+headroom=x", "astrolabe-k2+headroom@x",
+                "astrolabe-k2/lifo"):
         with pytest.raises(ValueError):
             spec_of(bad, 12, 0.5)
 
@@ -64,6 +69,19 @@ def test_admission_refuses_sheddable_requests_only_and_protects_the_critical_one
     # a policy that does not predict cannot refuse
     unpredicted = dataclasses.replace(spec, name="least-requests", params={})
     assert simulate_point_latencies(unpredicted, 60.0, requests, CONFIG)[0].num_shed == 0
+
+
+def test_engine_priority_serves_the_critical_requests_first():
+    """vLLM's --scheduling-policy priority in the simulated engines: with no admission at all, the critical
+    requests' tail falls far below FCFS's, the sheddable ones wait longer, and nothing is refused."""
+    requests = overload()
+    critical = np.array([r.objectives.priority >= 0 for r in requests])
+    fcfs = PolicySpec("k2", "astrolabe", {"k": 2})
+    _, plain = simulate_point_latencies(fcfs, 60.0, requests, CONFIG)
+    result, prio = simulate_point_latencies(dataclasses.replace(fcfs, engine_priority=True), 60.0, requests, CONFIG)
+    assert result.num_shed == 0 and result.num_completed == len(requests)
+    assert np.percentile(prio.ttfts_s[critical], 99) < 0.5 * np.percentile(plain.ttfts_s[critical], 99)
+    assert np.mean(prio.ttfts_s[~critical]) > np.mean(plain.ttfts_s[~critical])
 
 
 def test_a_refused_turn_is_followed_by_the_next_one_a_think_time_later():

@@ -4,6 +4,7 @@ import pytest
 
 from extproc.admission import (
     MAX_OBJECTIVE_S,
+    MIN_OBJECTIVE_S,
     NO_HEADER_OBJECTIVES,
     NO_OBJECTIVES,
     SHED_HEADROOM,
@@ -13,6 +14,7 @@ from extproc.admission import (
     ObjectiveConfig,
     Objectives,
     header_objectives,
+    objective_header_values,
     meets,
     shed_reason,
 )
@@ -36,7 +38,7 @@ def test_headers_in_milliseconds_first_name_wins():
     assert header_objectives({}) is NO_HEADER_OBJECTIVES
 
 
-@pytest.mark.parametrize("value", ["-5", "0", "nan", "inf", "abc", "", "1e400"])
+@pytest.mark.parametrize("value", ["-5", "0", "nan", "inf", "abc", "", "1e400", "1_000", "0x10", "\u0661\u0660"])
 def test_absurd_header_values_are_ignored_and_reported(value):
     got = header_objectives({"x-slo-ttft-ms": value})
     assert got.ttft_s is None and got.invalid == ("x-slo-ttft-ms",)
@@ -45,6 +47,19 @@ def test_absurd_header_values_are_ignored_and_reported(value):
 def test_a_huge_header_value_is_clamped_and_reported():
     got = header_objectives({"x-slo-tpot-ms": "1e15"})
     assert got.tpot_s == MAX_OBJECTIVE_S and got.invalid == ("x-slo-tpot-ms",)
+    tiny = header_objectives({"x-slo-ttft-ms": "5e-324"})  # > 0 in ms, 0.0 once in seconds
+    assert tiny.ttft_s == MIN_OBJECTIVE_S > 0 and tiny.invalid == ("x-slo-ttft-ms",)
+    assert header_objectives({"x-slo-ttft-ms": "1.5e3"}).ttft_s == 1.5
+
+
+def test_a_header_repeated_with_different_values_is_ignored_and_reported():
+    pairs = [("x-slo-ttft-ms", "1e3"), ("x-slo-ttft-ms", "-1"), ("x-gateway-inference-objective", "chat"),
+             ("x-gateway-inference-objective", "batch"), ("x-slo-tpot-ms", "50"), ("x-slo-tpot-ms", "50"),
+             ("content-type", "a"), ("content-type", "b")]
+    values = objective_header_values(pairs)
+    assert values == {"x-slo-ttft-ms": None, "x-gateway-inference-objective": None, "x-slo-tpot-ms": "50"}
+    got = header_objectives(values)
+    assert got == HeaderObjectives(None, 0.05, None, ("x-slo-ttft-ms", "x-gateway-inference-objective"))
 
 
 def test_priority_comes_only_from_a_configured_objective():
@@ -54,9 +69,12 @@ def test_priority_comes_only_from_a_configured_objective():
     # an unknown name falls back to the model's default, then to the default
     assert config.resolve(HeaderObjectives(objective="vip"), "llama") == Objectives(2.0, None, -2)
     assert config.resolve(HeaderObjectives(objective="vip"), "other") == NO_OBJECTIVES
-    # a header's objective replaces the configured one; the priority stays
+    # a header's objective only tightens the configured one (sets one where there is none); the priority stays
     assert config.resolve(HeaderObjectives(ttft_s=0.3, objective="batch"), None) == Objectives(0.3, None, -1)
     assert config.resolve(HeaderObjectives(tpot_s=0.05), "llama") == Objectives(2.0, 0.05, -2)
+    # a looser header would let a sheddable client escape refusal: the configured objective stays
+    assert config.resolve(HeaderObjectives(ttft_s=MAX_OBJECTIVE_S), "llama") == Objectives(2.0, None, -2)
+    assert config.resolve(HeaderObjectives(ttft_s=9.0, objective="chat"), None) == Objectives(1.0, None, 0)
 
 
 def test_protect_bound_defaults_to_half_the_tightest_non_sheddable_ttft_objective():
@@ -79,10 +97,14 @@ def test_config_entries_are_checked():
     assert section.objective_config().protect_ttft_bound_s() == 0.3
     assert section.admission_params() == AdmissionParams("slo", 3)
     assert objectives(None).admission_params() == AdmissionParams()
+    # YAML 1.1 reads an exponent without a point as a string: taken as the number it spells
+    assert objectives({"protect_ttft_ms": "1e3"}).objective_config().protect_ttft_bound_s() == 1.0
     for bad in ({"named": {"b": {"priority": "high"}}}, {"named": {"b": {"ttft_ms": -1}}},
                 {"models": {"m": {"ttft_ms": "fast"}}}, {"default": {"tpot_ms": math.inf}},
                 {"named": {"b": {"deadline": 3}}}, {"named": {"b": {"priority": True}}},
-                {"admission": "drop-everything"}, {"named": {"b": {"ttft_ms": 1e12}}}, {"retry_after_s": -1}):
+                {"admission": "drop-everything"}, {"named": {"b": {"ttft_ms": 1e12}}}, {"retry_after_s": -1},
+                {"named": {"b": {"priority": 2 ** 31}}}, {"default": {"priority": -(2 ** 31) - 1}},
+                {"retry_after_s": 10 ** 29}, {"named": {"b": {"ttft_ms": "1e99"}}}):
         with pytest.raises(ConfigError, match="objectives"):
             objectives(bad)
     with pytest.raises(ValueError):

@@ -504,7 +504,7 @@ def test_frozen_metrics_then_a_restart_at_zero_gauges(stack, fleet):
     """A fourth instance with its own ledger sidecar; policy astrolabe, ``--pool`` with one fallback. Its /metrics
     freezes at 1 s (SIGUSR1: scrapes get that moment's text, so the sidecar's state looks fresh but is not) and
     thaws at 3 s; at 4 s it is SIGKILLed and started again on the same port, its gauges at zero. Nothing is lost
-    but the streams it held at the kill (the fallback serves the requests it refuses while down); afterwards it
+    but the requests it held at the kill (streams cut, or ones it had not begun to answer) (the fallback serves the requests it refuses while down); afterwards it
     serves again, and its sidecar's ledger and the extproc's counts return to 0."""
     victim = stack.start_emulator(*ENGINE_FLAGS, "--seed", "7")
     victim_sidecar = stack.start_sidecar(victim, *SIDECAR_FLAGS)
@@ -538,7 +538,10 @@ def test_frozen_metrics_then_a_restart_at_zero_gauges(stack, fleet):
     kill_s, restarted_s = run.marks["kill"], run.marks["restarted"]
     assert run.hung() == []
     for r in run.lost():
-        assert r.status == 200 and r.instance == victim and r.send_offset_s < kill_s + RACE_S, r
+        # a stream cut mid-reply, or a request the victim had taken but not begun to answer when it died (Envoy's
+        # 503 upstream_reset_before_response_started{connection_termination}: seen 31 ms before the kill)
+        held = (r.status == 200 and r.instance == victim) or (r.status == 503 and r.send_offset_s >= kill_s - 1.0)
+        assert held and r.send_offset_s < kill_s + RACE_S, r
     assert any(r.instance == victim for r in run.sent(restarted_s + 1.0)), "the restarted instance got no request"
     poll_until(lambda: _ledger_size(victim_sidecar) == 0, 15.0, "the victim's ledger empty")
     _wait_counts_back_to_zero(stack, endpoints)

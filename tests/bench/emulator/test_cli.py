@@ -135,3 +135,16 @@ def test_prefix_caching_flags_are_vllms() -> None:
     config, _ = _parse_args(["--no-enable-prefix-caching", "--enable-prompt-tokens-details"])
     assert not config.enable_prefix_caching and config.enable_prompt_tokens_details
     assert _parse_args(["--enable-prefix-caching"])[0].enable_prefix_caching
+
+
+def test_scheduling_policy_flag_is_vllms() -> None:
+    """--scheduling-policy fcfs (default) or priority; priority with the SGLang rules is refused at start."""
+    import pytest
+
+    from bench.emulator.server import _parse_args
+
+    assert _parse_args([])[0].engine.scheduling_policy == "fcfs"
+    assert _parse_args(["--scheduling-policy", "priority"])[0].engine.scheduling_policy == "priority"
+    with pytest.raises(SystemExit) as exited:
+        _parse_args(["--scheduling-policy", "priority", "--scheduling", "sglang"])
+    assert exited.value.code == 2

@@ -320,3 +320,32 @@ async def test_loadgen_sends_a_realistic_cap_and_spreads_over_router_replicas() 
     assert [r.error for r in results] == [None] * 6
     assert [r.max_tokens for r in results] == [5, 6, 7, 8, 8, 8]  # the reply's length, capped
     assert len({r.instance for r in results}) == 2 and results[0].instance != results[1].instance
+
+
+async def test_priority_field_follows_the_scheduling_policy() -> None:
+    """vLLM's 'priority' body field: refused (400) unless --scheduling-policy priority; with it a later request of
+    lower value is served before earlier ones of higher value (the waiting queue by priority, then arrival)."""
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 20, "ignore_eos": True}
+    async with emulator() as client:
+        refused = await client.post("/v1/completions", json={**body, "priority": 1})
+        assert refused.status_code == 400 and "Priority scheduling is not enabled" in refused.json()["error"]["message"]
+        assert (await client.post("/v1/completions", json={**body, "priority": 0})).status_code == 200
+        assert (await client.post("/v1/completions", json={**body, "priority": "high"})).status_code == 400
+    engine = EngineConfig(max_num_seqs=1, max_num_batched_tokens=64, scheduling_policy="priority")
+    async with emulator(engine, time_scale=5.0) as client:
+        finished: list[str] = []
+
+        async def send(name: str, priority: int) -> None:
+            response = await client.post("/v1/completions", json={**body, "priority": priority})
+            assert response.status_code == 200, response.text
+            finished.append(name)
+
+        first = asyncio.create_task(send("first", 1))
+        while metric((await client.get("/metrics")).text, "vllm:num_requests_running") < 1:
+            await asyncio.sleep(0.01)
+        queued = [asyncio.create_task(send(f"batch{i}", 1)) for i in range(3)]
+        while metric((await client.get("/metrics")).text, "vllm:num_requests_waiting") < 3:
+            await asyncio.sleep(0.01)
+        urgent = asyncio.create_task(send("urgent", 0))
+        await asyncio.gather(first, *queued, urgent)
+        assert finished[:2] == ["first", "urgent"], finished

@@ -73,8 +73,11 @@ def _clamp(config: EngineConfig, num_prompt_tokens: int, num_output_tokens: int)
 
 
 @st.composite
-def states(draw: st.DrawFn) -> tuple[InstanceSnapshot, RequestState]:
+def states(draw: st.DrawFn, by_priority: bool = False) -> tuple[InstanceSnapshot, RequestState]:
+    """A live state and a new request; ``by_priority``: under vLLM's "priority" policy, with priorities 0-2."""
     config = draw(configs())
+    if by_priority:
+        config = dataclasses.replace(config, scheduling_policy="priority")
     if not config.enable_chunked_prefill and config.max_num_batched_tokens < 2 * MARGIN_TOKENS:
         config = dataclasses.replace(config, max_num_batched_tokens=2 * MARGIN_TOKENS)
     lengths = [
@@ -89,7 +92,8 @@ def states(draw: st.DrawFn) -> tuple[InstanceSnapshot, RequestState]:
     for i, (num_prompt_tokens, num_output_tokens) in enumerate(lengths):
         for _ in range(draw(st.integers(0, 4))):
             engine.step()
-        engine.add_request(SimRequest(f"r{i}", num_prompt_tokens, num_output_tokens, engine.now_s))
+        priority = draw(st.integers(0, 2)) if by_priority else 0
+        engine.add_request(SimRequest(f"r{i}", num_prompt_tokens, num_output_tokens, engine.now_s, priority=priority))
     for _ in range(draw(st.integers(0, 12))):
         engine.step()
     snapshot = InstanceSnapshot.from_scheduler(engine.scheduler, engine.now_s)
@@ -114,7 +118,8 @@ def states(draw: st.DrawFn) -> tuple[InstanceSnapshot, RequestState]:
     if draw(st.booleans()):
         padded = draw(st.permutations(padded))
     snapshot = dataclasses.replace(snapshot, running=tuple(padded))
-    target = RequestState("target", *target_lengths, arrival_time_s=snapshot.now_s)
+    priority = draw(st.integers(0, 2)) if by_priority else 0
+    target = RequestState("target", *target_lengths, arrival_time_s=snapshot.now_s, priority=priority)
     return snapshot, target
 
 
@@ -207,6 +212,20 @@ def test_predict_equals_stepping_and_leaves_state_unchanged(case: tuple[Instance
     event(f"preemptions: {min(slow.num_preemptions, 3)}")
     event(f"skipped: {fast.num_steps_simulated < fast.num_steps}")
     event(f"extra blocks held: {any(s.num_blocks_held for s in snapshot.running)}")
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(states(by_priority=True))
+def test_priority_policy_predict_equals_stepping(case: tuple[InstanceSnapshot, RequestState]) -> None:
+    """vLLM's "priority" policy: the event walk (or its fallback to stepping when a preemption's victim is not the
+    last running request) equals stepping the Scheduler."""
+    snapshot, target = case
+    fast = predict(snapshot, target, LLAMA)
+    _assert_same(fast, predict_by_stepping(snapshot, target, LLAMA))
+    if COMPILED:
+        assert predict(snapshot, target, LLAMA, compiled=False) == fast
+    event(f"preemptions: {min(fast.num_preemptions, 3)}")
+    event(f"mixed priorities: {len({s.priority for s in (*snapshot.running, *snapshot.waiting, target)}) > 1}")
 
 
 # ---- skip-ahead specifics -----------------------------------------------------------------------------------

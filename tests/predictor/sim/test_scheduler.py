@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -168,6 +169,41 @@ def test_preempted_request_goes_to_front_of_waiting_and_keeps_first_token_time()
     assert out.first_token_request_ids == ["c"] and b.first_token_time_s == 1.0
 
 
+@pytest.mark.parametrize(("policy", "victim"), [("fcfs", "c"), ("priority", "s")])
+def test_priority_policy_orders_the_queue_and_preempts_the_lowest_priority(policy, victim) -> None:
+    """vLLM's --scheduling-policy priority: the waiting queue by (priority, arrival), and the victim of a preemption
+    the largest (priority, arrival) even when it runs first; FCFS preempts the last running request."""
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, block_size=4, num_gpu_blocks=4,
+                          scheduling_policy=policy)
+    queue = Scheduler(config)
+    for request_id, priority, arrival_s in (("late", 1, 0.0), ("early-critical", 0, 2.0), ("first-critical", 0, 1.0)):
+        queue.add_request(SimRequest(request_id, 4, 1, arrival_s, priority=priority))
+    expected = ["first-critical", "early-critical", "late"] if policy == "priority" else [
+        "late", "early-critical", "first-critical"]
+    assert [r.request_id for r in queue.waiting] == expected
+
+    scheduler = Scheduler(config)
+    s = SimRequest("s", 4, 6, 0.0, priority=1)  # sheddable (vLLM: larger = later), admitted first
+    c = SimRequest("c", 4, 6, 0.5, priority=0)
+    scheduler.add_request(s)
+    scheduler.add_request(c)
+    preempted: list[str] = []
+    for step in range(1, 12):
+        batch = scheduler.schedule()
+        assert batch.num_scheduled_tokens, "a step with unfinished work scheduled nothing"
+        preempted += batch.preempted_request_ids
+        scheduler.update_after_step(batch, float(step))
+        if preempted:
+            break
+    assert preempted == [victim]
+    # the other one kept running in the same batch (a priority victim that ran first left the step to it)
+    assert list(batch.num_scheduled_tokens) == ["s" if victim == "c" else "c"]
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig(scheduling_policy="lifo")
+    with pytest.raises(ValueError, match="priority"):
+        EngineConfig(scheduling="sglang", scheduling_policy="priority")
+
+
 def test_abort_frees_blocks_and_forgets_request() -> None:
     scheduler = Scheduler(EngineConfig(block_size=16, num_gpu_blocks=100))
     scheduler.add_request(_req("a", 100, 5))
@@ -328,10 +364,14 @@ def _check_transitions(requests: dict[str, SimRequest], last_status: dict[str, R
 
 
 def _run_trace(config: EngineConfig, arrivals, abort_prob: float, seed: int):
-    """Run a workload step by step, checking invariants; return (trace, requests by id)."""
+    """Run a workload step by step, checking invariants; return (trace, requests by id). Under the "priority"
+    policy each request gets a priority 0-2 drawn from the seed and arrives at its step."""
     rng = random.Random(seed)
     scheduler = Scheduler(config)
-    requests = {f"r{i}": _req(f"r{i}", p, o) for i, (_, p, o) in enumerate(arrivals)}
+    by_priority = config.scheduling_policy == "priority"
+    requests = {f"r{i}": SimRequest(f"r{i}", p, o, arrival_time_s=float(step) if by_priority else 0.0,
+                                    priority=rng.randrange(3) if by_priority else 0)
+                for i, (step, p, o) in enumerate(arrivals)}
     by_step: dict[int, list[str]] = {}
     for i, (step, _, _) in enumerate(arrivals):
         by_step.setdefault(step, []).append(f"r{i}")
@@ -351,6 +391,9 @@ def _run_trace(config: EngineConfig, arrivals, abort_prob: float, seed: int):
         assert len(scheduler.running) <= config.max_num_seqs
         if scheduler.has_unfinished_requests():
             assert batch.num_scheduled_tokens, "unfinished work but an empty step"
+        if by_priority:
+            keys = [(r.priority, r.arrival_time_s) for r in scheduler.waiting]
+            assert keys == sorted(keys), "the waiting queue is out of (priority, arrival) order"
         _check_transitions(requests, last_status)
         output = scheduler.update_after_step(batch, float(step))
         _assert_block_invariants(scheduler)
@@ -363,8 +406,10 @@ def _run_trace(config: EngineConfig, arrivals, abort_prob: float, seed: int):
 
 @settings(max_examples=250, deadline=None)
 @given(workloads())
-def test_properties_over_random_workloads(workload) -> None:
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_properties_over_random_workloads(policy, workload) -> None:
     config, arrivals, abort_prob, seed = workload
+    config = dataclasses.replace(config, scheduling_policy=policy)
     trace, requests = _run_trace(config, arrivals, abort_prob, seed)
     assert not any(r.status in (RequestStatus.WAITING, RequestStatus.RUNNING) for r in requests.values())
     for request in requests.values():
