@@ -216,12 +216,15 @@ class ObjectiveConfig:
         return Objectives(_tighter(headers.ttft_s, base.ttft_s), _tighter(headers.tpot_s, base.tpot_s),
                           base.priority)
 
+    def configured(self) -> tuple[Objectives, ...]:
+        """Every configured `Objectives`: the named ones, the per-model defaults, the default."""
+        return (*self.objectives.values(), *self.model_defaults.values(), self.default)
+
     def protect_ttft_bound_s(self) -> float | None:
         """The ``headroom`` rule's bound, seconds (``protect_ttft_s``, or its default), None = none."""
         if self.protect_ttft_s is not None:
             return self.protect_ttft_s
-        tightest = [o.ttft_s for o in (*self.objectives.values(), *self.model_defaults.values(), self.default)
-                    if o.priority >= 0 and o.ttft_s is not None]
+        tightest = [o.ttft_s for o in self.configured() if o.priority >= 0 and o.ttft_s is not None]
         return min(tightest) / 2 if tightest else None
 
 

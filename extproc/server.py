@@ -312,17 +312,14 @@ class ExtprocServer:
         if policy.needs_predictions and not config.tokenizers:
             logger.warning("no tokenizers configured: prompt tokens are counted with the shipped WordPiece, not "
                            "the served models' tokenizers (set 'tokenizers' in the config)")
+        objectives = config.objectives.objective_config()
         self.router = Router(self.pool, policy, self.metrics, self.predictors,
                              OutputLengthEstimator(config.output_length, _load_tagger(config)), rng,
                              endpoint_metrics=self.endpoint_metrics, decision_log=self.decision_log,
                              prompt_tokens=prompt_tokens, tracer=tracer, num_fallbacks=config.fallback_endpoints,
                              passive_ejection=config.health_check.enabled, fleet=self.fleet,
-                             objectives=config.objectives.objective_config(),
-                             admission=config.objectives.admission_params())
-        objectives = config.objectives.objective_config()
-        if not policy.needs_predictions and any(
-                o.sheddable for o in (*objectives.objectives.values(), *objectives.model_defaults.values(),
-                                      objectives.default)):
+                             objectives=objectives, admission=config.objectives.admission_params())
+        if not policy.needs_predictions and any(o.sheddable for o in objectives.configured()):
             logger.warning("objectives: sheddable (priority < 0) objectives are configured, but policy %r makes no "
                            "predictions, so admission never refuses a request (only a predicting policy can)",
                            config.policy)

@@ -165,9 +165,9 @@ class EngineConfig:
         scheduling_policy: vLLM's ``--scheduling-policy``, one of `SCHEDULING_POLICIES`: "fcfs" (default) or
             "priority" (vllm-v1 rules only): the waiting queue ordered by (`SimRequest.priority`, arrival time),
             lower first, ties in arrival order; a preemption takes the running request with the largest
-            (priority, arrival time) instead of the last one (of equal keys, the last admitted). Source: vllm/v1/core/sched/scheduler.py
-            `Scheduler.schedule` (``if self.policy == SchedulingPolicy.PRIORITY``), request_queue.py
-            `PriorityRequestQueue`.
+            (priority, arrival time) instead of the last one (of equal keys, the last admitted). Source:
+            vllm/v1/core/sched/scheduler.py `Scheduler.schedule` (``if self.policy == SchedulingPolicy.PRIORITY``),
+            request_queue.py `PriorityRequestQueue`.
 
     Raises:
         ValueError: On construction, with the offending field named, if a value is out of range.
@@ -324,7 +324,8 @@ def _priority_key(request: SimRequest) -> tuple[int, float]:
 
 
 class Scheduler:
-    """FCFS (or vLLM priority) continuous-batching scheduler of one instance, vLLM V1 or SGLang rules (see the module docstring).
+    """FCFS (or vLLM priority) continuous-batching scheduler of one instance, vLLM V1 or SGLang rules (see the
+    module docstring).
 
     Drive it with `schedule()` then `update_after_step(batch, now_s)`, once per engine step: every non-empty
     batch must be applied before the next `schedule()` (blocks are reserved at schedule time, tokens counted
@@ -472,9 +473,9 @@ class Scheduler:
         `PriorityRequestQueue` pops the smallest; equal keys here keep their insertion order, where vLLM then
         compares request ids)."""
         waiting = self.waiting
-        key = (request.priority, request.arrival_time_s)
+        key = _priority_key(request)
         index = len(waiting)
-        while index and (waiting[index - 1].priority, waiting[index - 1].arrival_time_s) > key:
+        while index and _priority_key(waiting[index - 1]) > key:
             index -= 1
         waiting.insert(index, request)
 
