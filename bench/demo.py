@@ -23,6 +23,12 @@ ShareGPT conversations replayed as closed-loop chat sessions, ``bench.loadgen.re
 the recorded replies, which the emulators generate token for token) and ``shared-prefix`` (tenants' long contexts
 with short questions, open loop).
 
+Objectives (``--objectives``, ``bench.demo_goodput``): ``astrolabe bench goodput``'s comparison through Envoy. Every
+request is critical or sheddable and names its objective in a header; ``--policies`` takes router labels
+(``astrolabe+headroom/priority``...); the emulators and sidecars run vLLM's ``--scheduling-policy priority``; each
+router tier replays the same trace at each of ``--multiples`` x the estimated capacity; the tables are goodput,
+attainment, P99 TTFT and refusals per class. A refusal (429 from admission) is no error.
+
 NOTE on the keyed workloads (multi-turn, shared-prefix): the extprocs get ``prefix_cache`` keys with the emulators'
 own tokenizer and chat template (`write_chat_tokenizer`), so the router's block keys are the engines'; the
 sidecars keep a ledger (the emulators publish no KV events, so a plugin-mode sidecar would see no cached free
@@ -46,6 +52,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import random
 import shutil
 import signal
@@ -56,7 +63,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import demo_fleet, demo_tracing
+from bench import demo_fleet, demo_goodput, demo_tracing
 from bench.decisions import read_decisions, summarize_decisions
 from bench.demo_fleet import (ENVOY_LEAST_REQUEST, EngineSettings, RouterTier, RouterTracing, cpu_seconds,
                                group_cpu_seconds, scrape_sum, wait_idle)
@@ -183,15 +190,29 @@ class DemoConfig:
     tracing: DemoTracing | None = None
     workload: str = "sharegpt"
     think_time_s: float = 3.0
+    objectives: bool = False
+    """``--objectives`` (``bench.demo_goodput``): ``policies`` are router labels, replayed at each of ``multiples``
+    x the estimated capacity (``load`` is then 1)."""
+    multiples: tuple[float, ...] = ()
 
     @property
     def seed(self) -> int:
         return self.seeds[0]
 
     @property
+    def base_policies(self) -> tuple[str, ...]:
+        """The policies the routers run (a label's policy with ``--objectives``)."""
+        if not self.objectives:
+            return self.policies
+        from bench.goodput_report import parse_label  # noqa: PLC0415
+
+        return tuple(parse_label(label).base for label in self.policies)
+
+    @property
     def engine(self) -> EngineSettings:
         return EngineSettings(MODEL, self.max_num_seqs, self.max_num_batched_tokens, self.num_gpu_blocks,
-                              self.block_size, self.time_scale, self.stream_interval, self.max_model_len)
+                              self.block_size, self.time_scale, self.stream_interval, self.max_model_len,
+                              scheduling_policy="priority" if self.objectives else "fcfs")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -225,6 +246,14 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
                            "judge a tail)")
     mode.add_argument("--thorough", dest="mode", action="store_const", const="thorough", default=argparse.SUPPRESS,
                       help="three seeds, 1,500 requests each, every baseline (~19 min)")
+    p.add_argument("--objectives", action="store_true",
+                   help="the goodput comparison of `astrolabe bench goodput` through Envoy (bench/demo_goodput.py): "
+                        "40%% critical requests (priority 0, TTFT objective 1 s), 60%% sheddable (priority -1, 5 s), "
+                        "at --multiples of the estimated capacity; --policies then takes labels "
+                        "POLICY[+slo|+headroom[=S][@W]][/priority]; the engines run --scheduling-policy priority")
+    p.add_argument("--multiples", default=argparse.SUPPRESS,
+                   help="--objectives: rates as multiples of the estimated fleet capacity, comma-separated "
+                        "(default 1,1.2,1.5,2; --quick: 1.5)")
     p.add_argument("--workload", choices=WORKLOADS, default="sharegpt",
                    help="sharegpt: single-turn ShareGPT prompts (open loop); multi-turn: ShareGPT conversations "
                         "replayed as chat sessions (closed loop, rate in sessions/s); shared-prefix: tenants' long "
@@ -285,6 +314,12 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
     ns.progress = getattr(ns, "progress", True)
     setting = SETTINGS[ns.setting]
     num_requests, seeds, policies = MODES[ns.mode]
+    multiples: tuple[float, ...] = ()
+    if ns.objectives:
+        num_requests, seeds, policies, multiples = demo_goodput.MODES[ns.mode]
+        multiples = _objectives_args(p, ns, multiples)
+    elif hasattr(ns, "multiples"):
+        p.error("--multiples needs --objectives")
     ns.state_source = getattr(ns, "state_source", "plugin" if ns.workload == "sharegpt" else "ledger")
     if ns.workload != "sharegpt":
         policies = KEYED_POLICIES[ns.mode]
@@ -300,9 +335,19 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
             p.error("--policies is empty")
         from extproc.policies.registry import POLICY_NAMES  # noqa: PLC0415
 
-        unknown = [x for x in policies if x not in (*POLICY_NAMES, ENVOY_LEAST_REQUEST)]
-        if unknown:
-            p.error(f"unknown policy {', '.join(unknown)}; known: {', '.join((*POLICY_NAMES, ENVOY_LEAST_REQUEST))}")
+        if ns.objectives:
+            for label in policies:
+                try:
+                    demo_goodput.check_label(label, POLICY_NAMES)
+                except ValueError as exc:
+                    p.error(f"--policies: {exc}")
+            if len(set(policies)) < len(policies):
+                p.error("--policies names a router twice")
+        else:
+            unknown = [x for x in policies if x not in (*POLICY_NAMES, ENVOY_LEAST_REQUEST)]
+            if unknown:
+                p.error(f"unknown policy {', '.join(unknown)}; known: "
+                        f"{', '.join((*POLICY_NAMES, ENVOY_LEAST_REQUEST))}")
     if ns.seeds is not None:
         try:
             seeds = tuple(int(s) for s in ns.seeds.split(",") if s.strip())
@@ -313,7 +358,7 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
     values = {name: getattr(ns, name) if getattr(ns, name) is not None else getattr(setting, name)
               for name in ("num_routers", "max_num_seqs", "num_gpu_blocks", "max_num_batched_tokens", "time_scale",
                            "stream_interval", "max_output_tokens", "arrival", "cv")}
-    load = ns.load if ns.load is not None else setting.load
+    load = 1.0 if ns.objectives else ns.load if ns.load is not None else setting.load
     num_requests = ns.num_requests if ns.num_requests is not None else num_requests
     for name, value in (("num-instances", ns.num_instances), ("num-requests", num_requests),
                         ("stream-interval", values["stream_interval"]), ("num-routers", values["num_routers"]),
@@ -327,13 +372,36 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
     tracing = demo_tracing.from_args(ns, p, ns.backend)
     if tracing is not None and ns.workload == "multi-turn":
         p.error("--trace-file/--otlp-endpoint: the traced phase replays single requests, not sessions")
-    return DemoConfig(workload=ns.workload, think_time_s=ns.think_time_s,
+    return DemoConfig(workload=ns.workload, think_time_s=ns.think_time_s, objectives=ns.objectives, multiples=multiples,
         setting=ns.setting, mode=ns.mode, num_instances=ns.num_instances, policies=policies,
         num_requests=num_requests, seeds=seeds, load=load, rate_qps=ns.rate_qps, block_size=ns.block_size,
         max_model_len=ns.max_model_len, body_mode=ns.body_mode, request_timeout_s=ns.request_timeout_s,
         log_dir=ns.log_dir, progress=ns.progress, state_source=ns.state_source, astrolabe_k=ns.astrolabe_k,
         astrolabe_metric=ns.astrolabe_metric, output_length_source=ns.output_length_source,
         predict_timeout_s=ns.predict_timeout_s, backend=ns.backend, tracing=tracing, workers=ns.workers, **values)
+
+
+def _objectives_args(p: argparse.ArgumentParser, ns: argparse.Namespace,
+                     multiples: tuple[float, ...]) -> tuple[float, ...]:
+    """``--objectives``: reject the flags it cannot take (exits through ``p.error``); returns the multiples."""
+    if ns.workload != "sharegpt":
+        p.error("--objectives replays single-turn requests: --workload sharegpt only")
+    if ns.backend != "emulator":
+        p.error("--objectives needs engines with --scheduling-policy priority: --backend emulator only")
+    if ns.load is not None or ns.rate_qps is not None:
+        p.error("--objectives sets its rates as --multiples of the estimated capacity, not --load or --rate-qps")
+    if getattr(ns, "otlp_endpoint", None) or getattr(ns, "trace_file", None):
+        p.error("--objectives has no traced phase: leave out --otlp-endpoint and --trace-file")
+    if hasattr(ns, "multiples"):
+        try:
+            multiples = tuple(float(m) for m in ns.multiples.split(",") if m.strip())
+        except ValueError:
+            p.error("--multiples must be comma-separated numbers")
+        if not multiples or not all(math.isfinite(m) and m > 0 for m in multiples):
+            p.error("--multiples must list numbers > 0")
+        if len(set(multiples)) < len(multiples):
+            p.error("--multiples names a multiple twice")
+    return multiples
 
 
 def _held_out_pairs(max_model_len: int, max_output_tokens: int):
@@ -376,6 +444,8 @@ def plan_trace(cfg: DemoConfig) -> TracePlan:
         cap = None if cfg.output_length_source == "oracle" else cfg.max_output_tokens
         units[seed] = [dataclasses.replace(r, id=f"s{seed}-{r.id}", max_tokens=cap,
                                            router=rng.randrange(cfg.num_routers)) for r in unit]
+        if cfg.objectives:
+            units[seed] = demo_goodput.with_objectives(units[seed], seed)
     rate_qps, capacity_qps, instance_qps = _rate(cfg, [(r.num_prompt_tokens, r.num_output_tokens)
                                                        for r in units[cfg.seed]])
     traces = {seed: [dataclasses.replace(r, arrival_offset_s=r.arrival_offset_s / rate_qps) for r in unit]
@@ -544,7 +614,15 @@ def extproc_config(cfg: DemoConfig, policy: str, instances: Sequence[str], sidec
                    tokenizer_dir: Path | None = None) -> dict:
     """The extproc YAML of ``policy`` (without the per-replica listen addresses and decision log). The keyed
     workloads turn on prefix-cache keys at the instances' block size, counted with ``tokenizer_dir`` (the
-    emulators' tokenizer and chat template, `write_chat_tokenizer`) so the router's keys are the engines'."""
+    emulators' tokenizer and chat template, `write_chat_tokenizer`) so the router's keys are the engines'. With
+    ``--objectives`` ``policy`` is a router label (``bench.demo_goodput``): its policy, with the label's
+    ``objectives`` section."""
+    label = None
+    if cfg.objectives:
+        from bench.goodput_report import parse_label  # noqa: PLC0415
+
+        label = parse_label(policy)
+        policy = label.base
     config: dict = {"policy": policy, "seed": cfg.seed, "workers": cfg.workers,
                     "endpoints": [{"address": a, "models": [_model(cfg)],
                                    **({"predictor": sidecars[a]} if a in sidecars else {})} for a in instances]}
@@ -556,6 +634,8 @@ def extproc_config(cfg: DemoConfig, policy: str, instances: Sequence[str], sidec
         config.update(policy_params={"k": cfg.astrolabe_k, "metric": cfg.astrolabe_metric},
                       output_length={"source": cfg.output_length_source},
                       predictor_client={"predict_timeout_s": cfg.predict_timeout_s})
+    if label is not None:
+        config["objectives"] = demo_goodput.objectives_config(label)
     return config
 
 
@@ -584,7 +664,13 @@ def format_header(cfg: DemoConfig, plan: TracePlan, instances: Sequence[str]) ->
     mean_output = statistics.fmean(r.num_output_tokens for r in trace)
     num_capped = sum(r.num_output_tokens == cfg.max_output_tokens for r in trace)
     events_per_s = plan.rate_qps * mean_output / cfg.stream_interval
-    if plan.capacity_qps is not None:
+    if cfg.objectives and plan.capacity_qps is not None:
+        rate = (f"{', '.join(f'{m:g}' for m in cfg.multiples)} x the estimated fleet capacity "
+                f"{plan.capacity_qps:.2f} req/s (the fleet's saturation throughput, {cfg.num_instances} x "
+                f"{plan.instance_capacity_virtual_qps:.2f} req/s at H200 speed / {cfg.time_scale:g}, predictor.sim on "
+                "this trace; not a capacity measured at a P99 TTFT objective)")
+        events_per_s = plan.capacity_qps * mean_output / cfg.stream_interval  # what the fleet can emit
+    elif plan.capacity_qps is not None:
         rate = (f"{plan.rate_qps:.2f} req/s = {cfg.load:.2f} x estimated fleet capacity {plan.capacity_qps:.2f} req/s "
                 f"({cfg.num_instances} x {plan.instance_capacity_virtual_qps:.2f} req/s at H200 speed / "
                 f"{cfg.time_scale:g}, predictor.sim on this trace)")
@@ -604,7 +690,8 @@ def format_header(cfg: DemoConfig, plan: TracePlan, instances: Sequence[str]) ->
                        f"{cfg.max_model_len}); ~{events_per_s:.0f} SSE events/s")
     salt = (", each policy's behind its own system message ('replay <n>.<seed>'), so no policy hits blocks an "
             "earlier one left in the caches" if cfg.workload != "sharegpt" else "")
-    return "\n".join([*_common_header(cfg, instances), traces_line,
+    objectives = demo_goodput.header_lines(cfg.policies, cfg.multiples) if cfg.objectives else []
+    return "\n".join([*_common_header(cfg, instances), traces_line, *objectives,
                       f"path: client -> Envoy -> extproc policy -> instance; the same traces for every policy{salt}"])
 
 
@@ -619,6 +706,8 @@ def _common_header(cfg: DemoConfig, instances: Sequence[str]) -> list[str]:
     return [
         f"Astrolabe demo, workload '{cfg.workload}', setting '{cfg.setting}' ({setting.why}), mode '{cfg.mode}'"
         if cfg.workload != "sharegpt" else
+        f"Astrolabe demo, objectives and admission (goodput), setting '{cfg.setting}' ({setting.why}), mode "
+        f"'{cfg.mode}'" if cfg.objectives else
         f"Astrolabe demo, setting '{cfg.setting}' ({setting.why}), mode '{cfg.mode}'",
         f"fleet: {len(instances)} emulated vLLM instances serving {MODEL}; each max_num_seqs={cfg.max_num_seqs}, "
         f"max_num_batched_tokens={cfg.max_num_batched_tokens}, num_gpu_blocks={cfg.num_gpu_blocks}, "
@@ -774,15 +863,17 @@ def run_policies(cfg: DemoConfig, plan: TracePlan, log_dir: Path) -> int:
             state_dir = Path(tempfile.mkdtemp(prefix="astrolabe-demo-state-", dir=_state_root()))
             cleanup.callback(shutil.rmtree, state_dir, ignore_errors=True)
             logger.info("emulator state files in %s (removed at the end)", state_dir)
-            use_plugin = cfg.state_source == "plugin" and "astrolabe" in cfg.policies
+            use_plugin = cfg.state_source == "plugin" and "astrolabe" in cfg.base_policies
             instances = demo_fleet.start_emulators(procs, cfg.num_instances, cfg.engine, cfg.seed, log_dir,
                                                    state_dir if use_plugin else None, env=service_env)
             sidecars = (demo_fleet.start_sidecars(procs, instances, cfg.engine, log_dir,
                                                   state_dir if use_plugin else None, env=service_env)
-                        if "astrolabe" in cfg.policies else {})
+                        if "astrolabe" in cfg.base_policies else {})
         logger.info("instances ready: %s", ", ".join(instances))
         if cfg.workload != "sharegpt":
             write_chat_tokenizer(log_dir / "chat-tokenizer")
+        if cfg.objectives:
+            return _run_objectives(procs, cfg, plan, instances, sidecars, log_dir)
         for n, policy in enumerate(cfg.policies):
             runs.append(_replay_policy(procs, cfg, plan, policy, instances, sidecars, log_dir, replay_index=n))
         summaries = _print_tables(cfg, plan, instances, runs)
@@ -792,6 +883,67 @@ def run_policies(cfg: DemoConfig, plan: TracePlan, log_dir: Path) -> int:
     if tracing:
         print(demo_tracing.report(tracing, demo_tracing.phase_policy(cfg.policies)))
     return 1 if any(s.num_errors for s in summaries) else 0
+
+
+def _run_objectives(procs: ProcessGroup, cfg: DemoConfig, plan: TracePlan, instances: Sequence[str],
+                    sidecars: dict[str, str], log_dir: Path) -> int:
+    """``--objectives``: replay every label at every multiple, print the header and the goodput tables, write the
+    CSV; returns the exit status (1 if a request failed other than by a refusal)."""
+    runs = [_replay_objectives(procs, cfg, plan, label, instances, sidecars, log_dir, n)
+            for n, label in enumerate(cfg.policies)]
+    print(format_header(cfg, plan, instances))
+    print()
+    capacity_qps = plan.rate_qps  # load 1: the plan's rate is the estimated capacity
+    settings = (f"astrolabe demo --objectives, setting {cfg.setting}, {cfg.num_instances} emulated instances, "
+                f"{cfg.num_routers} router replicas, {cfg.num_requests} requests x seeds "
+                f"{','.join(map(str, cfg.seeds))}, capacity {capacity_qps:.2f} req/s (predictor.sim saturation "
+                f"estimate), time scale {cfg.time_scale:g}; one draw")
+    rows = demo_goodput.report(runs, plan.traces, capacity_qps, cfg.multiples, log_dir / "goodput.csv", settings)
+    print(f"logs: {log_dir}")
+    return 1 if any(r.num_errors for r in rows) else 0
+
+
+def _replay_objectives(procs: ProcessGroup, cfg: DemoConfig, plan: TracePlan, label: str, instances: Sequence[str],
+                       sidecars: dict[str, str], log_dir: Path, replay_index: int = 0) -> demo_goodput.ObjectivesRun:
+    """Start ``label``'s router tier once, replay every trace at each multiple in turn (``plan`` is at 1x; request
+    ids tagged ``~<replay_index>x<multiple>``), stop it. Between two replays the instances drain and, since the
+    extprocs keep the headroom rule's critical-pressure window across them, at least that window passes after the
+    last response."""
+    name = demo_goodput.file_label(label)
+    policy = cfg.base_policies[cfg.policies.index(label)]
+    tier = demo_fleet.start_router_tier(procs, policy, extproc_config(cfg, label, instances, sidecars),
+                                        cfg.num_routers, cfg.body_mode, instances, log_dir, label=name)
+    window_s = demo_goodput.pressure_window_s(label)
+    run = demo_goodput.ObjectivesRun(label, {})
+    windows: dict[float, tuple[float, float]] = {}  # multiple -> its replays' wall-clock span (decision log times)
+    try:
+        for multiple in cfg.multiples:
+            results_by_seed = {}
+            started_unix_s = time.time()
+            for seed, trace in plan.traces.items():
+                scaled = demo_goodput.at_multiple(trace, multiple, tag=f"{replay_index}x{multiple:g}")
+                duration_s = scaled[-1].arrival_offset_s if scaled else 0.0
+                results_by_seed[seed] = asyncio.run(replay(
+                    tier.base_urls, scaled, model=_model(cfg), request_timeout_s=cfg.request_timeout_s,
+                    overall_timeout_s=duration_s + 2 * cfg.request_timeout_s, progress=cfg.progress,
+                    progress_desc=f"{label:>27} {multiple:g}x s{seed}"))
+                ended_s = time.monotonic()
+                wait_idle(instances)
+                time.sleep(max(0.0, window_s - (time.monotonic() - ended_s)))
+            windows[multiple] = (started_unix_s, time.time())
+            run.results[multiple] = results_by_seed
+            run.step_scales[multiple] = (demo_goodput.step_scale(read_sidecar_states(list(sidecars.values())))
+                                         if sidecars else math.nan)
+            _log_errors(f"{name}-x{multiple:g}", [r for rs in results_by_seed.values() for r in rs], log_dir)
+        if tier.metrics_urls:
+            run = dataclasses.replace(run, priority_bodies=int(sum(
+                scrape_sum(u, demo_goodput.PRIORITY_BODIES_WRITTEN) for u in tier.metrics_urls)))
+    finally:
+        tier.stop()
+    if tier.decision_logs:  # complete once the extprocs stopped
+        run = dataclasses.replace(run, route_s=demo_goodput.route_times(read_decisions(tier.decision_logs),
+                                                                         windows))
+    return run
 
 
 def _print_tables(cfg: DemoConfig, plan: TracePlan, instances: Sequence[str], runs: Sequence[PolicyRun]) -> list:
@@ -837,12 +989,12 @@ def _model(cfg: DemoConfig) -> str:
 
 
 def _log_errors(policy: str, results: Sequence[RequestResult], log_dir: Path) -> None:
-    """Write every result as JSON lines and log the first few errors."""
+    """Write every result as JSON lines and log the first few errors (a refusal by admission is none)."""
     path = log_dir / f"results-{policy}.jsonl"
     with path.open("w", encoding="utf-8") as fp:
         for r in results:
             fp.write(json.dumps(dataclasses.asdict(r)) + "\n")
-    errors = [r for r in results if not r.ok]
+    errors = [r for r in results if r.error is not None]
     for r in errors[:5]:
         logger.warning("%s: request %s failed: %s", policy, r.id, r.error)
     if errors:

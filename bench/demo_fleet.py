@@ -41,7 +41,9 @@ _POLL_INTERVAL_S = 0.1
 
 @dataclass(frozen=True, slots=True)
 class EngineSettings:
-    """What every emulated instance and its sidecar are told (vLLM names; ``time_scale`` x H200 step times)."""
+    """What every emulated instance and its sidecar are told (vLLM names; ``time_scale`` x H200 step times;
+    ``scheduling_policy``: vLLM's ``--scheduling-policy``, fcfs or priority, given to the emulators and the sidecars
+    alike)."""
 
     model: str
     max_num_seqs: int
@@ -51,6 +53,11 @@ class EngineSettings:
     time_scale: float
     stream_interval: int
     max_model_len: int
+    scheduling_policy: str = "fcfs"
+
+    def scheduling_args(self) -> list[str]:
+        """``--scheduling-policy`` for a non-default policy (none for fcfs: what every version of both takes)."""
+        return [] if self.scheduling_policy == "fcfs" else ["--scheduling-policy", self.scheduling_policy]
 
 
 def start_emulators(procs: ProcessGroup, num_instances: int, engine: EngineSettings, seed: int, log_dir: Path,
@@ -72,7 +79,7 @@ def start_emulators(procs: ProcessGroup, num_instances: int, engine: EngineSetti
             "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
             "--num-gpu-blocks", str(engine.num_gpu_blocks), "--block-size", str(engine.block_size),
             "--time-scale", str(engine.time_scale), "--stream-interval", str(engine.stream_interval),
-            "--max-model-len", str(engine.max_model_len), "--seed", str(seed + i),
+            "--max-model-len", str(engine.max_model_len), "--seed", str(seed + i), *engine.scheduling_args(),
         ]
         if state_dir is not None:
             cmd += ["--state-path", str(state_dir / f"emulator-{i}.json")]
@@ -118,6 +125,7 @@ def start_sidecars(procs: ProcessGroup, instances: Sequence[str], engine: Engine
             "--listen", f"{HOST}:{port}", "--batch-time-model", engine.model, "--time-scale", str(engine.time_scale),
             "--max-num-seqs", str(engine.max_num_seqs), "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
             "--num-gpu-blocks", str(engine.num_gpu_blocks), "--block-size", str(engine.block_size),
+            *engine.scheduling_args(),
         ]
         if state_dir is not None:
             cmd += ["--state-source", "vllm-plugin", "--vllm-state-path", str(state_dir / f"emulator-{i}.json")]

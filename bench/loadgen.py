@@ -34,6 +34,13 @@ INSTANCE_HEADER = "x-emulator-instance"
 OUTPUT_TOKENS_HEADER = "x-emulator-output-tokens"
 """Request header telling the emulator the reply's length (``bench.emulator.server.OUTPUT_TOKENS_HEADER``)."""
 
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+"""Request header naming the request's objective (the Gateway API Inference Extension's; ``TraceRequest.objective``,
+read by ``extproc.admission``)."""
+
+DROP_REASON_HEADER = "x-astrolabe-drop-reason"
+"""Response header of a request the router refused (429): why (``extproc.admission.SHED_REASONS``)."""
+
 CHAT_PATH = "/v1/chat/completions"
 _DONE = b"[DONE]"
 _MAX_ERROR_CHARS = 300
@@ -53,7 +60,10 @@ class RequestResult:
         ttft_s: seconds from send to the first content event, or None if none arrived.
         e2e_s: seconds from send to ``[DONE]``, or None if the stream did not finish.
         num_completion_tokens: ``usage.completion_tokens`` of the final chunk, or None if absent.
-        error: why the request failed, or None if it succeeded.
+        error: why the request failed, or None if it succeeded or was refused.
+        drop_reason: the router refused it (429 with the ``x-astrolabe-drop-reason`` header: admission's shed
+            path): that header's value; None otherwise. A refusal is not an error: the router did what it was
+            configured to do.
     """
 
     id: str
@@ -66,11 +76,17 @@ class RequestResult:
     e2e_s: float | None = None
     num_completion_tokens: int | None = None
     error: str | None = None
+    drop_reason: str | None = None
 
     @property
     def ok(self) -> bool:
-        """True when the request counts as a success (no error recorded)."""
-        return self.error is None
+        """True when the request was served (no error recorded, not refused)."""
+        return self.error is None and self.drop_reason is None
+
+    @property
+    def refused(self) -> bool:
+        """True when the router refused it (429 with a drop reason)."""
+        return self.drop_reason is not None
 
 
 def chat_body(model: str, request: TraceRequest, system_prompt: str | None = None) -> dict[str, object]:
@@ -103,9 +119,13 @@ def expected_completion_tokens(request: TraceRequest) -> int:
 
 
 def request_headers(request: TraceRequest) -> dict[str, str]:
+    """The request id, the reply's length for the emulator (with a ``max_tokens`` cap) and the objective's name
+    (if any)."""
     headers = {"x-request-id": request.id}
     if request.max_tokens is not None:
         headers[OUTPUT_TOKENS_HEADER] = str(request.num_output_tokens)
+    if request.objective is not None:
+        headers[OBJECTIVE_HEADER] = request.objective
     return headers
 
 
@@ -159,7 +179,8 @@ async def send_request(
         system_prompt: a system message before the prompt (None: none).
 
     Returns:
-        The result; ``error`` is set if the status is not 200, the stream broke or timed out, or
+        The result; ``drop_reason`` is set if the router refused it (429 with ``x-astrolabe-drop-reason``);
+        ``error`` is set if the status is otherwise not 200, the stream broke or timed out, or
         ``usage.completion_tokens`` differs from ``max_tokens``.
     """
     sent_s = time.monotonic()
@@ -181,7 +202,10 @@ async def _post_chat(session: aiohttp.ClientSession, url: str, body: dict[str, o
             result.instance = resp.headers.get(INSTANCE_HEADER)
             if resp.status != 200:
                 text = await resp.text(errors="replace")
-                result.error = f"HTTP {resp.status}: {text[:_MAX_ERROR_CHARS]}"
+                if resp.status == 429 and DROP_REASON_HEADER in resp.headers:
+                    result.drop_reason = resp.headers[DROP_REASON_HEADER]  # refused by admission: not an error
+                else:
+                    result.error = f"HTTP {resp.status}: {text[:_MAX_ERROR_CHARS]}"
                 return
             await _read_stream(resp, result, sent_s)
     except asyncio.TimeoutError:

@@ -148,7 +148,8 @@ def summarize(policy: str, results: Sequence[RequestResult], groups: Sequence[in
         kept_groups = None if groups is None else [groups[i] for i in kept]
         interval = stats.summary_ci(ttfts, stats.p99, groups=kept_groups)
         low, high = interval.low, interval.high
-    return PolicySummary(policy, len(results), len(results) - len(ok), ttft_mean_s, ttft_p50_s, ttft_p99_s,
+    num_errors = sum(r.error is not None for r in results)  # a refusal (admission's 429) is not an error
+    return PolicySummary(policy, len(results), num_errors, ttft_mean_s, ttft_p50_s, ttft_p99_s,
                          e2e_mean_s, e2e_p99_s, dict(per_instance), low, high)
 
 

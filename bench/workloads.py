@@ -51,6 +51,9 @@ class TraceRequest:
             emulator is told the reply length through its test hook (``x-emulator-output-tokens``), which the
             router never reads: the router sees only what a real client would send.
         router: which router replica (gateway) the client sends it to, an index into the replay's base URLs.
+        objective: the latency objective it names (the client sends it as ``x-gateway-inference-objective``, the
+            Gateway API Inference Extension's header; the router looks it up in its configured objectives); None =
+            none.
     """
 
     arrival_offset_s: float
@@ -60,6 +63,7 @@ class TraceRequest:
     id: str
     max_tokens: int | None = None
     router: int = 0
+    objective: str | None = None
 
 
 def filter_pairs(

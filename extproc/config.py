@@ -73,6 +73,8 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
       retry_after_s: 1              # retry-after of a refused request
       pressure_window_s: 2.0        # headroom: refuse every sheddable request this long after a priority >= 0 one
                                     # was predicted to wait past the bound everywhere it probed (0 = never)
+      engine_priority: false        # write each request's priority into its body for vLLM's --scheduling-policy
+                                    # priority (negated: vLLM serves lower first); false for fcfs engines
     reload_interval_s: 1.0          # how often the file is checked for changes (endpoints reload live)
     metrics_interval_s: 0.05        # endpoint /metrics scrape interval (only for infaas | llumnix | gie)
     metrics_staleness_s: 2.0        # an older scrape counts as missing (GIE's default)
@@ -455,17 +457,19 @@ def _yaml_exponent_as_float(value: object) -> object:
 _YAML_EXPONENT = re.compile(r"[+-]?\d+(?:\.\d*)?[eE][+-]?\d+", re.ASCII)
 _ObjectiveMs = Annotated[float, Field(strict=True, gt=0, le=MAX_OBJECTIVE_S * 1000),
                          BeforeValidator(_yaml_exponent_as_float, json_schema_input_type=float)]
-_INT32_MIN, _INT32_MAX = -(2 ** 31), 2 ** 31 - 1
-"""Bounds of a configured priority: a 32-bit integer (it becomes a metric label and vLLM's request priority)."""
+_INT32_MAX = 2 ** 31 - 1
+"""Bounds of a configured priority: a 32-bit integer whose negation is one too (it becomes a metric label and, negated,
+vLLM's request priority: ``predictor.sim.request.vllm_priority``)."""
 
 
 @dataclass(frozen=True, slots=True, config=_config("ObjectiveEntry"))
 class ObjectiveEntry:
     """One objective: a priority and latency objectives (``extproc.admission.Objectives``)."""
 
-    priority: Annotated[int, Field(strict=True, ge=_INT32_MIN, le=_INT32_MAX)] = Field(
+    priority: Annotated[int, Field(strict=True, ge=-_INT32_MAX, le=_INT32_MAX)] = Field(
         0, description="The Inference Extension's priority: negative = sheddable (may be refused with 429), 0 = the "
-                       "default; higher is not served sooner (the engines schedule first come, first served).")
+                       "default; higher is served sooner only where the engines schedule by priority "
+                       "(engine_priority).")
     ttft_ms: _ObjectiveMs | None = Field(None, description="TTFT objective, milliseconds; null = none.")
     tpot_ms: _ObjectiveMs | None = Field(
         None, description="TPOT objective (mean time per output token after the first), milliseconds; null = none.")
@@ -506,6 +510,14 @@ class ObjectivesConfig:
         DEFAULT_PRESSURE_WINDOW_S, description="headroom rule: for this long after a request of priority >= 0 was "
                                                "predicted to wait past protect_ttft_ms on every endpoint it probed, "
                                                "every sheddable request is refused, seconds (0 = never).")
+
+    engine_priority: Annotated[bool, Field(strict=True)] = Field(
+        False, description="The endpoints run vLLM's --scheduling-policy priority: every routed OpenAI request "
+                           "(/v1/completions, /v1/chat/completions) gets its objective's priority written into its "
+                           "body as vLLM's 'priority' field, negated (vLLM serves lower first: priority 0 stays 0, "
+                           "a sheddable -1 becomes 1), replacing any the client sent, and the sidecars predict "
+                           "with it. Leave false for engines that run fcfs: vLLM answers 400 to a nonzero "
+                           "priority there.")
 
     def objective_config(self) -> ObjectiveConfig:
         """The router's view (``extproc.admission.ObjectiveConfig``)."""

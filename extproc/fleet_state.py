@@ -279,7 +279,7 @@ class FleetState:
 
     def predict(self, address: str, num_prompt_tokens: int, num_output_tokens: int, *,
                 max_tokens: int | None = None, length_source: int = 0, block_keys: tuple[int, ...] | None = None,
-                block_size: int = 0) -> Prediction | None:
+                block_size: int = 0, priority: int = 0) -> Prediction | None:
         """The prediction for a new request at ``address`` from its last state (module docstring).
 
         Args:
@@ -291,6 +291,8 @@ class FleetState:
             block_keys: the prompt's KV block keys (None: none), computed at ``block_size`` tokens per block:
                 the simulation finds the prefix the state holds or caches, and so do this replica's unseen
                 dispatches' keys. A state of another block size ignores them (no hit predicted).
+            priority: the request's priority at the engine (vLLM's: lower = earlier): where the state's engine
+                runs the "priority" scheduling policy it queues by it, and so do the unseen dispatches by theirs.
 
         Returns:
             The prediction (``num_requests`` counts this replica's unseen dispatches too, which are in the
@@ -320,14 +322,17 @@ class FleetState:
         snapshot = state.snapshot
         unseen = self._client.admits_after(address, state.admits_seen)
         keyed = block_size == snapshot.config.block_size
+        # under the "priority" policy the unseen dispatches queue behind the state's requests of their priority
+        unseen_arrival_s = snapshot.new_arrival_time_s() if unseen else 0.0
         try:
             new = RequestState("new", max(num_prompt_tokens, 1),
                                self._expected(num_output_tokens, max_tokens, length_source), max_new_tokens=max_tokens,
-                               block_keys=block_keys if keyed else None)
+                               block_keys=block_keys if keyed else None, priority=priority)
             priced = predict_from_state(
                 snapshot, new, [RequestState(f"unseen-{a.seq}", max(a.num_prompt_tokens, 1),
                                              self._expected(a.num_output_tokens, a.max_tokens, a.length_source),
-                                             max_new_tokens=a.max_tokens, block_keys=a.block_keys if keyed else None)
+                                             max_new_tokens=a.max_tokens, block_keys=a.block_keys if keyed else None,
+                                             priority=a.priority, arrival_time_s=unseen_arrival_s)
                                 for a in unseen],
                 state.batch_time, age_s, max(self._clock() - unseen[0].sent_s, 0.0) if unseen else 0.0)
         except ValueError:  # e.g. a prompt larger than the instance's KV cache (Predict's INVALID_ARGUMENT)

@@ -133,6 +133,10 @@ class ExtprocMetrics:
         self.objective_headers_invalid = Counter(
             "astrolabe_extproc_objective_headers_invalid", "Objective header values ignored (not a number, not "
             "finite, <= 0) or clamped (past an hour), by header", ["header"], registry=self.registry)
+        self.engine_priority_bodies = Counter(
+            "astrolabe_extproc_engine_priority_bodies", "objectives.engine_priority: routed request bodies by what "
+            "became of their priority field: written, or left alone because the body is compressed "
+            "(extproc/engine_priority.py)", ["outcome"], registry=self.registry)
         self.routing_seconds = Histogram(
             "astrolabe_extproc_routing_seconds", "Time to choose an endpoint, seconds",
             buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),

@@ -105,8 +105,8 @@ state interval's dispatches to one instance."""
 @dataclass(frozen=True, slots=True)
 class SentAdmit:
     """An Admit this router sent: its number (``admit_seq``), prompt and predicted output tokens, cap (tokens, None
-    = none), length source, when it was sent (the client's clock, seconds), and its prompt's block keys (None:
-    none sent)."""
+    = none), length source, when it was sent (the client's clock, seconds), its prompt's block keys (None: none
+    sent) and its engine priority (vLLM's: lower = earlier)."""
 
     seq: int
     num_prompt_tokens: int
@@ -115,6 +115,7 @@ class SentAdmit:
     length_source: int
     sent_s: float = 0.0
     block_keys: tuple[int, ...] | None = None
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,7 +314,7 @@ class PredictorClient:
     async def predict(self, address: str, request_id: str, num_prompt_tokens: int,
                       num_output_tokens: int, metric: str = "e2e", *, max_tokens: int | None = None,
                       length_source: int = 0, block_keys: tuple[int, ...] | None = None,
-                      block_size: int = 0) -> Prediction | None:
+                      block_size: int = 0, priority: int = 0) -> Prediction | None:
         """Asks one sidecar (in a CLIENT span, its context sent as gRPC metadata, when tracing).
 
         Args:
@@ -326,6 +327,7 @@ class PredictorClient:
             length_source: where ``num_output_tokens`` came from (``predictor.residual_rules.LENGTH_SOURCE_*``).
             block_keys: the prompt's KV block keys (``RoutingRequest.block_keys``; None: none sent).
             block_size: tokens per block of ``block_keys``.
+            priority: the priority the request carries to the engine (vLLM's: lower = earlier; 0 = none written).
 
         Returns:
             The prediction, or None if the sidecar is backing off, fails, misses the deadline, cannot serve
@@ -338,7 +340,7 @@ class PredictorClient:
                                     metric=_METRICS.get(metric, pb.METRIC_TTFT), max_tokens=_cap(max_tokens),
                                     length_source=length_source, hold_s=self.config.hold_s,
                                     router_id=self.router_id, block_keys=block_keys or (),
-                                    block_keys_block_size=block_size if block_keys else 0)
+                                    block_keys_block_size=block_size if block_keys else 0, priority=priority)
         if self._tracer is None:
             return (await self._predict(address, message, None))[0]
         span = _call_span(self._tracer, "Predict", address, request_id)
@@ -509,7 +511,8 @@ class PredictorClient:
 
     def admit(self, address: str, request_id: str, num_prompt_tokens: int, num_output_tokens: int, *,
               max_tokens: int | None = None, length_source: int = 0, predicted_ttft_s: float = 0.0,
-              predicted_e2e_s: float = 0.0, block_keys: tuple[int, ...] | None = None, block_size: int = 0) -> None:
+              predicted_e2e_s: float = 0.0, block_keys: tuple[int, ...] | None = None, block_size: int = 0,
+              priority: int = 0) -> None:
         """Tells the chosen sidecar about the request, without waiting for the answer (arguments as ``predict``;
         ``predicted_*_s``: what that sidecar predicted for it, seconds, 0 = none, which it checks against the
         outcome; ``block_keys``: its ledger keeps them, its model of the instance's prefix cache)."""
@@ -518,7 +521,8 @@ class PredictorClient:
                                   num_predicted_output_tokens=_uint32(num_output_tokens), max_tokens=_cap(max_tokens),
                                   length_source=length_source, predicted_ttft_s=predicted_ttft_s,
                                   predicted_e2e_s=predicted_e2e_s, router_id=self.router_id, admit_seq=seq,
-                                  block_keys=block_keys or (), block_keys_block_size=block_size if block_keys else 0)
+                                  block_keys=block_keys or (), block_keys_block_size=block_size if block_keys else 0,
+                                  priority=priority)
         span = None if self._tracer is None else _call_span(self._tracer, "Admit", address, request_id)
         if span is not None and not span.is_recording():
             span = None  # not sampled: nothing to end, nothing to continue
@@ -533,7 +537,7 @@ class PredictorClient:
         if sent is None:
             sent = self._sent_admits[address] = collections.deque(maxlen=MAX_SENT_ADMITS)
         sent.append(SentAdmit(seq, num_prompt_tokens, num_output_tokens, max_tokens or None, length_source,
-                              self._clock(), block_keys or None))
+                              self._clock(), block_keys or None, priority))
 
     def admits_after(self, address: str, seq: int) -> list[SentAdmit]:
         """The Admits sent to ``address`` with a number above ``seq`` (at most `MAX_SENT_ADMITS` of the latest),

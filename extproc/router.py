@@ -66,6 +66,7 @@ from extproc.pool import EndpointPool
 from extproc.predictor_client import PredictorClient
 from extproc.request import RoutingRequest
 from extproc.spans import LENGTH_SOURCE, LENGTH_SOURCE_LABELS, host_port
+from predictor.sim.request import vllm_priority
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,9 @@ class Router:
         objectives: the configured objectives (``extproc.admission.ObjectiveConfig``): what `resolve_objectives`
             makes of a request's headers.
         admission: when a sheddable request is refused (``extproc.admission``; a predicting policy only).
+        engine_priority: the endpoints run vLLM's ``--scheduling-policy priority``: each routed request carries
+            its objectives' priority to the engine (`engine_priority_of`, written into the body by
+            ``extproc/stream.py``), and its predictions and Admits carry it to the sidecars.
     """
 
     def __init__(self, pool: EndpointPool, policy: Policy, metrics: ExtprocMetrics | None = None,
@@ -132,7 +136,8 @@ class Router:
                  clock=time.monotonic, decision_log: DecisionLog | None = None,
                  prompt_tokens: PromptTokenCounter | None = None, tracer: trace.Tracer | None = None,
                  num_fallbacks: int = 0, passive_ejection: bool = False, fleet: FleetState | None = None,
-                 objectives: ObjectiveConfig | None = None, admission: AdmissionParams | None = None) -> None:
+                 objectives: ObjectiveConfig | None = None, admission: AdmissionParams | None = None,
+                 engine_priority: bool = False) -> None:
         if policy.needs_predictions and (predictors is None or lengths is None):
             raise ValueError(f"policy {policy.TYPE!r} needs a predictor client and an output-length estimator")
         self.pool = pool
@@ -154,6 +159,13 @@ class Router:
         self.admission = admission or AdmissionParams()
         self._protect_ttft_s = self.objectives.protect_ttft_bound_s()
         self._pressure = CriticalPressure(self.admission.pressure_window_s)
+        self.engine_priority = engine_priority
+
+    def engine_priority_of(self, request: RoutingRequest) -> int | None:
+        """The priority ``request`` carries to its engine (vLLM's request field ``priority``: lower = served earlier;
+        ``predictor.sim.request.vllm_priority`` of its objectives' priority), or None when ``engine_priority`` is
+        off (nothing is written; the engine sees what the client sent)."""
+        return vllm_priority(request.objectives.priority) if self.engine_priority else None
 
     def resolve_objectives(self, headers: HeaderObjectives, model: str | None) -> Objectives:
         """A request's objectives from its headers (``extproc.admission.header_objectives``) and the config;
@@ -271,6 +283,7 @@ class Router:
         ledger_id = f"{request.request_id}/{uuid.uuid4().hex[:12]}"
         num_prompt_tokens = tokens.num_tokens
         block_keys, block_size = request.block_keys, self.prompt_tokens.block_size or 0
+        priority = self.engine_priority_of(request) or 0
         t1_s = self._clock()
         num_output_tokens, length_source = await self._estimate_length(request)
         t2_s = self._clock()
@@ -294,7 +307,7 @@ class Router:
                 with span_scope as span:
                     prediction = fleet.predict(predictor, num_prompt_tokens, num_output_tokens,
                                                max_tokens=request.max_tokens, length_source=length_source,
-                                               block_keys=block_keys, block_size=block_size)
+                                               block_keys=block_keys, block_size=block_size, priority=priority)
                     if span is not None and span.is_recording() and prediction is not None:
                         span.set_attributes({PREDICTED_TTFT_S: prediction.ttft_s, PREDICTED_E2E_S: prediction.e2e_s,
                                              PREDICTED_QUEUE_S: prediction.queue_s,
@@ -314,7 +327,7 @@ class Router:
                 return await self.predictors.predict(predictor, ledger_id, num_prompt_tokens, num_output_tokens,
                                                      metric, max_tokens=request.max_tokens,
                                                      length_source=length_source, block_keys=block_keys,
-                                                     block_size=block_size)
+                                                     block_size=block_size, priority=priority)
             finally:
                 self.metrics.predict_seconds.labels(predictor).observe(self._clock() - start_s)
 
@@ -370,7 +383,7 @@ class Router:
                                   max_tokens=request.max_tokens, length_source=length_source,
                                   predicted_ttft_s=used.ttft_s if used else 0.0,
                                   predicted_e2e_s=used.e2e_s if used else 0.0, block_keys=block_keys,
-                                  block_size=block_size)
+                                  block_size=block_size, priority=priority)
         return Decision(chosen.address, policy_name, ledger_id, chosen.predictor, basis,
                         tuple((v.address, p) for v, p in zip(candidates, predictions)), num_prompt_tokens,
                         num_output_tokens, length_source, stage_s=stage_s, fallback_reason=reason,
@@ -482,7 +495,8 @@ class Router:
                 self.predictors.admit(predictor, decision.request_id, decision.num_prompt_tokens,
                                       decision.num_predicted_output_tokens, length_source=decision.length_source,
                                       block_keys=routed.block_keys if routed is not None else None,
-                                      block_size=self.prompt_tokens.block_size or 0)
+                                      block_size=self.prompt_tokens.block_size or 0,
+                                      priority=(self.engine_priority_of(routed) or 0) if routed is not None else 0)
         logger.debug("request %s served by %s (chosen %s)", decision.request_id, address, decision.destination)
         return replace(decision, destination=address, predictor=predictor if decision.predictor else None,
                        candidates=(), served_elsewhere=True)

@@ -318,11 +318,16 @@ class ExtprocServer:
                              endpoint_metrics=self.endpoint_metrics, decision_log=self.decision_log,
                              prompt_tokens=prompt_tokens, tracer=tracer, num_fallbacks=config.fallback_endpoints,
                              passive_ejection=config.health_check.enabled, fleet=self.fleet,
-                             objectives=objectives, admission=config.objectives.admission_params())
+                             objectives=objectives, admission=config.objectives.admission_params(),
+                             engine_priority=config.objectives.engine_priority)
         if not policy.needs_predictions and any(o.sheddable for o in objectives.configured()):
             logger.warning("objectives: sheddable (priority < 0) objectives are configured, but policy %r makes no "
                            "predictions, so admission never refuses a request (only a predicting policy can)",
                            config.policy)
+        if config.objectives.engine_priority and not any(o.priority for o in objectives.configured()):
+            logger.warning("objectives.engine_priority: every configured objective has priority 0, so every request "
+                           "carries priority 0 to the engines (first come, first served); name objectives with other "
+                           "priorities in objectives.named")
         if config.fallback_endpoints:
             logger.warning("fallback_endpoints %d: the destination is a list of %d endpoints, which only a gateway "
                            "that takes a list follows (Envoy's override_host policy: astrolabe envoy --pool); "

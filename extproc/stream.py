@@ -38,6 +38,7 @@ from extproc import messages, wire
 from extproc.admission import NO_HEADER_OBJECTIVES, header_objectives, objective_header_values
 from extproc.config import ConfigError, parse_ip_port
 from extproc.errors import ErrorCode, RoutingError
+from extproc.engine_priority import PRIORITY_PATHS, body_with_priority
 from extproc.request import MAX_DECODED_FACTOR, RoutingRequest, bodiless_request, parse_body
 from extproc.decision import Decision
 from extproc.router import Router
@@ -81,6 +82,7 @@ class StreamHandler:
         self._span = span
         self._allowed: frozenset[str] | None = None
         self._objectives = NO_HEADER_OBJECTIVES
+        self._engine_priority: int | None = None  # what the body's priority field becomes (None: left alone)
         self._num_messages = 0
         self._failed = False  # the backend answered with an error status (its response headers said so)
         self.decision: Decision | None = None
@@ -196,8 +198,8 @@ class StreamHandler:
                                f"request body exceeds the limit of {self._max_body_bytes} bytes")
         self._body += chunk
         if self._body_mode == _BodyMode.BUFFERED:
-            decision = await self._route_body()
-            return [messages.body_route(decision.destination_value, self._span.upstream_headers())]
+            decision, body = await self._route_body()
+            return [messages.body_route(decision.destination_value, self._span.upstream_headers(), body)]
         if not body.end_of_stream:
             return []
         return await self._full_duplex_answers(had_trailers=False)
@@ -208,28 +210,43 @@ class StreamHandler:
         return [messages.trailers_continue()]
 
     async def _full_duplex_answers(self, *, had_trailers: bool) -> list[pb.ProcessingResponse]:
-        decision = await self._route_body()
-        answers = [messages.headers_route(decision.destination_value, self._span.upstream_headers())]
-        body, self._body = bytes(self._body), bytearray()
+        decision, rewritten = await self._route_body()
+        headers = self._span.upstream_headers()
+        if rewritten is not None:
+            headers = [*headers, ("content-length", str(len(rewritten)).encode())]
+        answers = [messages.headers_route(decision.destination_value, headers)]
+        body, self._body = rewritten if rewritten is not None else bytes(self._body), bytearray()
         answers += messages.streamed_body(body, end_of_stream=not had_trailers)
         if had_trailers:
             answers.append(messages.trailers_continue())
         return answers
 
-    async def _route_body(self) -> Decision:
-        request = parse_body(self._request_id, self._method, self._path, bytes(self._body), self._content_encoding,
+    async def _route_body(self) -> tuple[Decision, bytes | None]:
+        """The decision on the body, and the body with the request's engine priority written in
+        (``extproc/engine_priority.py``; None: the body goes on unchanged)."""
+        body = bytes(self._body)
+        request = parse_body(self._request_id, self._method, self._path, body, self._content_encoding,
                              MAX_DECODED_FACTOR * self._max_body_bytes)
         if self._body_mode == _BodyMode.BUFFERED:
             # A routed stream lives as long as its HTTP request: it must not hold the body meanwhile.
             self._body = bytearray()
-        return await self._route(request)
+        decision = await self._route(request)
+        priority = self._engine_priority
+        if priority is None or request.path not in PRIORITY_PATHS:
+            return decision, None
+        if self._content_encoding is not None and self._content_encoding.strip().lower() not in ("", "identity"):
+            self._router.metrics.engine_priority_bodies.labels("encoded").inc()
+            return decision, None
+        self._router.metrics.engine_priority_bodies.labels("written").inc()
+        return decision, body_with_priority(body, priority)
 
     async def _route(self, request: RoutingRequest) -> Decision:
         self._span.request(request)
+        request = dataclasses.replace(request, arrival_time_s=self._arrival_time_s, allowed_endpoints=self._allowed,
+                                      objectives=self._router.resolve_objectives(self._objectives, request.model))
+        self._engine_priority = self._router.engine_priority_of(request)
         with self._span.activated():
-            self.decision = await self._router.route(dataclasses.replace(
-                request, arrival_time_s=self._arrival_time_s, allowed_endpoints=self._allowed,
-                objectives=self._router.resolve_objectives(self._objectives, request.model)))
+            self.decision = await self._router.route(request)
         self._phase = Phase.ROUTED
         self._span.decision(self.decision, self._router.policy.TYPE)
         return self.decision

@@ -7,7 +7,8 @@ everywhere. Imports only argparse and ``predictor.sim``.
 
 Source: vLLM ``vllm/engine/arg_utils.py`` ``EngineArgs`` (``--max-num-seqs``, ``--max-num-batched-tokens``,
 ``--block-size``, ``--num-gpu-blocks-override``, ``--enable-chunked-prefill`` / ``--no-enable-chunked-prefill``)
-and ``vllm/v1/core/sched/scheduler.py`` for how the scheduler applies them; ``--scheduling sglang`` models SGLang's
+and ``vllm/v1/core/sched/scheduler.py`` for how the scheduler applies them (``--scheduling-policy``:
+``vllm/config/scheduler.py`` ``SchedulerConfig.policy``); ``--scheduling sglang`` models SGLang's
 scheduler instead (``predictor.sim.scheduler``; SGLang's knobs map onto the same flags: ``--max-running-requests``
 -> ``--max-num-seqs``, ``--chunked-prefill-size`` -> ``--max-num-batched-tokens``, ``--page-size`` ->
 ``--block-size``, ``max_total_num_tokens / page_size`` -> ``--num-gpu-blocks``).
@@ -18,14 +19,14 @@ from __future__ import annotations
 import argparse
 
 from predictor.sim import EngineConfig
-from predictor.sim.scheduler import SCHEDULING_STYLES
+from predictor.sim.scheduler import SCHEDULING_POLICIES, SCHEDULING_STYLES
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, defaults: EngineConfig | None = None,
                          kv_note: str = "", scheduling_note: str | None = None) -> None:
     """Adds ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--block-size``, ``--num-gpu-blocks``,
-    ``--enable-chunked-prefill`` / ``--no-enable-chunked-prefill`` and ``--scheduling`` (dests: the
-    ``EngineConfig`` field names).
+    ``--enable-chunked-prefill`` / ``--no-enable-chunked-prefill``, ``--scheduling`` and ``--scheduling-policy``
+    (dests: the ``EngineConfig`` field names).
 
     Args:
         parser: the command's parser.
@@ -59,6 +60,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, defaults: EngineConfig
                             "runs out). With sglang the limits are SGLang's: --max-num-seqs = "
                             "--max-running-requests, --max-num-batched-tokens = --chunked-prefill-size (a multiple "
                             "of --block-size = --page-size), --num-gpu-blocks = max_total_num_tokens / page_size")
+    group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=defaults.scheduling_policy,
+                       help="vLLM --scheduling-policy: fcfs (first come, first served) or priority (the waiting "
+                            "queue by each request's 'priority' body field, lower first, then arrival; a preemption "
+                            "takes the running request with the largest (priority, arrival)); vllm-v1 only")
 
 
 def engine_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -70,4 +75,5 @@ def engine_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
                         enable_chunked_prefill=args.enable_chunked_prefill,
-                        scheduling=args.scheduling or EngineConfig().scheduling)
+                        scheduling=args.scheduling or EngineConfig().scheduling,
+                        scheduling_policy=args.scheduling_policy)

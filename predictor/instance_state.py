@@ -112,6 +112,11 @@ def encode(snapshot: InstanceSnapshot, batch_time: LinearBatchTimeModel, correct
         _encode_block_keys(requests, message)
     if snapshot.cached_block_keys:
         message.cached_block_keys.extend(snapshot.cached_block_keys)
+    if config.scheduling_policy == "priority":
+        message.scheduling_policy = config.scheduling_policy
+        if any(r.priority for r in requests):
+            message.priorities.extend(r.priority for r in requests)
+        message.arrival_times_s.extend(r.arrival_time_s - snapshot.now_s for r in requests)
     if snapshot.sglang is not None:
         message.new_token_ratio = snapshot.sglang.new_token_ratio
         message.batch_is_full = snapshot.sglang.batch_is_full
@@ -211,11 +216,17 @@ def decode(message: pb.InstanceState) -> WatchedState:
         raise ValueError(f"request columns of different lengths: {[len(c) for c in columns]}")
     if num > MAX_REQUESTS or message.num_running > num:
         raise ValueError(f"{num} requests ({message.num_running} running): not a state")
+    for name in ("priorities", "arrival_times_s"):
+        if len(getattr(message, name)) not in (0, num):
+            raise ValueError(f"{name}: {len(getattr(message, name))} entries for {num} requests")
     config = EngineConfig(max_num_seqs=message.max_num_seqs, max_num_batched_tokens=message.max_num_batched_tokens,
                           block_size=message.block_size, num_gpu_blocks=message.num_gpu_blocks,
                           enable_chunked_prefill=message.enable_chunked_prefill,
                           long_prefill_token_threshold=message.long_prefill_token_threshold,
-                          scheduling=message.scheduling)
+                          scheduling=message.scheduling, scheduling_policy=message.scheduling_policy or "fcfs")
+    # v1.5: an FCFS engine ignores both columns; without arrival times the columns' order is the arrival order
+    priorities = message.priorities or [0] * num
+    arrivals = [_finite(a, "arrival_times_s", -math.inf) for a in message.arrival_times_s] or [0.0] * num
     # a fitted coefficient may be slightly negative (predictor/calibration.py); a step priced <= 0 s is the
     # simulation's error to raise
     batch_time = LinearBatchTimeModel(
@@ -232,8 +243,10 @@ def decode(message: pb.InstanceState) -> WatchedState:
         requests = [RequestState(f"r{i}", p, o, num_computed_tokens=c if i < num_running else 0,
                                  num_generated_tokens=g,
                                  num_blocks_held=(b if b >= 0 else None) if i < num_running else None,
-                                 num_preemptions=n, max_new_tokens=m or None, block_keys=k)
-                    for i, (p, o, c, g, b, n, m, k) in enumerate(zip(*columns, block_keys))]
+                                 num_preemptions=n, max_new_tokens=m or None, block_keys=k, priority=q,
+                                 arrival_time_s=a)
+                    for i, (p, o, c, g, b, n, m, k, q, a) in enumerate(zip(*columns, block_keys, priorities,
+                                                                          arrivals))]
         sglang = None
         if config.scheduling == "sglang":
             sglang = SGLangState(message.new_token_ratio or SGLANG_INIT_NEW_TOKEN_RATIO, message.batch_is_full,

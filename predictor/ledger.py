@@ -178,7 +178,7 @@ class Ledger:
 
     def admit(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int, now_s: float, *,
               max_tokens: int | None = None, length_source: int = 0,
-              block_keys: tuple[int, ...] | None = None) -> bool:
+              block_keys: tuple[int, ...] | None = None, priority: int = 0) -> bool:
         """Adds a request dispatched here at ``now_s``; returns False if the id is already in the ledger.
 
         Args:
@@ -191,6 +191,7 @@ class Ledger:
             block_keys: its prompt's full KV blocks' keys (None: unknown). The simulated instance looks them up in
                 its prefix cache (a shorter prefill) and caches them as they fill; they stay cached, free, after
                 the request leaves, until simulated allocations evict them (``predictor.sim.prefix_cache``).
+            priority: its priority at the engine (vLLM's: lower = earlier; read under the "priority" policy).
 
         Raises:
             ValueError: token counts < 1, a request that can never fit this instance's KV cache, or more keys
@@ -209,7 +210,8 @@ class Ledger:
                              f"(block_size {config.block_size}): more than its full blocks")
         self.engine.add_request(SimRequest(request_id, num_prompt_tokens, num_open_ended_tokens,
                                            arrival_time_s=max(now_s, self.engine.now_s),
-                                           max_new_tokens=max_tokens or None, block_keys=block_keys or None))
+                                           max_new_tokens=max_tokens or None, block_keys=block_keys or None,
+                                           priority=priority))
         self._admitted_at_s[request_id] = now_s
         self._admitted[request_id] = _Admitted(num_output_tokens, max_tokens or None, length_source)
         self._mean_prompt_tokens += _EMA_WEIGHT * (num_prompt_tokens - self._mean_prompt_tokens)
@@ -232,7 +234,8 @@ class Ledger:
         self._discount(self.scheduler.abort_request(request_id))
         self.engine.add_request(SimRequest(request_id, request.num_prompt_tokens, request.num_output_tokens,
                                            arrival_time_s=request.arrival_time_s,
-                                           max_new_tokens=request.max_new_tokens, block_keys=block_keys))
+                                           max_new_tokens=request.max_new_tokens, block_keys=block_keys,
+                                           priority=request.priority))
         return True
 
     def release(self, request_id: str, now_s: float, *, ran: bool = True) -> bool:

@@ -281,9 +281,10 @@ TRACED_METHODS = ("/astrolabe.predictor.v1.Predictor/Predict", "/astrolabe.predi
 nor are Watch and Notify (streams for the router's whole life: one span would last for hours). A router sends the
 Admit of a sampled request as a unary call, so that it is traced (``extproc/notices.py``)."""
 SIMULATION_SPAN = "astrolabe.simulate"
-PROTOCOL_REVISION = 4
-"""``PredictResponse.protocol_revision``: the revision of ``predictor.proto`` v1 this sidecar speaks (4 = v1.4:
-holding Predicts since v1.1, Watch since v1.2, Notify streams since v1.3, prompt block keys since v1.4)."""
+PROTOCOL_REVISION = 5
+"""``PredictResponse.protocol_revision``: the revision of ``predictor.proto`` v1 this sidecar speaks (5 = v1.5:
+holding Predicts since v1.1, Watch since v1.2, Notify streams since v1.3, prompt block keys since v1.4, engine
+priorities since v1.5)."""
 NOTICES_PER_TURN = 256
 """Notices a Notify stream handles before it lets the event loop run others (``PredictorServicer.Notify``)."""
 MIN_WATCH_INTERVAL_S = 0.005
@@ -339,7 +340,8 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         sidecar = self._sidecar
         args = (request.num_prompt_tokens, request.num_predicted_output_tokens, request.max_tokens or None,
                 request.length_source, sidecar.holds.held_by(request.router_id),
-                sidecar.usable_block_keys(request.block_keys, request.block_keys_block_size, request.num_prompt_tokens))
+                sidecar.usable_block_keys(request.block_keys, request.block_keys_block_size, request.num_prompt_tokens),
+                request.priority)
         if self._tracer is None:
             return sidecar.predict(*args)
         with self._tracer.start_as_current_span(SIMULATION_SPAN, attributes={
@@ -367,7 +369,8 @@ class PredictorServicer(pb_grpc.PredictorServicer):
             if request.hold_s > 0 and request.request_id:  # v1.1: count it here from now on (NaN is not > 0)
                 sidecar.hold(request.request_id, request.num_prompt_tokens, request.num_predicted_output_tokens,
                              request.hold_s, max_tokens=request.max_tokens or None,
-                             length_source=request.length_source, router_id=request.router_id)
+                             length_source=request.length_source, router_id=request.router_id,
+                             priority=request.priority)
             return response
 
     async def Admit(self, request, context):  # noqa: N802
@@ -405,7 +408,8 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         added = sidecar.admit(request.request_id, request.num_prompt_tokens, request.num_predicted_output_tokens,
                               now_s, max_tokens=request.max_tokens or None, length_source=request.length_source,
                               block_keys=sidecar.usable_block_keys(request.block_keys, request.block_keys_block_size,
-                                                                   request.num_prompt_tokens))
+                                                                   request.num_prompt_tokens),
+                              priority=request.priority)
         if added:
             sidecar.outcomes.admit(request.request_id, now_s, request.predicted_ttft_s, request.predicted_e2e_s)
         return pb.AdmitResponse(duplicate=not added)
@@ -642,10 +646,11 @@ class Sidecar:
 
     def admit(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int, now_s: float, *,
               max_tokens: int | None = None, length_source: int = 0,
-              block_keys: tuple[int, ...] | None = None) -> bool:
+              block_keys: tuple[int, ...] | None = None, priority: int = 0) -> bool:
         """Counts a request dispatched here from ``now_s`` (seconds, monotonic): in the ledger (unless the plugin's
         state is in use, which shows the engine's own queues), with its prompt's ``block_keys`` (its model of the
-        prefix cache, ``predictor.ledger``), and in the admission records. Returns False if it was already counted.
+        prefix cache, ``predictor.ledger``) and its engine ``priority`` (vLLM's: lower = earlier), and in the
+        admission records. Returns False if it was already counted.
 
         Raises:
             ValueError: the request can never fit this instance (its prompt exceeds the KV cache).
@@ -657,15 +662,16 @@ class Sidecar:
             added = not self.plugin.admits.is_admitted(request_id)
         else:
             added = self.ledger.admit(request_id, num_prompt_tokens, num_output_tokens, now_s,
-                                      max_tokens=max_tokens, length_source=length_source, block_keys=block_keys)
+                                      max_tokens=max_tokens, length_source=length_source, block_keys=block_keys,
+                                      priority=priority)
         if added:
             self.plugin.admits.admit(request_id, num_output_tokens, num_prompt_tokens, now_s, max_tokens=max_tokens,
-                                     length_source=length_source, block_keys=block_keys)
+                                     length_source=length_source, block_keys=block_keys, priority=priority)
             self.num_changes += 1
         return added
 
     def hold(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int, hold_s: float, *,
-             max_tokens: int | None = None, length_source: int = 0, router_id: int = 0) -> bool:
+             max_tokens: int | None = None, length_source: int = 0, router_id: int = 0, priority: int = 0) -> bool:
         """A Predict asked to hold its request (``predictor.holds``): it counts here from now, as `admit` counts
         it, until an Admit confirms it or a Release or the end of ``hold_s`` (seconds, cut to
         ``predictor.holds.MAX_HOLD_S``) drops it; ``router_id``'s own Predicts do not count it. Returns whether it
@@ -679,7 +685,7 @@ class Sidecar:
             return False
         try:
             if not self.admit(request_id, num_prompt_tokens, num_output_tokens, now_s, max_tokens=max_tokens,
-                              length_source=length_source):
+                              length_source=length_source, priority=priority):
                 return False
         except ValueError:
             return False
@@ -718,18 +724,18 @@ class Sidecar:
 
     def predict(self, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int | None = None,
                 length_source: int = 0, exclude: frozenset[str] | set[str] = frozenset(),
-                block_keys: tuple[int, ...] | None = None) -> pb.PredictResponse:
+                block_keys: tuple[int, ...] | None = None, priority: int = 0) -> pb.PredictResponse:
         """`_predict`, timed into ``simulation_seconds`` (the metric ``astrolabe_predictor_simulation_seconds``)."""
         start_s = time.perf_counter()
         try:
             return self._predict(num_prompt_tokens, num_output_tokens, max_tokens, length_source, exclude,
-                                 block_keys)
+                                 block_keys, priority)
         finally:
             self.simulation_seconds.observe(time.perf_counter() - start_s)
 
     def _predict(self, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int | None = None,
                  length_source: int = 0, exclude: frozenset[str] | set[str] = frozenset(),
-                 block_keys: tuple[int, ...] | None = None) -> pb.PredictResponse:
+                 block_keys: tuple[int, ...] | None = None, priority: int = 0) -> pb.PredictResponse:
         """Predicted TTFT and E2E, in seconds from now, of a new request on this instance, and what one more like
         it arriving first would add (``ttft_s_per_request``, ``e2e_s_per_request``: ``marginal_cost_s``).
 
@@ -742,6 +748,8 @@ class Sidecar:
             exclude: ids of held requests left out (the asking router's own holds, ``predictor.holds``).
             block_keys: the prompt's block keys (`usable_block_keys`; None: none): the simulation starts it past
                 the prefix the state holds or caches (a shorter prefill, fewer blocks).
+            priority: its priority at the engine (vLLM's: lower = earlier; the request queues by it where the
+                engine runs the "priority" scheduling policy, ``predictor.sim.scheduler``).
 
         Raises:
             ValueError: the request can never fit this instance (e.g. a prompt larger than its KV cache).
@@ -752,7 +760,8 @@ class Sidecar:
         view = self._view(now_s, exclude)
         snapshot = view.snapshot.fit_to_kv_cache()
         new = snapshot.fit_request(RequestState("new", num_prompt_tokens, expected_tokens,
-                                                max_new_tokens=max_tokens or None, block_keys=block_keys))
+                                                max_new_tokens=max_tokens or None, block_keys=block_keys,
+                                                priority=priority))
         result = predict(snapshot, new, self.batch_time)
         idle = predict_idle(snapshot, new, self.batch_time)
         ttft_per_request_s, e2e_per_request_s = marginal_cost_s(snapshot, new, self.batch_time, result)

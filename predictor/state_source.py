@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from predictor.calibration import StepSample
 from predictor.sim import EngineConfig
+from predictor.sim.scheduler import SCHEDULING_POLICIES
 from predictor.sim.snapshot import InstanceSnapshot, RequestState
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,9 @@ class PluginState:
             does not record them).
         first_tokens: the last first-token events, ``(engine request id, time.monotonic() seconds)``.
         arrivals: the last requests the scheduler received, ``(engine request id, time.monotonic() seconds)``.
+        priorities: under ``engine.scheduling_policy == "priority"``, ``(priority, arrival age in seconds)`` per
+            request row, running rows first (``predictor.vllm_plugin.publisher``); empty = every request at
+            priority 0, arrived in row order.
     """
 
     pid: int
@@ -103,6 +107,7 @@ class PluginState:
     steps: tuple[tuple[int, StepSample], ...] = ()
     first_tokens: tuple[tuple[str, float], ...] = ()
     arrivals: tuple[tuple[str, float], ...] = ()
+    priorities: tuple[tuple[int, float], ...] = ()
 
     @property
     def num_unfinished(self) -> int:
@@ -164,6 +169,36 @@ def _checked(rows: list, name: str, fast, slow) -> tuple:
     for i, row in enumerate(rows):
         value = fast(row)
         out.append(value if value is not None else slow(row, f"{name}[{i}]"))
+    return tuple(out)
+
+
+def _scheduling_policy(value) -> str:
+    if value not in SCHEDULING_POLICIES:
+        raise PluginStateError(f"engine.scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                               f"got {str(value)[:40]!r}")
+    return value
+
+
+_INT32 = 2 ** 31
+"""vLLM's request priority is a Python int; the sidecar protocol carries it as a 32-bit integer."""
+
+
+def _priorities(rows, num_requests: int) -> tuple[tuple[int, float], ...]:
+    """The ``priorities`` list checked: one ``[priority, arrival_age_s]`` per request row (priority an integer in
+    int32, age a finite number >= 0); absent = ()."""
+    if rows is None:
+        return ()
+    rows = _list(rows, "priorities")
+    if len(rows) != num_requests:
+        raise PluginStateError(f"priorities: {len(rows)} rows for {num_requests} requests")
+    out = []
+    for i, row in enumerate(rows):
+        if not (isinstance(row, list) and len(row) == 2 and type(row[0]) is int  # noqa: E721 (not bool)
+                and -_INT32 <= row[0] < _INT32 and type(row[1]) in (int, float)  # noqa: E721
+                and math.isfinite(row[1]) and row[1] >= 0):
+            raise PluginStateError(f"priorities[{i}] must be [int32 priority, arrival age >= 0], "
+                                   f"got {str(row)[:80]}")
+        out.append((row[0], float(row[1])))
     return tuple(out)
 
 
@@ -245,7 +280,9 @@ def parse_plugin_state(text: str) -> PluginState:
                                                             "engine.max_num_batched_tokens"),
                               block_size=_count(engine["block_size"], "engine.block_size"),
                               num_gpu_blocks=_count(engine["num_gpu_blocks"], "engine.num_gpu_blocks"),
-                              enable_chunked_prefill=bool(engine["enable_chunked_prefill"]))
+                              enable_chunked_prefill=bool(engine["enable_chunked_prefill"]),
+                              scheduling_policy=_scheduling_policy(engine.get("scheduling_policy", "fcfs")))
+        priorities = _priorities(data.get("priorities"), len(running) + len(waiting))
         return PluginState(
             pid=pid, seq=_count(data["seq"], "seq"), published_monotonic_s=float(published), engine=config,
             num_free_blocks=_count(data["num_free_blocks"], "num_free_blocks"),
@@ -256,7 +293,8 @@ def parse_plugin_state(text: str) -> PluginState:
             first_tokens=_checked(_list(data.get("first_tokens", []), "first_tokens"), "first_tokens",
                                   _fast_first_token, _first_token),
             arrivals=_checked(_list(data.get("arrivals", []), "arrivals"), "arrivals", _fast_first_token,
-                              _first_token))
+                              _first_token),
+            priorities=priorities)
     except PluginStateError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
@@ -352,6 +390,7 @@ class _Admission:
     max_tokens: int | None = None
     length_source: int = 0
     block_keys: tuple[int, ...] | None = None
+    priority: int = 0
 
 
 def pending_id(request_id: str) -> str:
@@ -396,12 +435,12 @@ class AdmitRecords:
 
     def admit(self, request_id: str, num_output_tokens: int, num_prompt_tokens: int = 1,
               now_s: float = 0.0, *, max_tokens: int | None = None, length_source: int = 0,
-              block_keys: tuple[int, ...] | None = None) -> None:
+              block_keys: tuple[int, ...] | None = None, priority: int = 0) -> None:
         """Record an admission at ``now_s`` (seconds, monotonic clock) of a request with ``num_output_tokens``
-        PREDICTED output tokens, its cap ``max_tokens`` (None = unknown), the prediction's ``length_source`` and
-        its prompt's ``block_keys`` (None = none sent)."""
+        PREDICTED output tokens, its cap ``max_tokens`` (None = unknown), the prediction's ``length_source``, its
+        prompt's ``block_keys`` (None = none sent) and its engine ``priority`` (vLLM's: lower = earlier)."""
         self._by_id[request_id] = _Admission(max(num_prompt_tokens, 1), num_output_tokens, now_s,
-                                             max_tokens or None, length_source, block_keys)
+                                             max_tokens or None, length_source, block_keys, priority)
         self.mean_output_tokens += _EMA_WEIGHT * (num_output_tokens - self.mean_output_tokens)
         while len(self._by_id) > self.max_records:
             self._by_id.pop(next(iter(self._by_id)))
@@ -457,7 +496,7 @@ class AdmitRecords:
         self._seen.update(rid for eid in engine_request_ids if (rid := self.admit_id_of(eid)))
         return [RequestState(request_id=pending_id(rid), num_prompt_tokens=a.num_prompt_tokens,
                              num_output_tokens=self._expected(a, 0, a.max_tokens), arrival_time_s=now_s,
-                             block_keys=a.block_keys)
+                             block_keys=a.block_keys, priority=a.priority)
                 for rid, a in self._by_id.items() if rid not in self._seen and now_s - a.admitted_s < grace_s]
 
     def _expected(self, admission: _Admission, num_generated_tokens: int, max_tokens: int | None) -> int:
@@ -529,21 +568,24 @@ def plugin_snapshot(state: PluginState, now_s: float,
         keys = block_keys_of(request_id) if block_keys_of is not None else None
         return keys[:num_prompt // block_size] or None if keys else None
 
-    def request(row: tuple, running: bool) -> RequestState:
+    priorities = state.priorities
+
+    def request(row: tuple, running: bool, index: int) -> RequestState:
         request_id, num_prompt, num_computed, num_generated, max_tokens, num_blocks, num_preemptions = row
+        priority, age_s = priorities[index] if priorities else (0, 0.0)
         num_prompt = max(int(num_prompt), 1)
         num_generated = int(num_generated)
         # A waiting request restarts from scratch in the simulator (a preempted one has freed its blocks).
         num_computed = min(int(num_computed), num_prompt + num_generated - 1) if running else 0
         return RequestState(request_id=str(request_id), num_prompt_tokens=num_prompt,
                             num_output_tokens=expected_output_tokens(str(request_id), max_tokens, num_generated),
-                            arrival_time_s=now_s, num_computed_tokens=max(num_computed, 0),
-                            num_generated_tokens=num_generated,
+                            arrival_time_s=now_s - age_s, num_computed_tokens=max(num_computed, 0),
+                            num_generated_tokens=num_generated, priority=priority,
                             num_blocks_held=None if not running or num_blocks is None else int(num_blocks),
                             num_preemptions=int(num_preemptions or 0),
                             block_keys=keys_of(str(request_id), num_prompt))
 
-    running = tuple(request(row, True) for row in state.running[: state.engine.max_num_seqs])
+    running = tuple(request(row, True, i) for i, row in enumerate(state.running[: state.engine.max_num_seqs]))
     # Blocks the engine holds beyond the rows' own (prefix-cache sharing, rounding) cannot exceed the pool.
     held = sum(r.num_blocks_held or 0 for r in running)
     if held > state.engine.num_gpu_blocks:
@@ -558,7 +600,8 @@ def plugin_snapshot(state: PluginState, now_s: float,
             for r in running)
         cached_keys = cached_keys[-num_free:] if num_free > 0 else ()
     return InstanceSnapshot(config=state.engine, now_s=now_s, running=running,
-                            waiting=tuple(request(row, False) for row in state.waiting),
+                            waiting=tuple(request(row, False, len(state.running) + i)
+                                          for i, row in enumerate(state.waiting)),
                             num_preemptions_total=state.num_preemptions_total, cached_block_keys=cached_keys)
 
 

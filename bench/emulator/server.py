@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import itertools
 import logging
 import math
@@ -102,7 +101,6 @@ from bench.emulator.openai_api import (
 )
 from predictor.engine_flags import add_engine_arguments, engine_from_args
 from predictor.sim import EngineConfig, LinearBatchTimeModel, Scheduler
-from predictor.sim.scheduler import SCHEDULING_POLICIES
 from predictor.vllm_plugin import DEFAULT_MIN_INTERVAL_S
 from bench.emulator.tokens import RecordedReply, Reply, prompt_token_ids, request_block_keys
 from tagger.tokenizer import TOKENIZER_NAME
@@ -644,11 +642,6 @@ def _parse_args(argv: Sequence[str]) -> tuple[EmulatorConfig, argparse.Namespace
                    help="vLLM --max-model-len: context limit, prompt + output tokens")
     add_engine_arguments(p, d.engine, kv_note="; /metrics reports it in vllm:cache_config_info",
                          scheduling_note="default: sglang with --api sglang, else vllm-v1; ")
-    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=d.engine.scheduling_policy,
-                   help="vLLM's --scheduling-policy: fcfs, or priority (the waiting queue by each request's "
-                        "'priority' body field, lower first, then arrival; preemption takes the largest); a "
-                        "nonzero 'priority' under fcfs is refused with 400, as vLLM does. The predictor sidecars "
-                        "do not model it (their states carry no priorities)")
     p.add_argument("--batch-time-model", default=d.batch_time_model,
                    help="step-time model: a shipped name (predictor/sim/*.json) or a JSON path")
     p.add_argument("--stream-interval", type=int, default=d.stream_interval,
@@ -684,7 +677,7 @@ def _parse_args(argv: Sequence[str]) -> tuple[EmulatorConfig, argparse.Namespace
         p.error(f"--state-path {a.state_path}: must name a file in an existing folder")
     try:
         config = EmulatorConfig(
-            engine=dataclasses.replace(engine_from_args(a), scheduling_policy=a.scheduling_policy),
+            engine=engine_from_args(a),
             batch_time_model=a.batch_time_model, served_model_name=a.served_model_name,
             host=a.host, port=a.port, seed=a.seed, max_model_len=a.max_model_len, stream_interval=a.stream_interval,
             time_scale=a.time_scale, step_noise_frac=a.step_noise, output_len_median_tokens=a.output_len_median,

@@ -41,13 +41,18 @@ def collect_sim(scheduler: Scheduler, max_tokens_of: Callable[[str], int | None]
                 request.num_preemptions]
 
     config = scheduler.config
+    priorities = None
+    engine = {"max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
+              "block_size": config.block_size, "num_gpu_blocks": config.num_gpu_blocks,
+              "enable_chunked_prefill": config.enable_chunked_prefill}
+    if config.scheduling_policy == "priority":  # ages on the scheduler's clock: only their order is read
+        engine["scheduling_policy"] = config.scheduling_policy
+        latest_s = max((r.arrival_time_s for r in (*scheduler.running, *scheduler.waiting)), default=0.0)
+        priorities = [[r.priority, latest_s - r.arrival_time_s] for r in (*scheduler.running, *scheduler.waiting)]
     return SchedulerState(
-        engine={"max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
-                "block_size": config.block_size, "num_gpu_blocks": config.num_gpu_blocks,
-                "enable_chunked_prefill": config.enable_chunked_prefill},
-        num_free_blocks=scheduler.num_free_blocks,
+        engine=engine, num_free_blocks=scheduler.num_free_blocks,
         running=[row(r, scheduler.num_blocks_held(r.request_id)) for r in scheduler.running],
-        waiting=[row(r, 0) for r in scheduler.waiting])
+        waiting=[row(r, 0) for r in scheduler.waiting], priorities=priorities)
 
 
 def sim_state_publisher(path: str, min_interval_s: float, max_tokens_of: Callable[[str], int | None], *,

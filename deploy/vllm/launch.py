@@ -54,6 +54,8 @@ class VllmSettings:
         kv_cache_memory_bytes: KV cache size (the tiny model needs 1 KiB per token).
         block_size: tokens per KV block.
         enforce_eager: no graph compilation (faster start).
+        scheduling_policy: vLLM's ``--scheduling-policy``: ``fcfs`` (its default) or ``priority`` (the waiting queue
+            by each request's ``priority`` body field, README "Priority in the engine").
     """
 
     max_model_len: int = 256
@@ -62,6 +64,7 @@ class VllmSettings:
     kv_cache_memory_bytes: int = 1 << 20
     block_size: int = 32
     enforce_eager: bool = True
+    scheduling_policy: str = "fcfs"
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +127,7 @@ def vllm_command(model_dir: Path, port: int, settings: VllmSettings) -> list[str
            "--max-model-len", str(settings.max_model_len), "--max-num-seqs", str(settings.max_num_seqs),
            "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
            "--kv-cache-memory-bytes", str(settings.kv_cache_memory_bytes), "--block-size", str(settings.block_size),
-           "--enable-prompt-tokens-details"]
+           "--enable-prompt-tokens-details", "--scheduling-policy", settings.scheduling_policy]
     return cmd + (["--enforce-eager"] if settings.enforce_eager else [])
 
 

@@ -220,8 +220,9 @@ def predict(
         batch_time: Step execution-time model. With `step_time_from_counts_s` and
             `decode_run_time_from_counts_s` (as `LinearBatchTimeModel`) and the vLLM V1 rules the event-driven
             path (`predictor.sim.fast_predict`) is used, unless a request's block keys reach past its prompt or,
-            under the "priority" policy, a preemption takes a request other than the last running one
-            (`fast_predict.NotModelled`); otherwise the `Scheduler` with decode runs skipped.
+            under the "priority" policy, a preemption the walk does not follow (`fast_predict.NotModelled`:
+            a victim other than the last running request in a step whose token budget binds, or a step the
+            preemptions emptied); otherwise the `Scheduler` with decode runs skipped.
         compiled: False runs the pure-Python `fast_predict` even where the compiled one is loaded (the
             reference, for tests and benchmarks); the results are identical.
 

@@ -8,7 +8,8 @@ File format (one JSON object, replaced atomically by write + ``os.replace``; `ST
      "num_free_blocks": 40, "num_preemptions_total": 3,
      "running": [[request_id, num_prompt_tokens, num_computed_tokens, num_output_tokens, max_tokens,
                   num_blocks_held, num_preemptions], ...],   # schedule order
-     "waiting": [[...same fields...], ...],                    # FCFS order, front first
+     "waiting": [[...same fields...], ...],                    # queue order, front first
+     "priorities": [[priority, arrival_age_s], ...],           # only under --scheduling-policy priority
      "num_steps_total": 5210,                                  # steps recorded since start (optional)
      "steps": [[step_index, num_tokens, prefill_attention_work, decode_context_tokens, num_seqs, duration_s],
                ...],                                           # the last STEP_HISTORY steps, oldest first
@@ -27,7 +28,12 @@ the step that produced it on ``time.monotonic()``): the sidecar's observed TTFT 
 ``arrivals`` are the last `FIRST_TOKEN_HISTORY` requests the scheduler received (request id, when
 ``add_request`` ran, ``time.monotonic()``): with the sidecar's Admit time, the delay before the engine sees a
 request (Envoy, the API server's HTTP handling and tokenizer; `predictor.calibration.IngressDelayEstimator`). A
-file without ``steps``, ``first_tokens`` or ``arrivals`` (an older plugin) is valid.
+file without ``steps``, ``first_tokens`` or ``arrivals`` (an older plugin) is valid. Under vLLM's
+``--scheduling-policy priority`` the engine object also says ``"scheduling_policy": "priority"`` and
+``priorities`` holds one ``[priority, arrival_age_s]`` per request row, running rows first, then waiting: the
+request's priority (vLLM's: lower = earlier) and how long before the collection it arrived, seconds (the order of
+arrivals is what the scheduler reads: ties of priority go to the earlier). A file without them (FCFS, or an older
+plugin) has every request at priority 0; a reader older than them ignores both keys.
 
 `StatePublisher` owns everything but reading the scheduler: when to publish (rate limit, idle/busy edges), the
 envelope (version, pid, seq, time, preemption total), the writer thread and the atomic write. What is read from
@@ -82,13 +88,16 @@ class SchedulerState:
             engine can hand out), ``enable_chunked_prefill``, in this order (vLLM names).
         num_free_blocks: KV blocks free now.
         running: request rows (format in the module docstring), schedule order.
-        waiting: request rows, FCFS order, front first.
+        waiting: request rows, queue order, front first.
+        priorities: under the priority policy, ``[priority, arrival_age_s]`` per row (running, then waiting);
+            None otherwise.
     """
 
     engine: dict[str, Any]
     num_free_blocks: int
     running: list[list]
     waiting: list[list]
+    priorities: list[list] | None = None
 
 
 def _vllm_request_row(request) -> list:
@@ -111,6 +120,13 @@ def collect_vllm(scheduler) -> SchedulerState:
     """
     block_pool = scheduler.kv_cache_manager.block_pool
     config = scheduler.scheduler_config
+    policy = str(getattr(getattr(config, "policy", None), "value", getattr(config, "policy", "fcfs")) or "fcfs")
+    running, waiting = list(scheduler.running), list(scheduler.waiting)
+    priorities = None
+    if policy == "priority":  # vllm/v1/request.py Request.priority and .arrival_time (time.time() seconds)
+        now_s = time.time()
+        priorities = [[int(getattr(r, "priority", 0)), max(now_s - float(getattr(r, "arrival_time", now_s)), 0.0)]
+                      for r in (*running, *waiting)]
     # Per-request block lists are not read: building them costs O(blocks) per request on the engine's thread,
     # and after a step a running request holds the blocks of its computed tokens, which the simulator derives
     # itself (num_blocks_held = null).
@@ -123,10 +139,11 @@ def collect_vllm(scheduler) -> SchedulerState:
             "num_gpu_blocks": block_pool.num_gpu_blocks - 1,
             "enable_chunked_prefill": bool(getattr(config, "enable_chunked_prefill",
                                                    getattr(config, "chunked_prefill_enabled", True))),
+            **({"scheduling_policy": policy} if priorities is not None else {}),
         },
         num_free_blocks=block_pool.get_num_free_blocks(),
-        running=[_vllm_request_row(r) for r in scheduler.running],
-        waiting=[_vllm_request_row(r) for r in scheduler.waiting])
+        running=[_vllm_request_row(r) for r in running],
+        waiting=[_vllm_request_row(r) for r in waiting], priorities=priorities)
 
 
 def vllm_step_shape(scheduler, scheduler_output) -> tuple[tuple[int, int, int, int], list[str]]:
@@ -258,6 +275,7 @@ class StatePublisher:
             "steps": [list(step) for step in self._steps],
             "first_tokens": [list(event) for event in self._first_tokens],
             "arrivals": [list(event) for event in self._arrivals],
+            **({"priorities": part.priorities} if part.priorities is not None else {}),
         }
 
     def close(self, timeout_s: float = 2.0, *, remove: bool = False) -> None:

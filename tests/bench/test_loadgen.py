@@ -1,7 +1,9 @@
 """Tests of bench/loadgen.py against a real in-process aiohttp server that speaks OpenAI-style SSE.
 
 The server's behaviour is chosen by the prompt: "ok" streams ``max_tokens`` tokens, "short" reports one token
-too few in ``usage``, "http500" answers 500, "break" ends the stream without ``[DONE]``, "hang" never answers.
+too few in ``usage``, "http500" answers 500, "break" ends the stream without ``[DONE]``, "hang" never answers,
+"shed" answers 429 as the extproc's admission does (``x-astrolabe-drop-reason``, ``retry-after``), "http429" a 429
+without a drop reason.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 import pytest
 from aiohttp import web
 
-from bench.loadgen import INSTANCE_HEADER, chat_body, replay
+from bench.loadgen import DROP_REASON_HEADER, INSTANCE_HEADER, chat_body, replay
 from bench.workloads import TraceRequest
 
 INSTANCE = "127.0.0.1:4242"
@@ -29,6 +31,10 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     prompt, max_tokens = body["messages"][0]["content"], body["max_tokens"]
     if prompt == "http500":
         return web.Response(status=500, text="engine exploded")
+    if prompt == "shed":
+        return web.Response(status=429, text="refused", headers={DROP_REASON_HEADER: "headroom", "retry-after": "1"})
+    if prompt == "http429":
+        return web.Response(status=429, text="rate limited")
     if prompt == "hang":
         await asyncio.sleep(3600)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", INSTANCE_HEADER: INSTANCE})
@@ -106,6 +112,14 @@ async def test_failures_are_errors(base_url, prompt: str, status: int, error_sta
     assert not result.ok
     assert result.status == status
     assert result.error.startswith(error_start)
+
+
+async def test_a_refusal_by_admission_is_no_error_but_another_429_is(base_url) -> None:
+    url, _ = base_url
+    refused, limited = await replay(url, [_req(0, "shed"), _req(1, "http429")], model="m", progress=False)
+    assert refused.refused and refused.drop_reason == "headroom" and refused.status == 429
+    assert refused.error is None and not refused.ok and refused.ttft_s is None
+    assert not limited.refused and limited.error.startswith("HTTP 429: rate limited")
 
 
 async def test_per_request_timeout(base_url) -> None:

@@ -5,11 +5,14 @@ No Kubernetes API server runs here. What is checked instead:
 - Rendering: every kustomization is built with kustomize (``kustomize build`` or ``kubectl kustomize``, whichever
   is on PATH) and, independently, by a minimal resolver in this file (resources, components, namespace,
   configMapGenerator, images, strategic-merge patches from files with null deleting a key and ``$patch: delete``
-  removing a named list item: the only features the manifests use); the two must agree. Without a kustomize
-  binary the resolver's output is what the other tests check, and the agreement test is skipped.
+  removing a named list item, JSON patches (RFC 6902: ``test`` and ``add``) from files with a target: the only
+  features the manifests use); the two must agree. Without a kustomize binary the resolver's output is what the
+  other tests check, and the agreement test is skipped.
 - Engines: every overlay also renders with components/sglang (SGLang model servers): overlays/sglang-standalone-envoy
   ships that way, and each other overlay is composed with the component in a temporary kustomization
-  (``<overlay>+sglang``), so each check below that takes an overlay runs on the SGLang variants too.
+  (``<overlay>+sglang``), so each check below that takes an overlay runs on the SGLang variants too. Likewise every
+  vLLM overlay renders with components/priority-scheduling (vLLM's ``--scheduling-policy priority``):
+  overlays/priority-standalone-envoy, and ``<overlay>+priority`` for the others.
 - Schemas: built-in kinds against the Kubernetes OpenAPI schemas (the ``kubernetes-validate`` package, strict:
   unknown fields are errors) at the oldest and newest versions the README claims; InferencePool, HTTPRoute and
   Gateway against the openAPIV3Schema of their CRDs at the versions the README pins (tests/deploy/crd_schemas/,
@@ -49,8 +52,19 @@ SGLANG_VARIANTS = tuple(SGLANG_OVERLAYS) + tuple(o + COMPOSED_SUFFIX for o in VL
                                                  if o not in SGLANG_OVERLAYS.values())
 """Every vLLM overlay with SGLang servers: a shipped overlay where there is one, else ``<overlay>+sglang``, the
 overlay and the component composed in a temporary kustomization (`overlay_dir`)."""
-OVERLAYS = VLLM_OVERLAYS + SGLANG_VARIANTS
-ROUTED = tuple(o for o in OVERLAYS if o not in ("base", "base" + COMPOSED_SUFFIX))
+PRIORITY_COMPONENT = "components/priority-scheduling"
+PRIORITY_OVERLAYS = {"overlays/priority-standalone-envoy": "overlays/standalone-envoy"}
+"""Shipped overlays that add components/priority-scheduling, and the vLLM overlay each one builds on."""
+PRIORITY_SUFFIX = "+priority"
+PRIORITY_VARIANTS = tuple(PRIORITY_OVERLAYS) + tuple(o + PRIORITY_SUFFIX for o in VLLM_OVERLAYS
+                                                     if o not in PRIORITY_OVERLAYS.values())
+"""Every vLLM overlay with vLLM's priority scheduling (components/priority-scheduling), shipped or composed as the
+SGLang variants are."""
+COMPOSED = {COMPOSED_SUFFIX: SGLANG_COMPONENT, PRIORITY_SUFFIX: PRIORITY_COMPONENT}
+"""The suffix of a composed overlay name -> the component it adds to the overlay it names."""
+SHIPPED_VARIANTS = {**SGLANG_OVERLAYS, **PRIORITY_OVERLAYS}
+OVERLAYS = VLLM_OVERLAYS + SGLANG_VARIANTS + PRIORITY_VARIANTS
+ROUTED = tuple(o for o in OVERLAYS if o not in ["base" + suffix for suffix in ("", *COMPOSED)])
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
 """Oldest (native sidecars, the preStop sleep action) and newest Kubernetes the manifests are checked against."""
 
@@ -154,10 +168,48 @@ def _strategic_merge(target: object, patch: object) -> object:
     return copy.deepcopy(patch)
 
 
+def _json_patch(target: dict, operations: list[dict]) -> dict:
+    """``target`` with a JSON patch (RFC 6902) applied, for the operations the manifests use: ``test`` (a failure
+    is an error, as kustomize makes it one) and ``add`` (``-`` appends to a list)."""
+    target = copy.deepcopy(target)
+    for operation in operations:
+        assert set(operation) == {"op", "path", "value"} and operation["op"] in ("test", "add"), \
+            f"unsupported JSON patch operation {operation}"
+        assert operation["path"].startswith("/"), operation
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in operation["path"][1:].split("/")]
+        node = target
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        if operation["op"] == "test":
+            current = node[int(last)] if isinstance(node, list) else node.get(last)
+            assert current == operation["value"], f"JSON patch test of {operation['path']}: {current!r}"
+        elif isinstance(node, list):
+            assert last == "-" or 0 <= int(last) <= len(node), operation
+            node.insert(len(node) if last == "-" else int(last), copy.deepcopy(operation["value"]))
+        else:
+            node[last] = copy.deepcopy(operation["value"])
+    return target
+
+
 def _apply_patches(directory: Path, kustomization: dict, objects: list[dict]) -> list[dict]:
     for entry in kustomization.get("patches", []):
+        documents = [o for o in yaml.safe_load_all((directory / entry["path"]).read_text()) if o]
+        if set(entry) == {"path", "target"}:  # a JSON patch (a list of operations) on the object it names
+            (operations,) = documents
+            target = entry["target"]
+            assert isinstance(operations, list) and set(target) <= {"group", "version", "kind", "name"}, entry
+
+            def targeted(obj: dict, target: dict = target) -> bool:
+                group, _, version = obj["apiVersion"].rpartition("/")
+                return (obj["kind"], obj["metadata"]["name"]) == (target["kind"], target["name"]) and (
+                    target.get("group", group), target.get("version", version)) == (group, version)
+
+            hits = [n for n, o in enumerate(objects) if targeted(o)]
+            assert len(hits) == 1, f"{directory}: patch {entry['path']} targets {len(hits)} objects"
+            objects[hits[0]] = _json_patch(objects[hits[0]], operations)
+            continue
         assert set(entry) == {"path"}, f"{directory}: the resolver only knows patches from files: {entry}"
-        (patch,) = [o for o in yaml.safe_load_all((directory / entry["path"]).read_text()) if o]
+        (patch,) = documents
         def matches(obj: dict, patch: dict = patch) -> bool:
             namespace = obj["metadata"].get("namespace")
             return ((obj["apiVersion"], obj["kind"], obj["metadata"]["name"])
@@ -222,9 +274,20 @@ def _unhash(objects: list[dict]) -> list[dict]:
     return [walk(o) for o in objects]
 
 
+def _composed(overlay: str) -> tuple[str, str] | None:
+    """(the overlay, the component) that the composed name ``<overlay>+sglang`` or ``<overlay>+priority`` names."""
+    for suffix, component in COMPOSED.items():
+        if overlay.endswith(suffix):
+            return overlay.removesuffix(suffix), component
+    return None
+
+
 def gateway_overlay(overlay: str) -> str:
-    """The vLLM overlay ``overlay`` is, or adds SGLang servers to (its gateway, discovery and fallback list)."""
-    return SGLANG_OVERLAYS.get(overlay, overlay.removesuffix(COMPOSED_SUFFIX))
+    """The vLLM overlay ``overlay`` is, or adds a component to (its gateway, discovery and fallback list)."""
+    if overlay in SHIPPED_VARIANTS:
+        return SHIPPED_VARIANTS[overlay]
+    composed = _composed(overlay)
+    return overlay if composed is None else composed[0]
 
 
 def engine_of(overlay: str) -> str:
@@ -234,10 +297,17 @@ def engine_of(overlay: str) -> str:
 
 @functools.cache
 def overlay_dir(overlay: str) -> Path:
-    """The kustomization directory of ``overlay``; for ``<overlay>+sglang`` a temporary one that takes the overlay
-    and adds components/sglang, as a user's own overlay would (paths relative: kustomize's load restrictions)."""
-    if not overlay.endswith(COMPOSED_SUFFIX):
+    """The kustomization directory of ``overlay``; for ``<overlay>+sglang`` (``+priority``) a temporary one that
+    takes the overlay and adds components/sglang (components/priority-scheduling), as a user's own overlay would."""
+    composed = _composed(overlay)
+    if composed is None:
         return K8S / overlay
+    return composed_dir(K8S / composed[0], [K8S / composed[1]])
+
+
+def composed_dir(resource: Path, components: list[Path]) -> Path:
+    """A temporary kustomization that takes ``resource`` and adds ``components`` in that order (paths relative:
+    kustomize's load restrictions); removed at exit."""
     import atexit
     import os
     import tempfile
@@ -247,7 +317,7 @@ def overlay_dir(overlay: str) -> Path:
     relative = functools.partial(os.path.relpath, start=directory)
     (directory / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [relative(K8S / gateway_overlay(overlay))], "components": [relative(K8S / SGLANG_COMPONENT)]}))
+        "resources": [relative(resource)], "components": [relative(c) for c in components]}))
     return directory
 
 
@@ -571,7 +641,7 @@ def _extproc_config(objects: list[dict], tmp_dir: Path | None = None):
         return load_config(path, environ=environ), container, deployment
 
 
-@pytest.mark.parametrize("overlay", ("base", "base" + COMPOSED_SUFFIX))
+@pytest.mark.parametrize("overlay", ("base", "base" + COMPOSED_SUFFIX, "base" + PRIORITY_SUFFIX))
 def test_extproc_config_parses_and_matches_the_pod(overlay):
     objects = build(overlay)
     config, container, deployment = _extproc_config(objects)
@@ -879,7 +949,7 @@ def _sidecar_args(objects: list[dict]):
     return _parser().parse_args(["serve", *[_expand(a, _env_of(objects, predictor)) for a in predictor["args"]]])
 
 
-@pytest.mark.parametrize("overlay", ("base", "base" + COMPOSED_SUFFIX))
+@pytest.mark.parametrize("overlay", ("base", "base" + COMPOSED_SUFFIX, "base" + PRIORITY_SUFFIX))
 def test_engine_limits_are_given_once_and_read_by_both_containers(overlay):
     objects = build(overlay)
     engine_name = engine_of(overlay)
@@ -986,6 +1056,140 @@ def test_the_resolvers_deletions_are_kustomizes():
         _strategic_merge(target, {"containers": [{"name": "absent", "$patch": "delete"}]})
     with pytest.raises(AssertionError):
         _strategic_merge(target, {"containers": [{"name": "vllm", "$patch": "replace"}]})
+
+
+def _flag_values(args: list[str], flag: str) -> list[str]:
+    """Every value ``args`` give ``flag`` (``--flag=value`` or ``--flag value``), in order."""
+    values = []
+    for n, arg in enumerate(args):
+        if arg == flag:
+            values.append(args[n + 1] if n + 1 < len(args) else "")
+        elif arg.startswith(flag + "="):
+            values.append(arg.split("=", 1)[1])
+    return values
+
+
+PRIORITY_ENV = ("ASTROLABE_EXTPROC_OBJECTIVES", "ASTROLABE_EXTPROC_OBJECTIVES__ENGINE_PRIORITY")
+"""The picker's variables components/priority-scheduling sets."""
+
+
+def _check_priority_scheduling(objects: list[dict], on: bool) -> None:
+    """vLLM's priority scheduling is on in all three places (vLLM's flag once, the sidecar's flag as its own parser
+    reads it, the picker's objectives.engine_priority as its own loader reads it), or off in all three."""
+    from predictor.engine_flags import engine_from_args
+
+    vllm = model_server(objects)
+    assert vllm["name"] == "vllm"
+    server_args = [_expand(a, _env_of(objects, vllm)) for a in vllm["args"]]
+    assert _flag_values(server_args, "--scheduling-policy") == (["priority"] if on else [])
+    predictor = container_of(objects, "astrolabe-vllm", "predictor")
+    assert _flag_values(predictor["args"], "--scheduling-policy") == (["priority"] if on else [])
+    engine = engine_from_args(_sidecar_args(objects))
+    assert engine.scheduling_policy == ("priority" if on else "fcfs")
+    config, container, _ = _extproc_config(objects)
+    assert config.objectives.engine_priority is on
+    assert bool([v for v in container.get("env", []) if v["name"] in PRIORITY_ENV]) is on
+
+
+@pytest.mark.parametrize("overlay", PRIORITY_VARIANTS)
+def test_priority_scheduling_turns_on_the_engine_the_sidecar_and_the_picker_together(overlay):
+    """components/priority-scheduling: vLLM and its sidecar run --scheduling-policy priority and the picker writes
+    priorities (engine_priority) for the example objectives; nothing else differs from the overlay it builds on."""
+    from predictor.sim.request import vllm_priority
+
+    objects = build(overlay)
+    _check_priority_scheduling(objects, on=True)
+    config, _, _ = _extproc_config(objects)
+    named = {name: (entry.priority, entry.ttft_ms) for name, entry in config.objectives.named.items()}
+    assert named == {"critical": (0, 1000), "sheddable": (-1, 5000)}
+    assert vllm_priority(named["sheddable"][0]) == 1  # served after the critical requests waiting (vLLM: lower first)
+    # The component replaces the file's whole `objectives` section with its variable: the base file has none.
+    underlying = build(gateway_overlay(overlay))
+    assert "objectives" not in yaml.safe_load(_extproc_config_file(underlying)[0]), \
+        "base/extproc/extproc.yaml has objectives now: merge them with components/priority-scheduling's"
+    # Every other key of the picker's config, and every other object and field, as the overlay without it has them.
+    import dataclasses
+
+    without, _, _ = _extproc_config(underlying)
+    assert dataclasses.replace(config, objectives=without.objectives) == without
+    assert _extproc_config_file(objects)[0] == _extproc_config_file(underlying)[0]
+    for container in (model_server(objects), container_of(objects, "astrolabe-vllm", "predictor")):
+        container["args"].remove("--scheduling-policy=priority")
+    extproc = container_of(objects, "astrolabe-extproc", "extproc")
+    extproc["env"] = [v for v in extproc["env"] if v["name"] not in PRIORITY_ENV]
+    if not extproc["env"]:  # the base picker has no env
+        del extproc["env"]
+
+    def key(o):
+        return (o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"])
+
+    assert sorted(objects, key=key) == sorted(underlying, key=key)
+
+
+@pytest.mark.parametrize("overlay", [o for o in OVERLAYS if o not in PRIORITY_VARIANTS and engine_of(o) == "vllm"])
+def test_without_the_component_nothing_schedules_by_priority(overlay):
+    _check_priority_scheduling(build(overlay), on=False)
+
+
+@pytest.mark.parametrize("overlay", SGLANG_VARIANTS)
+def test_sglang_servers_get_no_priority(overlay):
+    from predictor.engine_flags import engine_from_args
+
+    objects = build(overlay)
+    assert not _flag_values(model_server(objects)["args"], "--scheduling-policy")
+    assert engine_from_args(_sidecar_args(objects)).scheduling_policy == "fcfs"
+    assert _extproc_config(objects)[0].objectives.engine_priority is False
+
+
+def test_the_priority_check_fails_when_one_of_the_three_is_missing_or_doubled():
+    objects = build("overlays/priority-standalone-envoy")
+    _check_priority_scheduling(objects, on=True)
+    broken = []
+    for container in ("vllm", "predictor"):  # a flag missing, or given twice
+        for change in (lambda args: args.remove("--scheduling-policy=priority"),
+                       lambda args: args.append("--scheduling-policy=priority")):
+            copy_ = copy.deepcopy(objects)
+            change(container_of(copy_, "astrolabe-vllm", container)["args"])
+            broken.append(copy_)
+    copy_ = copy.deepcopy(objects)
+    for var in container_of(copy_, "astrolabe-extproc", "extproc")["env"]:
+        if var["name"] == "ASTROLABE_EXTPROC_OBJECTIVES__ENGINE_PRIORITY":
+            var["value"] = "false"
+    broken.append(copy_)
+    for objects in broken:
+        with pytest.raises(AssertionError):
+            _check_priority_scheduling(objects, on=True)
+    with pytest.raises(AssertionError):
+        _check_priority_scheduling(build("overlays/priority-standalone-envoy"), on=False)
+
+
+def test_priority_scheduling_after_sglang_does_not_build():
+    """The component's JSON patch tests that the pod runs vllm and the predictor: listed after components/sglang
+    (SGLang has no --scheduling-policy) the build fails, in the resolver and in kustomize."""
+    directory = composed_dir(K8S / "overlays/standalone-envoy", [K8S / SGLANG_COMPONENT, K8S / PRIORITY_COMPONENT])
+    with pytest.raises(AssertionError, match="JSON patch test"):
+        resolve(directory)
+    command = _kustomize_command()
+    if command is not None:
+        result = subprocess.run([*command, str(directory)], capture_output=True, text=True)
+        assert result.returncode != 0 and "test failed" in result.stderr, result.stderr
+
+
+def test_the_resolvers_json_patches_are_kustomizes():
+    """``test`` compares (a mismatch is an error), ``add`` with ``-`` appends, with an index inserts, on a map
+    sets; the agreement test checks them against kustomize where it is installed."""
+    target = {"spec": {"containers": [{"name": "vllm", "args": ["a", "b"]}]}}
+    patched = _json_patch(target, [
+        {"op": "test", "path": "/spec/containers/0/name", "value": "vllm"},
+        {"op": "add", "path": "/spec/containers/0/args/-", "value": "c"},
+        {"op": "add", "path": "/spec/containers/0/args/0", "value": "z"},
+        {"op": "add", "path": "/spec/containers/0/image", "value": "x"}])
+    assert patched == {"spec": {"containers": [{"name": "vllm", "args": ["z", "a", "b", "c"], "image": "x"}]}}
+    assert target["spec"]["containers"][0]["args"] == ["a", "b"]  # a copy
+    with pytest.raises(AssertionError):
+        _json_patch(target, [{"op": "test", "path": "/spec/containers/0/name", "value": "sglang"}])
+    with pytest.raises(AssertionError):
+        _json_patch(target, [{"op": "remove", "path": "/spec/containers/0/args/0", "value": None}])
 
 
 @pytest.mark.parametrize("overlay", ("base", "base" + COMPOSED_SUFFIX))

@@ -1,11 +1,13 @@
 """A test backend that reports what it received: ``python -m tests.integration.echo_backend --port P``.
 
-Every request gets JSON ``{served_by, destination_header, method, path, body_bytes, body_sha256}`` so a test
-can assert, at the backend, which endpoint served a request and what the proxy forwarded.
+Every request gets JSON ``{served_by, destination_header, method, path, body_bytes, body_sha256, content_length,
+priority}`` so a test can assert, at the backend, which endpoint served a request and what the proxy forwarded
+(``priority``: the body's ``priority`` field when it is a JSON object that has one, else null).
 """
 
 import argparse
 import hashlib
+import json
 import ssl
 
 from aiohttp import web
@@ -14,7 +16,13 @@ from aiohttp import web
 def make_app(address: str) -> web.Application:
     async def echo(request: web.Request) -> web.Response:
         body = await request.read()
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
         return web.json_response({
+            "content_length": request.headers.get("content-length"),
+            "priority": parsed.get("priority") if isinstance(parsed, dict) else None,
             "served_by": address,
             "destination_header": request.headers.get("x-gateway-destination-endpoint"),
             "method": request.method,

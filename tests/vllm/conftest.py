@@ -22,14 +22,28 @@ if os.environ.get("ASTROLABE_VLLM_TESTS") != "1":
 
 BATCH_TIME_MODEL = REPO_DIR / "deploy" / "vllm" / "tiny-llama-cpu.json"
 """Coefficients of the tiny model on this machine's CPU (``astrolabe predictor profile``; deploy/vllm/README)."""
+ROUTER_SETTINGS = {
+    # Generous deadlines: vLLM servers keep this 2-core box's CPUs busy.
+    "predictor_client": {"predict_timeout_s": 2.0, "notify_timeout_s": 2.0},
+    # vLLM's /health answers late while its engine saturates both cores: the default thresholds, not the
+    # integration tests' hair-trigger ones.
+    "health_check": {"interval_s": 1.0, "timeout_s": 3.0, "unhealthy_threshold": 3},
+}
+"""Extproc config keys of every real-vLLM stack."""
+
+
+def fresh_run_dir(name: str):
+    """``.cache/vllm/<name>``, emptied: the logs of one stack, kept after the run. Not pytest's tmp_path: other
+    pytest sessions on a shared machine rotate /tmp/pytest-of-<user> away."""
+    tmp = REPO_DIR / ".cache" / "vllm" / name
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
 
 
 @pytest.fixture(scope="session")
 def vllm_stack():
-    # Not pytest's tmp_path: other pytest sessions on a shared machine rotate /tmp/pytest-of-<user> away.
-    tmp = REPO_DIR / ".cache" / "vllm" / "test-run"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = fresh_run_dir("test-run")
     with ProcessGroup() as procs:
         servers = start_vllm_servers(procs, 2, tmp)
         stack = Stack(procs, tmp, "full-duplex")
@@ -46,12 +60,7 @@ def vllm_stack():
         stack.write_config([{"address": a, "models": [SERVED_MODEL_NAME], "predictor": p}
                             for a, p in stack.sidecars.items()],
                            policy="astrolabe", policy_params={"k": 2}, seed=0,
-                           output_length={"source": "oracle"},
-                           # Generous deadlines: 2 vLLM servers keep this 2-core box's CPUs busy.
-                           predictor_client={"predict_timeout_s": 2.0, "notify_timeout_s": 2.0},
-                           # vLLM's /health answers late while its engine saturates both cores: the default
-                           # thresholds, not the integration tests' hair-trigger ones.
-                           health_check={"interval_s": 1.0, "timeout_s": 3.0, "unhealthy_threshold": 3})
+                           output_length={"source": "oracle"}, **ROUTER_SETTINGS)
         stack.start_extproc()
         stack.start_envoy()
         yield stack

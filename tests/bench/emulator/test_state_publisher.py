@@ -367,3 +367,24 @@ async def test_a_sidecar_calibrates_to_an_engine_it_has_never_seen_and_checks_ev
         assert 0 <= answer.calibration_residual < 0.5
     finally:
         await _tear_down(channel, sidecar, proc)
+
+
+def test_a_priority_scheduler_publishes_its_policy_and_each_requests_priority_in_arrival_order(tmp_path):
+    path = tmp_path / "state.json"
+    scheduler = Scheduler(dataclasses.replace(SMALL, scheduling_policy="priority"))
+    for i, priority in enumerate((1, 0, 1, 0, 1)):
+        scheduler.add_request(SimRequest(f"r{i}", 10, 30, arrival_time_s=float(i), priority=priority))
+    batch = scheduler.schedule()
+    scheduler.update_after_step(batch, 1.0)
+    sim_state_publisher(str(path), 0.0, lambda _: None, synchronous=True).maybe_publish(scheduler)
+    state = parse_plugin_state(path.read_text())
+    assert state.engine.scheduling_policy == "priority"
+    snapshot = plugin_snapshot(state, 100.0, lambda _rid, _cap, generated: generated + 30)
+    expected = InstanceSnapshot.from_scheduler(scheduler, 100.0)
+    requests = [*snapshot.running, *snapshot.waiting]
+    assert [(r.request_id, r.priority) for r in requests] == [
+        (r.request_id, r.priority) for r in (*expected.running, *expected.waiting)]
+    assert [r.request_id for r in sorted(requests, key=lambda r: r.arrival_time_s)] == ["r0", "r1", "r2", "r3", "r4"]
+    fcfs = tmp_path / "fcfs.json"
+    sim_state_publisher(str(fcfs), 0.0, lambda _: None, synchronous=True).maybe_publish(Scheduler(SMALL))
+    assert "priorities" not in json.loads(fcfs.read_text())

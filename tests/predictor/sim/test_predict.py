@@ -549,3 +549,23 @@ def test_one_more_request_ahead_costs_its_whole_run_when_it_takes_the_only_slot(
     small_ttft_s, _ = marginal_cost_s(roomy, new, model, predict(roomy, new, model))
     assert 0 <= small_ttft_s < 0.2 * ttft_growth_s
     assert snapshot.waiting == ()  # the snapshot is left as it was
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_priority_victim_before_the_last_running_request_is_walked_not_stepped(compiled) -> None:
+    """Sheddable work (vLLM priority 1) admitted before critical work (0) and a KV cache that runs out: the victims
+    are the sheddable requests, ahead of the critical ones in the running list. The event walk follows them
+    (`fast_predict.reserve_by_priority`) instead of falling back to stepping, and agrees with stepping."""
+    config = EngineConfig(max_num_seqs=8, max_num_batched_tokens=512, block_size=16, num_gpu_blocks=40,
+                          scheduling_policy="priority")
+    running = tuple(
+        RequestState(f"{kind}{i}", 64, 200, num_computed_tokens=64 + 15, num_generated_tokens=16, priority=priority,
+                     arrival_time_s=float(i if priority else 10 + i))
+        for i, (kind, priority) in enumerate([("s", 1)] * 4 + [("c", 0)] * 4))
+    snapshot = InstanceSnapshot(config, 20.0, running=running)
+    target = RequestState("t", 64, 50, priority=0)
+    module = importlib.import_module("predictor.sim.predict")
+    fast_predict = module._FAST_PREDICT if compiled else module._load_python_fast_predict()
+    walked = fast_predict.simulate_until_finished(snapshot, target, LLAMA)  # raises NotModelled if it fell back
+    assert walked.num_preemptions > 0
+    _assert_same(predict(snapshot, target, LLAMA, compiled=compiled), predict_by_stepping(snapshot, target, LLAMA))

@@ -22,6 +22,8 @@ class FakeRequest:
     num_output_tokens: int = 0
     num_preemptions: int = 0
     sampling_params: FakeSamplingParams = field(default_factory=FakeSamplingParams)
+    priority: int = 0
+    arrival_time: float = 0.0  # time.time() seconds, as vLLM's Request
 
 
 class FakeBlockPool:
@@ -45,6 +47,7 @@ class FakeKVCacheManager:
 @dataclass
 class FakeSchedulerConfig:
     enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # vllm/config/scheduler.py SchedulerConfig.policy: "fcfs" | "priority"
 
 
 @dataclass
