@@ -243,7 +243,8 @@ def _parse_args(argv: Sequence[str]) -> DemoConfig:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", dest="mode", action="store_const", const="quick", default=argparse.SUPPRESS,
                       help="one seed, 400 requests, astrolabe and the two least-request baselines (too small to "
-                           "judge a tail)")
+                           "judge a tail); with --objectives: 1,500 requests at 1.5x, astrolabe+slo, "
+                           "astrolabe+headroom/priority and envoy-least-request")
     mode.add_argument("--thorough", dest="mode", action="store_const", const="thorough", default=argparse.SUPPRESS,
                       help="three seeds, 1,500 requests each, every baseline (~19 min)")
     p.add_argument("--objectives", action="store_true",

@@ -512,8 +512,8 @@ class ObjectivesConfig:
                                                "every sheddable request is refused, seconds (0 = never).")
 
     engine_priority: Annotated[bool, Field(strict=True)] = Field(
-        False, description="The endpoints run vLLM's --scheduling-policy priority: every routed OpenAI request "
-                           "(/v1/completions, /v1/chat/completions) gets its objective's priority written into its "
+        False, description="The endpoints run vLLM's --scheduling-policy priority: every routed request but SGLang's "
+                           "/generate gets its objective's priority written into its JSON "
                            "body as vLLM's 'priority' field, negated (vLLM serves lower first: priority 0 stays 0, "
                            "a sheddable -1 becomes 1), replacing any the client sent, and the sidecars predict "
                            "with it. Leave false for engines that run fcfs: vLLM answers 400 to a nonzero "

@@ -38,7 +38,7 @@ from extproc import messages, wire
 from extproc.admission import NO_HEADER_OBJECTIVES, header_objectives, objective_header_values
 from extproc.config import ConfigError, parse_ip_port
 from extproc.errors import ErrorCode, RoutingError
-from extproc.engine_priority import PRIORITY_PATHS, body_with_priority
+from extproc.engine_priority import body_with_priority, identity_encoded, writes_priority
 from extproc.request import MAX_DECODED_FACTOR, RoutingRequest, bodiless_request, parse_body
 from extproc.decision import Decision
 from extproc.router import Router
@@ -232,9 +232,9 @@ class StreamHandler:
             self._body = bytearray()
         decision = await self._route(request)
         priority = self._engine_priority
-        if priority is None or request.path not in PRIORITY_PATHS:
+        if priority is None or not writes_priority(request.path):
             return decision, None
-        if self._content_encoding is not None and self._content_encoding.strip().lower() not in ("", "identity"):
+        if not identity_encoded(self._content_encoding):
             self._router.metrics.engine_priority_bodies.labels("encoded").inc()
             return decision, None
         self._router.metrics.engine_priority_bodies.labels("written").inc()

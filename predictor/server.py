@@ -537,7 +537,7 @@ class Sidecar:
         self._kv_events_task: asyncio.Task | None = None
         self.plugin = PluginStateSource(config.state_source, config.vllm_state_path, config.plugin_max_age_s,
                                         pending_grace_s=config.visibility_grace_s, residual=self.residual,
-                                        kv_index=self.kv_index)
+                                        kv_index=self.kv_index, default_policy=config.engine.scheduling_policy)
         self.holds = Holds()
         self.num_states_sent = 0  # InstanceState messages sent to watching routers (v1.2)
         self.num_watchers = 0
@@ -964,7 +964,10 @@ class Sidecar:
         """``engine`` with SGLang's scheduler rules when the backend is SGLang and ``follow_backend_scheduling``:
         they predict its TTFT far better than V1's (bench/README.md, "SGLang backends")."""
         if backend_engine == SGLANG and self.config.follow_backend_scheduling:
-            return dataclasses.replace(engine, scheduling="sglang")
+            if engine.scheduling_policy != "fcfs":
+                logger.warning("--scheduling-policy %s is vLLM's: an SGLang backend is modelled first come, first "
+                               "served", engine.scheduling_policy)
+            return dataclasses.replace(engine, scheduling="sglang", scheduling_policy="fcfs")
         return engine
 
     async def _discover_sglang_limits(self, session: aiohttp.ClientSession,
@@ -1080,8 +1083,10 @@ class Sidecar:
         for name in ("", "liveness", "readiness", "astrolabe.predictor.v1.Predictor"):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         tls = "plaintext" if self.config.tls is None else "mutual TLS" if self.config.tls.client_ca_file else "TLS"
-        logger.info("predictor for %s listening on %s (port %d, %s)", self.config.backend, self.config.listen,
-                    self.port, tls)
+        logger.info("predictor for %s listening on %s (port %d, %s; state source %s, scheduling policy %s%s)",
+                    self.config.backend, self.config.listen, self.port, tls, self.config.state_source,
+                    self.config.engine.scheduling_policy,
+                    " unless the engine's state file names one" if self.plugin.reader is not None else "")
         return self.port
 
     async def stop(self, grace_s: float = 2.0) -> None:

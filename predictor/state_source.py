@@ -248,8 +248,9 @@ def _first_token(row, where: str) -> tuple[str, float]:
     return parsed
 
 
-def parse_plugin_state(text: str) -> PluginState:
-    """Parse the state file's text, checking every field (types, ranges, row shapes).
+def parse_plugin_state(text: str, default_policy: str = "fcfs") -> PluginState:
+    """Parse the state file's text, checking every field (types, ranges, row shapes). ``default_policy``: the
+    engine's scheduling policy when the file names none (an older plugin): the sidecar's ``--scheduling-policy``.
 
     Raises:
         PluginStateError: not JSON, another format version, or missing/malformed fields.
@@ -281,7 +282,7 @@ def parse_plugin_state(text: str) -> PluginState:
                               block_size=_count(engine["block_size"], "engine.block_size"),
                               num_gpu_blocks=_count(engine["num_gpu_blocks"], "engine.num_gpu_blocks"),
                               enable_chunked_prefill=bool(engine["enable_chunked_prefill"]),
-                              scheduling_policy=_scheduling_policy(engine.get("scheduling_policy", "fcfs")))
+                              scheduling_policy=_scheduling_policy(engine.get("scheduling_policy", default_policy)))
         priorities = _priorities(data.get("priorities"), len(running) + len(waiting))
         return PluginState(
             pid=pid, seq=_count(data["seq"], "seq"), published_monotonic_s=float(published), engine=config,
@@ -333,9 +334,10 @@ class PluginStateReader:
             stays valid while its writer lives: an idle engine does not publish.
     """
 
-    def __init__(self, path: str, max_age_s: float = 2.0) -> None:
+    def __init__(self, path: str, max_age_s: float = 2.0, default_policy: str = "fcfs") -> None:
         self.path = path
         self.max_age_s = max_age_s
+        self.default_policy = default_policy
         self._cached: PluginState | None = None
         self._cached_key: tuple[int, int, int] | None = None
         self._error_key: tuple[int, int, int] | None = None
@@ -361,7 +363,7 @@ class PluginStateReader:
                     raise PluginStateError(f"{self.path} is {stat.st_size} bytes, more than {MAX_STATE_FILE_BYTES}")
                 with open(self.path, "rb") as f:
                     text = f.read(MAX_STATE_FILE_BYTES + 1).decode("utf-8")
-                self._cached = parse_plugin_state(text)
+                self._cached = parse_plugin_state(text, self.default_policy)
                 self._cached_key = key
         except (OSError, PluginStateError, UnicodeDecodeError) as exc:
             self._cached, self._cached_key = None, None
@@ -644,13 +646,15 @@ class PluginStateSource:
         kv_index: the engine's cached blocks from its KV events (`predictor.kv_events.KvEventIndex`), or None
             (then a plugin snapshot's cached free blocks are approximated from the keys of the requests released
             here, `AdmitRecords.freed_keys`).
+        default_policy: the engine's scheduling policy where its state file names none (the sidecar's
+            ``--scheduling-policy``; a file that names one wins).
 
     Raises:
         ValueError: unknown mode, or ``vllm-plugin`` without a path.
     """
 
     def __init__(self, mode: str, path: str | None, max_age_s: float = 2.0, pending_grace_s: float = 2.0,
-                 residual=None, kv_index=None) -> None:
+                 residual=None, kv_index=None, default_policy: str = "fcfs") -> None:
         if mode not in STATE_SOURCES:
             raise ValueError(f"state source must be one of {', '.join(STATE_SOURCES)}, got {mode!r}")
         if mode == STATE_SOURCE_PLUGIN and not path:
@@ -659,7 +663,8 @@ class PluginStateSource:
         self.pending_grace_s = pending_grace_s
         self.admits = AdmitRecords(residual=residual)
         self.kv_index = kv_index
-        self.reader = PluginStateReader(path, max_age_s) if path and mode != STATE_SOURCE_LEDGER else None
+        self.reader = (PluginStateReader(path, max_age_s, default_policy) if path and mode != STATE_SOURCE_LEDGER
+                       else None)
         self.last_state: PluginState | None = None
         self._using_plugin: bool | None = None
         self._steps_seen: tuple[int, int] = (0, 0)  # (writer pid, last step index taken)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extproc.engine_priority import body_with_priority
+from extproc.engine_priority import body_with_priority, identity_encoded, writes_priority
 from tests.extproc.test_stream import Mode, body_msg, headers_msg, running_server
 
 ENDPOINTS = [{"address": "127.0.0.1:18001", "models": ["m"]}]
@@ -28,20 +28,41 @@ def test_a_body_without_the_field_keeps_its_bytes_and_gets_it_appended(body, exp
     assert json.loads(expected)["priority"] == 1
 
 
-@pytest.mark.parametrize("body", [
-    b'{"model":"m","priority":-7,"prompt":"x"}',              # the client's own: replaced, not duplicated
-    b'{"model":"m","\\u0070riority":-7}',                     # an escaped key that spells it
-    b'{"messages":[{"role":"user","content":"my \\"priority\\" is high"}]}',  # the word inside a string
-    b'{"prompt":"caf\\u00e9 \xc3\xa9"}',                       # escapes and non-ASCII kept readable
+@pytest.mark.parametrize("body, expected", [
+    # the client's own is cut out with its comma, the rest byte for byte (9e15 stays 9e15)
+    (b'{"model":"m", "priority": -7 ,"n":9e15}', b'{"model":"m" ,"n":9e15,"priority":2}'),
+    (b'{"priority":-7, "model":"m"}', b'{"model":"m","priority":2}'),
+    (b'{"priority":1,"priority":{"a":[1]},"x":1,"priority":"s"}', b'{"x":1,"priority":2}'),  # repeated
+    (b'{"priority":-7}', b'{"priority":2}'),
+    (b'{"model":"m","\\u0070riority":-7}', b'{"model":"m","priority":2}'),  # an escaped key that spells it
+    (b'{"messages":[{"role":"user","content":"my \\"priority\\" is high","priority":5}]}',
+     b'{"messages":[{"role":"user","content":"my \\"priority\\" is high","priority":5}],"priority":2}'),
+    (b'{"prompt":"caf\\u00e9 \xc3\xa9","user":"\\ud800","t":1e400}',  # escapes, lone surrogates, overflow
+     b'{"prompt":"caf\\u00e9 \xc3\xa9","user":"\\ud800","t":1e400,"priority":2}'),
 ])
-def test_a_body_that_may_name_the_field_is_rewritten_with_it_replaced(body):
-    out = body_with_priority(body, 2)
-    parsed = json.loads(out)
-    assert parsed == {**json.loads(body), "priority": 2}
-    assert out.count(b'"priority"') == 1
+def test_the_clients_priority_members_are_cut_out_and_the_rest_kept_as_sent(body, expected):
+    assert body_with_priority(body, 2) == expected
 
 
-@pytest.mark.parametrize("body", [b"[1, 2]", b'"x"', b"", b"{"])
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-16-le", "utf-32"])
+def test_a_body_in_another_unicode_encoding_stays_in_it(encoding):
+    body = json.dumps({"model": "m", "priority": -3, "prompt": "é"}, ensure_ascii=False).encode(encoding)
+    out = body_with_priority(body, 1)
+    assert json.detect_encoding(out) == json.detect_encoding(body)
+    assert json.loads(out) == {"model": "m", "prompt": "é", "priority": 1}
+
+
+@pytest.mark.parametrize("encoding, identity", [(None, True), ("identity", True), ("IDENTITY", True), ("", True),
+                                                ("identity, identity", True), (",", True), ("gzip", False),
+                                                ("identity, gzip", False), ("br", False)])
+def test_only_an_identity_body_is_rewritten(encoding, identity):
+    assert identity_encoded(encoding) == identity
+    assert writes_priority("/v1/completions") and writes_priority("/v1/responses")
+    assert not writes_priority("/generate")  # SGLang's own priority convention
+
+
+@pytest.mark.parametrize("body", [b"[1, 2]", b'"x"', b"", b"{", b'{"priority" 1}', b'{"priority":1 "b":2}',
+                                  b'[{"priority":1}]'])
 def test_what_is_not_a_json_object_raises(body):
     with pytest.raises(ValueError):
         body_with_priority(body, 0)
@@ -54,10 +75,18 @@ json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text()
 
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.text(), json_values, max_size=5), st.integers(-(2 ** 31) + 1, 2 ** 31 - 1),
-       st.sampled_from([{}, {"indent": 2}, {"ensure_ascii": False}, {"separators": (",", ":")}]))
-def test_the_body_reads_as_the_clients_object_with_the_priority_set(obj, priority, style):
+       st.sampled_from([{}, {"indent": 2}, {"ensure_ascii": False}, {"separators": (",", ":")}]),
+       st.lists(json_values, max_size=3))
+def test_the_body_reads_as_the_clients_object_with_the_priority_set(obj, priority, style, clients):
     body = json.dumps(obj, **style).encode()
-    assert json.loads(body_with_priority(body, priority)) == {**obj, "priority": priority}
+    for value in clients:  # the client's own priority members, anywhere in the object, repeated
+        cut = body.rindex(b"}")
+        body = body[:cut] + (b"," if obj or value is not clients[0] else b"") + b'"priority":' + \
+            json.dumps(value).encode() + body[cut:]
+        obj = {**obj, "priority": value}
+    out = body_with_priority(body, priority)
+    assert json.loads(out) == {**obj, "priority": priority}
+    assert len(out) <= len(body) + len(f',"priority":{priority}')  # nothing re-encoded
 
 
 @pytest.fixture
@@ -110,7 +139,7 @@ async def test_full_duplex_resends_the_rewritten_body_after_headers_with_its_len
     await call.done_writing()
 
 
-async def test_a_compressed_body_and_other_routes_go_on_unchanged(server):
+async def test_a_compressed_body_and_sglangs_route_go_on_unchanged(server):
     srv, stub = server
     call = stub.Process()
     await call.write(headers_msg(extra=(("content-encoding", "gzip"), ("x-gateway-inference-objective", "batch"))))
@@ -120,10 +149,17 @@ async def test_a_compressed_body_and_other_routes_go_on_unchanged(server):
     assert not answer.HasField("body_mutation") and "content-length" not in _headers(answer)
     assert srv.router.metrics.engine_priority_bodies.labels("encoded")._value.get() == 1
     await call.done_writing()
-    call = stub.Process()
-    await call.write(headers_msg(path="/v1/embeddings"))
+    call = stub.Process()  # a list of identity codings is no compression: rewritten
+    await call.write(headers_msg(extra=(("content-encoding", "identity, identity"),)))
     await call.read()
-    await call.write(body_msg(json.dumps({"model": "m", "input": "x"}).encode()))
+    await call.write(body_msg(BODY))
+    answer = (await call.read()).request_body.response
+    assert json.loads(answer.body_mutation.body)["priority"] == 0
+    await call.done_writing()
+    call = stub.Process()  # SGLang's /generate keeps its own field
+    await call.write(headers_msg(path="/generate"))
+    await call.read()
+    await call.write(body_msg(json.dumps({"text": "x", "priority": 4}).encode()))
     answer = (await call.read()).request_body.response
     assert not answer.HasField("body_mutation")
     await call.done_writing()

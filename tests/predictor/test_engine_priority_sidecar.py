@@ -136,3 +136,11 @@ async def test_the_ledger_sidecar_predicts_by_the_priority_its_admits_and_predic
         assert sidecar.ledger.scheduler.get_request("s0").priority == 1
     finally:
         await sidecar.stop(0)
+
+
+def test_a_state_file_that_names_no_policy_takes_the_sidecars_flag():
+    data = _published(FakeScheduler([FakeRequest("r", 10, 10)], [FakeRequest("w", 10)]))  # an fcfs or older plugin
+    assert parse_plugin_state(json.dumps(data)).engine.scheduling_policy == "fcfs"
+    assert parse_plugin_state(json.dumps(data), "priority").engine.scheduling_policy == "priority"
+    data["engine"]["scheduling_policy"] = "fcfs"  # one that names it wins
+    assert parse_plugin_state(json.dumps(data), "priority").engine.scheduling_policy == "fcfs"
