@@ -15,3 +15,21 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     stale = [module.__name__ for module in (kv_blocks, prefix_cache) if _is_stale(module)]
     if stale:
         pytest.exit(f"compiled {', '.join(stale)} older than the .py: rebuild with `make install`", returncode=2)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _process_logs_in_a_session_folder(tmp_path_factory):
+    """Logs of processes a test starts without a ``log_path`` (``astrolabe.procs.ProcessGroup.start`` keeps them,
+    for inspection, in a temporary file) go to this session's pytest folder instead of /tmp, so a run leaves none
+    behind in /tmp."""
+    import functools
+    import tempfile
+    import types
+
+    from astrolabe import procs
+
+    folder = tmp_path_factory.mktemp("process-logs")
+    patch = pytest.MonkeyPatch()
+    patch.setattr(procs, "tempfile", types.SimpleNamespace(mkstemp=functools.partial(tempfile.mkstemp, dir=folder)))
+    yield folder
+    patch.undo()
