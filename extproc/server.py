@@ -82,6 +82,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """The ext_proc service: one ``StreamHandler`` per ``Process`` stream (and, with a ``tracer``, one request span,
     whose parent may come from the stream's metadata: ``extproc.spans``).
 
+    Until `ready` is set (the server's first endpoint list and health round, and the sidecars' first states, are
+    in), every new stream is aborted with UNAVAILABLE: Envoy then applies its ``failure_mode_allow`` as for an
+    absent processor (fail-open: its own load balancing; fail-closed: ``status_on_error``), where an answer from an
+    extproc that knows no healthy endpoint yet would be a 503 for a fleet that is up. A Kubernetes Service does
+    not send to a pod that is not ready; Envoy in front of a single extproc host does in panic routing.
+
     NOTE: after a request is routed its stream stays open until the HTTP request ends (Envoy waits for the
     response-trailers phase); that end is the request's release. At shutdown such streams are closed with OK
     status instead of being cancelled at the end of the grace period: Envoy then skips the remaining phases
@@ -95,8 +101,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self._max_body_bytes = max_body_bytes
         self._tracer = tracer
         self.draining = asyncio.Event()
+        self.ready = asyncio.Event()
+        """Set once the server is first ready; stays set through the shutdown's drain."""
 
     async def Process(self, request_iterator, context):  # noqa: N802 (gRPC method name)
+        if not self.ready.is_set():
+            logger.debug("a stream before the extproc is ready: UNAVAILABLE")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the extproc is not ready yet (waiting for its endpoint list, health checks or "
+                                "sidecars)")
         span = NO_SPAN if self._tracer is None else RequestSpan(self._tracer, context.invocation_metadata() or ())
         handler = StreamHandler(self._router, self._max_body_bytes, span)
         messages = request_iterator.__aiter__()
@@ -434,6 +447,7 @@ class ExtprocServer:
             self._bind()
             await self._server.start()
         await self._set_serving(True)
+        self._processor.ready.set()
         params = getattr(self.router.policy, "params", None)
         tls = ("plaintext" if self.config.tls is None else
                "mutual TLS" if self.config.tls.client_ca_file else "TLS")

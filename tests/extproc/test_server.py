@@ -183,6 +183,51 @@ async def test_graceful_shutdown_drains_in_flight_stream():
     await channel.close()
 
 
+async def test_a_stream_before_the_first_health_round_is_unavailable_then_routed():
+    """Until its first health round is in the extproc knows no healthy endpoint: a stream then (Envoy's panic
+    routing sends one to a restarted, listening extproc) is aborted with UNAVAILABLE, so that Envoy applies its
+    failure mode (fail-open: its own load balancing), not answered 503 for a fleet that is up; once ready, routed."""
+    answer = asyncio.Event()
+
+    async def health(_request):
+        await answer.wait()
+        return web.Response(status=200)
+
+    async with health_backend(health) as (address,):
+        config = parse_config({"listen": "127.0.0.1:0", "health_check": {"interval_s": 5, "timeout_s": 30},
+                               "endpoints": [{"address": address}]})
+        server = ExtprocServer(config)
+        starting = asyncio.create_task(server.start())
+        try:
+            for _ in range(500):
+                if server.port:
+                    break
+                await asyncio.sleep(0.01)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = pb_grpc.ExternalProcessorStub(channel)
+                assert (await _statuses(server.port))["readiness"] == NOT_SERVING
+                call = stub.Process()
+                await call.write(headers_msg())
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await call.read()
+                assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "not ready" in raised.value.details()
+                assert not starting.done()
+                answer.set()
+                await asyncio.wait_for(starting, 10)
+                call = stub.Process()
+                await call.write(headers_msg())
+                await call.read()
+                await call.write(body_msg(BODY))
+                assert destination_of((await call.read()).request_body.response) == address
+                await call.done_writing()
+        finally:
+            answer.set()
+            if not starting.done():
+                await starting
+            await server.stop()
+
+
 def test_main_rejects_bad_config(tmp_path, caplog):
     path = tmp_path / "bad.yaml"
     path.write_text("endpoints: [{address: nohost}]")
