@@ -563,6 +563,9 @@ def plugin_snapshot(state: PluginState, now_s: float,
         cached_keys: the engine's cached block keys (`predictor.kv_events.KvEventIndex`), oldest stored first;
             those the running requests hold are left out, the rest become the snapshot's
             ``cached_block_keys``.
+
+    Running requests whose blocks add up to more than the pool because they share blocks that no key names get a
+    synthetic shared prefix (`explain_shared_blocks`).
     """
     block_size = state.engine.block_size
 
@@ -592,19 +595,91 @@ def plugin_snapshot(state: PluginState, now_s: float,
     held = sum(r.num_blocks_held or 0 for r in running)
     if held > state.engine.num_gpu_blocks:
         running = tuple(RequestState(**{**_asdict(r), "num_blocks_held": None}) for r in running)
+    running = explain_shared_blocks(running, state.engine.num_gpu_blocks, state.num_free_blocks, block_size)
     if cached_keys:
         held = {key for r in running if r.block_keys for key in r.block_keys[:r.num_computed_tokens // block_size]}
         cached_keys = tuple(key for key in cached_keys if key not in held)
         # no more than the free blocks (the index may hold blocks of requests whose keys are not known here: other
         # routers', decode blocks): the most recently freed stay
-        num_free = state.engine.num_gpu_blocks - sum(
-            r.num_blocks_held if r.num_blocks_held is not None else -(-r.num_computed_tokens // block_size)
-            for r in running)
+        num_free = state.engine.num_gpu_blocks - _num_blocks_in_use(running, block_size)
         cached_keys = cached_keys[-num_free:] if num_free > 0 else ()
     return InstanceSnapshot(config=state.engine, now_s=now_s, running=running,
                             waiting=tuple(request(row, False, len(state.running) + i)
                                           for i, row in enumerate(state.waiting)),
                             num_preemptions_total=state.num_preemptions_total, cached_block_keys=cached_keys)
+
+
+UNEXPLAINED_SHARED_KEY_BASE = 0xA57B_5EED_0000_0000
+"""First synthetic block key of `explain_shared_blocks` (key ``j`` of the chain is this + ``j``); block keys are
+64-bit hashes (``predictor.sim.block_hash``), so a collision with a real one is a 2^-64-scale event."""
+
+
+def _num_blocks_in_use(running: tuple[RequestState, ...], block_size: int) -> int:
+    """KV blocks the running requests hold, each full computed block named by a key counted once; blocks."""
+    seen: set[int] = set()
+    total = 0
+    for r in running:
+        total += r.num_blocks_held if r.num_blocks_held is not None else -(-r.num_computed_tokens // block_size)
+        if r.block_keys:
+            keys = r.block_keys[:r.num_computed_tokens // block_size]
+            total -= sum(1 for key in keys if key in seen)
+            seen.update(keys)
+    return total
+
+
+def explain_shared_blocks(running: tuple[RequestState, ...], num_gpu_blocks: int, num_free_blocks: int,
+                          block_size: int) -> tuple[RequestState, ...]:
+    """The running requests, with a synthetic shared prefix where the engine shares blocks that no key explains.
+
+    vLLM's running requests share the KV blocks of a common prompt prefix (prefix caching): their blocks add up
+    to more than the engine holds. The sidecar rebuilds that sharing from the block keys the router sent with
+    each Admit; a request it has no usable keys for (another router's, one sent with another block size, or a
+    router without a tokenizer) counts all its blocks, and a state whose running requests then need more blocks
+    than the pool has cannot be simulated ("N blocks wanted, 0 free"). Here the keyless requests get one
+    synthetic key chain for their first ``m`` full computed blocks (keys from `UNEXPLAINED_SHARED_KEY_BASE`),
+    ``m`` the smallest that brings the blocks in use down to what the engine reports in use (``num_gpu_blocks -
+    num_free_blocks``), or failing that to the pool: the common case on real traffic is one shared system prompt
+    or identical prompts. A new request never matches these keys (no hit is credited for them).
+
+    Args:
+        running: the running requests as `plugin_snapshot` built them (``num_blocks_held`` None or a count).
+        num_gpu_blocks: the engine's KV blocks (vLLM's null block excluded).
+        num_free_blocks: the engine's free blocks at the state's time (cached free blocks included, as vLLM
+            counts them).
+        block_size: tokens per KV block.
+
+    Returns:
+        ``running`` itself when its blocks fit the pool (or nothing can make them fit: the simulator then says
+        why), else a copy with the keyless requests' leading keys set.
+    """
+    if _num_blocks_in_use(running, block_size) <= num_gpu_blocks:
+        return running
+    keyless = [i for i, r in enumerate(running) if not r.block_keys]
+    full = sorted((min(running[i].num_computed_tokens, running[i].num_prompt_tokens) // block_size
+                   for i in keyless), reverse=True)
+    if not full or full[0] == 0:
+        return running
+    target = max(num_gpu_blocks - max(num_free_blocks, 0), 0)
+    total = _num_blocks_in_use(running, block_size)
+    # Sharing the chain's block j (1-based) saves one block per keyless request holding j full blocks, less the
+    # one copy kept: total(m) = total(m - 1) - #{full >= m} + 1.
+    m, at_least = 0, len(full)
+    while m < full[0] and total > target:
+        m += 1
+        while at_least and full[at_least - 1] < m:
+            at_least -= 1
+        total -= at_least - 1
+    if total > num_gpu_blocks:
+        return running
+    chain = tuple(UNEXPLAINED_SHARED_KEY_BASE + j for j in range(m))
+    out = list(running)
+    for i in keyless:
+        r = running[i]
+        num_full = min(r.num_computed_tokens, r.num_prompt_tokens) // block_size
+        if num_full:
+            out[i] = dataclasses.replace(r, block_keys=chain[:min(m, num_full)])
+    logger.debug("running requests share %d blocks that no key explains: a synthetic prefix of %d blocks", m, m)
+    return tuple(out)
 
 
 def _asdict(state: RequestState) -> dict:

@@ -13,9 +13,12 @@ import pytest
 from predictor.api import pb, pb_grpc
 from predictor.kv_events import KvEventIndex
 from predictor.server import Sidecar, SidecarConfig
-from predictor.sim import EngineConfig
+from predictor.sim import EngineConfig, LinearBatchTimeModel
 from predictor.sim.block_hash import block_keys
+from predictor.sim.predict import predict
+from predictor.sim.snapshot import RequestState
 from predictor.state_source import (
+    UNEXPLAINED_SHARED_KEY_BASE,
     AdmitRecords,
     PluginStateError,
     PluginStateReader,
@@ -453,3 +456,34 @@ def test_cached_keys_never_exceed_the_free_blocks(tmp_path):
     snapshot = plugin_snapshot(state, 0.0, lambda *_: 10, None, cached)
     assert snapshot.cached_block_keys == cached[-80:]
     snapshot.to_scheduler()
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_running_requests_sharing_blocks_no_key_explains_still_predict(compiled):
+    """Four running requests share a 320-token prompt (20 full blocks) on an engine of 64 blocks: their rows hold
+    4 x 21 = 84 blocks, the engine 24 (40 free). No Admit gave usable keys (e.g. the router hashed 16-token blocks
+    for an engine of 32): the snapshot names a synthetic shared prefix, so the simulator holds what the engine holds
+    instead of refusing the state ("84 blocks wanted, 64 free") and every Predict with it."""
+    rows = [[f"r{i}", 320, 324, 4, 64, None, 0] for i in range(4)]
+    state = parse_plugin_state(_state_text(running=rows, num_free_blocks=40))
+    snapshot = plugin_snapshot(state, 0.0, lambda *_: 40)
+    assert all(r.block_keys == tuple(range(UNEXPLAINED_SHARED_KEY_BASE, UNEXPLAINED_SHARED_KEY_BASE + 20))
+               for r in snapshot.running)
+    assert snapshot.to_scheduler().num_free_blocks == 40
+    target = RequestState("new", 100, 10, block_keys=(1, 2, 3))
+    assert predict(snapshot, target, LinearBatchTimeModel.default(), compiled=compiled).ttft_s > 0
+    # where the keys explain the sharing, or the blocks fit, nothing is invented
+    keyed = plugin_snapshot(state, 0.0, lambda *_: 40, lambda _: tuple(range(100, 120)))
+    assert all(r.block_keys == tuple(range(100, 120)) for r in keyed.running)
+    few = parse_plugin_state(_state_text(running=rows[:3], num_free_blocks=1))
+    assert all(r.block_keys is None for r in plugin_snapshot(few, 0.0, lambda *_: 40).running)
+    # sharing only part of the prompt: the smallest synthetic prefix that gives the engine's count
+    partial = parse_plugin_state(_state_text(running=rows, num_free_blocks=10))  # 54 in use: 10 shared
+    snapshot = plugin_snapshot(partial, 0.0, lambda *_: 40)
+    assert {len(r.block_keys) for r in snapshot.running} == {10}
+    assert snapshot.to_scheduler().num_free_blocks == 10
+    # sharing nothing can explain (decode blocks beyond the pool): left as it is, and the simulator says why
+    hopeless = parse_plugin_state(_state_text(running=[[f"d{i}", 8, 330, 322, None, None, 0] for i in range(4)],
+                                              num_free_blocks=0))
+    with pytest.raises(ValueError, match="blocks wanted"):
+        plugin_snapshot(hopeless, 0.0, lambda *_: 400).to_scheduler()
