@@ -166,6 +166,7 @@ class FleetState:
         self._watched: dict[str, _Watched] = {}
         self.outcomes: dict[str, dict[str, int]] = {}
         self._warned_block_size = False
+        self._warned_fcfs: set[str] = set()
 
     def watch(self, addresses) -> None:
         """Starts following each sidecar of ``addresses`` not followed yet (in the background: a sidecar that is
@@ -320,6 +321,13 @@ class FleetState:
             counts["stale_state"] += 1
             return None
         snapshot = state.snapshot
+        if priority and snapshot.config.scheduling_policy != "priority" and address not in self._warned_fcfs:
+            self._warned_fcfs.add(address)
+            logger.warning("requests carry an engine priority (objectives.engine_priority) but the sidecar at %s "
+                           "says its engine schedules %s: vLLM refuses a request that names a priority under fcfs "
+                           "(HTTP 400); start the engine and its sidecar with --scheduling-policy priority, or turn "
+                           "engine_priority off; logged once per sidecar", address,
+                           snapshot.config.scheduling_policy)
         unseen = self._client.admits_after(address, state.admits_seen)
         keyed = block_size == snapshot.config.block_size
         # under the "priority" policy the unseen dispatches queue behind the state's requests of their priority

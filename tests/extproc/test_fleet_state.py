@@ -146,3 +146,19 @@ async def test_a_sidecar_without_watch_is_asked_by_predict():
     finally:
         await close(router)
         await server.stop(0)
+
+
+async def test_an_engine_priority_sent_to_an_fcfs_engine_is_warned_once(sidecars, caplog):
+    """engine_priority writes a priority vLLM refuses (400) under fcfs: the first prediction with a priority for a
+    sidecar whose state says fcfs logs why, once per sidecar; a request of priority 0 (the default) says nothing."""
+    (sidecar,) = await sidecars(1)
+    address = f"127.0.0.1:{sidecar.port}"
+    router = await watching_router([address])
+    try:
+        assert router.fleet.predict(address, 120, 128, length_source=2, priority=0) is not None
+        assert "--scheduling-policy priority" not in caplog.text
+        for _ in range(3):
+            assert router.fleet.predict(address, 120, 128, length_source=2, priority=1) is not None
+        assert caplog.text.count("--scheduling-policy priority") == 1 and address in caplog.text
+    finally:
+        await close(router)
