@@ -2,9 +2,13 @@
 
 For each tagger (the light one, and the transformer one when torch is installed) and each concurrency level
 (default 1 and 16), it sends ``--num-requests`` distinct held-out ShareGPT prompts through
-``tagger.serve.TaggerService`` (the path the extproc uses: batching, worker thread; cache disabled so every
-request runs the model) from ``concurrency`` concurrent callers, times each ``await estimate(...)`` with
-``time.perf_counter``, and prints p50 / p99 / mean milliseconds, batches run, and requests per second.
+``tagger.serve.TaggerService`` (the path the extproc uses; cache disabled so every request runs the model) from
+``concurrency`` concurrent callers, times each ``await estimate(...)`` with ``time.perf_counter``, and prints p50 /
+p99 / mean milliseconds, the process CPU time per request (``time.process_time``: the event loop, the worker
+thread and the model together, i.e. what a decision pays on this CPU), the requests tagged inline, batches run,
+and requests per second. The light tagger runs twice: as the extproc serves it (``tagger.serve.load_service``:
+prompts up to ``LIGHT_INLINE_MAX_CHARS`` characters tagged inline on the caller's thread, longer ones batched on
+the worker thread) and batched only (every prompt through the worker thread and the 1 ms batching window).
 
 The transformer row uses ``--transformer DIR`` (a trained tagger directory; default ``.cache/tagger/minilm``
 when it exists) or, without one, a fresh regression head on all-MiniLM-L6-v2 (same cost per request).
@@ -42,6 +46,8 @@ class LatencyRow:
     mean_s: float
     num_batches: int
     throughput_qps: float
+    cpu_per_request_s: float = 0.0
+    num_inline: int = 0
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -57,7 +63,7 @@ async def measure(service, prompts: Sequence[str], concurrency: int, name: str) 
     """Send every prompt once from ``concurrency`` concurrent callers; returns the latency row."""
     latencies_s: list[float] = []
     queue = list(reversed(prompts))
-    batches_before = service.num_batches
+    batches_before, inline_before = service.num_batches, service.num_inline
 
     async def caller() -> None:
         while queue:
@@ -66,18 +72,22 @@ async def measure(service, prompts: Sequence[str], concurrency: int, name: str) 
             await service.estimate(prompt, None, None)
             latencies_s.append(time.perf_counter() - start_s)
 
-    start_s = time.perf_counter()
+    start_s, start_cpu_s = time.perf_counter(), time.process_time()
     await asyncio.gather(*(caller() for _ in range(concurrency)))
-    elapsed_s = time.perf_counter() - start_s
+    elapsed_s, cpu_s = time.perf_counter() - start_s, time.process_time() - start_cpu_s
     return LatencyRow(name, concurrency, len(latencies_s), percentile(latencies_s, 0.5),
                       percentile(latencies_s, 0.99), statistics.fmean(latencies_s),
-                      service.num_batches - batches_before, len(latencies_s) / elapsed_s)
+                      service.num_batches - batches_before, len(latencies_s) / elapsed_s,
+                      cpu_s / max(len(latencies_s), 1), service.num_inline - inline_before)
 
 
 def _services(args: argparse.Namespace) -> list[tuple[str, object]]:
-    from tagger.serve import TaggerService, load_length_fallback, load_tagger
+    from tagger.serve import TaggerService, load_length_fallback, load_service, load_tagger
 
-    services = [("light", TaggerService(load_tagger(None), cache_size=0))] if "light" in args.kinds else []
+    services: list[tuple[str, object]] = []
+    if "light" in args.kinds:
+        services.append(("light (as served)", load_service(None, cache_size=0)))
+        services.append(("light (batched only)", TaggerService(load_tagger(None), cache_size=0)))
     if "transformer" not in args.kinds:
         return services
     try:
@@ -100,10 +110,11 @@ def _services(args: argparse.Namespace) -> list[tuple[str, object]]:
 
 def format_rows(rows: Sequence[LatencyRow]) -> str:
     """The latency table as Markdown."""
-    lines = ["| tagger | concurrency | requests | p50 ms | p99 ms | mean ms | batches | req/s |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| tagger | concurrency | requests | p50 ms | p99 ms | mean ms | CPU ms/req | inline | batches | req/s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {r.tagger} | {r.concurrency} | {r.num_requests} | {r.p50_s * 1e3:.2f} | {r.p99_s * 1e3:.2f} | "
-              f"{r.mean_s * 1e3:.2f} | {r.num_batches} | {r.throughput_qps:.0f} |" for r in rows]
+              f"{r.mean_s * 1e3:.2f} | {r.cpu_per_request_s * 1e3:.2f} | {r.num_inline} | {r.num_batches} | "
+              f"{r.throughput_qps:.0f} |" for r in rows]
     return "\n".join(lines)
 
 

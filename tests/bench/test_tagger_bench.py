@@ -17,10 +17,19 @@ def test_percentile(values, q, expected):
 
 
 def test_light_rows_at_two_concurrency_levels(capsys):
+    """Both light services at both levels; as served, the short held-out prompts are tagged inline (no batch), the
+    batched-only service tags none inline; every row has a CPU cost per request."""
     assert main(["--kinds", "light", "--num-requests", "20", "--concurrency", "1", "4"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| light |")]
-    assert [row.split("|")[2].strip() for row in rows] == ["1", "4"]
-    assert all(row.split("|")[3].strip() == "20" for row in rows)
+    out = capsys.readouterr().out.splitlines()
+    for name in ("light (as served)", "light (batched only)"):
+        rows = [line.split("|") for line in out if line.startswith(f"| {name} |")]
+        assert [row[2].strip() for row in rows] == ["1", "4"]
+        assert all(row[3].strip() == "20" and float(row[7]) > 0 for row in rows)
+        inline = [int(row[8]) for row in rows]
+        if "batched" in name:
+            assert inline == [0, 0]
+        else:
+            assert all(0 < n <= 20 for n in inline), inline
 
 
 @pytest.mark.tagger
