@@ -655,21 +655,24 @@ def explain_shared_blocks(running: tuple[RequestState, ...], num_gpu_blocks: int
     if _num_blocks_in_use(running, block_size) <= num_gpu_blocks:
         return running
     keyless = [i for i, r in enumerate(running) if not r.block_keys]
-    full = sorted((min(running[i].num_computed_tokens, running[i].num_prompt_tokens) // block_size
-                   for i in keyless), reverse=True)
-    if not full or full[0] == 0:
-        return running
+    full = sorted(min(running[i].num_computed_tokens, running[i].num_prompt_tokens) // block_size
+                  for i in keyless)
     target = max(num_gpu_blocks - max(num_free_blocks, 0), 0)
     total = _num_blocks_in_use(running, block_size)
     # Sharing the chain's block j (1-based) saves one block per keyless request holding j full blocks, less the
-    # one copy kept: total(m) = total(m - 1) - #{full >= m} + 1.
-    m, at_least = 0, len(full)
-    while m < full[0] and total > target:
-        m += 1
-        while at_least and full[at_least - 1] < m:
-            at_least -= 1
-        total -= at_least - 1
-    if total > num_gpu_blocks:
+    # one copy kept: total(m) = total(m - 1) - #{full >= m} + 1, constant between two distinct counts of full
+    # blocks, so the walk goes from one to the next: O(requests), whatever the counts (a state may be hostile).
+    m = previous = 0
+    for index, num_full in enumerate(full):
+        saving = len(full) - index - 1  # for m in (previous, num_full]: every request from this one on holds m
+        if num_full == previous:
+            continue
+        if saving <= 0 or total <= target:
+            break
+        steps = min(-(-(total - target) // saving), num_full - previous)
+        m, total = previous + steps, total - steps * saving
+        previous = num_full
+    if total > num_gpu_blocks or m == 0:
         return running
     chain = tuple(UNEXPLAINED_SHARED_KEY_BASE + j for j in range(m))
     out = list(running)

@@ -487,3 +487,15 @@ def test_running_requests_sharing_blocks_no_key_explains_still_predict(compiled)
                                               num_free_blocks=0))
     with pytest.raises(ValueError, match="blocks wanted"):
         plugin_snapshot(hopeless, 0.0, lambda *_: 400).to_scheduler()
+
+
+def test_a_hostile_state_is_not_walked_block_by_block():
+    """Two keyless running requests claiming ~2^31 computed tokens (the reader's bound): the synthetic prefix is
+    computed in closed form (no loop over 2^27 blocks), finds nothing that fits the pool, and leaves the state for
+    the simulator to refuse."""
+    rows = [[f"h{i}", 2**31 - 2, 2**31 - 2, 1, None, None, 0] for i in range(2)]
+    state = parse_plugin_state(_state_text(running=rows, num_free_blocks=0))
+    start_s = time.monotonic()
+    snapshot = plugin_snapshot(state, 0.0, lambda *_: 2)
+    assert time.monotonic() - start_s < 1.0
+    assert all(r.block_keys is None for r in snapshot.running)

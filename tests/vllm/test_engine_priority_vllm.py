@@ -50,8 +50,8 @@ _PROMPTS = iter(range(1_000_000))
 
 
 async def _complete(client: httpx.AsyncClient, url: str, objective: str, max_tokens: int) -> httpx.Response:
-    # A prompt of its own (its first block differs): vLLM's prefix cache shares no block between these requests,
-    # which a sidecar without the router's block keys could not follow.
+    # A prompt of its own (its first block differs): vLLM's prefix cache shares no block between these requests, so
+    # this test is about priorities only (shared blocks no key names: tests/vllm/test_shared_blocks_vllm.py).
     return await client.post(f"{url}/v1/completions", headers={"x-gateway-inference-objective": objective},
                              json={"model": SERVED_MODEL_NAME, "prompt": f"{next(_PROMPTS)} tell me a long story " * 8,
                                    "max_tokens": max_tokens, "ignore_eos": True})
