@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from json.decoder import scanstring
 
-from extproc.request import GENERATE_PATH
+from extproc.request import GENERATE_PATH, content_codings
 
 PRIORITY_FIELD = "priority"
 _WHITESPACE = " \t\r\n"  # JSON's insignificant whitespace (RFC 8259 section 2)
@@ -39,8 +39,9 @@ def writes_priority(path: str) -> bool:
 
 def identity_encoded(content_encoding: str | None) -> bool:
     """Whether a body of this ``content-encoding`` is sent as is: no header, or a list of ``identity`` codings and
-    empty entries (as ``extproc.request.decode_body`` reads it); a compressed body is not rewritten."""
-    return content_encoding is None or all(c.strip().lower() in ("", "identity") for c in content_encoding.split(","))
+    empty entries (``extproc.request.content_codings``, as ``decode_body`` reads it); a compressed body is not
+    rewritten."""
+    return all(c == "identity" for c in content_codings(content_encoding))
 
 
 def body_with_priority(body: bytes, priority: int) -> bytes:

@@ -33,16 +33,13 @@ def destination_common(destination: str, extra_headers: Sequence[tuple[str, byte
     Args:
         destination: ``ip:port[,ip:port...]``.
         extra_headers: more request headers to set (overwriting), e.g. ``traceparent`` and ``tracestate``.
-        body: a BUFFERED-mode answer's new request body (None: the body goes on unchanged); ``content-length``
-            is set to its length.
+        body: a BUFFERED-mode answer's new request body (None: the body goes on unchanged); its
+            ``content-length`` comes in ``extra_headers``.
     """
     headers = [_set_header(wire.DESTINATION_HEADER, destination.encode())]
     headers += [_set_header(key, value) for key, value in extra_headers]
-    if body is None:
-        return pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True)
-    headers.append(_set_header("content-length", str(len(body)).encode()))
     return pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True,
-                             body_mutation=pb.BodyMutation(body=body))
+                             body_mutation=None if body is None else pb.BodyMutation(body=body))
 
 
 def destination_metadata(destination: str) -> struct_pb2.Struct:
@@ -59,7 +56,7 @@ def headers_continue() -> pb.ProcessingResponse:
 
 def headers_route(destination: str, extra_headers: Sequence[tuple[str, bytes]] = ()) -> pb.ProcessingResponse:
     """Request-headers answer that routes to ``destination`` (``ip:port[,ip:port...]``), also setting
-    ``extra_headers`` (in FULL_DUPLEX_STREAMED mode, a ``content-length`` for a body re-sent changed)."""
+    ``extra_headers`` (a ``content-length`` for a body re-sent changed)."""
     return pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(response=destination_common(destination, extra_headers)),
         dynamic_metadata=destination_metadata(destination),
@@ -69,7 +66,8 @@ def headers_route(destination: str, extra_headers: Sequence[tuple[str, bytes]] =
 def body_route(destination: str, extra_headers: Sequence[tuple[str, bytes]] = (),
                body: bytes | None = None) -> pb.ProcessingResponse:
     """BUFFERED-mode request-body answer that routes to ``destination`` (header mutation allowed there), also
-    setting ``extra_headers``, and replaces the body with ``body`` (None: unchanged)."""
+    setting ``extra_headers`` (a ``content-length`` for a changed body), and replaces the body with ``body``
+    (None: unchanged)."""
     return pb.ProcessingResponse(
         request_body=pb.BodyResponse(response=destination_common(destination, extra_headers, body)),
         dynamic_metadata=destination_metadata(destination),

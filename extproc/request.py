@@ -278,6 +278,12 @@ MAX_DECODED_FACTOR = 4
 "zip bomb" is refused, not inflated)."""
 
 
+def content_codings(content_encoding: str | None) -> list[str]:
+    """The codings a ``content-encoding`` header lists (RFC 9110 8.4: comma-separated, applied in order),
+    lower-cased, empty entries left out; [] for no header."""
+    return [c.strip().lower() for c in (content_encoding or "").split(",") if c.strip()]
+
+
 def decode_body(body: bytes, content_encoding: str | None, max_decoded_bytes: int) -> bytes:
     """``body`` decoded per its ``content-encoding`` (RFC 9110 8.4: a comma-separated list, applied in order).
 
@@ -298,8 +304,7 @@ def decode_body(body: bytes, content_encoding: str | None, max_decoded_bytes: in
         RoutingError: BAD_REQUEST for an encoding other than `CONTENT_ENCODINGS`, data that does not decode, is
             truncated or has trailing bytes, or a decoded body over ``max_decoded_bytes``.
     """
-    codings = [c.strip().lower() for c in (content_encoding or "").split(",") if c.strip()]
-    for coding in reversed(codings):  # the last applied comes off first
+    for coding in reversed(content_codings(content_encoding)):  # the last applied comes off first
         if coding == "identity":
             continue
         if coding not in CONTENT_ENCODINGS:

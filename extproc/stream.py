@@ -199,7 +199,7 @@ class StreamHandler:
         self._body += chunk
         if self._body_mode == _BodyMode.BUFFERED:
             decision, body = await self._route_body()
-            return [messages.body_route(decision.destination_value, self._span.upstream_headers(), body)]
+            return [messages.body_route(decision.destination_value, self._upstream_headers(body), body)]
         if not body.end_of_stream:
             return []
         return await self._full_duplex_answers(had_trailers=False)
@@ -211,15 +211,20 @@ class StreamHandler:
 
     async def _full_duplex_answers(self, *, had_trailers: bool) -> list[pb.ProcessingResponse]:
         decision, rewritten = await self._route_body()
-        headers = self._span.upstream_headers()
-        if rewritten is not None:
-            headers = [*headers, ("content-length", str(len(rewritten)).encode())]
-        answers = [messages.headers_route(decision.destination_value, headers)]
+        answers = [messages.headers_route(decision.destination_value, self._upstream_headers(rewritten))]
         body, self._body = rewritten if rewritten is not None else bytes(self._body), bytearray()
         answers += messages.streamed_body(body, end_of_stream=not had_trailers)
         if had_trailers:
             answers.append(messages.trailers_continue())
         return answers
+
+    def _upstream_headers(self, rewritten: bytes | None) -> list[tuple[str, bytes]]:
+        """Headers set on the routed request: the trace context, and the ``content-length`` of a body the extproc
+        rewrote (None: the body goes on as sent)."""
+        headers = list(self._span.upstream_headers())
+        if rewritten is not None:
+            headers.append(("content-length", str(len(rewritten)).encode()))
+        return headers
 
     async def _route_body(self) -> tuple[Decision, bytes | None]:
         """The decision on the body, and the body with the request's engine priority written in

@@ -652,13 +652,13 @@ def explain_shared_blocks(running: tuple[RequestState, ...], num_gpu_blocks: int
         ``running`` itself when its blocks fit the pool (or nothing can make them fit: the simulator then says
         why), else a copy with the keyless requests' leading keys set.
     """
-    if _num_blocks_in_use(running, block_size) <= num_gpu_blocks:
+    total = _num_blocks_in_use(running, block_size)
+    if total <= num_gpu_blocks:
         return running
     keyless = [i for i, r in enumerate(running) if not r.block_keys]
     full = sorted(min(running[i].num_computed_tokens, running[i].num_prompt_tokens) // block_size
                   for i in keyless)
     target = max(num_gpu_blocks - max(num_free_blocks, 0), 0)
-    total = _num_blocks_in_use(running, block_size)
     # Sharing the chain's block j (1-based) saves one block per keyless request holding j full blocks, less the
     # one copy kept: total(m) = total(m - 1) - #{full >= m} + 1, constant between two distinct counts of full
     # blocks, so the walk goes from one to the next: O(requests), whatever the counts (a state may be hostile).
