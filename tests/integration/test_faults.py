@@ -190,6 +190,20 @@ def _ledger_size(sidecar: str) -> int:
     return len(state["running"]) + len(state["waiting"])
 
 
+def _streams_started(address: str) -> float:
+    """Requests on the emulator at ``address`` whose first token is out and that have not finished (its vLLM
+    metrics: the TTFT histogram's count less ``vllm:request_success_total``): streams a kill would cut after their
+    200, which Envoy can no longer retry elsewhere."""
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    totals = Counter()
+    for family in text_string_to_metric_families(httpx.get(f"http://{address}/metrics", timeout=2).text):
+        for sample in family.samples:
+            if sample.name in ("vllm:time_to_first_token_seconds_count", "vllm:request_success_total"):
+                totals[sample.name] += sample.value
+    return totals["vllm:time_to_first_token_seconds_count"] - totals["vllm:request_success_total"]
+
+
 def _wait_idle(fleet: Fleet, timeout_s: float = 20.0) -> None:
     """Until no request is left on the fleet (a test's stragglers must not load the next)."""
     def idle() -> bool:
@@ -293,10 +307,13 @@ def test_a_backend_killed_mid_stream_costs_only_its_streams(stack, fleet, pool):
 
     def script(clock: Clock) -> None:
         clock.at(2.0)
-        # the kill must find streams on it (a condition, so polled): least-requests gives it a quarter of the load
+        # the kill must find streams on it (a condition, so polled): least-requests gives it a quarter of the load,
+        # and one of them must have started streaming (a request still before its first byte is retried elsewhere
+        # with --pool, and is not lost)
         clock.note("victim in flight at the kill",
-                   poll_until(lambda: stack.in_flight(victim) >= 2 and stack.in_flight(victim), 3.0,
-                              "two requests in flight on the victim", interval_s=0.01))
+                   poll_until(lambda: stack.in_flight(victim) >= 2 and _streams_started(victim) >= 1
+                              and stack.in_flight(victim), 3.0,
+                              "two requests in flight on the victim, one of them streaming", interval_s=0.01))
         clock.mark("kill")
         signal_process(proc, signal.SIGKILL)
         try:
