@@ -71,7 +71,8 @@ from typing import Any
 import numpy as np
 
 from bench.migration import MigrationController, MigrationParams
-from extproc.admission import NO_OBJECTIVES, AdmissionParams, CriticalPressure, Objectives, meets, shed_reason
+from extproc.admission import AdmissionParams, CriticalPressure, meets, shed_reason
+from extproc.objectives import NO_OBJECTIVES, Objectives
 from extproc.fleet_state import predict_from_state
 from extproc.policies.base import EndpointMetrics, EndpointView, Policy, Prediction
 from extproc.policies.least_requests import LeastRequestsPolicy

@@ -45,7 +45,8 @@ from bench.goodput_report import (CRITICAL, CRITICAL_FRAC, GOODPUT_NOTE, SHEDDAB
                                   draw_classes, format_ratios, format_rows, met_objectives, parse_label, pooled_row,
                                   write_csv)
 from bench.workloads import REPO_ROOT, filter_pairs
-from extproc.admission import ADMISSION_RULES, DEFAULT_PRESSURE_WINDOW_S, AdmissionParams, Objectives
+from extproc.admission import ADMISSION_RULES, DEFAULT_PRESSURE_WINDOW_S, AdmissionParams
+from extproc.objectives import Objectives
 from predictor.engine_flags import add_engine_arguments, engine_from_args
 from predictor.sim import EngineConfig
 from tagger.serve import SHIPPED_LIGHT_DIR

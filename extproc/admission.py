@@ -1,7 +1,7 @@
 """Latency objectives per request and admission on predicted latency: which requests to refuse (429) before
 they are sent.
 
-Objectives (`Objectives`): a TTFT and a TPOT objective, seconds, and a priority (the Gateway API Inference
+Objectives (`extproc.objectives.Objectives`): a TTFT and a TPOT objective, seconds, and a priority (the Gateway API Inference
 Extension's convention: an ``InferenceObjective``'s ``spec.priority``, negative = sheddable, 0 the default). They come
 from the request's headers (`HeaderObjectives`: ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` and llm-d's
 ``x-llm-d-slo-ttft-ms`` / ``x-llm-d-slo-tpot-ms``; the objective's name from ``x-gateway-inference-objective`` or
@@ -54,6 +54,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from extproc.objectives import NO_OBJECTIVES, Objectives
 from extproc.policies.base import EndpointView
 
 TTFT_HEADERS = ("x-slo-ttft-ms", "x-llm-d-slo-ttft-ms")
@@ -91,29 +92,6 @@ DEFAULT_RETRY_AFTER_S = 1
 DEFAULT_PRESSURE_WINDOW_S = 2.0
 """`AdmissionParams.pressure_window_s`: measured with ``astrolabe bench goodput`` (bench/README.md "Objectives,
 admission and goodput")."""
-
-
-@dataclass(frozen=True, slots=True)
-class Objectives:
-    """A request's latency objectives and priority.
-
-    Attributes:
-        ttft_s: TTFT objective, seconds (> 0); None = none.
-        tpot_s: TPOT objective, seconds per output token after the first (> 0); None = none.
-        priority: the Inference Extension's priority; negative = sheddable, 0 = the default.
-    """
-
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    priority: int = 0
-
-    @property
-    def sheddable(self) -> bool:
-        return self.priority < 0
-
-
-NO_OBJECTIVES = Objectives()
-"""A request with no objective and priority 0: never refused, chosen as before."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -147,7 +147,8 @@ from pydantic_core import core_schema
 
 from astrolabe.logs import DEFAULT_LOG_FORMAT, DEFAULT_LOG_LEVEL, LOG_FORMATS, LOG_LEVELS
 from astrolabe.tracing import PROTOCOLS, TracingConfig, TracingConfigError, normalize_endpoint
-from extproc.admission import ADMISSION_RULES, DEFAULT_PRESSURE_WINDOW_S, MAX_OBJECTIVE_S, AdmissionParams, ObjectiveConfig, Objectives
+from extproc.admission import ADMISSION_RULES, DEFAULT_PRESSURE_WINDOW_S, MAX_OBJECTIVE_S, AdmissionParams, ObjectiveConfig
+from extproc.objectives import Objectives
 from extproc.lengths import SOURCES, OutputLengthConfig
 from extproc.policies.registry import POLICY_NAMES, build_policy
 from predictor.backend_metrics import METRICS_FORMATS

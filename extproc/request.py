@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from pydantic import TypeAdapter, ValidationError
 
-from extproc.admission import NO_OBJECTIVES, Objectives
+from extproc.objectives import NO_OBJECTIVES, Objectives
 from extproc.errors import ErrorCode, RoutingError
 
 COMPLETIONS_PATH = "/v1/completions"

@@ -50,7 +50,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from astrolabe.tracing import (ADMIT_ID, LENGTH_ESTIMATE_SPAN, LOCAL_PREDICT_SPAN, NUM_PREDICTED_OUTPUT_TOKENS,
                                PREDICTED_E2E_S, PREDICTED_QUEUE_S, PREDICTED_TTFT_S, SERVER_ADDRESS, STATE_AGE_S)
-from extproc.admission import DROP_REASON_HEADER, NO_OBJECTIVES, AdmissionParams, CriticalPressure, HeaderObjectives, ObjectiveConfig, Objectives, \
+from extproc.admission import DROP_REASON_HEADER, AdmissionParams, CriticalPressure, HeaderObjectives, ObjectiveConfig, \
     shed_reason
 from extproc.decision import Decision
 from extproc.decision_log import DecisionLog
@@ -58,6 +58,7 @@ from extproc.endpoint_metrics import MetricsScraper
 from extproc.errors import ErrorCode, RoutingError
 from extproc.fleet_state import FleetState
 from extproc.lengths import OutputLengthEstimator
+from extproc.objectives import NO_OBJECTIVES, Objectives
 from extproc.prompt_tokens import PromptTokenCounter, PromptTokens
 from extproc.metrics import ExtprocMetrics
 from extproc.policies.base import EndpointView, Policy

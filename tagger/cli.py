@@ -123,7 +123,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from astrolabe.tracing import TracingConfigError
-    from tagger.serve import serve_grpc
+    from tagger.grpc_service import serve_grpc
 
     try:
         asyncio.run(serve_grpc(args.tagger, args.listen))

@@ -33,9 +33,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
-from astrolabe.tracing import LENGTH_ESTIMATE_SPAN, NUM_PREDICTED_OUTPUT_TOKENS, Tracing, grpc_metadata
+from astrolabe.tracing import LENGTH_ESTIMATE_SPAN, NUM_PREDICTED_OUTPUT_TOKENS, Tracing, grpc_metadata, setup_tracing
 from tagger.features import HistoryStats
-from tagger.serve import TaggerService
+from tagger.serve import TaggerService, load_service
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +176,21 @@ async def run_server(service: TaggerService, listen: str, grace_s: float = 2.0,
         await server.stop(grace_s)
         service.close()
         logger.info("tagger server stopped")
+
+
+async def serve_grpc(path: Path | str | None, listen: str) -> None:
+    """Run ``astrolabe tagger serve`` until cancelled (`run_server` over `tagger.serve.load_service`), traced as
+    the ``OTEL_*`` variables say (``astrolabe.tracing``; service name ``astrolabe-tagger``).
+
+    Raises:
+        tagger.serve.TaggerLoadError: see `tagger.serve.load_tagger`.
+        astrolabe.tracing.TracingConfigError: an invalid ``OTEL_*`` value.
+    """
+    tracing = setup_tracing("astrolabe-tagger")
+    try:
+        await run_server(load_service(path), listen, tracing=tracing)
+    finally:
+        tracing.shutdown()
 
 
 class TaggerClient:

@@ -272,21 +272,3 @@ def load_service(path: Path | str | None = None, **kwargs) -> TaggerService:
     tagger = load_tagger(path)
     kwargs.setdefault("inline_max_chars", LIGHT_INLINE_MAX_CHARS if tagger.kind == "light" else 0)
     return TaggerService(tagger, length_fallback=load_length_fallback(path), **kwargs)
-
-
-async def serve_grpc(path: Path | str | None, listen: str) -> None:
-    """Run ``astrolabe tagger serve`` until cancelled (see ``tagger.grpc_service``), traced as the ``OTEL_*``
-    variables say (``astrolabe.tracing``; service name ``astrolabe-tagger``).
-
-    Raises:
-        TaggerLoadError: see :func:`load_tagger`.
-        astrolabe.tracing.TracingConfigError: an invalid ``OTEL_*`` value.
-    """
-    from astrolabe.tracing import setup_tracing
-    from tagger.grpc_service import run_server
-
-    tracing = setup_tracing("astrolabe-tagger")
-    try:
-        await run_server(load_service(path), listen, tracing=tracing)
-    finally:
-        tracing.shutdown()

@@ -143,7 +143,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from extproc.admission import NO_OBJECTIVES, meets, predicted_ttft_s
+from extproc.admission import meets, predicted_ttft_s
+from extproc.objectives import NO_OBJECTIVES
 from extproc.policies.base import EndpointView, Policy, min_random_tie
 
 TYPE = "astrolabe"

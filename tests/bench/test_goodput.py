@@ -9,7 +9,8 @@ import pytest
 from bench.cluster_sim import ClusterConfig, ClusterRequest, ClusterSession, PolicySpec, simulate_point_latencies, \
     simulate_sessions_latencies
 from bench.goodput import main, spec_of, with_classes
-from extproc.admission import AdmissionParams, Objectives
+from extproc.admission import AdmissionParams
+from extproc.objectives import Objectives
 from predictor.sim import EngineConfig
 
 ENGINE = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, block_size=16, num_gpu_blocks=512)

@@ -419,7 +419,8 @@ async def test_a_sheddable_request_predicted_to_queue_is_refused_and_the_holds_d
     import dataclasses
     import json
 
-    from extproc.admission import DROP_REASON_HEADER, AdmissionParams, ObjectiveConfig, Objectives
+    from extproc.admission import DROP_REASON_HEADER, AdmissionParams, ObjectiveConfig
+    from extproc.objectives import Objectives
     from extproc.decision_log import DecisionLog
     from extproc.errors import ErrorCode, RoutingError
 
@@ -466,7 +467,8 @@ async def test_a_sheddable_request_predicted_to_queue_is_refused_and_the_holds_d
 async def test_an_idle_instance_admits_a_sheddable_request(sidecars):
     import dataclasses
 
-    from extproc.admission import AdmissionParams, Objectives
+    from extproc.admission import AdmissionParams
+    from extproc.objectives import Objectives
 
     busy, idle = await sidecars(2)
     await _loaded(busy)

@@ -420,7 +420,7 @@ def test_cache_affinity_must_be_true_or_false(value):
 
 
 def test_a_request_with_an_objective_goes_where_it_is_predicted_to_meet_it():
-    from extproc.admission import Objectives
+    from extproc.objectives import Objectives
 
     # the blend prefers the second (0.30 + 0.1 x 1.0 < 0.25 + 0.1 x 9.0), whose TTFT misses the 0.28 s objective
     candidates = scored((0.25, 9.0), (0.30, 1.0))
@@ -439,7 +439,7 @@ def test_a_request_with_an_objective_goes_where_it_is_predicted_to_meet_it():
 
 
 def test_a_second_round_when_no_first_round_candidate_meets_the_objective():
-    from extproc.admission import Objectives
+    from extproc.objectives import Objectives
 
     first = scored((0.03, 1.0), (0.04, 1.0))  # no queue: no second round for a plain request
     rest = [EndpointView(f"10.0.0.{i}:80") for i in range(3, 9)]
