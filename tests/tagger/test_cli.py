@@ -58,3 +58,12 @@ async def test_serve_process_is_healthy_logs_json_lines_and_stops_on_sigterm(tmp
     assert proc.returncode == 0
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert any(line["message"] == f"tagger (light) serving on port {port}" for line in lines), lines
+
+
+def test_ceiling_prints_the_noise_and_each_view_beside_the_shipped_tagger(capsys):
+    assert main(["ceiling", "--bootstrap", "5"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("repeated prompts:", "within-prompt sd", "two replies of one prompt", "| first-exchange | ",
+                   "| all-exchange | ", "light (light)"):
+        assert needle in out
+    assert main(["ceiling", "--bootstrap", "0"]) == 2
