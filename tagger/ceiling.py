@@ -45,6 +45,12 @@ CONTINUATION_PROMPTS = frozenset({"continue", "please continue", "continue writi
                                   "keep going", "more", "next", "lets go", "let's go"})
 """Prompts (lower case, trailing ``.!`` cut) that continue a context the record does not hold: left out."""
 
+MIN_BOOTSTRAP = 100
+"""Fewest bootstrap resamples `measure_ceiling` takes: the 2.5th and 97.5th percentiles of fewer mean little."""
+
+NUM_PAIRINGS = 200
+"""Random pairings of two replies per prompt averaged for the observed two-reply tau (`two_draw_tau`)."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RepeatedPrompt:
@@ -79,6 +85,7 @@ class CeilingReport:
         two_draw_tau: observed Kendall tau-b between two replies of each repeated prompt.
         two_draw_tau_link: the same, as the normal link predicts it from the variances (the check).
         views: view name -> (its exchanges, the ceiling tau).
+        num_bootstrap, seed: how the intervals were drawn.
     """
 
     num_prompts: int
@@ -88,6 +95,8 @@ class CeilingReport:
     two_draw_tau: Estimate
     two_draw_tau_link: Estimate
     views: dict[str, tuple[int, Estimate]]
+    num_bootstrap: int = 0
+    seed: int = 0
 
 
 def is_continuation(prompt: str) -> bool:
@@ -177,25 +186,34 @@ def ceiling_tau(within_variance: float, total_variance: float) -> float:
     return 2.0 / math.pi * math.asin(math.sqrt(max(0.0, 1.0 - within_variance / total_variance)))
 
 
-def measure_ceiling(repeated: Sequence[RepeatedPrompt], views: dict[str, Sequence[int]], num_bootstrap: int = 200,
+def measure_ceiling(repeated: Sequence[RepeatedPrompt], views: dict[str, Sequence[int]], num_bootstrap: int = 1000,
                     seed: int = 0) -> CeilingReport:
     """The ceiling of each view's Kendall tau and the noise figures, each with a bootstrap interval.
 
     Args:
         repeated: the repeated prompts (:func:`repeated_prompts`); at least 2.
         views: view name -> the true reply lengths of its exchanges, tokens.
-        num_bootstrap: bootstrap resamples (prompts, and each view's exchanges, drawn with replacement).
-        seed: seeds the draws.
+        num_bootstrap: bootstrap resamples (prompts, and each view's exchanges, drawn with replacement); at least
+            `MIN_BOOTSTRAP`.
+        seed: seeds the resamples and the pairings (the observed two-reply tau is a mean over `NUM_PAIRINGS`
+            random pairings, so its point value moves slightly with the seed).
+
+    Returns:
+        The report; each interval is the 2.5th-97.5th percentile of the resampled figure (a resampled figure's
+        two-reply tau averages 5 pairings).
 
     Raises:
-        ValueError: fewer than 2 repeated prompts, or a view with fewer than 2 exchanges.
+        ValueError: fewer than 2 repeated prompts, a view with fewer than 2 exchanges or with one length only, or
+            ``num_bootstrap`` under `MIN_BOOTSTRAP`.
     """
     groups = [list(r.num_output_tokens) for r in repeated]
     if len(groups) < 2:
         raise ValueError(f"need at least 2 repeated prompts, got {len(groups)}")
+    if num_bootstrap < MIN_BOOTSTRAP:
+        raise ValueError(f"need at least {MIN_BOOTSTRAP} bootstrap resamples, got {num_bootstrap}")
     view_logs = {name: np.log1p(np.asarray(lengths, dtype=float)) for name, lengths in views.items()}
-    if any(len(x) < 2 for x in view_logs.values()):
-        raise ValueError("every view needs at least 2 exchanges")
+    if any(len(x) < 2 or not x.var() > 0 for x in view_logs.values()):
+        raise ValueError("every view needs at least 2 exchanges of different lengths")
     rng = random.Random(seed)
     np_rng = np.random.default_rng(seed)
 
@@ -203,19 +221,21 @@ def measure_ceiling(repeated: Sequence[RepeatedPrompt], views: dict[str, Sequenc
         w = within_prompt_variance(sample)
         observed, link = two_draw_tau(sample, rng, num_draws=5)
         return [math.sqrt(w), median_relative_miss(sample), observed, link,
-                *(ceiling_tau(w, float(x.var())) for x in logs.values())]
+                *(ceiling_tau(w, float(x.var())) if x.var() > 0 else math.nan for x in logs.values())]
 
     point = figures(groups, view_logs)
-    point[2], point[3] = two_draw_tau(groups, rng, num_draws=200)
+    point[2], point[3] = two_draw_tau(groups, rng, num_draws=NUM_PAIRINGS)
     draws = np.array([figures([groups[i] for i in np_rng.integers(0, len(groups), len(groups))],
                               {name: x[np_rng.integers(0, len(x), len(x))] for name, x in view_logs.items()})
                       for _ in range(num_bootstrap)])
-    low, high = np.percentile(draws, 2.5, axis=0), np.percentile(draws, 97.5, axis=0)
+    # a resampled view can hold one length only (tiny views): it has no ceiling, and is left out
+    low, high = np.nanpercentile(draws, 2.5, axis=0), np.nanpercentile(draws, 97.5, axis=0)
     estimates = [Estimate(p, float(lo), float(hi)) for p, lo, hi in zip(point, low, high)]
     return CeilingReport(
         num_prompts=len(groups), num_replies=sum(map(len, groups)), within_sd=estimates[0],
         median_relative_miss=estimates[1], two_draw_tau=estimates[2], two_draw_tau_link=estimates[3],
-        views={name: (len(view_logs[name]), estimates[4 + k]) for k, name in enumerate(view_logs)})
+        views={name: (len(view_logs[name]), estimates[4 + k]) for k, name in enumerate(view_logs)},
+        num_bootstrap=num_bootstrap, seed=seed)
 
 
 def _fmt(e: Estimate, digits: int = 3) -> str:
@@ -231,8 +251,11 @@ def format_ceiling(report: CeilingReport, taggers: dict[str, dict[str, float]] |
         f"(first exchanges; continuations left out)",
         f"within-prompt sd of log1p(tokens): {_fmt(report.within_sd)}",
         f"median relative miss of a reply by its prompt's other replies: {_fmt(report.median_relative_miss, 2)}",
-        f"two replies of one prompt, Kendall tau: observed {_fmt(report.two_draw_tau)}, "
-        f"normal link {_fmt(report.two_draw_tau_link)}",
+        f"two replies of one prompt, Kendall tau: observed {_fmt(report.two_draw_tau)} (mean of {NUM_PAIRINGS} "
+        f"random pairings), as the normal model predicts it from the variances {_fmt(report.two_draw_tau_link)} "
+        f"(the check of the model behind the ceiling: tagger/ceiling.py)",
+        f"[low, high]: 95% bootstrap intervals, {report.num_bootstrap} resamples of the prompts and of each view, "
+        f"seed {report.seed}",
         "",
         "| view | exchanges | ceiling Kendall tau [95% CI] |" + "".join(f" {name} |" for name in taggers),
         "| --- | ---: | ---: |" + " ---: |" * len(taggers),

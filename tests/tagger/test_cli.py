@@ -61,9 +61,17 @@ async def test_serve_process_is_healthy_logs_json_lines_and_stops_on_sigterm(tmp
 
 
 def test_ceiling_prints_the_noise_and_each_view_beside_the_shipped_tagger(capsys):
-    assert main(["ceiling", "--bootstrap", "5"]) == 0
+    assert main(["ceiling", "--bootstrap", "100"]) == 0
     out = capsys.readouterr().out
     for needle in ("repeated prompts:", "within-prompt sd", "two replies of one prompt", "| first-exchange | ",
-                   "| all-exchange | ", "light (light)"):
+                   "| all-exchange | ", "light tagger (shipped)", "100 resamples"):
         assert needle in out
-    assert main(["ceiling", "--bootstrap", "0"]) == 2
+    # scored as `tagger eval` scores it (whole tokens): the README's 0.368 on the first-exchange view
+    assert "| first-exchange | 1987 | " in out and out.split("| first-exchange | 1987 | ")[1].split("|")[1].strip() \
+        == f"{json.loads((SHIPPED_LIGHT_DIR / 'eval.json').read_text())['first-exchange']['rows'][0]['kendall_tau']:.3f}"
+
+
+@pytest.mark.parametrize("argv", [["--bootstrap", "0"], ["--bootstrap", "99"], ["--tagger", "/nonexistent"]])
+def test_ceiling_refuses_bad_arguments_at_once(argv, tmp_path, caplog):
+    assert main(["ceiling", *argv]) == 2
+    assert caplog.records and caplog.records[-1].levelname == "ERROR"
