@@ -260,10 +260,14 @@ def test_prefix_probe_goes_to_the_endpoint_with_the_most_cached_blocks():
     assert len(others) == 11  # the other probe still explores the whole rest of the fleet
 
 
-def test_prefix_probe_breaks_ties_at_random():
+def test_prefix_probe_breaks_ties_by_in_flight_then_at_random():
     policy = build({"k": 2}, random.Random(0))
     homes = collections.Counter(policy.candidates(keyed([1]), fleet({2: 4, 5: 4}))[0].address for _ in range(200))
     assert set(homes) == {"10.0.0.2:80", "10.0.0.5:80"} and min(homes.values()) > 60
+    # two homes hold the prefix alike: the probe goes to the one with fewer requests in flight from this replica
+    endpoints = [dataclasses.replace(e, num_in_flight=3 if e.address == "10.0.0.2:80" else 1)
+                 for e in fleet({2: 4, 5: 4, 8: 3})]
+    assert {policy.candidates(keyed([1]), endpoints)[0].address for _ in range(50)} == {"10.0.0.5:80"}
 
 
 def test_cold_prompt_goes_to_one_rendezvous_home_shared_by_replicas_and_bursts():
