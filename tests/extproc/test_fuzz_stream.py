@@ -18,8 +18,8 @@ Properties of every stream (each example bounded by ``asyncio.timeout``: a hang 
 - the pool's in-flight counts are back to zero once the stream has ended;
 - nothing is logged at ERROR (the handler logs a bug as "internal error", a 500);
 - for an undamaged script, the answers are exactly those the module docstring of ``extproc.stream`` lists, and
-  the outcome is the one ``parse_body`` (the oracle) and the pool imply: routed, or the 400/404/413 with the
-  parser's message.
+  the outcome is the one ``parse_body`` (or ``bodiless_request``, for headers that end the stream: the oracle) and
+  the pool imply: routed, or the 400/404/413 with the parser's message.
 
 Memory per stream is checked beside them with tracemalloc: a body over ``max_body_bytes`` is refused as soon as
 it passes the limit and later chunks are not kept; a routed stream does not keep its body.
@@ -52,7 +52,7 @@ from hypothesis import strategies as st
 from extproc import wire
 from extproc.config import parse_config
 from extproc.errors import ErrorCode, RoutingError
-from extproc.request import MAX_DECODED_FACTOR, parse_body
+from extproc.request import MAX_DECODED_FACTOR, bodiless_request, parse_body
 from extproc.server import ExtprocServer
 from extproc.stream import StreamHandler
 from tests.extproc.fuzz_bodies import (
@@ -281,6 +281,11 @@ def _expected(oracle: dict) -> tuple[list[str], object]:
     response_steps = oracle["steps"][oracle["num_request_steps"]:]
     reads_body = not oracle["headers_eos"] and mode in _MODES
     outcome: object = "routed"
+    if oracle["headers_eos"]:  # no body: a POST to an inference route is refused on its headers
+        try:
+            bodiless_request("fuzz", oracle["method"], oracle["path"])
+        except RoutingError as exc:
+            return ["immediate_response"], (exc.http_status, exc.message)
     if reads_body:
         if len(body) > oracle["max_body_bytes"]:
             error = RoutingError(ErrorCode.BODY_TOO_LARGE, f"request body exceeds the limit of "
