@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -83,11 +84,13 @@ class ManagedProcess:
     Create it with ``ManagedProcess.start``. ``stop`` is idempotent and always reaps the child.
     """
 
-    def __init__(self, popen: subprocess.Popen[bytes], *, name: str, log_path: Path, log_file: IO[bytes]):
+    def __init__(self, popen: subprocess.Popen[bytes], *, name: str, log_path: Path, log_file: IO[bytes],
+                 tmp_dir: Path | None = None):
         self._popen = popen
         self._log_file = log_file
         self.name = name
         self.log_path = log_path
+        self.tmp_dir = tmp_dir
 
     @classmethod
     def start(
@@ -98,6 +101,7 @@ class ManagedProcess:
         env: dict[str, str] | None = None,
         log_path: Path | None = None,
         cwd: Path | None = None,
+        private_tmp: bool = False,
     ) -> ManagedProcess:
         """Start ``cmd`` in a new session with stdout and stderr both written to one log file.
 
@@ -107,6 +111,10 @@ class ManagedProcess:
             env: variables added to (overriding) a copy of ``os.environ``; None adds nothing.
             log_path: log file (truncated); None creates a temporary file that is kept for inspection.
             cwd: working directory; None keeps the current one.
+            private_tmp: give the process a folder of its own as ``TMPDIR`` (``tempfile.mkdtemp``, a short path
+                under the system's temp folder: Unix socket paths stay under their 108 bytes), removed with
+                whatever it holds once the process has stopped: for programs that leave sockets and folders in
+                the temp folder (vLLM's ``vllm_dist_*`` and ZMQ IPC sockets).
 
         Raises:
             OSError: the program could not be executed (e.g. not found).
@@ -116,7 +124,9 @@ class ManagedProcess:
             os.close(fd)
             log_path = Path(tmp_name)
         log_file = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
-        full_env = None if env is None else {**os.environ, **env}
+        tmp_dir = Path(tempfile.mkdtemp(prefix="astrolabe-")) if private_tmp else None
+        full_env = None if env is None and tmp_dir is None else {
+            **os.environ, **(env or {}), **({"TMPDIR": str(tmp_dir)} if tmp_dir is not None else {})}
         try:
             popen = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
@@ -124,9 +134,11 @@ class ManagedProcess:
             )
         except BaseException:
             log_file.close()
+            if tmp_dir is not None:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
             raise
         logger.info("started %s (pid %s), log %s", name, popen.pid, log_path)
-        return cls(popen, name=name, log_path=log_path, log_file=log_file)
+        return cls(popen, name=name, log_path=log_path, log_file=log_file, tmp_dir=tmp_dir)
 
     @property
     def pid(self) -> int:
@@ -246,6 +258,8 @@ class ManagedProcess:
             # left in the group now (a child that ignored SIGTERM) would otherwise be orphaned.
             self._signal_group(signal.SIGKILL)
             self._log_file.close()
+            if self.tmp_dir is not None:
+                shutil.rmtree(self.tmp_dir, ignore_errors=True)
             logger.info("stopped %s (pid %s): exit %s", self.name, self.pid, self._popen.returncode)
         return int(self._popen.returncode)
 
@@ -275,9 +289,10 @@ class ProcessGroup:
         env: dict[str, str] | None = None,
         log_path: Path | None = None,
         cwd: Path | None = None,
+        private_tmp: bool = False,
     ) -> ManagedProcess:
         """Start a ``ManagedProcess`` (same arguments) and add it to the group."""
-        proc = ManagedProcess.start(cmd, name=name, env=env, log_path=log_path, cwd=cwd)
+        proc = ManagedProcess.start(cmd, name=name, env=env, log_path=log_path, cwd=cwd, private_tmp=private_tmp)
         self._procs.append(proc)
         return proc
 

@@ -30,6 +30,8 @@ def _process_logs_in_a_session_folder(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("process-logs")
     patch = pytest.MonkeyPatch()
-    patch.setattr(procs, "tempfile", types.SimpleNamespace(mkstemp=functools.partial(tempfile.mkstemp, dir=folder)))
+    # private temp folders (`private_tmp`) stay where they were: short paths (Unix sockets), removed with the process
+    patch.setattr(procs, "tempfile", types.SimpleNamespace(mkstemp=functools.partial(tempfile.mkstemp, dir=folder),
+                                                           mkdtemp=tempfile.mkdtemp))
     yield folder
     patch.undo()

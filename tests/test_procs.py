@@ -155,3 +155,24 @@ def test_free_port_never_hands_out_one_port_twice() -> None:
     # drawn equal. 500 draws from ~28k ephemeral ports repeat one with probability ~0.99 without the guard.
     ports = [free_port() for _ in range(500)]
     assert len(set(ports)) == len(ports)
+
+
+def test_a_private_tmp_is_the_process_tempdir_and_goes_with_it(tmp_path: Path) -> None:
+    """What the process leaves in its temp folder (a file and a Unix socket, as vLLM leaves) is removed once it has
+    stopped; without ``private_tmp`` the temp folder is the inherited one."""
+    script = ("import os, socket, tempfile, time; d = tempfile.gettempdir(); print(d, flush=True); "
+              "open(os.path.join(d, 'left.db'), 'w').close(); "
+              "socket.socket(socket.AF_UNIX).bind(os.path.join(d, 'ipc-sock')); time.sleep(60)")
+    with ProcessGroup() as procs:
+        proc = procs.start([sys.executable, "-c", script], name="leaves-files", log_path=tmp_path / "a.log",
+                           private_tmp=True)
+        deadline = time.monotonic() + 10
+        while not (proc.tmp_dir is not None and (proc.tmp_dir / "ipc-sock").exists()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (proc.tmp_dir / "left.db").exists() and (proc.tmp_dir / "ipc-sock").exists()
+        assert (tmp_path / "a.log").read_text().strip() == str(proc.tmp_dir)
+        plain = procs.start([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"], name="plain",
+                            log_path=tmp_path / "b.log")
+        plain.wait(10)
+    assert not proc.tmp_dir.exists()
+    assert plain.tmp_dir is None and (tmp_path / "b.log").read_text().strip() != str(proc.tmp_dir)

@@ -169,7 +169,8 @@ def start_vllm_servers(procs: ProcessGroup, num_servers: int, work_dir: Path, *,
         state_path.unlink(missing_ok=True)
         process = procs.start(vllm_command(model_dir, port, settings), name=f"vllm-{port}",
                               env=vllm_env(index, state_path if plugin else None),
-                              log_path=work_dir / f"vllm-{port}.log", cwd=REPO_DIR)
+                              log_path=work_dir / f"vllm-{port}.log", cwd=REPO_DIR,
+                              private_tmp=True)  # vLLM leaves vllm_dist_* and IPC sockets in the temp folder
         servers.append(VllmServer(process, f"127.0.0.1:{port}", state_path))
     started_s = time.monotonic()
     for server in servers:

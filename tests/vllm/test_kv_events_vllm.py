@@ -43,7 +43,7 @@ def vllm_with_kv_events():
                         "endpoint": f"tcp://*:{events_port}", "topic": "kv"})]  # "*": vLLM binds (else it connects)
     with ProcessGroup() as procs:
         process = procs.start(cmd, name=f"vllm-{port}", env=vllm_env(0, None), log_path=tmp / "vllm.log",
-                              cwd=REPO_DIR)
+                              cwd=REPO_DIR, private_tmp=True)
         process.wait_http(f"http://127.0.0.1:{port}/health", timeout_s=600)
         yield f"127.0.0.1:{port}", f"tcp://127.0.0.1:{events_port}"
 
