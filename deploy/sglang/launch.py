@@ -114,7 +114,8 @@ def start_sglang_servers(procs: ProcessGroup, num_servers: int, work_dir: Path, 
     for index in range(num_servers):
         port = ports[index] if ports else free_port()
         process = procs.start(sglang_command(model_dir, port, settings), name=f"sglang-{port}",
-                              env=sglang_env(index), log_path=work_dir / f"sglang-{port}.log", cwd=REPO_DIR)
+                              env=sglang_env(index), log_path=work_dir / f"sglang-{port}.log", cwd=REPO_DIR,
+                              private_tmp=True)  # SGLang leaves ZMQ sockets and metrics folders in the temp folder
         servers.append(SglangServer(process, f"127.0.0.1:{port}"))
     started_s = time.monotonic()
     for server in servers:
