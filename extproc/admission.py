@@ -1,9 +1,9 @@
 """Latency objectives per request and admission on predicted latency: which requests to refuse (429) before
 they are sent.
 
-Objectives (`extproc.objectives.Objectives`): a TTFT and a TPOT objective, seconds, and a priority (the Gateway API Inference
-Extension's convention: an ``InferenceObjective``'s ``spec.priority``, negative = sheddable, 0 the default). They come
-from the request's headers (`HeaderObjectives`: ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` and llm-d's
+Objectives (`extproc.objectives.Objectives`): a TTFT and a TPOT objective, seconds, and a priority (the Gateway API
+Inference Extension's convention: an ``InferenceObjective``'s ``spec.priority``, negative = sheddable, 0 the
+default). They come from the request's headers (`HeaderObjectives`: ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` and llm-d's
 ``x-llm-d-slo-ttft-ms`` / ``x-llm-d-slo-tpot-ms``; the objective's name from ``x-gateway-inference-objective`` or
 llm-d's ``x-llm-d-inference-objective``) resolved against the configuration (`ObjectiveConfig`: named objectives
 with their priority and objectives, and defaults per model). A header value that is not a plain decimal number

@@ -217,16 +217,16 @@ def measure_ceiling(repeated: Sequence[RepeatedPrompt], views: dict[str, Sequenc
     rng = random.Random(seed)
     np_rng = np.random.default_rng(seed)
 
-    def figures(sample: list[list[int]], logs: dict[str, np.ndarray]) -> list[float]:
+    def figures(sample: list[list[int]], logs: dict[str, np.ndarray], num_pairings: int) -> list[float]:
         w = within_prompt_variance(sample)
-        observed, link = two_draw_tau(sample, rng, num_draws=5)
+        observed, link = two_draw_tau(sample, rng, num_draws=num_pairings)
+        variances = [float(x.var()) for x in logs.values()]
         return [math.sqrt(w), median_relative_miss(sample), observed, link,
-                *(ceiling_tau(w, float(x.var())) if x.var() > 0 else math.nan for x in logs.values())]
+                *(ceiling_tau(w, v) if v > 0 else math.nan for v in variances)]
 
-    point = figures(groups, view_logs)
-    point[2], point[3] = two_draw_tau(groups, rng, num_draws=NUM_PAIRINGS)
+    point = figures(groups, view_logs, NUM_PAIRINGS)
     draws = np.array([figures([groups[i] for i in np_rng.integers(0, len(groups), len(groups))],
-                              {name: x[np_rng.integers(0, len(x), len(x))] for name, x in view_logs.items()})
+                              {name: x[np_rng.integers(0, len(x), len(x))] for name, x in view_logs.items()}, 5)
                       for _ in range(num_bootstrap)])
     # a resampled view can hold one length only (tiny views): it has no ceiling, and is left out
     low, high = np.nanpercentile(draws, 2.5, axis=0), np.nanpercentile(draws, 97.5, axis=0)

@@ -92,10 +92,10 @@ Predict round trip only when it was going to queue anyway.
 
 Which endpoints are probed: with ``prefix_probe`` (default on), k >= 2 and a request whose prompt blocks are known
 (``RoutingRequest.block_keys``), one probe goes to the prefix's home: the endpoint whose state holds the most of the
-prompt's leading blocks (``EndpointView.num_prefix_blocks_cached``; among several such homes, the one with the fewest requests in
-flight from this replica, then at random: a random pick among them left the shared-prefix workload's mean TTFT
-1.03x llm-d-precise's at 45-55 req/s, the least loaded 1.00-1.01x, bench/README.md), or, when no endpoint holds any,
-the endpoint that the rendezvous hash of the prompt's first block key picks among the endpoints' addresses
+prompt's leading blocks (``EndpointView.num_prefix_blocks_cached``; among several such homes, the one with the
+fewest requests in flight from this replica, then at random: a random pick among them left the shared-prefix
+workload's mean TTFT 1.03x llm-d-precise's at 45-55 req/s, the least loaded 1.00-1.01x, bench/README.md), or,
+when no endpoint holds any, the endpoint that the rendezvous hash of the prompt's first block key picks among the endpoints' addresses
 (`rendezvous_home`: highest ``BLAKE2b(first key, address)``; Thaler & Ravishankar 1998, "Using name-based mappings
 to increase hit rates"). The hash makes a burst of identical cold prompts probe the same instance (which then
 caches the prefix) instead of scattering over the fleet, and router replicas that share no state agree on that
