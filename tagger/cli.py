@@ -3,7 +3,8 @@
 Subcommands::
 
     astrolabe tagger train --kind light|transformer [--checkpoint PATH_OR_NAME] [--max-length 128]
-                           [--epochs N] [--max-train-pairs N] [--max-train-minutes M] -o DIR
+                           [--epochs N] [--max-train-pairs N] [--max-train-minutes M]
+                           [--loss mse|mse+rank] [--rank-weight W] [--device cpu|cuda] -o DIR
     astrolabe tagger eval --tagger DIR
     astrolabe tagger ceiling [--tagger DIR ...] [--bootstrap N] [--seed S]
     astrolabe tagger serve --tagger DIR --listen HOST:PORT [--log-level LEVEL] [--log-format text|json]
@@ -55,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--threads", type=int, default=2, help="transformer: torch threads (<= 2 on a shared machine)")
     train.add_argument("--max-train-minutes", type=float, default=None,
                        help="transformer: stop training after this many minutes and still save; default: no limit")
+    train.add_argument("--loss", choices=("mse", "mse+rank"), default="mse",
+                       help="transformer: squared error on log1p(tokens), or that plus a pairwise ranking term "
+                            "(RankNet) over each batch")
+    train.add_argument("--rank-weight", type=float, default=1.0, help="transformer: weight of the ranking term")
+    train.add_argument("--device", default="cpu", help="transformer: torch device (cpu, cuda)")
     train.add_argument("--alpha", type=float, default=None,
                        help="light: ridge penalty; default: tagger.light.DEFAULT_ALPHA (1.0)")
     train.add_argument("-o", "--output", type=Path, required=True, help="tagger directory to write")
@@ -92,7 +98,7 @@ def _train(args: argparse.Namespace) -> int:
         params = TransformerParams(
             checkpoint=args.checkpoint, max_length=args.max_length, epochs=args.epochs,
             max_train_pairs=args.max_train_pairs, batch_size=args.batch_size, lr=args.lr,
-            num_threads=args.threads,
+            num_threads=args.threads, loss=args.loss, rank_weight=args.rank_weight, device=args.device,
             max_train_s=None if args.max_train_minutes is None else 60.0 * args.max_train_minutes,
         )
         rows = train_transformer(split, args.output, params)

@@ -90,8 +90,8 @@ class TransformerTagger:
         """
         checkpoint = checkpoint or default_checkpoint()
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        model = AutoModelForSequenceClassification.from_pretrained(
-            checkpoint, num_labels=1, problem_type="regression"
+        model = AutoModelForSequenceClassification.from_pretrained(  # fp32 weights to train, whatever is stored
+            checkpoint, num_labels=1, problem_type="regression", dtype=torch.float32
         )
         return cls(model, tokenizer, max_length=max_length, target_mean=target_mean, target_std=target_std)
 
@@ -143,6 +143,7 @@ class TransformerTagger:
         with torch.inference_mode():
             for start in range(0, len(order), batch_size):
                 idx = order[start : start + batch_size]
-                scaled = self.forward_scaled(self.encode([prompts[i] for i in idx]))
-                out[idx] = scaled.double().numpy() * self.target_std + self.target_mean
+                batch = self.encode([prompts[i] for i in idx]).to(self.model.device)
+                scaled = self.forward_scaled(batch)
+                out[idx] = scaled.double().cpu().numpy() * self.target_std + self.target_mean
         return out

