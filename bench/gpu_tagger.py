@@ -241,14 +241,21 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("-o", "--output", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "pack":
-        pack(args.output)
-    elif args.command == "run":
-        args.output.mkdir(parents=True, exist_ok=True)
-        chosen = VARIANTS if args.only is None else tuple(v for v in VARIANTS if v["name"] in args.only.split(","))
-        run(args.data, args.output, args.deadline_s, args.device, args.limit, chosen)
-    else:
-        unpack(args.from_dir, args.output)
+    try:
+        if args.command == "pack":
+            pack(args.output)
+        elif args.command == "run":
+            names = [v["name"] for v in VARIANTS]
+            if args.only is not None and (unknown := set(args.only.split(",")) - set(names)):
+                parser.error(f"--only: unknown variant(s) {sorted(unknown)}; known: {names}")
+            args.output.mkdir(parents=True, exist_ok=True)
+            chosen = VARIANTS if args.only is None else tuple(v for v in VARIANTS if v["name"] in args.only.split(","))
+            run(args.data, args.output, args.deadline_s, args.device, args.limit, chosen)
+        else:
+            unpack(args.from_dir, args.output)
+    except (OSError, ValueError) as exc:  # a missing or corrupt packed split, chunk or checkpoint
+        logger.error("%s", exc)
+        return 2
     return 0
 
 

@@ -87,6 +87,12 @@ def _train(args: argparse.Namespace) -> int:
     from tagger.data import load_split
     from tagger.evaluate import format_table
 
+    if args.kind == "transformer" and not 0.0 <= args.rank_weight < float("inf"):
+        logger.error("--rank-weight must be finite and >= 0, got %s", args.rank_weight)
+        return 2
+    if args.kind == "transformer" and (problem := _device_problem(args.device)):
+        logger.error("--device %s: %s", args.device, problem)
+        return 2
     split = load_split()
     if args.kind == "light":
         from tagger.train import train_light
@@ -104,6 +110,21 @@ def _train(args: argparse.Namespace) -> int:
         rows = train_transformer(split, args.output, params)
     print(format_table(rows))
     return 0
+
+
+def _device_problem(device: str) -> str | None:
+    """Why torch cannot train on ``device`` here (checked before the split is loaded), or None."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"{exc}; run `make install-tagger`"
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as exc:
+        return str(exc)
+    if kind == "cuda" and not torch.cuda.is_available():
+        return "torch sees no CUDA device on this machine"
+    return None
 
 
 def _eval(args: argparse.Namespace) -> int:

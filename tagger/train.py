@@ -72,6 +72,8 @@ class TransformerParams:
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, not {self.loss!r}")
+        if not 0.0 <= self.rank_weight < float("inf"):
+            raise ValueError(f"rank_weight must be finite and >= 0, not {self.rank_weight}")
 
 
 LOSSES = ("mse", "mse+rank")

@@ -55,3 +55,14 @@ def test_a_cpu_run_returns_chunks_that_rebuild_the_chosen_tagger(tmp_path, monke
         for chunk in chunks[1:]:
             chunk.unlink()  # a lost chunk: the rest is not a model
         gpu.unpack(out, tmp_path / "broken", split)
+
+
+def test_the_command_refuses_unknown_variants_and_missing_inputs(tmp_path, caplog):
+    from bench.gpu_tagger import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--data", str(tmp_path), "-o", str(tmp_path / "out"), "--only", "rank-256,nope"])
+    assert exc.value.code == 2
+    assert main(["run", "--data", str(tmp_path / "missing"), "-o", str(tmp_path / "out")]) == 2
+    assert main(["unpack", "--from", str(tmp_path), "-o", str(tmp_path / "t")]) == 2
+    assert caplog.records[-1].levelname == "ERROR" and "chosen_tagger.json" in caplog.records[-1].getMessage()

@@ -75,3 +75,16 @@ def test_ceiling_prints_the_noise_and_each_view_beside_the_shipped_tagger(capsys
 def test_ceiling_refuses_bad_arguments_at_once(argv, tmp_path, caplog):
     assert main(["ceiling", *argv]) == 2
     assert caplog.records and caplog.records[-1].levelname == "ERROR"
+
+
+@pytest.mark.tagger
+@pytest.mark.parametrize("device, message", [("bogus", "Expected one of"), ("cuda", "no CUDA device")])
+def test_train_refuses_a_device_torch_cannot_use_before_loading_data(device, message, tmp_path, caplog,
+                                                                     monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("tagger.data.load_split", lambda *a, **k: pytest.fail("loaded the split first"))
+    assert main(["train", "--kind", "transformer", "--device", device, "-o", str(tmp_path / "t")]) == 2
+    assert caplog.records[-1].levelname == "ERROR" and message in caplog.records[-1].getMessage()
+    assert not (tmp_path / "t").exists()

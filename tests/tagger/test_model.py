@@ -85,3 +85,6 @@ def test_an_unknown_loss_is_refused():
 
     with pytest.raises(ValueError, match="loss must be one of"):
         TransformerParams(loss="listmle")
+    for weight in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="rank_weight"):
+            TransformerParams(loss="mse+rank", rank_weight=weight)
