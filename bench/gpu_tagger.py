@@ -27,10 +27,13 @@ import dataclasses
 import gzip
 import json
 import logging
+import math
+import re
 import tempfile
 import time
 from pathlib import Path
 
+from tagger.cli import device_problem
 from tagger.data import Example, Split, split_by_conversation
 
 logger = logging.getLogger(__name__)
@@ -62,6 +65,12 @@ MAX_TRAIN_S = 120.0
 """Training seconds of one variant at most (the optimiser schedule is cut short, and the tagger still saved)."""
 
 _PLACEHOLDER_HISTORY = (("user", ""),)
+
+_CHUNK_RE = re.compile(r"weights\.\d+")
+"""Names of the weight chunks ``run`` writes (``weights.0``, ``weights.1``, ...)."""
+
+MIN_DEADLINE_S = 60.0
+"""``run`` starts a variant only with this many seconds left before its deadline."""
 
 
 def _rows(examples: list[Example]) -> list[list]:
@@ -108,7 +117,14 @@ def run(data_dir: Path, out_dir: Path, deadline_s: float, device: str = "cuda", 
     """Train ``variants`` until ``deadline_s`` seconds have passed; see the module docstring.
 
     ``limit`` keeps the first that many examples of each list (a smoke run on the CPU); ``epochs`` in a
-    variant defaults to 3."""
+    variant defaults to 3. The variant chosen has the best validation
+    first-exchange Kendall τ, ties (and a view too small to give one) broken by the all-exchange τ; a τ that
+    cannot be computed (no pair of different lengths or predictions) is written as null.
+
+    Raises:
+        SystemExit: no variant finished training before the deadline, or none has a validation τ.
+        OSError, ValueError: a missing or corrupt packed split or checkpoint.
+    """
     import numpy as np
     import torch
     from safetensors.torch import save
@@ -131,11 +147,12 @@ def run(data_dir: Path, out_dir: Path, deadline_s: float, device: str = "cuda", 
                      "num_train": len(cut.train), "num_validation": len(cut.test),
                      "num_validation_first": len(cut.test_first), "variants": []}
     best = None
+    trained = 0
     work_dir = tempfile.TemporaryDirectory(prefix="gpu-tagger-")
     for variant in variants:
         elapsed_s = time.monotonic() - start_s
         left_s = deadline_s - elapsed_s
-        if left_s < 60:
+        if left_s < MIN_DEADLINE_S:
             logger.warning("deadline: %s not trained", variant["name"])
             break
         params = TransformerParams(
@@ -159,21 +176,39 @@ def run(data_dir: Path, out_dir: Path, deadline_s: float, device: str = "cuda", 
                  "stopped_early": meta["stopped_early"], "train_time_s": meta["train_time_s"],
                  "gpu_latency_ms_p50_p99": latency}
         results["variants"].append(entry)
-        logger.info("%s", json.dumps(entry))
-        (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-        if best is None or scores["validation-first"] > best[0]:
-            best = (scores["validation-first"], variant["name"], tagger, meta)
+        logger.info("%s", _json(entry))
+        (out_dir / "results.json").write_text(_json(results))
+        trained += 1
+        key = tuple(t if math.isfinite(t) else -math.inf for t in (scores["validation-first"],
+                                                                    scores["validation-all"]))
+        if max(key) > -math.inf and (best is None or key > best[0]):
+            best = (key, variant["name"], tagger, meta)
     work_dir.cleanup()
     if best is None:
-        raise SystemExit("no variant trained before the deadline")
+        raise SystemExit("no variant trained before the deadline" if not trained else
+                         f"{trained} variant(s) trained, none with a validation Kendall tau (validation: "
+                         f"{len(cut.test)} exchanges, {len(cut.test_first)} first)")
     _, name, tagger, meta = best
     results["chosen"] = name
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out_dir / "results.json").write_text(_json(results))
     (out_dir / "chosen_tagger.json").write_text(json.dumps(meta, indent=2) + "\n")
     blob = save({k: v.detach().to("cpu", torch.float16).contiguous() for k, v in tagger.model.state_dict().items()})
     for index, offset in enumerate(range(0, len(blob), CHUNK_BYTES)):
         (out_dir / f"weights.{index}").write_bytes(blob[offset : offset + CHUNK_BYTES])
     logger.info("chose %s; %.0f s in all", name, time.monotonic() - start_s)
+
+
+def _json(value) -> str:
+    """``value`` as indented JSON with NaN written as null (bare NaN is not JSON)."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+    return json.dumps(clean(value), indent=2, allow_nan=False) + "\n"
 
 
 def _gpu_latency_ms(tagger, prompts: list[str]) -> list[float]:
@@ -197,7 +232,9 @@ def unpack(from_dir: Path, out_dir: Path, split: Split | None = None) -> None:
     (default the standard split, ``tagger.data.load_split``), save it as a tagger directory.
 
     Raises:
-        ValueError: a chunk is missing, or the weights are not all-MiniLM-L6-v2's with a one-output head.
+        FileNotFoundError: ``chosen_tagger.json`` is missing.
+        ValueError: ``chosen_tagger.json`` lacks a key or is not JSON, a chunk is missing, or the weights are not
+            all-MiniLM-L6-v2's with a one-output head.
     """
     import torch
     from safetensors import SafetensorError
@@ -208,7 +245,12 @@ def unpack(from_dir: Path, out_dir: Path, split: Split | None = None) -> None:
     from tagger.train import finish
 
     meta = json.loads((from_dir / "chosen_tagger.json").read_text())
-    chunks = sorted(from_dir.glob("weights.*"), key=lambda p: int(p.suffix[1:]))
+    if not isinstance(meta, dict):
+        raise ValueError(f"{from_dir / 'chosen_tagger.json'} is not a JSON object")
+    if missing_keys := [k for k in ("max_length", "target_mean", "target_std") if k not in meta]:
+        raise ValueError(f"{from_dir / 'chosen_tagger.json'} lacks {missing_keys}")
+    chunks = sorted((p for p in from_dir.glob("weights.*") if _CHUNK_RE.fullmatch(p.name)),
+                    key=lambda p: int(p.suffix[1:]))
     try:
         state = {k: v.float() for k, v in load(b"".join(p.read_bytes() for p in chunks)).items()}
     except SafetensorError as exc:
@@ -232,8 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run")
     r.add_argument("--data", type=Path, required=True)
     r.add_argument("-o", "--output", type=Path, required=True)
-    r.add_argument("--deadline-s", type=float, default=420.0)
-    r.add_argument("--device", default="cuda")
+    r.add_argument("--deadline-s", type=float, default=420.0,
+                   help=f"seconds from the start after which no variant starts (at least {MIN_DEADLINE_S:.0f})")
+    r.add_argument("--device", default="cuda", help="torch device: cuda[:index] or cpu")
     r.add_argument("--only", default=None, help="comma-separated variant names to train (default: all, in order)")
     r.add_argument("--limit", type=int, default=None, help="smoke run: the first N examples of each list")
     u = sub.add_parser("unpack")
@@ -249,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
             only = names if args.only is None else args.only.split(",")
             if unknown := set(only) - set(names):
                 parser.error(f"--only: unknown variant(s) {sorted(unknown)}; known: {names}")
+            if not MIN_DEADLINE_S <= args.deadline_s < math.inf:
+                parser.error(f"--deadline-s must be finite and >= {MIN_DEADLINE_S:.0f}, got {args.deadline_s}")
+            if args.limit is not None and args.limit < 1:
+                parser.error(f"--limit must be >= 1, got {args.limit}")
+            if problem := device_problem(args.device):
+                parser.error(f"--device {args.device}: {problem}")
             args.output.mkdir(parents=True, exist_ok=True)
             chosen = tuple(v for v in VARIANTS if v["name"] in only)
             run(args.data, args.output, args.deadline_s, args.device, args.limit, chosen)

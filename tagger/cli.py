@@ -59,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--loss", choices=("mse", "mse+rank"), default="mse",
                        help="transformer: squared error on log1p(tokens), or that plus a pairwise ranking term "
                             "(RankNet) over each batch")
-    train.add_argument("--rank-weight", type=float, default=1.0, help="transformer: weight of the ranking term")
+    train.add_argument("--rank-weight", type=float, default=None,
+                       help="transformer --loss mse+rank: weight of the ranking term (default 1.0)")
     train.add_argument("--device", default="cpu", help="transformer: torch device (cpu, cuda)")
     train.add_argument("--alpha", type=float, default=None,
                        help="light: ridge penalty; default: tagger.light.DEFAULT_ALPHA (1.0)")
@@ -87,10 +88,14 @@ def _train(args: argparse.Namespace) -> int:
     from tagger.data import load_split
     from tagger.evaluate import format_table
 
+    if args.rank_weight is None:
+        args.rank_weight = 1.0
+    elif args.kind != "transformer" or args.loss != "mse+rank":
+        logger.warning("--rank-weight is ignored: it weighs the ranking term of --kind transformer --loss mse+rank")
     if args.kind == "transformer" and not 0.0 <= args.rank_weight < float("inf"):
         logger.error("--rank-weight must be finite and >= 0, got %s", args.rank_weight)
         return 2
-    if args.kind == "transformer" and (problem := _device_problem(args.device)):
+    if args.kind == "transformer" and (problem := device_problem(args.device)):
         logger.error("--device %s: %s", args.device, problem)
         return 2
     split = load_split()
@@ -112,18 +117,26 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _device_problem(device: str) -> str | None:
-    """Why torch cannot train on ``device`` here (checked before the split is loaded), or None."""
+def device_problem(device: str) -> str | None:
+    """Why torch cannot train a tagger on ``device`` here (checked before the split is loaded), or None.
+
+    Accepts ``cpu`` and ``cuda[:index]`` with the index under ``torch.cuda.device_count()``; other kinds torch
+    knows (``mps``, ``xpu``, ...) are refused: the training and serving code is tested on these two only."""
     try:
         import torch
     except ImportError as exc:
         return f"{exc}; run `make install-tagger`"
     try:
-        kind = torch.device(device).type
+        parsed = torch.device(device)
     except RuntimeError as exc:
         return str(exc)
-    if kind == "cuda" and not torch.cuda.is_available():
-        return "torch sees no CUDA device on this machine"
+    if parsed.type not in ("cpu", "cuda"):
+        return f"device kind {parsed.type!r} is not supported (cpu or cuda[:index])"
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            return "torch sees no CUDA device on this machine"
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            return f"torch sees {torch.cuda.device_count()} CUDA device(s) here, so no index {parsed.index}"
     return None
 
 

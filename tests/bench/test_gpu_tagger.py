@@ -32,7 +32,7 @@ def test_a_cpu_run_returns_chunks_that_rebuild_the_chosen_tagger(tmp_path, monke
 
     monkeypatch.setattr(gpu, "CHUNK_BYTES", 20_000_000)  # several chunks from the 87 MB of fp16 weights
     data, out, rebuilt = tmp_path / "data", tmp_path / "out", tmp_path / "tagger"
-    split = split_by_conversation(load_examples()[:120], seed=2)
+    split = split_by_conversation(load_examples()[:400], seed=2)
     gpu.write_packed(split, data)
     (data / "minilm").symlink_to(default_checkpoint())
     out.mkdir()
@@ -63,6 +63,49 @@ def test_the_command_refuses_unknown_variants_and_missing_inputs(tmp_path, caplo
     with pytest.raises(SystemExit) as exc:
         main(["run", "--data", str(tmp_path), "-o", str(tmp_path / "out"), "--only", "rank-256,nope"])
     assert exc.value.code == 2
-    assert main(["run", "--data", str(tmp_path / "missing"), "-o", str(tmp_path / "out")]) == 2
+    assert main(["run", "--data", str(tmp_path / "missing"), "-o", str(tmp_path / "out"), "--device", "cpu"]) == 2
     assert main(["unpack", "--from", str(tmp_path), "-o", str(tmp_path / "t")]) == 2
     assert caplog.records[-1].levelname == "ERROR" and "chosen_tagger.json" in caplog.records[-1].getMessage()
+    (tmp_path / "chosen_tagger.json").write_text("{}")
+    assert main(["unpack", "--from", str(tmp_path), "-o", str(tmp_path / "t")]) == 2
+    assert "lacks ['max_length', 'target_mean', 'target_std']" in caplog.records[-1].getMessage()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--deadline-s", "nan"], "--deadline-s must be finite"), (["--deadline-s", "30"], "--deadline-s must be"),
+    (["--limit", "-5"], "--limit must be >= 1"), (["--device", "nonsense"], "--device nonsense"),
+    (["--device", "cuda"], "no CUDA device")])
+def test_run_refuses_bad_arguments_before_loading_the_split(argv, message, tmp_path, capsys, monkeypatch):
+    import torch
+
+    from bench.gpu_tagger import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("bench.gpu_tagger.load_packed", lambda *a: pytest.fail("loaded the split"))
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--data", str(tmp_path), "-o", str(tmp_path / "out"), *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_stray_file_beside_the_chunks_is_not_read_as_one(tmp_path):
+    from bench.gpu_tagger import _CHUNK_RE
+
+    assert [n for n in ("weights.0", "weights.12", "weights.0.bak", "weights.x", "weights.") if _CHUNK_RE.fullmatch(n)] \
+        == ["weights.0", "weights.12"]
+
+
+def test_a_tau_that_cannot_be_computed_is_null_and_never_chooses(tmp_path):
+    import bench.gpu_tagger as gpu
+    from tagger.data import load_examples, split_by_conversation
+    from tagger.model import default_checkpoint
+
+    data, out = tmp_path / "data", tmp_path / "out"
+    split = split_by_conversation(load_examples()[:120], seed=2)
+    gpu.write_packed(split, data)  # its validation cut holds one exchange: no pair to rank
+    (data / "minilm").symlink_to(default_checkpoint())
+    out.mkdir()
+    variants = ({"name": "a", "loss": "mse", "max_length": 8, "epochs": 1},)
+    with pytest.raises(SystemExit, match="none with a validation Kendall tau"):
+        gpu.run(data, out, deadline_s=600, device="cpu", variants=variants)
+    results = json.loads((out / "results.json").read_text())  # valid JSON: no bare NaN
+    assert results["variants"][0]["kendall_tau"]["validation-first"] is None

@@ -78,13 +78,28 @@ def test_ceiling_refuses_bad_arguments_at_once(argv, tmp_path, caplog):
 
 
 @pytest.mark.tagger
-@pytest.mark.parametrize("device, message", [("bogus", "Expected one of"), ("cuda", "no CUDA device")])
-def test_train_refuses_a_device_torch_cannot_use_before_loading_data(device, message, tmp_path, caplog,
-                                                                     monkeypatch):
+@pytest.mark.parametrize("device, cuda_devices, message", [
+    ("bogus", 0, "Expected one of"), ("cuda", 0, "no CUDA device"), ("xpu", 0, "not supported"),
+    ("mps", 1, "not supported"), ("cuda:7", 1, "no index 7")])
+def test_train_refuses_a_device_torch_cannot_use_before_loading_data(device, cuda_devices, message, tmp_path,
+                                                                     caplog, monkeypatch):
     import torch
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_devices > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda_devices)
     monkeypatch.setattr("tagger.data.load_split", lambda *a, **k: pytest.fail("loaded the split first"))
     assert main(["train", "--kind", "transformer", "--device", device, "-o", str(tmp_path / "t")]) == 2
     assert caplog.records[-1].levelname == "ERROR" and message in caplog.records[-1].getMessage()
     assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.tagger
+def test_a_rank_weight_the_loss_does_not_use_is_warned_about(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr("tagger.data.load_split", lambda *a, **k: pytest.fail("loaded the split"))
+    main(["train", "--kind", "transformer", "--loss", "mse", "--rank-weight", "3", "--device", "bogus",
+          "-o", str(tmp_path / "t")])
+    assert any(r.levelname == "WARNING" and "--rank-weight is ignored" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    main(["train", "--kind", "transformer", "--loss", "mse+rank", "--rank-weight", "3", "--device", "bogus",
+          "-o", str(tmp_path / "t")])
+    assert not any(r.levelname == "WARNING" for r in caplog.records)
