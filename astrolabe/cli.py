@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import math
 import os
 import sys
 
@@ -48,6 +49,35 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.nargs == 0:  # store_true / store_false / store_const: the help says what giving it does
             return text
         return super()._get_help_string(action)
+
+
+def int_at_least(low: int):
+    """An argparse ``type`` for an integer ``>= low``: a bad value is argparse's usage error (exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    parse.__name__ = "int"  # argparse's "invalid int value" wording for a non-ArgumentTypeError
+    return parse
+
+
+def finite_float(low: float, *, inclusive: bool):
+    """An argparse ``type`` for a finite float ``>= low`` (``inclusive``) or ``> low``: a bad value (NaN, inf
+    included) is argparse's usage error (exit 2)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            raise argparse.ArgumentTypeError(f"must be finite and {'>=' if inclusive else '>'} {low:g}, got {text}")
+        return value
+    parse.__name__ = "float"
+    return parse
 
 
 def dispatch(prog: str, table: dict[str, tuple[str, str]], argv: list[str]) -> int:

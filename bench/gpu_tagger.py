@@ -30,6 +30,7 @@ import gzip
 import json
 import logging
 import math
+import os
 import re
 import tempfile
 import time
@@ -112,9 +113,33 @@ def write_packed(split: Split, out_dir: Path) -> None:
     (out_dir / "split.json.gz").write_bytes(gzip.compress(json.dumps(payload).encode(), 6))
 
 
+_ROW_TYPES = (str, str, int, int, int, bool)
+
+
 def load_packed(data_dir: Path) -> Split:
-    """The split written by :func:`pack`."""
-    payload = json.loads(gzip.decompress((data_dir / "split.json.gz").read_bytes()))
+    """The split written by :func:`pack`.
+
+    Raises:
+        OSError: ``split.json.gz`` is missing or unreadable.
+        ValueError: it is not gzip'd JSON of :func:`write_packed`'s shape (the message names the file and the first
+            bad key or row).
+    """
+    path = data_dir / "split.json.gz"
+    raw = path.read_bytes()
+    try:
+        payload = json.loads(gzip.decompress(raw))
+    except (OSError, EOFError, ValueError) as exc:  # not gzip, truncated, not JSON / UTF-8
+        raise ValueError(f"{path} is not gzip'd JSON: {exc}") from exc
+    keys = ("train", "test", "test_first", "seed", "test_frac")
+    if not isinstance(payload, dict) or any(k not in payload for k in keys):
+        raise ValueError(f"{path}: not a packed split (a JSON object with {list(keys)})")
+    for view in keys[:3]:
+        rows = payload[view]
+        for index, row in enumerate(rows if isinstance(rows, list) else [rows]):
+            if not (isinstance(row, list) and len(row) == len(_ROW_TYPES)
+                    and all(type(v) is t for v, t in zip(row, _ROW_TYPES))):  # JSON: ints are never bools
+                raise ValueError(f"{path}: {view}[{index}] is not [id, prompt, prompt tokens, output tokens, turn, "
+                                 f"had history]: {str(row)[:80]}")
     return Split(train=_examples(payload["train"]), test=_examples(payload["test"]),
                  test_first=_examples(payload["test_first"]), seed=payload["seed"], test_frac=payload["test_frac"])
 
@@ -142,7 +167,10 @@ def run(data_dir: Path, out_dir: Path, deadline_s: float, device: str = "cuda", 
     from tagger.train import TransformerParams, train_transformer
 
     start_s = time.monotonic()
+    if not (data_dir / "minilm" / "config.json").is_file():
+        raise ValueError(f"{data_dir / 'minilm'}: no checkpoint (written by `pack`)")
     split = load_packed(data_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     if limit is not None:
         split = dataclasses.replace(split, train=split.train[:limit], test=split.test[:limit],
                                     test_first=split.test_first[:limit])
@@ -165,7 +193,7 @@ def run(data_dir: Path, out_dir: Path, deadline_s: float, device: str = "cuda", 
         params = TransformerParams(
             checkpoint=str(data_dir / "minilm"), max_length=variant["max_length"], epochs=variant.get("epochs", 3),
             batch_size=64, lr=1e-4, loss=variant["loss"], rank_weight=variant.get("rank_weight", 1.0), device=device,
-            num_threads=8,
+            num_threads=min(8, os.cpu_count() or 1),
             max_train_s=min(left_s - 45, MAX_TRAIN_S))
         tagger_dir = Path(work_dir.name) / variant["name"]
         rows = train_transformer(inner, tagger_dir, params)
@@ -259,6 +287,48 @@ def calibrate_on_validation(tagger, split: Split):
                                np.array([bool(e.history) for e in held_out]), num_bins=CALIBRATION_NUM_BINS)
 
 
+def _chosen_meta(path: Path) -> dict:
+    """``chosen_tagger.json`` checked: ``max_length`` an int in 1..512, ``target_mean`` finite, ``target_std`` finite
+    and > 0.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: not JSON, not an object, a key missing or a value out of range.
+    """
+    meta = json.loads(path.read_text())
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    if missing_keys := [k for k in ("max_length", "target_mean", "target_std") if k not in meta]:
+        raise ValueError(f"{path} lacks {missing_keys}")
+    length, mean, std = meta["max_length"], meta["target_mean"], meta["target_std"]
+    if type(length) is not int or not 1 <= length <= 512:
+        raise ValueError(f"{path}: max_length must be an integer in 1..512, got {length!r}")
+    for key, value in (("target_mean", mean), ("target_std", std)):
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise ValueError(f"{path}: {key} must be a finite number, got {value!r}")
+    if not std > 0:
+        raise ValueError(f"{path}: target_std must be > 0, got {std!r}")
+    return meta
+
+
+def _chunks(from_dir: Path) -> list[Path]:
+    """The weight chunks ``weights.0`` .. ``weights.N`` in order.
+
+    Raises:
+        ValueError: none, a number given twice (``weights.1`` and ``weights.01``) or a gap.
+    """
+    chunks = [p for p in from_dir.glob("weights.*") if _CHUNK_RE.fullmatch(p.name)]
+    indices = sorted(int(p.suffix[1:]) for p in chunks)
+    if not chunks:
+        raise ValueError(f"{from_dir}: no weight chunks (weights.0, weights.1, ...)")
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"{from_dir}: a chunk number appears twice: {sorted(p.name for p in chunks)}")
+    if indices != list(range(len(indices))):
+        lost = sorted(set(range(indices[-1] + 1)) - set(indices))
+        raise ValueError(f"{from_dir}: weight chunk(s) {lost} missing")
+    return sorted(chunks, key=lambda p: int(p.suffix[1:]))
+
+
 def unpack(from_dir: Path, out_dir: Path, split: Split | None = None) -> None:
     """Rebuild the chosen tagger in fp32 from the chunks, calibrate its quantiles on the validation cut
     (:func:`calibrate_on_validation`), evaluate it here with the full prompts of ``split`` (default the standard
@@ -266,7 +336,8 @@ def unpack(from_dir: Path, out_dir: Path, split: Split | None = None) -> None:
 
     Raises:
         FileNotFoundError: ``chosen_tagger.json`` is missing.
-        ValueError: ``chosen_tagger.json`` lacks a key or is not JSON, a chunk is missing, or the weights are not
+        ValueError: ``chosen_tagger.json`` is not JSON or lacks a key or holds a value out of range (checked before
+            anything loads), ``out_dir`` is a file, a chunk is missing or doubled, or the weights are not
             all-MiniLM-L6-v2's with a one-output head.
     """
     import torch
@@ -277,22 +348,23 @@ def unpack(from_dir: Path, out_dir: Path, split: Split | None = None) -> None:
     from tagger.model import TransformerTagger
     from tagger.train import finish
 
-    meta = json.loads((from_dir / "chosen_tagger.json").read_text())
-    if not isinstance(meta, dict):
-        raise ValueError(f"{from_dir / 'chosen_tagger.json'} is not a JSON object")
-    if missing_keys := [k for k in ("max_length", "target_mean", "target_std") if k not in meta]:
-        raise ValueError(f"{from_dir / 'chosen_tagger.json'} lacks {missing_keys}")
-    chunks = sorted((p for p in from_dir.glob("weights.*") if _CHUNK_RE.fullmatch(p.name)),
-                    key=lambda p: int(p.suffix[1:]))
+    meta = _chosen_meta(from_dir / "chosen_tagger.json")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"-o {out_dir}: exists and is not a directory")
+    chunks = _chunks(from_dir)
     try:
         state = {k: v.float() for k, v in load(b"".join(p.read_bytes() for p in chunks)).items()}
     except SafetensorError as exc:
         raise ValueError(f"the weight chunks {[p.name for p in chunks]} are not one safetensors file: {exc}") from exc
-    tagger = TransformerTagger.from_checkpoint(None, max_length=int(meta["max_length"]),
+    tagger = TransformerTagger.from_checkpoint(None, max_length=meta["max_length"],
                                                target_mean=meta["target_mean"], target_std=meta["target_std"])
-    missing, unexpected = tagger.model.load_state_dict(state, strict=False)
-    if [k for k in missing if "position_ids" not in k] or unexpected:
-        raise ValueError(f"weights do not fit all-MiniLM-L6-v2: missing {missing}, unexpected {unexpected}")
+    try:
+        missing, unexpected = tagger.model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # the same names with other shapes
+        raise ValueError(f"weights do not fit all-MiniLM-L6-v2 with a one-output head: {str(exc)[:300]}") from exc
+    if (missing := [k for k in missing if "position_ids" not in k]) or unexpected:
+        raise ValueError(f"weights do not fit all-MiniLM-L6-v2 with a one-output head: {len(missing)} tensor(s) "
+                         f"missing (e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})")
     torch.set_num_threads(2)
     split = split if split is not None else load_split()
     tagger.save(out_dir)
@@ -313,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--data", type=Path, required=True)
     r.add_argument("-o", "--output", type=Path, required=True)
     r.add_argument("--deadline-s", type=float, default=420.0,
-                   help=f"seconds from the start after which no variant starts (at least {MIN_DEADLINE_S:.0f})")
+                   help=f"seconds from the start after which no variant starts (at least {2 * MIN_DEADLINE_S:.0f}: "
+                        f"a variant starts only with {MIN_DEADLINE_S:.0f} s left)")
     r.add_argument("--device", default="cuda", help="torch device: cuda[:index] or cpu")
     r.add_argument("--only", default=None, help="comma-separated variant names to train (default: all, in order)")
     r.add_argument("--limit", type=int, default=None, help="smoke run: the first N examples of each list")
@@ -322,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     u.add_argument("-o", "--output", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.output.exists() and not args.output.is_dir():
+        parser.error(f"-o {args.output}: exists and is not a directory")
     try:
         if args.command == "pack":
             pack(args.output)
@@ -330,13 +405,15 @@ def main(argv: list[str] | None = None) -> int:
             only = names if args.only is None else args.only.split(",")
             if unknown := set(only) - set(names):
                 parser.error(f"--only: unknown variant(s) {sorted(unknown)}; known: {names}")
-            if not MIN_DEADLINE_S <= args.deadline_s < math.inf:
-                parser.error(f"--deadline-s must be finite and >= {MIN_DEADLINE_S:.0f}, got {args.deadline_s}")
+            if not 2 * MIN_DEADLINE_S <= args.deadline_s < math.inf:  # loading the split and model takes time too
+                parser.error(f"--deadline-s must be finite and >= {2 * MIN_DEADLINE_S:.0f}, got {args.deadline_s}")
             if args.limit is not None and args.limit < 1:
                 parser.error(f"--limit must be >= 1, got {args.limit}")
             if problem := device_problem(args.device):
                 parser.error(f"--device {args.device}: {problem}")
-            args.output.mkdir(parents=True, exist_ok=True)
+            if args.output.is_dir() and any(args.output.glob(name) for name in ("weights.*", "results.json",
+                                                                                 "chosen_tagger.json")):
+                parser.error(f"-o {args.output} holds an earlier run's results: give an empty or new directory")
             chosen = tuple(v for v in VARIANTS if v["name"] in only)
             run(args.data, args.output, args.deadline_s, args.device, args.limit, chosen)
         else:

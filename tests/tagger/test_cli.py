@@ -80,7 +80,7 @@ def test_ceiling_refuses_bad_arguments_at_once(argv, tmp_path, caplog):
 @pytest.mark.tagger
 @pytest.mark.parametrize("device, cuda_devices, message", [
     ("bogus", 0, "Expected one of"), ("cuda", 0, "no CUDA device"), ("xpu", 0, "not supported"),
-    ("mps", 1, "not supported"), ("cuda:7", 1, "no index 7")])
+    ("mps", 1, "not supported"), ("cuda:7", 1, "no index 7"), ("cpu:1", 0, "no device index but 0")])
 def test_train_refuses_a_device_torch_cannot_use_before_loading_data(device, cuda_devices, message, tmp_path,
                                                                      caplog, monkeypatch):
     import torch
@@ -103,3 +103,35 @@ def test_a_rank_weight_the_loss_does_not_use_is_warned_about(tmp_path, caplog, m
     main(["train", "--kind", "transformer", "--loss", "mse+rank", "--rank-weight", "3", "--device", "bogus",
           "-o", str(tmp_path / "t")])
     assert not any(r.levelname == "WARNING" for r in caplog.records)
+
+
+@pytest.mark.parametrize("argv", [["--max-length", "0"], ["--epochs", "0"], ["--batch-size", "0"], ["--lr", "nan"],
+                                  ["--lr", "-1"], ["--threads", "0"], ["--max-train-minutes", "nan"],
+                                  ["--max-train-minutes", "0"], ["--max-train-pairs", "0"], ["--rank-weight", "inf"],
+                                  ["--alpha", "0"], ["--alpha", "inf"], ["--epochs", "two"]])
+def test_train_refuses_numbers_out_of_range_before_loading_data(argv, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("tagger.data.load_split", lambda *a, **k: pytest.fail("loaded the split first"))
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--kind", "transformer", *argv, "-o", str(tmp_path / "t")])
+    assert exc.value.code == 2 and f"argument {argv[0]}" in capsys.readouterr().err
+
+
+@pytest.mark.tagger
+def test_train_refuses_what_the_default_encoder_cannot_read_and_a_file_as_output(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr("tagger.data.load_split", lambda *a, **k: pytest.fail("loaded the split first"))
+    assert main(["train", "--kind", "transformer", "--max-length", "600", "-o", str(tmp_path / "t")]) == 2
+    assert "reads at most 512 tokens" in caplog.records[-1].getMessage()
+    (tmp_path / "afile").write_text("x")
+    assert main(["train", "--kind", "light", "-o", str(tmp_path / "afile")]) == 2
+    assert "is not a directory" in caplog.records[-1].getMessage()
+
+
+def test_train_warns_of_options_the_kind_does_not_use(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr("tagger.data.load_split", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("stop")))
+    with pytest.raises(RuntimeError, match="stop"):
+        main(["train", "--kind", "light", "--epochs", "3", "--device", "xpu", "-o", str(tmp_path / "t")])
+    assert any("ignored with --kind light: --device, --epochs" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with pytest.raises(RuntimeError, match="stop"):
+        main(["train", "--kind", "transformer", "--alpha", "2", "--device", "cpu", "-o", str(tmp_path / "t")])
+    assert any("ignored with --kind transformer: --alpha" in r.getMessage() for r in caplog.records)
