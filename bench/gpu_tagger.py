@@ -379,20 +379,21 @@ def unpack(from_dir: Path, out_dir: Path, split: Split | None = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_tagger", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("pack")
-    p.add_argument("-o", "--output", type=Path, required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--data", type=Path, required=True)
-    r.add_argument("-o", "--output", type=Path, required=True)
+    p = sub.add_parser("pack", help="here: the split and an fp16 checkpoint, for the GPU machine")
+    p.add_argument("-o", "--output", type=Path, required=True, help="directory to write (~50 MB)")
+    r = sub.add_parser("run", help="on the GPU machine: train the variants, return the chosen one's weights")
+    r.add_argument("--data", type=Path, required=True, help="the directory `pack` wrote")
+    r.add_argument("-o", "--output", type=Path, required=True,
+                   help="empty directory for results.json, chosen_tagger.json and the weight chunks")
     r.add_argument("--deadline-s", type=float, default=420.0,
                    help=f"seconds from the start after which no variant starts (at least {2 * MIN_DEADLINE_S:.0f}: "
                         f"a variant starts only with {MIN_DEADLINE_S:.0f} s left)")
     r.add_argument("--device", default="cuda", help="torch device: cuda[:index] or cpu")
     r.add_argument("--only", default=None, help="comma-separated variant names to train (default: all, in order)")
     r.add_argument("--limit", type=int, default=None, help="smoke run: the first N examples of each list")
-    u = sub.add_parser("unpack")
-    u.add_argument("--from", dest="from_dir", type=Path, required=True)
-    u.add_argument("-o", "--output", type=Path, required=True)
+    u = sub.add_parser("unpack", help="here: rebuild the chosen tagger, calibrate its quantiles, evaluate it")
+    u.add_argument("--from", dest="from_dir", type=Path, required=True, help="the directory `run` wrote")
+    u.add_argument("-o", "--output", type=Path, required=True, help="tagger directory to write")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.output.exists() and not args.output.is_dir():

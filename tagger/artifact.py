@@ -29,6 +29,9 @@ import numpy as np
 
 from tagger.features import HistoryStats
 
+MODEL_SUBDIR = "model"
+"""Sub-directory of a transformer tagger directory holding its encoder and tokenizer (``save_pretrained``)."""
+
 logger = logging.getLogger(__name__)
 
 META_FILE = "tagger.json"

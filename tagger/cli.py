@@ -167,10 +167,15 @@ def _eval(args: argparse.Namespace) -> int:
     import numpy as np
 
     from tagger.evaluate import format_coverage, predict_examples
+    from tagger.artifact import TaggerLoadError
     from tagger.quantiles import LengthQuantiles, QuantileError, coverage
 
+    try:
+        tagger = load_tagger(args.tagger)
+    except TaggerLoadError as exc:
+        logger.error("%s", exc)
+        return 2
     split = load_split()
-    tagger = load_tagger(args.tagger)
     try:
         quantiles = LengthQuantiles.load(args.tagger)
     except QuantileError:
@@ -183,7 +188,8 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"\n{view} view ({len(test)} exchanges):\n{format_table(rows)}")
         if quantiles is not None:
             q = quantiles.quantiles_batch(predict_examples(tagger, test), np.array([bool(e.history) for e in test]))
-            covered.append((view, coverage(q, [e.num_output_tokens for e in test]).tolist()))
+            # rounded as tagger.train.finish rounds eval.json's, so that train and eval print the same table
+            covered.append((view, coverage(q, [e.num_output_tokens for e in test]).round(4).tolist()))
     if quantiles is not None:
         print(f"\nquantile coverage (fraction of true lengths <= the predicted quantile):\n"
               f"{format_coverage(quantiles.levels, covered)}")
@@ -231,12 +237,16 @@ def _ceiling(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from astrolabe.tracing import TracingConfigError
+    from tagger.artifact import TaggerLoadError
     from tagger.grpc_service import serve_grpc
 
     try:
         asyncio.run(serve_grpc(args.tagger, args.listen))
     except TracingConfigError as exc:
         logger.error("invalid tracing configuration: %s", exc)
+        return 2
+    except TaggerLoadError as exc:
+        logger.error("%s", exc)
         return 2
     return 0
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tagger.artifact import LengthTagger, TaggerLoadError, read_meta
+from tagger.artifact import MODEL_SUBDIR, LengthTagger, TaggerLoadError, read_meta
 from tagger.features import NO_HISTORY, HistoryStats
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,9 @@ def load_tagger(path: Path | str | None = None) -> LengthTagger:
         from tagger.light import LightTagger
 
         return LightTagger.load(directory)
+    if not (directory / MODEL_SUBDIR).is_dir():
+        raise TaggerLoadError(f"{directory} is a transformer tagger without its weights ({MODEL_SUBDIR}/ is missing): "
+                              "they are not committed; tagger/README.md, 'Weights', says how to rebuild them")
     try:
         from tagger.model import TransformerTagger
     except ImportError as exc:

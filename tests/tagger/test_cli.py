@@ -5,6 +5,7 @@ import json
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -135,3 +136,16 @@ def test_train_warns_of_options_the_kind_does_not_use(tmp_path, caplog, monkeypa
     with pytest.raises(RuntimeError, match="stop"):
         main(["train", "--kind", "transformer", "--alpha", "2", "--device", "cpu", "-o", str(tmp_path / "t")])
     assert any("ignored with --kind transformer: --alpha" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("command", ["eval", "serve"])
+def test_a_transformer_tagger_without_its_weights_is_one_clear_error(command, tmp_path, caplog, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr("tagger.data.load_split", lambda *a, **k: pytest.fail("loaded the split first"))
+    shutil.copy(Path(__file__).parents[2] / "bench/results/tagger_encoder_gpu/tagger.json", tmp_path)  # no model/
+    argv = [command, "--tagger", str(tmp_path)] + (["--listen", "127.0.0.1:0"] if command == "serve" else [])
+    assert main(argv) == 2
+    assert "without its weights (model/ is missing)" in caplog.records[-1].getMessage()
+    assert main([command, "--tagger", str(tmp_path / "nowhere")] + argv[3:]) == 2
+    assert "cannot read tagger metadata" in caplog.records[-1].getMessage()
