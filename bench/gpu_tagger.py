@@ -36,8 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from tagger.cli import device_problem
+from astrolabe.cli import finite_float, int_at_least
 from tagger.data import Example, Split, split_by_conversation
+from tagger.train import MAX_POSITIONS, device_problem
 
 logger = logging.getLogger(__name__)
 
@@ -301,8 +302,8 @@ def _chosen_meta(path: Path) -> dict:
     if missing_keys := [k for k in ("max_length", "target_mean", "target_std") if k not in meta]:
         raise ValueError(f"{path} lacks {missing_keys}")
     length, mean, std = meta["max_length"], meta["target_mean"], meta["target_std"]
-    if type(length) is not int or not 1 <= length <= 512:
-        raise ValueError(f"{path}: max_length must be an integer in 1..512, got {length!r}")
+    if type(length) is not int or not 1 <= length <= MAX_POSITIONS:
+        raise ValueError(f"{path}: max_length must be an integer in 1..{MAX_POSITIONS}, got {length!r}")
     for key, value in (("target_mean", mean), ("target_std", std)):
         if type(value) not in (int, float) or not math.isfinite(value):
             raise ValueError(f"{path}: {key} must be a finite number, got {value!r}")
@@ -385,12 +386,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--data", type=Path, required=True, help="the directory `pack` wrote")
     r.add_argument("-o", "--output", type=Path, required=True,
                    help="empty directory for results.json, chosen_tagger.json and the weight chunks")
-    r.add_argument("--deadline-s", type=float, default=420.0,
+    r.add_argument("--deadline-s", type=finite_float(2 * MIN_DEADLINE_S, inclusive=True), default=420.0,
                    help=f"seconds from the start after which no variant starts (at least {2 * MIN_DEADLINE_S:.0f}: "
                         f"a variant starts only with {MIN_DEADLINE_S:.0f} s left)")
     r.add_argument("--device", default="cuda", help="torch device: cuda[:index] or cpu")
     r.add_argument("--only", default=None, help="comma-separated variant names to train (default: all, in order)")
-    r.add_argument("--limit", type=int, default=None, help="smoke run: the first N examples of each list")
+    r.add_argument("--limit", type=int_at_least(1), default=None,
+                   help="smoke run: the first N examples of each list")
     u = sub.add_parser("unpack", help="here: rebuild the chosen tagger, calibrate its quantiles, evaluate it")
     u.add_argument("--from", dest="from_dir", type=Path, required=True, help="the directory `run` wrote")
     u.add_argument("-o", "--output", type=Path, required=True, help="tagger directory to write")
@@ -406,10 +408,6 @@ def main(argv: list[str] | None = None) -> int:
             only = names if args.only is None else args.only.split(",")
             if unknown := set(only) - set(names):
                 parser.error(f"--only: unknown variant(s) {sorted(unknown)}; known: {names}")
-            if not 2 * MIN_DEADLINE_S <= args.deadline_s < math.inf:  # loading the split and model takes time too
-                parser.error(f"--deadline-s must be finite and >= {2 * MIN_DEADLINE_S:.0f}, got {args.deadline_s}")
-            if args.limit is not None and args.limit < 1:
-                parser.error(f"--limit must be >= 1, got {args.limit}")
             if problem := device_problem(args.device):
                 parser.error(f"--device {args.device}: {problem}")
             if args.output.is_dir() and any(args.output.glob(name) for name in ("weights.*", "results.json",

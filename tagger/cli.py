@@ -89,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace) -> int:
     from tagger.data import load_split
     from tagger.evaluate import format_table
+    from tagger.train import MAX_POSITIONS, device_problem
 
     if args.output.exists() and not args.output.is_dir():
         logger.error("-o %s: exists and is not a directory", args.output)
@@ -101,8 +102,8 @@ def _train(args: argparse.Namespace) -> int:
         args.rank_weight = 1.0
     elif args.kind == "transformer" and args.loss != "mse+rank":
         logger.warning("--rank-weight is ignored: it weighs the ranking term of --loss mse+rank")
-    if args.kind == "transformer" and args.checkpoint is None and args.max_length > _MAX_POSITIONS:
-        logger.error("--max-length %d: all-MiniLM-L6-v2 reads at most %d tokens", args.max_length, _MAX_POSITIONS)
+    if args.kind == "transformer" and args.checkpoint is None and args.max_length > MAX_POSITIONS:
+        logger.error("--max-length %d: all-MiniLM-L6-v2 reads at most %d tokens", args.max_length, MAX_POSITIONS)
         return 2
     if args.kind == "transformer" and (problem := device_problem(args.device)):
         logger.error("--device %s: %s", args.device, problem)
@@ -129,46 +130,14 @@ def _train(args: argparse.Namespace) -> int:
 _TRANSFORMER_ONLY = frozenset({"checkpoint", "max_length", "epochs", "max_train_pairs", "batch_size", "lr",
                                "threads", "max_train_minutes", "loss", "rank_weight", "device"})
 _LIGHT_ONLY = frozenset({"alpha"})
-_MAX_POSITIONS = 512
-"""Position embeddings of the default checkpoint, all-MiniLM-L6-v2 (``max_position_embeddings`` in its
-``config.json``)."""
-
-
-def device_problem(device: str) -> str | None:
-    """Why torch cannot train a tagger on ``device`` here (checked before the split is loaded), or None.
-
-    Accepts ``cpu`` and ``cuda[:index]`` with the index under ``torch.cuda.device_count()``; other kinds torch
-    knows (``mps``, ``xpu``, ...) are refused: the training and serving code is tested on these two only."""
-    try:
-        import torch
-    except ImportError as exc:
-        return f"{exc}; run `make install-tagger`"
-    try:
-        parsed = torch.device(device)
-    except RuntimeError as exc:
-        return str(exc)
-    if parsed.type not in ("cpu", "cuda"):
-        return f"device kind {parsed.type!r} is not supported (cpu or cuda[:index])"
-    if parsed.type == "cpu" and parsed.index not in (None, 0):
-        return "the CPU has no device index but 0 (torch would run on the CPU anyway)"
-    if parsed.type == "cuda":
-        if not torch.cuda.is_available():
-            return "torch sees no CUDA device on this machine"
-        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            return f"torch sees {torch.cuda.device_count()} CUDA device(s) here, so no index {parsed.index}"
-    return None
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from tagger.data import load_split
-    from tagger.evaluate import evaluate_tagger, format_table
-    from tagger.serve import load_tagger
-
-    import numpy as np
-
-    from tagger.evaluate import format_coverage, predict_examples
     from tagger.artifact import TaggerLoadError
-    from tagger.quantiles import LengthQuantiles, QuantileError, coverage
+    from tagger.data import load_split
+    from tagger.evaluate import evaluate_tagger, format_coverage, format_table, predict_examples, quantile_coverage
+    from tagger.quantiles import LengthQuantiles, QuantileError
+    from tagger.serve import load_tagger
 
     try:
         tagger = load_tagger(args.tagger)
@@ -184,12 +153,11 @@ def _eval(args: argparse.Namespace) -> int:
           f"exchanges, {len(split.test_first)} in the first-exchange view")
     covered = []
     for view, test in (("first-exchange", split.test_first), ("all-exchange", split.test)):
-        rows, _ = evaluate_tagger(tagger, split.train, test)
+        estimates = predict_examples(tagger, test)
+        rows, _ = evaluate_tagger(tagger, split.train, test, estimates_log1p=estimates)
         print(f"\n{view} view ({len(test)} exchanges):\n{format_table(rows)}")
         if quantiles is not None:
-            q = quantiles.quantiles_batch(predict_examples(tagger, test), np.array([bool(e.history) for e in test]))
-            # rounded as tagger.train.finish rounds eval.json's, so that train and eval print the same table
-            covered.append((view, coverage(q, [e.num_output_tokens for e in test]).round(4).tolist()))
+            covered.append((view, quantile_coverage(quantiles, estimates, test)))
     if quantiles is not None:
         print(f"\nquantile coverage (fraction of true lengths <= the predicted quantile):\n"
               f"{format_coverage(quantiles.levels, covered)}")

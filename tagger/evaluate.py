@@ -18,6 +18,7 @@ import numpy as np
 from tagger.artifact import LengthTagger, log1p_tokens, tokens_from_log1p
 from tagger.data import Example
 from tagger.features import HistoryStats
+from tagger.quantiles import LengthQuantiles, coverage
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +180,8 @@ def predict_examples(tagger: LengthTagger, examples: Sequence[Example]) -> np.nd
 
 
 def evaluate_tagger(
-    tagger: LengthTagger, train: Sequence[Example], test: Sequence[Example], name: str | None = None
+    tagger: LengthTagger, train: Sequence[Example], test: Sequence[Example], name: str | None = None,
+    estimates_log1p: np.ndarray | None = None,
 ) -> tuple[list[Metrics], np.ndarray]:
     """Score ``tagger`` and both baselines on ``test``.
 
@@ -188,13 +190,15 @@ def evaluate_tagger(
         train: the training split (the baselines are fitted on it).
         test: the held-out split.
         name: row label for the tagger (default its kind).
+        estimates_log1p: the tagger's :func:`predict_examples` on ``test`` when the caller has them already (an
+            encoder takes minutes of CPU for a view); None = predict here.
 
     Returns:
         ``([tagger, median baseline, prompt-length baseline] metrics, tagger's predicted tokens)``; the
         predictions are int64 of shape ``(len(test),)``, test order.
     """
     true = np.array([e.num_output_tokens for e in test])
-    pred = tokens_from_log1p(predict_examples(tagger, test))
+    pred = tokens_from_log1p(predict_examples(tagger, test) if estimates_log1p is None else estimates_log1p)
     rows = [
         compute_metrics(name or f"{tagger.kind} tagger", pred, true),
         compute_metrics("baseline: global median", median_baseline(train, test), true),
@@ -221,6 +225,14 @@ def format_table(rows: Sequence[Metrics]) -> str:
             f"{_corr(m.spearman_rho)} |"
         )
     return "\n".join(lines)
+
+
+def quantile_coverage(quantiles: LengthQuantiles, estimates_log1p: np.ndarray, examples: Sequence[Example]
+                      ) -> list[float]:
+    """Coverage of each of ``quantiles.levels`` on ``examples`` given the tagger's estimates for them
+    (``tagger.quantiles.coverage``), rounded to 4 decimals as ``eval.json`` stores it; ``len(levels)`` floats."""
+    q = quantiles.quantiles_batch(estimates_log1p, np.array([bool(e.history) for e in examples]))
+    return coverage(q, np.array([e.num_output_tokens for e in examples])).round(4).tolist()
 
 
 def format_coverage(levels: Sequence[float], rows: Sequence[tuple[str, Sequence[float]]]) -> str:

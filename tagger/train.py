@@ -24,8 +24,10 @@ import numpy as np
 from tagger.artifact import EVAL_FILE, LengthTagger, log1p_tokens, write_meta
 from tagger.data import Example, Split, conversation_group
 from tagger.errors import FIRST_ERRORS_FILE, LengthErrorModel
-from tagger.evaluate import Metrics, evaluate_tagger, format_coverage, format_table, predict_examples
-from tagger.quantiles import LengthQuantiles, coverage
+from tagger.evaluate import (
+    Metrics, evaluate_tagger, format_coverage, format_table, predict_examples, quantile_coverage,
+)
+from tagger.quantiles import LengthQuantiles
 
 NUM_CALIBRATION_FOLDS = 5
 """Folds (by conversation) of the light tagger's cross-fitting: each fold's estimates come from a tagger fitted
@@ -79,6 +81,35 @@ class TransformerParams:
 
 LOSSES = ("mse", "mse+rank")
 """Training objectives of the transformer tagger (:class:`TransformerParams`)."""
+
+MAX_POSITIONS = 512
+"""Position embeddings of the default checkpoint, all-MiniLM-L6-v2 (``max_position_embeddings`` in its
+``config.json``): the most prompt tokens it reads."""
+
+
+def device_problem(device: str) -> str | None:
+    """Why torch cannot train a tagger on ``device`` here (checked before the split is loaded), or None.
+
+    Accepts ``cpu`` and ``cuda[:index]`` with the index under ``torch.cuda.device_count()``; other kinds torch
+    knows (``mps``, ``xpu``, ...) are refused: the training and serving code is tested on these two only."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"{exc}; run `make install-tagger`"
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as exc:
+        return str(exc)
+    if parsed.type not in ("cpu", "cuda"):
+        return f"device kind {parsed.type!r} is not supported (cpu or cuda[:index])"
+    if parsed.type == "cpu" and parsed.index not in (None, 0):
+        return "the CPU has no device index but 0 (torch would run on the CPU anyway)"
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            return "torch sees no CUDA device on this machine"
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            return f"torch sees {torch.cuda.device_count()} CUDA device(s) here, so no index {parsed.index}"
+    return None
 
 
 def pairwise_rank_loss(scores, targets):
@@ -315,7 +346,8 @@ def finish(tagger: LengthTagger, split: Split, out_dir: Path, meta: dict[str, An
     tables = []
     first_rows: list[Metrics] = []
     for view, test in views.items():
-        rows, pred = evaluate_tagger(tagger, split.train, test)
+        estimates = predict_examples(tagger, test)
+        rows, pred = evaluate_tagger(tagger, split.train, test, estimates_log1p=estimates)
         first_rows = first_rows or rows
         true = np.array([e.num_output_tokens for e in test])
         model = LengthErrorModel.from_predictions(pred, true)
@@ -323,8 +355,8 @@ def finish(tagger: LengthTagger, split: Split, out_dir: Path, meta: dict[str, An
         report[view] = {"rows": [_json_row(r) for r in rows]}
         tables.append(f"{view} view ({len(test)} exchanges):\n{format_table(rows)}")
         if quantiles is not None:
-            q = quantiles.quantiles_batch(predict_examples(tagger, test), np.array([bool(e.history) for e in test]))
-            report[view]["coverage"] = dict(zip(map(str, quantiles.levels), coverage(q, true).round(4).tolist()))
+            report[view]["coverage"] = dict(zip(map(str, quantiles.levels), quantile_coverage(quantiles, estimates,
+                                                                                              test)))
     if quantiles is not None:
         tables.append("quantile coverage (fraction of true lengths <= the predicted quantile):\n" + format_coverage(
             quantiles.levels, [(v, [report[v]["coverage"][str(q)] for q in quantiles.levels]) for v in views]))

@@ -79,8 +79,9 @@ def test_the_command_refuses_unknown_variants_and_missing_inputs(tmp_path, caplo
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--deadline-s", "nan"], "--deadline-s must be finite"), (["--deadline-s", "30"], "--deadline-s must be"),
-    (["--limit", "-5"], "--limit must be >= 1"), (["--device", "nonsense"], "--device nonsense"),
+    (["--deadline-s", "nan"], "argument --deadline-s: must be finite"),
+    (["--deadline-s", "30"], "argument --deadline-s: must be finite and >= 120"),
+    (["--limit", "-5"], "argument --limit: must be >= 1"), (["--device", "nonsense"], "--device nonsense"),
     (["--device", "cuda"], "no CUDA device")])
 def test_run_refuses_bad_arguments_before_loading_the_split(argv, message, tmp_path, capsys, monkeypatch):
     import torch
