@@ -44,7 +44,9 @@ Defaults and why (all printed with the results):
   ``bench.cluster_sim.A30_LIKE_NUM_GPU_BLOCKS``); max_num_seqs 48, max_num_batched_tokens 512 (chunked prefill).
 - Predicted output lengths: sampled from the shipped light tagger's measured held-out errors
   (``tagger/weights/light/errors.npz``, binned by true length); the sidecars' residual lengths are conditioned
-  on the same tagger's (predicted, true) pairs, as a production sidecar does (``predictor.residual_rules``).
+  on the same tagger's (predicted, true) pairs, as a production sidecar does with ``--length-distribution
+  binned`` (``predictor.residual_rules``; its default since v1.6, each request's own quantiles, is
+  ``--length-distribution quantiles`` here, within noise of it: bench/README.md).
 - SLO: P99 TTFT <= 2 s, not the paper's 10 s: with H200 step times a trace of a few thousand requests reaches a
   10 s P99 TTFT only in deep overload, where every policy has already failed.
 - 3 seeds x 3,000 requests per point: a P99 over one 3,000-request trace moves by a factor of 10 between seeds
@@ -122,8 +124,8 @@ from predictor.sim.residual import (
     EmpiricalResidual,
     ExactLengths,
     FixedExtraTokens,
-    QuantileResidual,
     ResidualLengthModel,
+    TaggerQuantileResidual,
 )
 from tagger.serve import SHIPPED_LIGHT_DIR
 from tagger.sharegpt import SharegptConversation, SharegptPair, load_sharegpt_conversations, load_sharegpt_pairs
@@ -463,8 +465,9 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--length-sigma", type=float, default=LOGNORMAL_SIGMA, help="log-normal error sigma")
     p.add_argument("--length-distribution", choices=("quantiles", "binned"), default="binned",
                    help="the sidecars' residual length of a live request: quantiles = from the request's own "
-                        "predicted distribution (the tagger's quantiles.npz around its predicted length); binned = "
-                        "from the tagger's held-out errors in the bin of its predicted length")
+                        "predicted distribution (the tagger's quantiles.npz around its predicted length, for a "
+                        "first or a later turn; past its top quantile, the binned rule), what real sidecars do by "
+                        "default; binned = from the tagger's held-out errors in the bin of its predicted length")
     p.add_argument("--prediction-noise", type=float, default=0.0,
                    help="stddev of multiplicative Gaussian noise on predicted latencies (0-1)")
     p.add_argument("--slo-ttft-s", type=float, default=2.0, help="P99 TTFT SLO for capacity, seconds")
@@ -597,13 +600,15 @@ def _traces(args: argparse.Namespace, engine: EngineConfig, pairs: Sequence[Shar
                     f"end before outgrowing {max_len} tokens; rate axis: sessions/s")
 
 
-def _with_length_distributions(traces: dict[int, Trace], quantiles) -> dict[int, Trace]:
+def _with_length_distributions(traces: dict[int, Trace], quantiles, beyond: ResidualLengthModel
+                                ) -> dict[int, Trace]:
     """Each request with its own predicted length distribution: the tagger's quantiles (``tagger.quantiles``)
-    around its predicted length, as the extproc would send them (a session's later turns have a history)."""
+    around its predicted length, as the sidecars price a request the extproc marks as a first or later turn
+    (``predictor.residual_rules``: a session's later turns have a history); past its top quantile, ``beyond``."""
+    by_turn = {has_history: TaggerQuantileResidual(quantiles, has_history, beyond) for has_history in (False, True)}
 
     def own(request: ClusterRequest, has_history: bool) -> ClusterRequest:
-        q = quantiles.quantile_tokens(math.log1p(request.num_predicted_output_tokens), has_history)
-        return dataclasses.replace(request, length_residual=QuantileResidual(quantiles.levels, q))
+        return dataclasses.replace(request, length_residual=by_turn[has_history])
 
     out: dict[int, Trace] = {}
     for seed, trace in traces.items():
@@ -634,7 +639,7 @@ def main(argv: Sequence[str]) -> int:
 
             directory = Path(args.length_errors)
             quantiles = LengthQuantiles.load(directory if directory.is_dir() else directory.parent)
-            requests_by_seed = _with_length_distributions(requests_by_seed, quantiles)
+            requests_by_seed = _with_length_distributions(requests_by_seed, quantiles, residual)
             error_desc += ", each request's own quantiles (tagger/quantiles.py) for its residual length"
     except ValueError as exc:
         print(f"astrolabe bench cluster: {exc}", file=sys.stderr)

@@ -168,8 +168,8 @@ class ClusterRequest:
     next turn, as vLLM does); the router and the sidecar states see only the prompt's (`prompt_block_keys`).
 
     ``length_residual``: the request's own predicted length distribution (``predictor.sim.residual
-    .QuantileResidual`` over the tagger's quantiles), which the sidecars then use for it instead of the fleet's
-    rule; None = the fleet's rule (``ClusterConfig.residual``).
+    .TaggerQuantileResidual`` over the tagger's quantiles for its kind of turn), which the sidecars then use for it
+    instead of the fleet's rule; None = the fleet's rule (``ClusterConfig.residual``).
 
     ``objectives``: its latency objectives and priority (``extproc.admission``), as the extproc resolves them from
     its headers; they steer the choice and, with a policy's ``admission``, may refuse it.

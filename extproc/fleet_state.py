@@ -23,9 +23,11 @@ still routes on exact state). A state older than ``max_age_s`` (a frozen or cut-
 does; the decision then falls back as the router's rules say. A sidecar that does not know Watch (protocol v1.1 or
 older) answers UNIMPLEMENTED and is asked by Predict from then on (`covers` is False for it).
 
-New requests get the sidecar's default residual-length rules (``predictor.residual_rules``) here: a sidecar run
-with other ``--residual-lengths`` or ``--length-errors`` than the defaults predicts a new request's length
-differently from its watchers.
+New requests get the sidecar's default residual-length rules (``predictor.residual_rules``) here, with the length
+distribution the sidecar's state names (``quantiles``, or ``binned`` for a sidecar run with
+``--length-distribution binned``, one whose tagger directory has no ``quantiles.npz``, or one older than v1.6): a
+sidecar run with other ``--residual-lengths`` or ``--length-errors`` than the defaults predicts a new request's
+length differently from its watchers.
 
 Cost: a message is decoded (``predictor.instance_state.decode``, O(requests)) only when a prediction first reads it;
 at 50 states a second per sidecar most are replaced unread. Counters: ``outcomes[address][o]`` for o in
@@ -162,7 +164,7 @@ class FleetState:
         self.max_state_age_s = max_state_age_s
         self._clock = clock
         self._residual = ResidualRules()
-        self._expected_cache: dict[tuple[int, int | None, int], int] = {}
+        self._expected_cache: dict[tuple[int, int | None, int, str], int] = {}
         self._watched: dict[str, _Watched] = {}
         self.outcomes: dict[str, dict[str, int]] = {}
         self._warned_block_size = False
@@ -334,11 +336,13 @@ class FleetState:
         unseen_arrival_s = snapshot.new_arrival_time_s() if unseen else 0.0
         try:
             new = RequestState("new", max(num_prompt_tokens, 1),
-                               self._expected(num_output_tokens, max_tokens, length_source), max_new_tokens=max_tokens,
+                               self._expected(num_output_tokens, max_tokens, length_source, state.length_distribution),
+                               max_new_tokens=max_tokens,
                                block_keys=block_keys if keyed else None, priority=priority)
             priced = predict_from_state(
                 snapshot, new, [RequestState(f"unseen-{a.seq}", max(a.num_prompt_tokens, 1),
-                                             self._expected(a.num_output_tokens, a.max_tokens, a.length_source),
+                                             self._expected(a.num_output_tokens, a.max_tokens, a.length_source,
+                                                            state.length_distribution),
                                              max_new_tokens=a.max_tokens, block_keys=a.block_keys if keyed else None,
                                              priority=a.priority, arrival_time_s=unseen_arrival_s)
                                 for a in unseen],
@@ -358,14 +362,17 @@ class FleetState:
                           num_requests=len(snapshot.running) + len(snapshot.waiting), model_error=state.model_error,
                           idle_e2e_s=state.corrections.apply(idle.ttft_s, idle.e2e_s)[1])
 
-    def _expected(self, num_output_tokens: int, max_tokens: int | None, length_source: int) -> int:
-        """The residual rules' expected output of a request not started yet, tokens (memoised: the rules are fixed,
-        and every prediction prices this replica's unseen dispatches again)."""
-        key = (num_output_tokens, max_tokens, length_source)
+    def _expected(self, num_output_tokens: int, max_tokens: int | None, length_source: int,
+                  length_distribution: str) -> int:
+        """The residual rules' expected output of a request not started yet, tokens, as the sidecar whose state
+        says ``length_distribution`` prices it (memoised: the rules are fixed, and every prediction prices this
+        replica's unseen dispatches again)."""
+        key = (num_output_tokens, max_tokens, length_source, length_distribution)
         expected = self._expected_cache.get(key)
         if expected is None:
             if len(self._expected_cache) >= MAX_EXPECTED_CACHED:
                 self._expected_cache.clear()
-            expected = self._expected_cache[key] = self._residual.for_source(length_source).expected_output_tokens(
-                max(num_output_tokens, 1), 0, max_tokens or None)
+            expected = self._expected_cache[key] = self._residual.for_source(
+                length_source, length_distribution).expected_output_tokens(max(num_output_tokens, 1), 0,
+                                                                           max_tokens or None)
         return expected

@@ -11,7 +11,9 @@ Predicted output tokens, by ``source``:
   ``ignore_eos``, as the demo and benchmarks do); off unless configured explicitly;
 - ``tagger`` (the default): the length tagger's estimate (``tagger.serve``; the shipped light tagger unless
   ``tagger_path`` names a trained one), capped by ``max_tokens``. For chat requests the tagger reads the last
-  user message, the turn the reply answers (the tagger is trained on single-turn prompts).
+  user message, the turn the reply answers, and the sizes of the messages before it; a turn after an earlier
+  assistant reply is sent as LENGTH_SOURCE_TAGGER_LATER_TURN, so the sidecars price it by the tagger's
+  later-turn quantiles (``predictor.residual_rules``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from extproc.request import RoutingRequest
-from predictor.residual_rules import LENGTH_SOURCE_EXACT, LENGTH_SOURCE_FIXED, LENGTH_SOURCE_TAGGER
+from predictor.residual_rules import LENGTH_SOURCE_EXACT, LENGTH_SOURCE_FIXED, tagger_source
 from tagger.features import NO_HISTORY, HistoryStats
 from tagger.tokenizer import count_tokens
 
@@ -100,8 +102,9 @@ class OutputLengthEstimator:
             return max(cap, 1), LENGTH_SOURCE_EXACT
         if self.config.source == "tagger":
             text = request.last_user_message if request.last_user_message is not None else request.prompt_text
-            guess = await self.tagger.estimate(text, request.prompt_token_ids, cap, chat_history(request))
-            source = LENGTH_SOURCE_TAGGER
+            history = chat_history(request)
+            guess = await self.tagger.estimate(text, request.prompt_token_ids, cap, history)
+            source = tagger_source(history.num_replies > 0)
         else:
             guess, source = self.config.fixed_tokens, LENGTH_SOURCE_FIXED
         return max(min(guess, cap) if cap is not None else guess, 1), source

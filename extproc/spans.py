@@ -35,7 +35,12 @@ from astrolabe.tracing import (ADMIT_ID, NUM_PREDICTED_OUTPUT_TOKENS, NUM_PROMPT
 from extproc.decision import Decision
 from extproc.errors import RoutingError
 from extproc.request import CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, GENERATE_PATH, RoutingRequest
-from predictor.residual_rules import LENGTH_SOURCE_EXACT, LENGTH_SOURCE_FIXED, LENGTH_SOURCE_TAGGER
+from predictor.residual_rules import (
+    LENGTH_SOURCE_EXACT,
+    LENGTH_SOURCE_FIXED,
+    LENGTH_SOURCE_TAGGER,
+    LENGTH_SOURCE_TAGGER_LATER_TURN,
+)
 
 SPAN_NAME = "astrolabe.route"
 CANDIDATE_EVENT = "astrolabe.candidate"
@@ -53,7 +58,7 @@ BASIS = "astrolabe.basis"                      # prediction | partial | fallback
 OUTCOME = "astrolabe.outcome"                  # routed | fallback | an error code | abandoned
 FALLBACK_REASON = "astrolabe.fallback_reason"  # on a fallback: extproc.router.FALLBACK_REASONS
 DROP_REASON = "astrolabe.drop_reason"          # on a refusal (429): extproc.admission.SHED_REASONS
-LENGTH_SOURCE = "astrolabe.length_source"      # tagger | fixed | exact | unspecified
+LENGTH_SOURCE = "astrolabe.length_source"      # tagger | tagger_later_turn | fixed | exact | unspecified
 DESTINATION = "astrolabe.destination"          # the destination header's value, ip:port
 ROUTING_S = "astrolabe.routing_s"              # headers to decision, seconds
 NUM_CANDIDATES = "astrolabe.num_candidates"
@@ -71,7 +76,8 @@ MAX_REQUEST_TEXT_CHARS = 256
 push megabytes through the trace pipeline (the excess is cut, with a trailing "...")."""
 
 _OPERATIONS = {CHAT_COMPLETIONS_PATH: "chat", COMPLETIONS_PATH: "text_completion", GENERATE_PATH: "text_completion"}
-LENGTH_SOURCE_LABELS = {LENGTH_SOURCE_TAGGER: "tagger", LENGTH_SOURCE_FIXED: "fixed", LENGTH_SOURCE_EXACT: "exact"}
+LENGTH_SOURCE_LABELS = {LENGTH_SOURCE_TAGGER: "tagger", LENGTH_SOURCE_TAGGER_LATER_TURN: "tagger_later_turn",
+                        LENGTH_SOURCE_FIXED: "fixed", LENGTH_SOURCE_EXACT: "exact"}
 """``predictor.residual_rules.LENGTH_SOURCE_*`` -> the value of ``astrolabe.length_source`` (else ``unspecified``)."""
 
 

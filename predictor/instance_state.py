@@ -68,6 +68,8 @@ class WatchedState:
         admits_seen: the highest ``admit_seq`` of the watching router's Admits the state includes.
         model_error: the sender's step-time model error, a fraction (0 = not known).
         state_source: ``ledger`` or ``vllm-plugin``.
+        length_distribution: how the sender prices a tagger's requests (``predictor.residual_rules
+            .LENGTH_DISTRIBUTIONS``; ``binned`` for a sender older than v1.6).
     """
 
     seq: int
@@ -79,19 +81,21 @@ class WatchedState:
     admits_seen: int
     model_error: float
     state_source: str
+    length_distribution: str = "binned"
 
 
 def encode(snapshot: InstanceSnapshot, batch_time: LinearBatchTimeModel, corrections: Corrections, *, seq: int,
            lag_s: float, state_age_s: float, admits_seen: int, model_error: float,
-           state_source: str) -> pb.InstanceState:
+           state_source: str, length_distribution: str = "") -> pb.InstanceState:
     """The message for ``snapshot`` (its requests' expected output lengths already applied; times relative to
-    ``snapshot.now_s``). Non-finite ``state_age_s`` (never reconciled) travels as infinity."""
+    ``snapshot.now_s``). Non-finite ``state_age_s`` (never reconciled) travels as infinity; ``length_distribution``
+    is the sender's (``predictor.residual_rules.LENGTH_DISTRIBUTIONS``, "" = not said)."""
     config = snapshot.config
     requests = (*snapshot.running, *snapshot.waiting)
     block_size = config.block_size
     message = pb.InstanceState(
         seq=seq, state_age_s=state_age_s, admits_seen=admits_seen, state_source=state_source,
-        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        length_distribution=length_distribution, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         block_size=block_size, num_gpu_blocks=config.num_gpu_blocks,
         enable_chunked_prefill=config.enable_chunked_prefill,
         long_prefill_token_threshold=config.long_prefill_token_threshold, scheduling=config.scheduling,
@@ -260,4 +264,4 @@ def decode(message: pb.InstanceState) -> WatchedState:
     return WatchedState(message.seq, snapshot, batch_time, corrections, _finite(message.lag_s, "lag_s"),
                         message.state_age_s if message.state_age_s >= 0 else math.inf, message.admits_seen,
                         message.model_error if math.isfinite(message.model_error) and message.model_error > 0 else 0.0,
-                        message.state_source)
+                        message.state_source, message.length_distribution or "binned")

@@ -3,15 +3,21 @@
 The extproc tells the sidecar, with every Predict and Admit, where the request's predicted output length came
 from (``LengthSource`` in ``predictor/predictor.proto``):
 
-- TAGGER: `EmpiricalResidual` over the tagger's measured held-out (predicted, true) pairs (``errors.npz`` of the
-  tagger directory; the shipped light tagger's by default): the expected remaining length given the bin of the
-  prediction and what the request has generated;
+- TAGGER (a first turn: no earlier assistant reply) and TAGGER_LATER_TURN (a chat request after an earlier
+  assistant reply): with
+  ``length_distribution="quantiles"`` (the default) `TaggerQuantileResidual`, the request's own predicted
+  distribution, the tagger's calibrated quantiles around its estimate for that kind of turn (``quantiles.npz`` of
+  the tagger directory, ``tagger.quantiles``), conditioned on what it has generated (past its top quantile, the
+  binned rule below); with ``"binned"`` (or a
+  tagger directory without ``quantiles.npz``, with a warning) `EmpiricalResidual` over the tagger's measured
+  held-out (predicted, true) pairs (``errors.npz``), the same for both kinds of turn;
 - FIXED: `EmpiricalResidual` with one bin (the prediction says nothing; the reply-length distribution of the same
   sample conditions on what was generated);
 - EXACT: `ExactLengths`;
 - UNSPECIFIED (an older extproc, or phantom requests): the sidecar's default rule (``--residual-lengths``).
 
-The sample is read once at start (``tagger.errors.LengthErrorModel``, the one reader of ``errors.npz``).
+The files are read once at start (``tagger.errors.LengthErrorModel`` and ``tagger.quantiles.LengthQuantiles``,
+the one readers of ``errors.npz`` and ``quantiles.npz``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from predictor.sim.residual import (
     ExactLengths,
     FixedExtraTokens,
     ResidualLengthModel,
+    TaggerQuantileResidual,
 )
 
 logger = logging.getLogger(__name__)
@@ -35,12 +42,22 @@ LENGTH_SOURCE_UNSPECIFIED = 0
 LENGTH_SOURCE_TAGGER = 1
 LENGTH_SOURCE_FIXED = 2
 LENGTH_SOURCE_EXACT = 3
+LENGTH_SOURCE_TAGGER_LATER_TURN = 4
 """Values of the ``LengthSource`` enum of ``predictor.proto`` (kept here so that ``predictor.sim`` users and
 the ledger need no generated stubs)."""
 
 LENGTH_SOURCE_NAMES = {"tagger": LENGTH_SOURCE_TAGGER, "fixed": LENGTH_SOURCE_FIXED,
                        "oracle": LENGTH_SOURCE_EXACT, "exact": LENGTH_SOURCE_EXACT}
-"""The extproc's ``output_length.source`` names -> length source."""
+"""The extproc's ``output_length.source`` names -> length source (a tagger's later turns: see `tagger_source`)."""
+
+LENGTH_DISTRIBUTIONS = ("quantiles", "binned")
+"""How a tagger's live requests are priced (``--length-distribution``): each one's own predicted distribution, or
+the tagger's held-out errors in the bin of its estimate."""
+
+
+def tagger_source(has_history: bool) -> int:
+    """The length source of a tagger's estimate for a request with (True) or without earlier turns."""
+    return LENGTH_SOURCE_TAGGER_LATER_TURN if has_history else LENGTH_SOURCE_TAGGER
 
 
 def default_errors_dir() -> Path:
@@ -55,33 +72,61 @@ class ResidualRules:
 
     Args:
         default: rule for UNSPECIFIED requests: one of ``predictor.sim.residual.RESIDUAL_RULES``.
-        errors_path: a tagger directory or its ``errors.npz`` (None = the shipped light tagger's).
+        errors_path: a tagger directory or its ``errors.npz`` (None = the shipped light tagger's); its
+            ``quantiles.npz`` is read from the same directory.
+        length_distribution: one of `LENGTH_DISTRIBUTIONS`: how the tagger's requests are priced.
 
     Raises:
-        ValueError: unknown default rule, or a sample without the (predicted, true) pairs.
+        ValueError: unknown default rule or length distribution, or a sample without the (predicted, true) pairs.
         tagger.errors.ErrorModelError: the sample cannot be read.
+        tagger.quantiles.QuantileError: ``quantiles.npz`` is there but malformed.
     """
 
-    def __init__(self, default: str = "empirical", errors_path: str | Path | None = None) -> None:
+    def __init__(self, default: str = "empirical", errors_path: str | Path | None = None,
+                 length_distribution: str = "quantiles") -> None:
         if default not in RESIDUAL_RULES:
             raise ValueError(f"residual rule must be one of {', '.join(RESIDUAL_RULES)}, got {default!r}")
+        if length_distribution not in LENGTH_DISTRIBUTIONS:
+            raise ValueError(f"length distribution must be one of {', '.join(LENGTH_DISTRIBUTIONS)}, "
+                             f"got {length_distribution!r}")
         from tagger.errors import LengthErrorModel  # noqa: PLC0415
+        from tagger.quantiles import QUANTILES_FILE, LengthQuantiles  # noqa: PLC0415
 
-        sample = LengthErrorModel.load(Path(errors_path) if errors_path else default_errors_dir())
+        path = Path(errors_path) if errors_path else default_errors_dir()
+        sample = LengthErrorModel.load(path)
         if sample.predicted_tokens is None or sample.true_tokens is None:
-            raise ValueError(f"the error sample {errors_path or default_errors_dir()} has no (predicted, true) "
-                             "pairs; re-run `astrolabe tagger eval` to record them")
-        self.tagger = EmpiricalResidual(sample.predicted_tokens, sample.true_tokens)
+            raise ValueError(f"the error sample {path} has no (predicted, true) pairs; re-run `astrolabe tagger "
+                             "eval` to record them")
+        self.binned = EmpiricalResidual(sample.predicted_tokens, sample.true_tokens)
+        self.tagger: ResidualLengthModel = self.binned
+        self.tagger_later_turn: ResidualLengthModel = self.binned
+        directory = path if path.is_dir() else path.parent
+        if length_distribution == "quantiles":
+            if (directory / QUANTILES_FILE).is_file():
+                quantiles = LengthQuantiles.load(directory)
+                self.tagger = TaggerQuantileResidual(quantiles, False, beyond=self.binned)
+                self.tagger_later_turn = TaggerQuantileResidual(quantiles, True, beyond=self.binned)
+            else:
+                logger.warning("%s has no %s: a tagger's requests are priced by its binned held-out errors instead "
+                               "of their own distributions", directory, QUANTILES_FILE)
+                length_distribution = "binned"
+        self.length_distribution = length_distribution
         self.fixed = EmpiricalResidual(np.ones_like(sample.true_tokens), sample.true_tokens, num_bins=1)
         self.exact = ExactLengths()
         self.default_name = default
-        self.default: ResidualLengthModel = {"empirical": self.tagger, "paper": FixedExtraTokens(),
+        self.default: ResidualLengthModel = {"empirical": self.binned, "paper": FixedExtraTokens(),
                                              "exact": self.exact}[default]
 
-    def for_source(self, length_source: int) -> ResidualLengthModel:
-        """The rule for a request whose predicted length has source ``length_source`` (unknown = default)."""
+    def for_source(self, length_source: int, length_distribution: str | None = None) -> ResidualLengthModel:
+        """The rule for a request whose predicted length has source ``length_source`` (unknown = default);
+        ``length_distribution`` ``"binned"`` prices a tagger's requests by the binned errors whatever these rules
+        were built with (a router mirroring a sidecar that says so, ``predictor.instance_state``)."""
+        if length_source in (LENGTH_SOURCE_TAGGER, LENGTH_SOURCE_TAGGER_LATER_TURN) and length_distribution == "binned":
+            return self.binned
         if length_source == LENGTH_SOURCE_TAGGER:
             return self.tagger
+        if length_source == LENGTH_SOURCE_TAGGER_LATER_TURN:
+            return self.tagger_later_turn
         if length_source == LENGTH_SOURCE_FIXED:
             return self.fixed
         if length_source == LENGTH_SOURCE_EXACT:

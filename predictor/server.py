@@ -63,7 +63,7 @@ from predictor.holds import MAX_HOLD_S, Holds
 from predictor.instance_state import Corrections, encode
 from predictor.ledger import BackendObservation, Ledger
 from predictor.outcomes import OutcomeTracker
-from predictor.residual_rules import ResidualRules
+from predictor.residual_rules import LENGTH_DISTRIBUTIONS, ResidualRules
 from predictor.sim import EngineConfig, LinearBatchTimeModel
 from predictor.sim.scheduler import check_request_fits
 from predictor.sim.predict import marginal_cost_s, predict, predict_idle
@@ -105,6 +105,9 @@ class SidecarConfig:
             (``predictor.residual_rules``).
         length_errors: the tagger directory (or its errors.npz) whose measured errors condition residual
             lengths; None = the shipped light tagger's.
+        length_distribution: how a tagger's live requests are priced (``predictor.residual_rules
+            .LENGTH_DISTRIBUTIONS``): ``quantiles``, each one's own distribution from the tagger directory's
+            ``quantiles.npz``, or ``binned``, its held-out errors in the bin of the estimate.
         calibration: ``online`` (refit the step-time model from the engine's measured steps, when the state file
             carries them) or ``off`` (the shipped model as given).
         calibration_min_samples: measured steps before the first refit.
@@ -143,6 +146,7 @@ class SidecarConfig:
     plugin_max_age_s: float = 2.0
     residual_lengths: str = "empirical"
     length_errors: str | None = None
+    length_distribution: str = "quantiles"
     plugin_reconcile_interval_s: float = 1.0
     calibration: str = "online"
     calibration_min_samples: int = 64
@@ -281,10 +285,10 @@ TRACED_METHODS = ("/astrolabe.predictor.v1.Predictor/Predict", "/astrolabe.predi
 nor are Watch and Notify (streams for the router's whole life: one span would last for hours). A router sends the
 Admit of a sampled request as a unary call, so that it is traced (``extproc/notices.py``)."""
 SIMULATION_SPAN = "astrolabe.simulate"
-PROTOCOL_REVISION = 5
-"""``PredictResponse.protocol_revision``: the revision of ``predictor.proto`` v1 this sidecar speaks (5 = v1.5:
+PROTOCOL_REVISION = 6
+"""``PredictResponse.protocol_revision``: the revision of ``predictor.proto`` v1 this sidecar speaks (6 = v1.6:
 holding Predicts since v1.1, Watch since v1.2, Notify streams since v1.3, prompt block keys since v1.4, engine
-priorities since v1.5)."""
+priorities since v1.5, a tagger's later turns since v1.6)."""
 NOTICES_PER_TURN = 256
 """Notices a Notify stream handles before it lets the event loop run others (``PredictorServicer.Notify``)."""
 MIN_WATCH_INTERVAL_S = 0.005
@@ -528,7 +532,7 @@ class Sidecar:
             "astrolabe_predictor_simulation_seconds", "Work of one Predict (state read, simulation), seconds",
             buckets=(0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1), registry=None)
         self._absorbed: tuple[int, int] = (0, -1)  # (pid, seq) of the last plugin state absorbed
-        self.residual = ResidualRules(config.residual_lengths, config.length_errors)
+        self.residual = ResidualRules(config.residual_lengths, config.length_errors, config.length_distribution)
         # Named SGLang: its rules before it answers.
         self.ledger = self._new_ledger(self._with_backend_rules(config.engine, config.backend_engine))
         self.kv_index = (KvEventIndex(self.ledger.scheduler.config.block_size,
@@ -876,7 +880,8 @@ class Sidecar:
         model_error = status.residual if status is not None and math.isfinite(status.residual) else 0.0
         message = encode(view.snapshot.fit_to_kv_cache(), self.batch_time, self.corrections(), seq=seq,
                          lag_s=max(view.lag_s, 0.0), state_age_s=view.state_age_s,
-                         admits_seen=self.admits_seen(router_id), model_error=model_error, state_source=view.source)
+                         admits_seen=self.admits_seen(router_id), model_error=model_error, state_source=view.source,
+                         length_distribution=self.residual.length_distribution)
         if not exclude:
             self._watch_cache = (version, now_s, message)
         return message
@@ -1083,10 +1088,13 @@ class Sidecar:
         for name in ("", "liveness", "readiness", "astrolabe.predictor.v1.Predictor"):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         tls = "plaintext" if self.config.tls is None else "mutual TLS" if self.config.tls.client_ca_file else "TLS"
-        logger.info("predictor for %s listening on %s (port %d, %s; state source %s, scheduling policy %s%s)",
+        logger.info("predictor for %s listening on %s (port %d, %s; state source %s, scheduling policy %s%s; "
+                    "a tagger's requests priced by %s)",
                     self.config.backend, self.config.listen, self.port, tls, self.config.state_source,
                     self.config.engine.scheduling_policy,
-                    " unless the engine's state file names one" if self.plugin.reader is not None else "")
+                    " unless the engine's state file names one" if self.plugin.reader is not None else "",
+                    "their own quantiles" if self.residual.length_distribution == "quantiles"
+                    else "binned held-out errors")
         return self.port
 
     async def stop(self, grace_s: float = 2.0) -> None:
@@ -1197,6 +1205,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--length-errors", default=None,
                         help="tagger directory (or errors.npz) whose measured errors condition residual lengths "
                              "(default: the shipped light tagger's)")
+    parser.add_argument("--length-distribution", choices=LENGTH_DISTRIBUTIONS,
+                        default=defaults.length_distribution,
+                        help="how a tagger's live requests are priced: quantiles (each one's own distribution, "
+                             "the tagger's quantiles.npz around its estimate for a first or later turn) or binned "
+                             "(its held-out errors in the bin of the estimate); default: quantiles")
     parser.add_argument("--calibration", choices=CALIBRATION_MODES, default=defaults.calibration,
                         help="refit the step-time model from the engine's measured steps (online; needs the "
                              "plugin's state file) or keep the shipped one (off)")
@@ -1274,7 +1287,8 @@ def run(args: argparse.Namespace) -> int:
                                plugin_max_age_s=args.plugin_max_age_s, residual_lengths=args.residual_lengths,
                                kv_events_endpoint=args.kv_events_endpoint, kv_events_topic=args.kv_events_topic,
                                plugin_reconcile_interval_s=args.plugin_reconcile_interval_s,
-                               length_errors=args.length_errors, calibration=args.calibration,
+                               length_errors=args.length_errors, length_distribution=args.length_distribution,
+                               calibration=args.calibration,
                                calibration_min_samples=args.calibration_min_samples,
                                bias_correction=args.bias_correction, metrics_listen=args.metrics_listen,
                                model_config=args.model_config, ingress_delay=args.ingress_delay,
@@ -1287,7 +1301,7 @@ def run(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, batch_time_model=resolve_batch_time_model(config.batch_time_model,
                                                                                        config.model_config))
         load_batch_time(config.batch_time_model, config.time_scale)
-        ResidualRules(config.residual_lengths, config.length_errors)
+        ResidualRules(config.residual_lengths, config.length_errors, config.length_distribution)
         PluginStateSource(config.state_source, config.vllm_state_path)
         if config.metrics_listen:
             _check_host_port(config.metrics_listen, "--metrics-listen")

@@ -114,7 +114,8 @@ class LengthQuantiles:
         """Read ``DIR/quantiles.npz``.
 
         Raises:
-            QuantileError: missing or malformed file.
+            QuantileError: missing or malformed file (shapes, levels not ascending in (0, 1), non-finite or
+                unsorted values).
         """
         path = Path(directory) / QUANTILES_FILE
         try:
@@ -122,9 +123,16 @@ class LengthQuantiles:
                 levels, edges, offsets = tuple(data["levels"].tolist()), data["bin_edges"], data["offsets"]
         except (OSError, KeyError, ValueError) as exc:
             raise QuantileError(f"cannot read {path}: {exc}") from exc
-        if offsets.shape != (_GROUPS, edges.shape[1] + 1, len(levels)):
+        if edges.ndim != 2 or edges.shape[0] != _GROUPS or offsets.shape != (_GROUPS, edges.shape[1] + 1,
+                                                                                 len(levels)):
             raise QuantileError(f"{path}: offsets {offsets.shape} do not match {len(levels)} levels, "
                                 f"bin edges {edges.shape}")
+        if not levels or any(b <= a for a, b in zip(levels, levels[1:])) or not 0 < levels[0] <= levels[-1] < 1:
+            raise QuantileError(f"{path}: levels must ascend within (0, 1), got {levels}")
+        if not (np.all(np.isfinite(edges)) and np.all(np.isfinite(offsets))) or np.any(np.diff(edges, axis=1) < 0) \
+                or np.any(np.diff(offsets, axis=2) < 0):
+            raise QuantileError(f"{path}: bin edges must be finite and sorted, offsets finite and non-decreasing "
+                                "along levels")
         return cls(levels, edges, offsets)
 
 

@@ -16,6 +16,8 @@ rules that turn (predicted, generated, max_tokens) into an expected total output
   it is the tagger's calibrated mean for that bin, not the raw guess.
 - `QuantileResidual`: the same conditional mean under ONE request's own predicted distribution, given as
   quantiles of its length (``tagger.quantiles``): a log-uniform density between consecutive quantiles.
+- `TaggerQuantileResidual`: a tagger's rule for its requests: each one's `QuantileResidual` from the tagger's
+  calibrated quantiles around its estimate, for a first or a later turn (``tagger.quantiles.LengthQuantiles``).
 
 NOTE: every rule returns an expected TOTAL output length in tokens, strictly greater than ``generated`` (a live
 request has not finished) and at most ``max_tokens`` when given and larger than ``generated``. Pure numpy +
@@ -30,6 +32,7 @@ import bisect
 import logging
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -197,7 +200,8 @@ class QuantileResidual:
     def __init__(self, levels: Sequence[float], quantile_tokens: Sequence[float]) -> None:
         levels, qs = [float(x) for x in levels], [float(x) for x in quantile_tokens]
         if len(levels) != len(qs) or not levels or any(b <= a for a, b in zip(levels, levels[1:])) \
-                or not 0 < levels[0] and levels[-1] < 1 or qs[0] < 1 or any(b < a for a, b in zip(qs, qs[1:])):
+                or not (0 < levels[0] and levels[-1] < 1) or not all(map(math.isfinite, qs)) or qs[0] < 1 \
+                or any(b < a for a, b in zip(qs, qs[1:])):
             raise ValueError(f"need ascending levels in (0, 1) and non-decreasing quantiles >= 1 token, got "
                              f"{levels} and {qs}")
         top = qs[-1] * (qs[-1] / qs[-2]) ** ((1 - levels[-1]) / (levels[-1] - levels[-2])) if len(qs) > 1 \
@@ -238,6 +242,66 @@ class QuantileResidual:
             mass_cap, integral_cap = self._above(cap)
             integral = integral - integral_cap + cap * mass_cap
         return _cap(integral / mass, num_generated_tokens, cap)
+
+
+class RequestQuantiles(Protocol):
+    """What `TaggerQuantileResidual` reads of a tagger's quantiles (``tagger.quantiles.LengthQuantiles``)."""
+
+    levels: tuple[float, ...]
+
+    def quantile_tokens(self, estimate_log1p: float, has_history: bool) -> tuple[float, ...]: ...
+
+
+MAX_DISTRIBUTIONS_CACHED = 4096
+"""Predicted lengths whose distribution a `TaggerQuantileResidual` keeps (then it starts over)."""
+
+
+class TaggerQuantileResidual(ResidualLengthModel):
+    """A tagger's requests priced by each one's own predicted distribution: the `QuantileResidual` of the
+    tagger's calibrated quantiles around the request's estimate (``quantiles.quantile_tokens(log1p(predicted),
+    has_history)``, split-conformal offsets per bin of the estimate and first / later turn: ``tagger/quantiles.py``).
+
+    A request that has generated its top quantile's length (q99 for the shipped taggers: it has outlived 99% of
+    the distribution it was given, so that distribution was wrong for it) is priced by ``beyond`` instead, when given: the tagger's
+    held-out replies that ran that long (`EmpiricalResidual`), whose heavy tail keeps a long request long, where
+    the request's own distribution would only add its top segment's excess.
+
+    The quantiles depend on the request only through (predicted tokens, first or later turn), so one rule per
+    turn kind serves every request and its distributions are memoised per predicted length.
+
+    Args:
+        quantiles: the tagger's quantiles (``tagger.quantiles.LengthQuantiles``).
+        has_history: True for requests with earlier turns (a chat's second message on), False for first turns.
+        beyond: the rule past the top quantile (None = the request's own distribution there too).
+    """
+
+    name = "quantiles"
+
+    def __init__(self, quantiles: RequestQuantiles, has_history: bool,
+                 beyond: ResidualLengthModel | None = None) -> None:
+        self.quantiles, self.has_history, self.beyond = quantiles, has_history, beyond
+        self._by_predicted: dict[int, tuple[QuantileResidual, float]] = {}
+
+    def _entry(self, num_predicted_tokens: int) -> tuple[QuantileResidual, float]:
+        key = max(int(num_predicted_tokens), 1)
+        found = self._by_predicted.get(key)
+        if found is None:
+            if len(self._by_predicted) >= MAX_DISTRIBUTIONS_CACHED:
+                self._by_predicted.clear()
+            tokens = self.quantiles.quantile_tokens(math.log1p(key), self.has_history)
+            found = self._by_predicted[key] = (QuantileResidual(self.quantiles.levels, tokens), tokens[-1])
+        return found
+
+    def distribution(self, num_predicted_tokens: int) -> QuantileResidual:
+        """The distribution of a request predicted at ``num_predicted_tokens`` (>= 1, smaller is taken as 1)."""
+        return self._entry(num_predicted_tokens)[0]
+
+    def expected_output_tokens(self, num_predicted_tokens: int, num_generated_tokens: int,
+                               max_tokens: int | None = None) -> int:
+        own, top_tokens = self._entry(num_predicted_tokens)
+        if self.beyond is not None and num_generated_tokens >= top_tokens:
+            return self.beyond.expected_output_tokens(num_predicted_tokens, num_generated_tokens, max_tokens)
+        return own.expected_output_tokens(num_predicted_tokens, num_generated_tokens, max_tokens)
 
 
 RESIDUAL_RULES = ("empirical", "paper", "exact")

@@ -226,7 +226,7 @@ def test_a_request_with_its_own_distribution_is_priced_by_it_unless_the_policy_h
 def test_with_length_distributions_gives_later_turns_the_history_quantiles():
     from bench.cluster import _with_length_distributions
     from bench.cluster_sim import ClusterSession
-    from predictor.sim.residual import QuantileResidual
+    from predictor.sim.residual import FixedExtraTokens, TaggerQuantileResidual
     from tagger.quantiles import LengthQuantiles
 
     rng = np.random.default_rng(0)
@@ -237,10 +237,12 @@ def test_with_length_distributions_gives_later_turns_the_history_quantiles():
     turns = (keyed("a", 64, 100), keyed("b", 64, 100))
     turns = tuple(dataclasses.replace(t, num_predicted_output_tokens=100) for t in turns)
     sessions = {0: [ClusterSession(0.0, turns, (1.0,))]}
-    (session,) = _with_length_distributions(sessions, quantiles)[0]
+    beyond = FixedExtraTokens()
+    (session,) = _with_length_distributions(sessions, quantiles, beyond)[0]
     first, later = (t.length_residual for t in session.turns)
-    assert isinstance(first, QuantileResidual) and isinstance(later, QuantileResidual)
+    assert isinstance(first, TaggerQuantileResidual) and isinstance(later, TaggerQuantileResidual)
+    assert (first.has_history, later.has_history) == (False, True) and first.beyond is later.beyond is beyond
     # a later turn's spread is wider: more tokens expected once it has outlived its median
-    assert later.expected_output_tokens(100, 300) > first.expected_output_tokens(100, 300)
-    (single,) = _with_length_distributions({0: [turns[0]]}, quantiles)[0]
+    assert later.expected_output_tokens(100, 160) > first.expected_output_tokens(100, 160)
+    (single,) = _with_length_distributions({0: [turns[0]]}, quantiles, beyond)[0]
     assert single.length_residual.expected_output_tokens(100, 0) == first.expected_output_tokens(100, 0)

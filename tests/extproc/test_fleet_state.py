@@ -17,7 +17,9 @@ from extproc.predictor_client import PredictorClient, PredictorClientConfig
 from extproc.request import RoutingRequest
 from extproc.router import Router
 from predictor.api import pb, pb_grpc
-from tests.extproc.test_router import request, sidecars  # noqa: F401 (the fixture)
+from predictor.residual_rules import ResidualRules
+from predictor.server import Sidecar, SidecarConfig
+from tests.extproc.test_router import ENGINE, request, sidecars  # noqa: F401 (the fixture)
 
 
 async def watching_router(predictors_by_endpoint, seed=0, params=None, **fleet_args):
@@ -44,7 +46,13 @@ async def admitted(started, count, timeout_s=5.0):
         await asyncio.sleep(0.005)
 
 
-async def test_a_local_prediction_is_the_sidecars_own(sidecars):
+# (the queued requests' length source, the new one's): exact and fixed; a tagger's first turns; its later turns
+# (protocol v1.6), which both sides price by the tagger's later-turn quantiles
+@pytest.mark.parametrize("admitted_source, asked_source", [(pb.LENGTH_SOURCE_EXACT, pb.LENGTH_SOURCE_FIXED),
+                                                           (pb.LENGTH_SOURCE_TAGGER, pb.LENGTH_SOURCE_TAGGER),
+                                                           (pb.LENGTH_SOURCE_TAGGER_LATER_TURN,
+                                                            pb.LENGTH_SOURCE_TAGGER_LATER_TURN)])
+async def test_a_local_prediction_is_the_sidecars_own(sidecars, admitted_source, asked_source):
     (sidecar,) = await sidecars(1)
     address = f"127.0.0.1:{sidecar.port}"
     router = await watching_router([address])
@@ -53,17 +61,58 @@ async def test_a_local_prediction_is_the_sidecars_own(sidecars):
             stub = pb_grpc.PredictorStub(channel)
             for i in range(10):
                 await stub.Admit(pb.AdmitRequest(request_id=f"b{i}", num_prompt_tokens=300,
-                                                 num_predicted_output_tokens=400, length_source=3))
+                                                 num_predicted_output_tokens=400, length_source=admitted_source))
             await asyncio.sleep(0.05)  # a state that includes them
             reply = await stub.Predict(pb.PredictRequest(request_id="x", num_prompt_tokens=120,
-                                                         num_predicted_output_tokens=128, length_source=2))
-        local = router.fleet.predict(address, 120, 128, length_source=2)
+                                                         num_predicted_output_tokens=128, length_source=asked_source))
+        local = router.fleet.predict(address, 120, 128, length_source=asked_source)
         # the engine moves on between the state and the Predict: a few milliseconds of simulated steps
         assert local.ttft_s == pytest.approx(reply.ttft_s, rel=0.05, abs=0.01)
         assert local.e2e_s == pytest.approx(reply.e2e_s, rel=0.05, abs=0.05)
         assert local.num_requests == 10 and router.fleet.outcomes[address]["ok"] == 1
     finally:
         await close(router)
+
+
+async def test_a_router_prices_a_taggers_requests_as_the_binned_sidecar_says():
+    sidecar = Sidecar(SidecarConfig(backend="127.0.0.1:1", listen="127.0.0.1:0", engine=ENGINE,
+                                    discover_kv_cache=False, length_distribution="binned"))
+    await sidecar.start()
+    address = f"127.0.0.1:{sidecar.port}"
+    router = await watching_router([address])
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.PredictorStub(channel)
+            for i in range(10):  # short guesses: the binned rule expects far longer replies than the quantiles
+                await stub.Admit(pb.AdmitRequest(request_id=f"b{i}", num_prompt_tokens=300,
+                                                 num_predicted_output_tokens=30, length_source=pb.LENGTH_SOURCE_TAGGER))
+            await asyncio.sleep(0.05)
+            reply = await stub.Predict(pb.PredictRequest(request_id="x", num_prompt_tokens=120,
+                                                         num_predicted_output_tokens=30,
+                                                         length_source=pb.LENGTH_SOURCE_TAGGER))
+        state, _ = router.fleet.state(address)
+        assert state.length_distribution == "binned"
+        local = router.fleet.predict(address, 120, 30, length_source=pb.LENGTH_SOURCE_TAGGER)
+        assert local.e2e_s == pytest.approx(reply.e2e_s, rel=0.05, abs=0.05)
+        # the default rules (what the router used before it read the state's choice) price these requests apart
+        rules = ResidualRules()
+        assert rules.for_source(1).expected_output_tokens(30, 0) < rules.binned.expected_output_tokens(30, 0) - 20
+    finally:
+        await close(router)
+        await sidecar.stop(0)
+
+
+async def test_a_taggers_first_and_later_turns_are_priced_apart(sidecars):
+    (sidecar,) = await sidecars(1)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.port}") as channel:
+        stub = pb_grpc.PredictorStub(channel)
+        first, later = [await stub.Predict(pb.PredictRequest(request_id="x", num_prompt_tokens=120,
+                                                              num_predicted_output_tokens=30, length_source=source))
+                        for source in (pb.LENGTH_SOURCE_TAGGER, pb.LENGTH_SOURCE_TAGGER_LATER_TURN)]
+    rules = sidecar.residual
+    expected = [rules.for_source(s).expected_output_tokens(30, 0) for s in (1, 4)]
+    assert expected[0] != expected[1] and first.e2e_s != later.e2e_s
+    assert (first.e2e_s < later.e2e_s) == (expected[0] < expected[1])  # the longer expected reply takes longer
 
 
 @pytest.mark.parametrize("num_instances", [4, 8])

@@ -12,6 +12,7 @@ from extproc.lengths import (
     count_prompt_tokens,
 )
 from extproc.request import RoutingRequest
+from predictor.residual_rules import LENGTH_SOURCE_TAGGER, LENGTH_SOURCE_TAGGER_LATER_TURN
 from tagger.features import NO_HISTORY, HistoryStats
 from tagger.serve import load_service
 from tagger.tokenizer import count_tokens
@@ -78,6 +79,20 @@ async def test_a_later_turn_is_tagged_with_its_conversation():
         later = await estimator.estimate(req(text=question, last_user=question, messages=long_answer))
         assert later == await service.estimate(question, None, None, HistoryStats.of(long_answer[:2]))
         assert later > first  # an assistant that answered at length is expected to again
+    finally:
+        service.close()
+
+
+async def test_a_turn_after_a_reply_is_sent_as_a_later_turn():
+    service = load_service(None)
+    try:
+        estimator = OutputLengthEstimator(OutputLengthConfig(), service)
+        q = "What next?"
+        sources = [(await estimator.estimate_with_source(req(text=q, last_user=q, messages=m)))[1] for m in (
+            (("user", q),), (("system", "be brief"), ("user", q)),  # a system prompt is not an earlier turn
+            (("user", "hi"), ("assistant", "hello"), ("user", q)))]
+        assert sources == [LENGTH_SOURCE_TAGGER, LENGTH_SOURCE_TAGGER, LENGTH_SOURCE_TAGGER_LATER_TURN]
+        assert (await estimator.estimate_with_source(req(text=q)))[1] == LENGTH_SOURCE_TAGGER  # completions
     finally:
         service.close()
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 
+import numpy as np
 import pytest
 
 from astrolabe.cli import main as astrolabe_main
@@ -16,6 +18,7 @@ from predictor.model_shape import nearest_shipped_model, read_model_shape
 from predictor.outcomes import OutcomeTracker
 from predictor.server import Sidecar, SidecarConfig
 from predictor.sim.batch_time import LinearBatchTimeModel
+from tagger.serve import SHIPPED_LIGHT_DIR
 
 PRIOR = LinearBatchTimeModel.default("llama-2-7b")
 
@@ -181,3 +184,14 @@ async def test_a_sidecar_keeps_reconciling_through_hostile_scrapes_and_says_so_o
     finally:
         await sidecar.stop()
         await runner.cleanup()
+
+
+def test_a_taggers_broken_quantiles_stop_the_sidecar_at_start(tmp_path, caplog):
+    shutil.copy(SHIPPED_LIGHT_DIR / "errors.npz", tmp_path / "errors.npz")
+    with np.load(SHIPPED_LIGHT_DIR / "quantiles.npz") as good:
+        np.savez(tmp_path / "quantiles.npz", levels=good["levels"][::-1], bin_edges=good["bin_edges"],
+                 offsets=good["offsets"])
+    assert astrolabe_main(["predictor", "serve", "--backend", "127.0.0.1:1", "--length-errors", str(tmp_path)]) == 2
+    assert "levels must ascend" in caplog.text
+    with pytest.raises(SystemExit):
+        astrolabe_main(["predictor", "serve", "--backend", "127.0.0.1:1", "--length-distribution", "buckets"])

@@ -56,3 +56,27 @@ def test_bad_residuals_raise(args):
 def test_bad_levels_raise():
     with pytest.raises(QuantileError):
         LengthQuantiles.fit(np.ones(3), np.ones(3), np.zeros(3, dtype=bool), levels=(0.5, 0.1))
+
+
+@pytest.mark.parametrize("change", ["levels-descending", "level-1", "no-levels", "nan-offset", "offsets-decreasing",
+                                    "edges-1d", "edges-unsorted"])
+def test_a_malformed_file_is_refused_at_load(tmp_path, change):
+    good = LengthQuantiles.fit(*_sample(2_000, 3))
+    levels, edges, offsets = np.array(good.levels), good.bin_edges.copy(), good.offsets.copy()
+    if change == "levels-descending":
+        levels = levels[::-1].copy()
+    elif change == "level-1":
+        levels[-1] = 1.0
+    elif change == "no-levels":
+        levels, offsets = levels[:0], offsets[:, :, :0]
+    elif change == "nan-offset":
+        offsets[0, 0, 0] = np.nan
+    elif change == "offsets-decreasing":
+        offsets[1, 2] = offsets[1, 2, ::-1].copy()
+    elif change == "edges-1d":
+        edges = edges[0]
+    elif change == "edges-unsorted":
+        edges[0] = edges[0, ::-1].copy()
+    np.savez(tmp_path / "quantiles.npz", levels=levels, bin_edges=edges, offsets=offsets)
+    with pytest.raises(QuantileError):
+        LengthQuantiles.load(tmp_path)

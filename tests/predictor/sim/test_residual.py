@@ -14,6 +14,7 @@ from predictor.sim.residual import (
     ExactLengths,
     FixedExtraTokens,
     QuantileResidual,
+    TaggerQuantileResidual,
 )
 
 RNG = np.random.default_rng(0)
@@ -114,8 +115,49 @@ def test_quantiles_of_a_point_mass_and_of_a_wider_request():
 
 
 @pytest.mark.parametrize("levels, quantiles", [((0.5,), (10, 20)), ((0.5, 0.1), (10, 20)), ((0.0, 0.5), (1, 2)),
-                                               ((0.1, 0.5), (0.5, 2)), ((0.1, 0.5), (30, 20)), ((), ())],
-                         ids=["lengths", "levels-order", "level-0", "below-1-token", "decreasing", "empty"])
+                                               ((0.1, 0.5), (0.5, 2)), ((0.1, 0.5), (30, 20)), ((), ()),
+                                               ((0.5, 1.5), (100, 200)), ((0.5, 1.0), (100, 200)),
+                                               ((0.1, 0.5), (1, math.inf))],
+                         ids=["lengths", "levels-order", "level-0", "below-1-token", "decreasing", "empty",
+                              "level-above-1", "level-1", "infinite"])
 def test_quantiles_reject_bad_input(levels, quantiles):
     with pytest.raises(ValueError):
         QuantileResidual(levels, quantiles)
+
+
+class _Quantiles:  # the shape of tagger.quantiles.LengthQuantiles: a fixed spread around the estimate per turn kind
+    levels = (0.1, 0.5, 0.9)
+
+    def quantile_tokens(self, estimate_log1p, has_history):
+        median = math.expm1(estimate_log1p)
+        spread = 2.0 if has_history else 4.0
+        return (max(1.0, median / spread), median, median * spread)
+
+
+@given(st.integers(1, 5000), st.integers(0, 8000), st.one_of(st.none(), st.integers(1, 5000)), st.booleans())
+def test_a_taggers_rule_is_each_requests_own_distribution(predicted, generated, cap, has_history):
+    rule = TaggerQuantileResidual(_Quantiles(), has_history)
+    own = QuantileResidual(_Quantiles.levels, _Quantiles().quantile_tokens(math.log1p(predicted), has_history))
+    assert rule.expected_output_tokens(predicted, generated, cap) == own.expected_output_tokens(0, generated, cap)
+    assert rule.distribution(predicted) is rule.distribution(predicted)  # memoised
+
+
+def test_a_taggers_rule_forgets_when_full(monkeypatch):
+    monkeypatch.setattr("predictor.sim.residual.MAX_DISTRIBUTIONS_CACHED", 3)
+    rule = TaggerQuantileResidual(_Quantiles(), False)
+    for predicted in range(1, 8):
+        rule.distribution(predicted)
+    assert len(rule._by_predicted) <= 3
+    assert rule.distribution(0) is rule.distribution(1)  # below one token is one token
+
+
+def test_past_its_top_quantile_a_request_is_priced_by_the_rule_beyond():
+    beyond = EmpiricalResidual(PRED, TRUE)
+    rule = TaggerQuantileResidual(_Quantiles(), False, beyond)
+    own = TaggerQuantileResidual(_Quantiles(), False)
+    top = _Quantiles().quantile_tokens(math.log1p(20), False)[-1]  # 80 tokens
+    assert rule.expected_output_tokens(20, 10) == own.expected_output_tokens(20, 10)  # inside: its own
+    for generated in (math.ceil(top), 300):
+        assert rule.expected_output_tokens(20, generated) == beyond.expected_output_tokens(20, generated)
+    # the held-out replies' heavy tail keeps an overdue request long; its own distribution adds the top excess only
+    assert rule.expected_output_tokens(20, 300) > own.expected_output_tokens(20, 300)
