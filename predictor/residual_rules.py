@@ -23,6 +23,7 @@ the one readers of ``errors.npz`` and ``quantiles.npz``).
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +68,27 @@ def default_errors_dir() -> Path:
     return SHIPPED_LIGHT_DIR
 
 
+def _check_prices(quantiles, rules: tuple[ResidualLengthModel, ...], path: Path) -> None:
+    """Price a request in every bin of ``quantiles`` (at each bin edge, 1 token and 2**32 tokens), fresh and far
+    past its top quantile, with each rule: a file that loads but cannot price (overflowing values) stops the
+    sidecar at start instead of failing every request.
+
+    Raises:
+        QuantileError: a price is not a finite number of tokens.
+    """
+    from tagger.quantiles import QuantileError  # noqa: PLC0415
+
+    predicted = {1, 2**32 - 1, *(max(1, min(2**32 - 1, round(math.expm1(e)))) for e in quantiles.bin_edges.flat)}
+    for rule in rules:
+        for tokens in sorted(predicted):
+            try:
+                for generated in (0, tokens, 10 * tokens):
+                    if not rule.expected_output_tokens(tokens, generated, None) > generated:
+                        raise ValueError(f"{generated} tokens generated, priced at or below that")
+            except (ValueError, ArithmeticError) as exc:
+                raise QuantileError(f"{path}: cannot price a request predicted at {tokens} tokens: {exc}") from exc
+
+
 class ResidualRules:
     """The residual rule per length source.
 
@@ -106,6 +128,7 @@ class ResidualRules:
                 quantiles = LengthQuantiles.load(directory)
                 self.tagger = TaggerQuantileResidual(quantiles, False, beyond=self.binned)
                 self.tagger_later_turn = TaggerQuantileResidual(quantiles, True, beyond=self.binned)
+                _check_prices(quantiles, (self.tagger, self.tagger_later_turn), directory / QUANTILES_FILE)
             else:
                 logger.warning("%s has no %s: a tagger's requests are priced by its binned held-out errors instead "
                                "of their own distributions", directory, QUANTILES_FILE)
@@ -121,7 +144,8 @@ class ResidualRules:
         """The rule for a request whose predicted length has source ``length_source`` (unknown = default);
         ``length_distribution`` ``"binned"`` prices a tagger's requests by the binned errors whatever these rules
         were built with (a router mirroring a sidecar that says so, ``predictor.instance_state``)."""
-        if length_source in (LENGTH_SOURCE_TAGGER, LENGTH_SOURCE_TAGGER_LATER_TURN) and length_distribution == "binned":
+        if length_source in (LENGTH_SOURCE_TAGGER, LENGTH_SOURCE_TAGGER_LATER_TURN) \
+                and length_distribution not in (None, "quantiles"):  # "binned", or one this version does not know
             return self.binned
         if length_source == LENGTH_SOURCE_TAGGER:
             return self.tagger

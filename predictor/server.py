@@ -1203,8 +1203,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(conditioned on the tagger's measured errors), paper (10 more tokens past the "
                              "prediction) or exact")
     parser.add_argument("--length-errors", default=None,
-                        help="tagger directory (or errors.npz) whose measured errors condition residual lengths "
-                             "(default: the shipped light tagger's)")
+                        help="tagger directory (or its errors.npz) whose measured errors and quantiles (quantiles.npz "
+                             "beside errors.npz) condition residual lengths (default: the shipped light tagger's)")
     parser.add_argument("--length-distribution", choices=LENGTH_DISTRIBUTIONS,
                         default=defaults.length_distribution,
                         help="how a tagger's live requests are priced: quantiles (each one's own distribution, "
@@ -1301,7 +1301,9 @@ def run(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, batch_time_model=resolve_batch_time_model(config.batch_time_model,
                                                                                        config.model_config))
         load_batch_time(config.batch_time_model, config.time_scale)
-        ResidualRules(config.residual_lengths, config.length_errors, config.length_distribution)
+        # a tagger directory without quantiles.npz falls back to binned here, with its one warning
+        config = dataclasses.replace(config, length_distribution=ResidualRules(
+            config.residual_lengths, config.length_errors, config.length_distribution).length_distribution)
         PluginStateSource(config.state_source, config.vllm_state_path)
         if config.metrics_listen:
             _check_host_port(config.metrics_listen, "--metrics-listen")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -117,7 +118,7 @@ class LengthErrorModel:
                 bins = tuple(data[f"bin_{i}"] for i in range(len(edges) + 1))
                 pairs = ((data["predicted_tokens"], data["true_tokens"]) if "predicted_tokens" in data.files
                          and "true_tokens" in data.files else (None, None))
-        except (OSError, KeyError, ValueError) as exc:
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as exc:
             raise ErrorModelError(f"cannot read error sample {path}: {exc}") from exc
         return cls(edges, bins, *pairs)
 

@@ -17,6 +17,8 @@ residuals).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +31,9 @@ DEFAULT_NUM_BINS = 8
 """Bins of equal count by predicted ``log1p(tokens)`` per group (48,000 training residuals: ~3,000 per bin)."""
 
 _GROUPS = 2  # 0: first turn (no history), 1: later turn
+MAX_ABS_OFFSET = 20.0
+"""Largest offset a quantile file may hold, log1p tokens (a factor of e**20 ~ 5e8 from the estimate: beyond any
+reply; a larger one is a broken file)."""
 
 
 class QuantileError(ValueError):
@@ -86,21 +91,45 @@ class LengthQuantiles:
                 offsets[g, b] = np.quantile(rb, levels)
         return cls(tuple(float(x) for x in levels), edges, np.maximum.accumulate(offsets, axis=2))
 
+    @functools.cached_property
+    def _bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """(floors, ceilings), float64 ``(2, num_bins, len(levels))`` each: the highest ``log1p`` quantile a lower
+        estimate reaches before each bin (earlier bins' upper edge + offset, running maximum; -inf for the first
+        bin) and the lowest a higher estimate reaches after it (later bins' lower edge + offset, running minimum
+        from the top; +inf for the last)."""
+        floors = np.full(self.offsets.shape, -np.inf)
+        ceilings = np.full(self.offsets.shape, np.inf)
+        floors[:, 1:] = np.maximum.accumulate(self.bin_edges[:, :, None] + self.offsets[:, :-1], axis=1)
+        ceilings[:, :-1] = np.minimum.accumulate((self.bin_edges[:, :, None] + self.offsets[:, 1:])[:, ::-1],
+                                                 axis=1)[:, ::-1]
+        return floors, ceilings
+
+    def _monotone(self, value: np.ndarray, g: int, bins) -> np.ndarray:
+        """``estimate + offset`` of each request's bin made non-decreasing in the estimate: the mean of that value
+        raised to the floor and cut to the ceiling of its bin (`_bounds`). Each of the two is non-decreasing, so
+        their mean is; raising alone would lift the quantiles of every bin after one whose offsets drop (1.3
+        points of coverage at q50 on the light tagger's test views), the mean moves them both ways."""
+        floors, ceilings = self._bounds
+        return (np.maximum(value, floors[g, bins]) + np.minimum(value, ceilings[g, bins])) / 2
+
     def quantile_tokens(self, estimate_log1p: float, has_history: bool) -> tuple[float, ...]:
-        """One request's quantiles, tokens (>= 1, non-decreasing), at :attr:`levels`."""
+        """One request's quantiles, tokens (>= 1, non-decreasing), at :attr:`levels`: ``expm1(estimate + offset)``
+        of its bin, made non-decreasing in the estimate across bin edges (`_monotone`: a bin whose offsets drop
+        from the previous one's would otherwise give a longer estimate shorter quantiles)."""
         g = 1 if has_history else 0
         b = int(np.searchsorted(self.bin_edges[g], estimate_log1p, side="right"))
-        return tuple(max(1.0, float(np.expm1(estimate_log1p + o))) for o in self.offsets[g, b])
+        value = self._monotone(estimate_log1p + self.offsets[g, b], g, b)
+        return tuple(max(1.0, float(x)) for x in np.expm1(value))
 
     def quantiles_batch(self, estimates_log1p: np.ndarray, has_history: np.ndarray) -> np.ndarray:
-        """Quantiles of many requests, tokens: float64 ``(n, len(levels))``."""
+        """Quantiles of many requests, tokens: float64 ``(n, len(levels))``, as `quantile_tokens` gives each."""
         s = np.asarray(estimates_log1p, dtype=np.float64)
         hist = np.asarray(has_history, dtype=bool)
         out = np.empty((len(s), len(self.levels)))
         for g in range(_GROUPS):
             mask = hist == bool(g)
             bins = np.searchsorted(self.bin_edges[g], s[mask], side="right")
-            out[mask] = np.maximum(1.0, np.expm1(s[mask, None] + self.offsets[g, bins]))
+            out[mask] = np.maximum(1.0, np.expm1(self._monotone(s[mask, None] + self.offsets[g, bins], g, bins)))
         return out
 
     def save(self, directory: Path) -> Path:
@@ -120,19 +149,23 @@ class LengthQuantiles:
         path = Path(directory) / QUANTILES_FILE
         try:
             with np.load(path) as data:
-                levels, edges, offsets = tuple(data["levels"].tolist()), data["bin_edges"], data["offsets"]
-        except (OSError, KeyError, ValueError) as exc:
+                arrays = [np.asarray(data[key]) for key in ("levels", "bin_edges", "offsets")]
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as exc:
             raise QuantileError(f"cannot read {path}: {exc}") from exc
+        if arrays[0].ndim != 1 or any(a.dtype.kind not in "fi" for a in arrays):
+            raise QuantileError(f"{path}: levels must be a 1-D array and every array real numbers")
+        levels, edges, offsets = tuple(float(x) for x in arrays[0]), *(a.astype(np.float64) for a in arrays[1:])
         if edges.ndim != 2 or edges.shape[0] != _GROUPS or offsets.shape != (_GROUPS, edges.shape[1] + 1,
                                                                                  len(levels)):
             raise QuantileError(f"{path}: offsets {offsets.shape} do not match {len(levels)} levels, "
                                 f"bin edges {edges.shape}")
-        if not levels or any(b <= a for a, b in zip(levels, levels[1:])) or not 0 < levels[0] <= levels[-1] < 1:
+        if not levels or not all(np.isfinite(levels)) or any(not b > a for a, b in zip(levels, levels[1:])) \
+                or not 0 < levels[0] <= levels[-1] < 1:
             raise QuantileError(f"{path}: levels must ascend within (0, 1), got {levels}")
-        if not (np.all(np.isfinite(edges)) and np.all(np.isfinite(offsets))) or np.any(np.diff(edges, axis=1) < 0) \
-                or np.any(np.diff(offsets, axis=2) < 0):
-            raise QuantileError(f"{path}: bin edges must be finite and sorted, offsets finite and non-decreasing "
-                                "along levels")
+        if not (np.all(np.isfinite(edges)) and np.all(np.abs(offsets) <= MAX_ABS_OFFSET)) \
+                or np.any(np.diff(edges, axis=1) < 0) or np.any(np.diff(offsets, axis=2) < 0):
+            raise QuantileError(f"{path}: bin edges must be finite and sorted, offsets within +-{MAX_ABS_OFFSET:g} "
+                                "log1p tokens and non-decreasing along levels")
         return cls(levels, edges, offsets)
 
 

@@ -45,6 +45,9 @@ DEFAULT_NUM_BINS = 8
 """Bins of equal count by predicted length in `EmpiricalResidual` (the shipped light tagger's 12,536 held-out
 pairs: ~1,570 per bin)."""
 
+MAX_TOP_FACTOR = 1e3
+"""`QuantileResidual`'s end point lies at most this factor past the last quantile."""
+
 MIN_SAMPLES_PER_ESTIMATE = 20
 """Fewer samples than this past ``generated`` in a request's bin: the estimate pools every bin."""
 
@@ -204,8 +207,10 @@ class QuantileResidual:
                 or any(b < a for a, b in zip(qs, qs[1:])):
             raise ValueError(f"need ascending levels in (0, 1) and non-decreasing quantiles >= 1 token, got "
                              f"{levels} and {qs}")
-        top = qs[-1] * (qs[-1] / qs[-2]) ** ((1 - levels[-1]) / (levels[-1] - levels[-2])) if len(qs) > 1 \
-            else qs[-1]
+        # the last segment's log-slope continued to level 1, at most MAX_TOP_FACTOR past the last quantile (close
+        # levels would otherwise overflow)
+        top = qs[-1] * math.exp(min(math.log(qs[-1] / qs[-2]) * (1 - levels[-1]) / (levels[-1] - levels[-2]),
+                                    math.log(MAX_TOP_FACTOR))) if len(qs) > 1 else qs[-1]
         points = [1.0, *qs, top]
         masses = [b - a for a, b in zip([0.0, *levels], [*levels, 1.0])]
         self._lo, self._hi, self._mass = points[:-1], points[1:], masses

@@ -18,7 +18,7 @@ from predictor.residual_rules import (
 from predictor.api import pb
 from predictor.sim.residual import EmpiricalResidual, ExactLengths, FixedExtraTokens, QuantileResidual
 from tagger.errors import LengthErrorModel
-from tagger.quantiles import LengthQuantiles
+from tagger.quantiles import LengthQuantiles, QuantileError
 from tagger.serve import SHIPPED_LIGHT_DIR
 
 
@@ -106,3 +106,20 @@ def test_past_its_top_quantile_a_tagged_request_gets_the_binned_rule_and_a_file_
             200, top - 1)
         # a router mirroring a binned sidecar (its watched state says so) gets the binned rule for every turn
         assert rules.for_source(source, "binned") is rules.binned
+
+
+def test_quantiles_that_cannot_price_stop_the_rules_at_start(monkeypatch):
+    def overflow(self, predicted, generated, max_tokens=None):
+        raise OverflowError("math range error")
+
+    monkeypatch.setattr("predictor.sim.residual.TaggerQuantileResidual.expected_output_tokens", overflow)
+    with pytest.raises(QuantileError, match="cannot price a request predicted at 1 tokens"):
+        ResidualRules()
+
+
+def test_a_distribution_this_version_does_not_know_is_priced_binned():
+    rules = ResidualRules()
+    for name in ("binned", "future-kind", ""):
+        assert rules.for_source(LENGTH_SOURCE_TAGGER_LATER_TURN, name) is rules.binned
+    assert rules.for_source(LENGTH_SOURCE_TAGGER, "quantiles") is rules.for_source(LENGTH_SOURCE_TAGGER) is rules.tagger
+    assert rules.for_source(LENGTH_SOURCE_EXACT, "binned") is rules.exact

@@ -59,7 +59,8 @@ def test_bad_levels_raise():
 
 
 @pytest.mark.parametrize("change", ["levels-descending", "level-1", "no-levels", "nan-offset", "offsets-decreasing",
-                                    "edges-1d", "edges-unsorted"])
+                                    "edges-1d", "edges-unsorted", "nan-level", "huge-offset", "levels-2d", "strings",
+                                    "truncated", "empty-file"])
 def test_a_malformed_file_is_refused_at_load(tmp_path, change):
     good = LengthQuantiles.fit(*_sample(2_000, 3))
     levels, edges, offsets = np.array(good.levels), good.bin_edges.copy(), good.offsets.copy()
@@ -77,6 +78,32 @@ def test_a_malformed_file_is_refused_at_load(tmp_path, change):
         edges = edges[0]
     elif change == "edges-unsorted":
         edges[0] = edges[0, ::-1].copy()
+    elif change == "nan-level":
+        levels[3] = np.nan
+    elif change == "huge-offset":
+        offsets[:, :, -1] = 700.0
+    elif change == "levels-2d":
+        levels = levels[None, :]
+    elif change == "strings":
+        offsets = offsets.astype(str)
     np.savez(tmp_path / "quantiles.npz", levels=levels, bin_edges=edges, offsets=offsets)
+    if change == "truncated":
+        data = (tmp_path / "quantiles.npz").read_bytes()
+        (tmp_path / "quantiles.npz").write_bytes(data[:len(data) // 2])
+    elif change == "empty-file":
+        (tmp_path / "quantiles.npz").write_bytes(b"")
     with pytest.raises(QuantileError):
         LengthQuantiles.load(tmp_path)
+
+
+def test_quantiles_never_fall_as_the_estimate_rises():
+    estimates, true, history = _sample(6_000, 3)
+    # a tagger whose long estimates are too long: higher bins get lower offsets, which drop at every bin edge
+    true = np.maximum(1, np.expm1(np.log1p(true) - 0.6 * (estimates - estimates.mean()))).round()
+    quantiles = LengthQuantiles.fit(estimates, true, history)
+    assert np.any(np.diff(quantiles.offsets, axis=1) < 0)  # the drops this test is about
+    grid = np.linspace(0.0, 9.0, 4_000)
+    for has_history in (False, True):
+        q = quantiles.quantiles_batch(grid, np.full(len(grid), has_history))
+        assert np.all(np.diff(q, axis=0) >= -1e-9) and np.all(np.diff(q, axis=1) >= -1e-9)
+        assert np.allclose([quantiles.quantile_tokens(x, has_history) for x in grid[::97]], q[::97])
