@@ -466,9 +466,9 @@ def _parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--length-distribution", choices=("quantiles", "binned"), default="binned",
                    help="the sidecars' residual length of a live request: quantiles = from the request's own "
                         "predicted distribution (the tagger's quantiles.npz around its predicted length, for a "
-                        "first or a later turn; past its top quantile, the binned rule), what real sidecars do unless told otherwise; "
-                        "binned (this bench's default, so that recorded figures stay comparable) = from the tagger's "
-                        "held-out errors in the bin of its predicted length")
+                        "first or a later turn; past its top quantile, the binned rule), what real sidecars do "
+                        "unless told otherwise; binned (this bench's default, so that recorded figures stay "
+                        "comparable) = from the tagger's held-out errors in the bin of its predicted length")
     p.add_argument("--prediction-noise", type=float, default=0.0,
                    help="stddev of multiplicative Gaussian noise on predicted latencies (0-1)")
     p.add_argument("--slo-ttft-s", type=float, default=2.0, help="P99 TTFT SLO for capacity, seconds")

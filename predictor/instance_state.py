@@ -95,7 +95,8 @@ def encode(snapshot: InstanceSnapshot, batch_time: LinearBatchTimeModel, correct
     block_size = config.block_size
     message = pb.InstanceState(
         seq=seq, state_age_s=state_age_s, admits_seen=admits_seen, state_source=state_source,
-        length_distribution=length_distribution, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        length_distribution=length_distribution, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
         block_size=block_size, num_gpu_blocks=config.num_gpu_blocks,
         enable_chunked_prefill=config.enable_chunked_prefill,
         long_prefill_token_threshold=config.long_prefill_token_threshold, scheduling=config.scheduling,

@@ -4,13 +4,12 @@ The extproc tells the sidecar, with every Predict and Admit, where the request's
 from (``LengthSource`` in ``predictor/predictor.proto``):
 
 - TAGGER (a first turn: no earlier assistant reply) and TAGGER_LATER_TURN (a chat request after an earlier
-  assistant reply): with
-  ``length_distribution="quantiles"`` (the default) `TaggerQuantileResidual`, the request's own predicted
-  distribution, the tagger's calibrated quantiles around its estimate for that kind of turn (``quantiles.npz`` of
-  the tagger directory, ``tagger.quantiles``), conditioned on what it has generated (past its top quantile, the
-  binned rule below); with ``"binned"`` (or a
-  tagger directory without ``quantiles.npz``, with a warning) `EmpiricalResidual` over the tagger's measured
-  held-out (predicted, true) pairs (``errors.npz``), the same for both kinds of turn;
+  assistant reply): with ``length_distribution="quantiles"`` (the default) `TaggerQuantileResidual`, the
+  request's own predicted distribution, the tagger's calibrated quantiles around its estimate for that kind of
+  turn (``quantiles.npz`` of the tagger directory, ``tagger.quantiles``), conditioned on what it has generated
+  (past its top quantile, the binned rule below); with ``"binned"`` (or a tagger directory without
+  ``quantiles.npz``, with a warning) `EmpiricalResidual` over the tagger's measured held-out (predicted, true)
+  pairs (``errors.npz``), the same for both kinds of turn;
 - FIXED: `EmpiricalResidual` with one bin (the prediction says nothing; the reply-length distribution of the same
   sample conditions on what was generated);
 - EXACT: `ExactLengths`;

@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int_at_least(1), default=32, help="transformer: pairs per optimizer step")
     train.add_argument("--lr", type=finite_float(0.0, inclusive=False), default=1e-4,
                        help="transformer: peak AdamW learning rate (after 10%% of the steps, then linear decay to 0)")
-    train.add_argument("--threads", type=int_at_least(1), default=2, help="transformer: torch threads (<= 2 on a shared machine)")
+    train.add_argument("--threads", type=int_at_least(1), default=2,
+                       help="transformer: torch threads (<= 2 on a shared machine)")
     train.add_argument("--max-train-minutes", type=finite_float(0.0, inclusive=False), default=None,
                        help="transformer: stop training after this many minutes and still save; default: no limit")
     train.add_argument("--loss", choices=("mse", "mse+rank"), default="mse",

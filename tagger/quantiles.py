@@ -36,6 +36,12 @@ MAX_ABS_OFFSET = 20.0
 reply; a larger one is a broken file)."""
 
 
+def _levels_ascend(levels: tuple[float, ...]) -> bool:
+    """Whether ``levels`` are finite, strictly ascending and within (0, 1) (and there is at least one)."""
+    return bool(levels) and all(np.isfinite(levels)) and all(b > a for a, b in zip(levels, levels[1:])) \
+        and 0 < levels[0] <= levels[-1] < 1
+
+
 class QuantileError(ValueError):
     """Residuals or a quantile file that cannot give quantiles (empty, mismatched, malformed)."""
 
@@ -74,8 +80,7 @@ class LengthQuantiles:
         hist = np.asarray(has_history, dtype=bool)
         if s.ndim != 1 or s.shape != true.shape or s.shape != hist.shape or len(s) == 0:
             raise QuantileError(f"need equal-length non-empty 1-D arrays, got {s.shape}, {true.shape}, {hist.shape}")
-        if np.any(true < 1) or num_bins < 1 or not levels or list(levels) != sorted(set(levels)) \
-                or not 0 < levels[0] <= levels[-1] < 1:
+        if np.any(true < 1) or num_bins < 1 or not _levels_ascend(tuple(levels)):
             raise QuantileError("lengths must be >= 1 token, num_bins >= 1, levels ascending in (0, 1)")
         residual = np.log1p(true) - s
         edges = np.zeros((_GROUPS, num_bins - 1))
@@ -159,8 +164,7 @@ class LengthQuantiles:
                                                                                  len(levels)):
             raise QuantileError(f"{path}: offsets {offsets.shape} do not match {len(levels)} levels, "
                                 f"bin edges {edges.shape}")
-        if not levels or not all(np.isfinite(levels)) or any(not b > a for a, b in zip(levels, levels[1:])) \
-                or not 0 < levels[0] <= levels[-1] < 1:
+        if not _levels_ascend(levels):
             raise QuantileError(f"{path}: levels must ascend within (0, 1), got {levels}")
         if not (np.all(np.isfinite(edges)) and np.all(np.abs(offsets) <= MAX_ABS_OFFSET)) \
                 or np.any(np.diff(edges, axis=1) < 0) or np.any(np.diff(offsets, axis=2) < 0):

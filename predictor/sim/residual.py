@@ -194,6 +194,9 @@ class QuantileResidual:
         levels: probability levels, ascending in (0, 1).
         quantile_tokens: the request's length at each level, tokens (>= 1, non-decreasing).
 
+    Attributes:
+        last_quantile_tokens: the length at the highest level, tokens.
+
     Raises:
         ValueError: lengths differ, levels not ascending in (0, 1), or quantiles not non-decreasing and >= 1.
     """
@@ -211,6 +214,7 @@ class QuantileResidual:
         # levels would otherwise overflow)
         top = qs[-1] * math.exp(min(math.log(qs[-1] / qs[-2]) * (1 - levels[-1]) / (levels[-1] - levels[-2]),
                                     math.log(MAX_TOP_FACTOR))) if len(qs) > 1 else qs[-1]
+        self.last_quantile_tokens = qs[-1]
         points = [1.0, *qs, top]
         masses = [b - a for a, b in zip([0.0, *levels], [*levels, 1.0])]
         self._lo, self._hi, self._mass = points[:-1], points[1:], masses
@@ -267,9 +271,9 @@ class TaggerQuantileResidual(ResidualLengthModel):
     has_history)``, split-conformal offsets per bin of the estimate and first / later turn: ``tagger/quantiles.py``).
 
     A request that has generated its top quantile's length (q99 for the shipped taggers: it has outlived 99% of
-    the distribution it was given, so that distribution was wrong for it) is priced by ``beyond`` instead, when given: the tagger's
-    held-out replies that ran that long (`EmpiricalResidual`), whose heavy tail keeps a long request long, where
-    the request's own distribution would only add its top segment's excess.
+    the distribution it was given, so that distribution was wrong for it) is priced by ``beyond`` instead, when
+    given: the tagger's held-out replies that ran that long (`EmpiricalResidual`), whose heavy tail keeps a long
+    request long, where the request's own distribution would only add its top segment's excess.
 
     The quantiles depend on the request only through (predicted tokens, first or later turn), so one rule per
     turn kind serves every request and its distributions are memoised per predicted length.
@@ -285,26 +289,23 @@ class TaggerQuantileResidual(ResidualLengthModel):
     def __init__(self, quantiles: RequestQuantiles, has_history: bool,
                  beyond: ResidualLengthModel | None = None) -> None:
         self.quantiles, self.has_history, self.beyond = quantiles, has_history, beyond
-        self._by_predicted: dict[int, tuple[QuantileResidual, float]] = {}
+        self._by_predicted: dict[int, QuantileResidual] = {}
 
-    def _entry(self, num_predicted_tokens: int) -> tuple[QuantileResidual, float]:
+    def distribution(self, num_predicted_tokens: int) -> QuantileResidual:
+        """The distribution of a request predicted at ``num_predicted_tokens`` (>= 1, smaller is taken as 1)."""
         key = max(int(num_predicted_tokens), 1)
         found = self._by_predicted.get(key)
         if found is None:
             if len(self._by_predicted) >= MAX_DISTRIBUTIONS_CACHED:
                 self._by_predicted.clear()
-            tokens = self.quantiles.quantile_tokens(math.log1p(key), self.has_history)
-            found = self._by_predicted[key] = (QuantileResidual(self.quantiles.levels, tokens), tokens[-1])
+            found = self._by_predicted[key] = QuantileResidual(
+                self.quantiles.levels, self.quantiles.quantile_tokens(math.log1p(key), self.has_history))
         return found
-
-    def distribution(self, num_predicted_tokens: int) -> QuantileResidual:
-        """The distribution of a request predicted at ``num_predicted_tokens`` (>= 1, smaller is taken as 1)."""
-        return self._entry(num_predicted_tokens)[0]
 
     def expected_output_tokens(self, num_predicted_tokens: int, num_generated_tokens: int,
                                max_tokens: int | None = None) -> int:
-        own, top_tokens = self._entry(num_predicted_tokens)
-        if self.beyond is not None and num_generated_tokens >= top_tokens:
+        own = self.distribution(num_predicted_tokens)
+        if self.beyond is not None and num_generated_tokens >= own.last_quantile_tokens:
             return self.beyond.expected_output_tokens(num_predicted_tokens, num_generated_tokens, max_tokens)
         return own.expected_output_tokens(num_predicted_tokens, num_generated_tokens, max_tokens)
 
