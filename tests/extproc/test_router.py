@@ -47,11 +47,12 @@ async def sidecars():
         await sidecar.stop(0)
 
 
-def make_router(predictors_by_endpoint, policy="astrolabe", params=None, seed=0, accept_stale=True, **client_fields):
+def make_router(predictors_by_endpoint, policy="astrolabe", params=None, seed=0, accept_stale=True,
+                predict_timeout_s=DEADLINE_S, **client_fields):
     endpoints = [EndpointConfig(f"10.0.0.{i}:8000", (), p) for i, p in enumerate(predictors_by_endpoint, 1)]
     pool = EndpointPool(endpoints)
     # the test sidecars have no backend to reconcile with: their state age is infinite, accept it here
-    client = PredictorClient(PredictorClientConfig(predict_timeout_s=DEADLINE_S, min_backoff_s=60,
+    client = PredictorClient(PredictorClientConfig(predict_timeout_s=predict_timeout_s, min_backoff_s=60,
                                                    max_state_age_s=float("inf") if accept_stale else 2.0, **client_fields))
     lengths = OutputLengthEstimator(OutputLengthConfig(source="fixed", fixed_tokens=128))
     rng = random.Random(seed)
@@ -210,15 +211,20 @@ async def test_concurrent_burst_does_not_herd(sidecars, num_instances):
     """64 truly simultaneous route() calls over idle instances. Each Predict holds its request at the sidecar
     (predictor/holds.py), so the decisions see each other: max/min per instance <= 2 (without holds every decision
     was answered from the idle state: 26 of 64 on one of 8 instances through Envoy). Then every request is counted
-    exactly once: confirmed where it was sent, dropped everywhere else."""
+    exactly once: confirmed where it was sent, dropped everywhere else.
+
+    One process runs the router and every sidecar here, and in CI it shares 2 cores with other work: with the
+    0.2 s deadline of the other tests, 13 and 22 of 64 answers came late beside 3 busy processes on 2 cores, a
+    late answer is routed without a prediction, and CI failed once with counts 10 against 4. What this test holds is what decisions that are answered do to each
+    other, so it gives the sidecars 5 s to answer and holds that outlast the burst (late answers have their own
+    tests: test_failed_sidecars_cost_at_most_the_deadline, tests/extproc/test_predictor_client.py)."""
     started = await sidecars(num_instances)
-    router = make_router([f"127.0.0.1:{s.port}" for s in started], seed=5)
+    router = make_router([f"127.0.0.1:{s.port}" for s in started], seed=5, predict_timeout_s=5.0, hold_s=30.0)
     try:
         decisions = await asyncio.gather(*(router.route(request(i)) for i in range(64)))
         counts = collections.Counter(d.destination for d in decisions)
+        assert [d.basis for d in decisions] == ["prediction"] * 64
         assert len(counts) == num_instances and max(counts.values()) <= 2 * min(counts.values()), counts
-        # one process runs the router and every sidecar here: some answers may come late (their holds expire)
-        assert sum(d.basis == "prediction" for d in decisions) >= 0.8 * 64
         deadline = time.monotonic() + 5
         while any(len(s.holds) for s in started) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
