@@ -254,7 +254,7 @@ def phase_shares(profile: pstats.Stats) -> dict[str, float]:
     policy = sum(cumulative_s for (module, name), cumulative_s in cum.items()
                  if module.startswith("policies/") and name in ("candidates", "more_candidates", "choose"))
     tokens = max(c("extproc/lengths.py", "count_prompt_tokens"), c("extproc/prompt_tokens.py", "count"))
-    length = c("extproc/lengths.py", "estimate_with_source")
+    length = c("extproc/lengths.py", "estimate_before_cap")
     client_inline = c("extproc/predictor_client.py", "admit", "release")
     client = client_inline + c("extproc/predictor_client.py", "predict", "run")
     parse = c("extproc/request.py", "parse_body")

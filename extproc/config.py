@@ -15,7 +15,7 @@ Example (every key but ``endpoints`` is optional; defaults shown)::
     policy_params: {}               # typed per policy, e.g. {k: 2, metric: e2e} for astrolabe
     output_length:                  # predicted output tokens sent to predictors (extproc/lengths.py)
       source: tagger                # tagger | fixed | oracle
-      fixed_tokens: 256             # the estimate for 'fixed' (capped by the request's max_tokens)
+      fixed_tokens: 256             # the estimate for 'fixed' (the sidecars cap it by max_tokens)
       tagger_path: null             # a trained tagger directory for 'tagger' (null = the shipped light tagger)
     predictor_client:               # calls to predictor sidecars (extproc/predictor_client.py)
       mode: watch                   # watch: sidecars stream their state, predictions made here (extproc/
@@ -323,7 +323,8 @@ class OutputLengthSection:
     source: Literal[SOURCES] = Field(  # type: ignore[valid-type]
         _OUTPUT_LENGTH.source,
         description="tagger: the length tagger's estimate; fixed: fixed_tokens; oracle: the request's max_tokens "
-                    "(exact only with ignore_eos). Every estimate is capped by the request's max_tokens.")
+                    "(exact only with ignore_eos). The sidecars get the estimate and the request's max_tokens, and "
+                    "price E[min(reply length, max_tokens)] (extproc/lengths.py).")
     fixed_tokens: Annotated[int, Field(strict=True, gt=0)] = Field(
         _OUTPUT_LENGTH.fixed_tokens, description="The estimate for source 'fixed', tokens (> 0).")
     tagger_path: _Str | None = Field(

@@ -25,7 +25,8 @@ class Decision:
         candidates: the probed endpoints with their predictions (None: no answer), probe order; empty when
             the policy does not predict.
         num_prompt_tokens: prompt tokens counted for the prediction (0 when not predicted).
-        num_predicted_output_tokens: predicted output tokens (0 when not predicted).
+        num_predicted_output_tokens: predicted output tokens, before the request's ``max_tokens`` cap, as the
+            sidecars got them (0 when not predicted; ``extproc/lengths.py``).
         length_source: where the predicted output tokens came from (``predictor.residual_rules``).
         routing_s: from the request's arrival (its headers) to the decision, seconds.
         stage_s: seconds spent per stage of a predicted decision: ``tokens`` (counting prompt tokens),

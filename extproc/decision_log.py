@@ -15,7 +15,7 @@ Record (keys always present; times in seconds)::
      "destination": "10.0.0.5:8000",     # "" when refused (basis shed)
      "routing_s": 0.0021,                # from the request's headers to the decision
      "stage_s": {"tokens": 0.0002, "length": 0.0003, "predict": 0.0012},  # predicted decisions only
-     "num_prompt_tokens": 291, "num_predicted_output_tokens": 180, "length_source": 1,
+     "num_prompt_tokens": 291, "num_predicted_output_tokens": 180, "length_source": 1,  # before the max_tokens cap
      "priority": 0, "ttft_objective_s": 1.0,  # the request's objectives (extproc.admission; null: none)
      "shed_reason": "",                  # why it was refused with 429 (extproc.admission.SHED_REASONS), else ""
      "num_prompt_blocks": 18,            # full KV blocks with keys (prefix_cache); null: no keys

@@ -288,7 +288,7 @@ class FleetState:
         Args:
             address: the sidecar's ``host:port`` (watched).
             num_prompt_tokens: prompt tokens.
-            num_output_tokens: predicted output tokens.
+            num_output_tokens: predicted output tokens, before the ``max_tokens`` cap (applied here).
             max_tokens: the request's output cap, tokens (None: not given).
             length_source: where ``num_output_tokens`` came from (``predictor.residual_rules.LENGTH_SOURCE_*``).
             block_keys: the prompt's KV block keys (None: none), computed at ``block_size`` tokens per block:

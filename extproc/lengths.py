@@ -6,14 +6,21 @@ characters and extrapolated by length: tokenizing megabytes takes seconds of CPU
 other request on the event loop; the extrapolation costs ~3 ms. (With block keys on, ``extproc.prompt_tokens``
 tokenizes prompts in full, long ones in a worker thread: ``extproc.router.OFFLOAD_TOKENIZE_CHARS``.)
 Predicted output tokens, by ``source``:
-- ``fixed``: ``fixed_tokens``, capped by the request's ``max_tokens`` (the default until a tagger exists);
+- ``fixed``: ``fixed_tokens`` (the default until a tagger exists);
 - ``oracle``: the request's ``max_tokens`` itself (exact only when clients send the true length with
   ``ignore_eos``, as the demo and benchmarks do); off unless configured explicitly;
 - ``tagger`` (the default): the length tagger's estimate (``tagger.serve``; the shipped light tagger unless
-  ``tagger_path`` names a trained one), capped by ``max_tokens``. For chat requests the tagger reads the last
+  ``tagger_path`` names a trained one). For chat requests the tagger reads the last
   user message, the turn the reply answers, and the sizes of the messages before it; a turn after an earlier
   assistant reply is sent as LENGTH_SOURCE_TAGGER_LATER_TURN, so the sidecars price it by the tagger's
   later-turn quantiles (``predictor.residual_rules``).
+
+`OutputLengthEstimator.estimate` caps the figure by the request's ``max_tokens`` (a point estimate: the TPOT
+objective divides by it). The sidecars get the figure BEFORE the cap, with ``max_tokens`` beside it
+(`OutputLengthEstimator.estimate_before_cap`): they price a request as E[min(L, max_tokens)] over the reply
+lengths a tagger's estimate stands for (``predictor/sim/residual.py``). Capping first would price the
+distribution around the cap instead: an estimate of 300 tokens under ``max_tokens`` 16 was priced at 11 tokens by
+the light tagger's quantiles, though such a reply almost surely runs to its cap.
 """
 
 from __future__ import annotations
@@ -90,21 +97,27 @@ class OutputLengthEstimator:
         self.tagger = tagger
 
     async def estimate(self, request: RoutingRequest) -> int:
-        """Predicted output tokens (>= 1)."""
-        return (await self.estimate_with_source(request))[0]
+        """Predicted output tokens (>= 1), capped by the request's ``max_tokens``."""
+        return capped_output_tokens((await self.estimate_before_cap(request))[0], request.max_tokens)
 
-    async def estimate_with_source(self, request: RoutingRequest) -> tuple[int, int]:
-        """Predicted output tokens (>= 1) and where they came from (``predictor.residual_rules.LENGTH_SOURCE_*``:
-        the sidecars condition a live request's remaining length on it). ``oracle`` without ``max_tokens``
-        falls back to ``fixed_tokens``, and says so."""
+    async def estimate_before_cap(self, request: RoutingRequest) -> tuple[int, int]:
+        """Predicted output tokens (>= 1) BEFORE the request's ``max_tokens`` cap, which the sidecars apply
+        themselves (see the module docstring), and where they came from (``predictor.residual_rules.
+        LENGTH_SOURCE_*``: the sidecars condition a live request's remaining length on it). ``oracle`` without
+        ``max_tokens`` falls back to ``fixed_tokens``, and says so."""
         cap = request.max_tokens
         if self.config.source == "oracle" and cap is not None:
             return max(cap, 1), LENGTH_SOURCE_EXACT
         if self.config.source == "tagger":
             text = request.last_user_message if request.last_user_message is not None else request.prompt_text
             history = chat_history(request)
-            guess = await self.tagger.estimate(text, request.prompt_token_ids, cap, history)
+            guess = await self.tagger.estimate(text, request.prompt_token_ids, None, history)
             source = tagger_source(history.num_replies > 0)
         else:
             guess, source = self.config.fixed_tokens, LENGTH_SOURCE_FIXED
-        return max(min(guess, cap) if cap is not None else guess, 1), source
+        return max(guess, 1), source
+
+
+def capped_output_tokens(num_output_tokens: int, max_tokens: int | None) -> int:
+    """``num_output_tokens`` capped by ``max_tokens`` (None: no cap), tokens, >= 1."""
+    return max(min(num_output_tokens, max_tokens) if max_tokens is not None else num_output_tokens, 1)

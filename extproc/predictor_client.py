@@ -321,7 +321,7 @@ class PredictorClient:
             address: the sidecar's ``host:port``.
             request_id: the request's admit id.
             num_prompt_tokens: prompt tokens.
-            num_output_tokens: predicted output tokens.
+            num_output_tokens: predicted output tokens, before the ``max_tokens`` cap (the sidecar applies it).
             metric: the figure the policy compares (``e2e``, ``ttft`` or ``blend``; informational).
             max_tokens: the request's output cap, tokens (None: not given).
             length_source: where ``num_output_tokens`` came from (``predictor.residual_rules.LENGTH_SOURCE_*``).

@@ -57,7 +57,7 @@ from extproc.decision_log import DecisionLog
 from extproc.endpoint_metrics import MetricsScraper
 from extproc.errors import ErrorCode, RoutingError
 from extproc.fleet_state import FleetState
-from extproc.lengths import OutputLengthEstimator
+from extproc.lengths import OutputLengthEstimator, capped_output_tokens
 from extproc.objectives import NO_OBJECTIVES, Objectives
 from extproc.prompt_tokens import PromptTokenCounter, PromptTokens
 from extproc.metrics import ExtprocMetrics
@@ -286,13 +286,15 @@ class Router:
         block_keys, block_size = request.block_keys, self.prompt_tokens.block_size or 0
         priority = self.engine_priority_of(request) or 0
         t1_s = self._clock()
+        # before the max_tokens cap: the sidecars (and `fleet`) price E[min(L, max_tokens)] (extproc/lengths.py)
         num_output_tokens, length_source = await self._estimate_length(request)
         t2_s = self._clock()
         self.metrics.length_estimate_seconds.observe(t2_s - t1_s)
         metric = getattr(getattr(self.policy, "params", None), "metric", "e2e")
         objectives = request.objectives
+        num_capped_tokens = capped_output_tokens(num_output_tokens, request.max_tokens)
         if objectives is not NO_OBJECTIVES:  # a TPOT objective is checked with the estimate
-            request = replace(request, num_predicted_output_tokens=num_output_tokens)
+            request = replace(request, num_predicted_output_tokens=num_capped_tokens)
 
         # sidecar -> (Admits this replica had sent it, of which not answered yet) when this Predict was sent
         asked_at: dict[str, tuple[int, int]] = {}
@@ -354,7 +356,7 @@ class Router:
         now_s = self._clock()
         self._pressure.observe(objectives, scored, now_s, self._protect_ttft_s)
         if objectives.sheddable and self.admission.rule != "none":
-            reason = shed_reason(objectives, scored, num_output_tokens, self.admission.rule, self._protect_ttft_s,
+            reason = shed_reason(objectives, scored, num_capped_tokens, self.admission.rule, self._protect_ttft_s,
                                  self._pressure.active(now_s))
             if reason is not None:
                 if self.predictors.config.hold_s:  # every sidecar asked held the request: drop it
@@ -441,11 +443,11 @@ class Router:
         return updated
 
     async def _estimate_length(self, request: RoutingRequest) -> tuple[int, int]:
-        """``lengths.estimate_with_source``, in a child span of the current one when tracing."""
+        """``lengths.estimate_before_cap``, in a child span of the current one when tracing."""
         if self._tracer is None:
-            return await self.lengths.estimate_with_source(request)
+            return await self.lengths.estimate_before_cap(request)
         with self._tracer.start_as_current_span(LENGTH_ESTIMATE_SPAN) as span:
-            num_output_tokens, length_source = await self.lengths.estimate_with_source(request)
+            num_output_tokens, length_source = await self.lengths.estimate_before_cap(request)
             if span.is_recording():
                 span.set_attributes({NUM_PREDICTED_OUTPUT_TOKENS: num_output_tokens,
                                      LENGTH_SOURCE: LENGTH_SOURCE_LABELS.get(length_source, "unspecified")})
@@ -494,7 +496,9 @@ class Router:
             if predictor and decision.num_prompt_tokens:
                 routed = decision.routed
                 self.predictors.admit(predictor, decision.request_id, decision.num_prompt_tokens,
-                                      decision.num_predicted_output_tokens, length_source=decision.length_source,
+                                      decision.num_predicted_output_tokens,
+                                      max_tokens=routed.max_tokens if routed is not None else None,
+                                      length_source=decision.length_source,
                                       block_keys=routed.block_keys if routed is not None else None,
                                       block_size=self.prompt_tokens.block_size or 0,
                                       priority=(self.engine_priority_of(routed) or 0) if routed is not None else 0)

@@ -184,7 +184,8 @@ class Ledger:
         Args:
             request_id: the extproc's id of the request.
             num_prompt_tokens: prompt tokens (>= 1).
-            num_output_tokens: PREDICTED output tokens (>= 1).
+            num_output_tokens: PREDICTED output tokens (>= 1), before the ``max_tokens`` cap (the residual rule
+                applies it: E[min(L, max_tokens)]).
             now_s: admission time, seconds.
             max_tokens: the request's output cap, tokens (None = unknown).
             length_source: where the prediction came from (``predictor.residual_rules.LENGTH_SOURCE_*``).
@@ -215,7 +216,8 @@ class Ledger:
         self._admitted_at_s[request_id] = now_s
         self._admitted[request_id] = _Admitted(num_output_tokens, max_tokens or None, length_source)
         self._mean_prompt_tokens += _EMA_WEIGHT * (num_prompt_tokens - self._mean_prompt_tokens)
-        self._mean_output_tokens += _EMA_WEIGHT * (num_output_tokens - self._mean_output_tokens)
+        capped = min(num_output_tokens, max_tokens) if max_tokens else num_output_tokens  # sent before the cap
+        self._mean_output_tokens += _EMA_WEIGHT * (capped - self._mean_output_tokens)
         return True
 
     def add_block_keys(self, request_id: str, block_keys: tuple[int, ...], now_s: float) -> bool:
@@ -314,7 +316,9 @@ class Ledger:
         candidates = [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.request_id not in protected]
         def predicted(r) -> int:
             a = self._admitted.get(r.request_id)
-            return r.num_output_tokens if a is None else a.num_predicted_output_tokens
+            if a is None:
+                return r.num_output_tokens
+            return min(a.num_predicted_output_tokens, a.max_tokens) if a.max_tokens else a.num_predicted_output_tokens
 
         # phantoms first, then the furthest past (or closest to) their predicted length
         candidates.sort(key=lambda r: (not r.request_id.startswith("phantom-"), predicted(r) - r.num_generated_tokens))

@@ -57,6 +57,9 @@ async def test_tagger_source_reads_the_last_user_message_and_is_capped():
         long_guess = await estimator.estimate(req(text="system prompt\n" + essay, last_user=essay))
         assert long_guess == await service.estimate(essay)
         assert await estimator.estimate(req(text=essay, last_user=essay, max_tokens=5)) == 5
+        # the sidecars get it before the cap (they price E[min(L, max_tokens)])
+        assert await estimator.estimate_before_cap(req(text=essay, last_user=essay, max_tokens=5)) == (
+            long_guess, LENGTH_SOURCE_TAGGER)
     finally:
         service.close()
 
@@ -88,11 +91,11 @@ async def test_a_turn_after_a_reply_is_sent_as_a_later_turn():
     try:
         estimator = OutputLengthEstimator(OutputLengthConfig(), service)
         q = "What next?"
-        sources = [(await estimator.estimate_with_source(req(text=q, last_user=q, messages=m)))[1] for m in (
+        sources = [(await estimator.estimate_before_cap(req(text=q, last_user=q, messages=m)))[1] for m in (
             (("user", q),), (("system", "be brief"), ("user", q)),  # a system prompt is not an earlier turn
             (("user", "hi"), ("assistant", "hello"), ("user", q)))]
         assert sources == [LENGTH_SOURCE_TAGGER, LENGTH_SOURCE_TAGGER, LENGTH_SOURCE_TAGGER_LATER_TURN]
-        assert (await estimator.estimate_with_source(req(text=q)))[1] == LENGTH_SOURCE_TAGGER  # completions
+        assert (await estimator.estimate_before_cap(req(text=q)))[1] == LENGTH_SOURCE_TAGGER  # completions
     finally:
         service.close()
 

@@ -97,13 +97,18 @@ async def test_admit_and_release_reach_the_chosen_sidecar(sidecars):
         await router.predictors.close()
 
 
-async def test_output_estimate_is_capped_by_max_tokens(sidecars):
+async def test_the_sidecar_prices_the_estimate_capped_by_max_tokens(sidecars):
+    """The sidecar gets the estimate before the cap, and the cap beside it (extproc/lengths.py): it prices the
+    request at the cap."""
     (only,) = await sidecars(1)
     router = make_router([f"127.0.0.1:{only.port}"])
     try:
         decision = await router.route(request(7, max_tokens=5))
         await until(lambda: only.ledger.predicted_output_tokens(decision.request_id) is not None)
-        assert only.ledger.predicted_output_tokens(decision.request_id) == 5
+        assert decision.num_predicted_output_tokens == only.ledger.predicted_output_tokens(decision.request_id) == 128
+        snapshot = only.ledger.snapshot()
+        (state,) = [r for r in (*snapshot.waiting, *snapshot.running) if r.request_id == decision.request_id]
+        assert state.num_output_tokens == 5
     finally:
         await router.predictors.close()
 
@@ -270,7 +275,7 @@ async def test_decisions_are_logged_with_basis_candidates_and_stage_times(sideca
         answered = [c for c in record["candidates"] if c["ttft_s"] is not None]
         assert [c["endpoint"] for c in answered] == ["10.0.0.1:8000"] and answered[0]["e2e_s"] > answered[0]["ttft_s"]
         assert set(record["stage_s"]) == {"tokens", "length", "predict"} and record["routing_s"] >= 0
-        assert record["num_predicted_output_tokens"] == 64 and record["length_source"] == 2  # fixed, capped
+        assert record["num_predicted_output_tokens"] == 128 and record["length_source"] == 2  # fixed, before the cap
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for m in router.metrics.registry.collect() for s in m.samples}
     assert samples[("astrolabe_extproc_decisions_total", (("basis", "partial"),))] == 4

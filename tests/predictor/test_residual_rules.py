@@ -58,6 +58,16 @@ def test_a_taggers_requests_are_priced_by_their_own_distribution_per_kind_of_tur
     assert first.expected_output_tokens(100, 300) > 300
 
 
+@pytest.mark.parametrize("length_distribution", ["quantiles", "binned"])
+def test_an_estimate_above_the_cap_is_priced_near_the_cap_and_one_at_the_cap_lower(length_distribution):
+    """The extproc sends the estimate before the max_tokens cap (extproc/lengths.py): a reply estimated at 300 tokens
+    under a cap of 16 almost surely runs to the cap, while an estimate of 16 stands for replies around 16 tokens,
+    some shorter. Capping first priced the former as the latter (11 tokens with the shipped quantiles)."""
+    rule = ResidualRules(length_distribution=length_distribution).for_source(LENGTH_SOURCE_TAGGER)
+    assert rule.expected_output_tokens(300, 0, 16) >= 15
+    assert rule.expected_output_tokens(16, 0, 16) < rule.expected_output_tokens(300, 0, 16)
+
+
 def test_binned_prices_every_turn_by_the_held_out_errors():
     rules = ResidualRules(length_distribution="binned")
     assert rules.for_source(LENGTH_SOURCE_TAGGER) is rules.for_source(LENGTH_SOURCE_TAGGER_LATER_TURN) is rules.binned
