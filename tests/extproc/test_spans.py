@@ -129,7 +129,7 @@ async def test_the_route_span_is_a_child_of_the_clients_traceparent(traced):
     assert a[attr.POLICY] == "astrolabe" and a[attr.OUTCOME] == "routed" and a[attr.BASIS] == "prediction"
     assert a[attr.DESTINATION] == upstream[wire.DESTINATION_HEADER] == f"127.0.0.1:{traced.emulator.port}"
     assert (a[attr.SERVER_ADDRESS], a[attr.SERVER_PORT]) == ("127.0.0.1", traced.emulator.port)
-    assert a[attr.NUM_PROMPT_TOKENS] > 0 and 1 <= a[attr.NUM_PREDICTED_OUTPUT_TOKENS] <= 7
+    assert a[attr.NUM_PROMPT_TOKENS] > 0 and a[attr.NUM_PREDICTED_OUTPUT_TOKENS] >= 1  # before the max_tokens cap (7)
     assert a[attr.LENGTH_SOURCE] == "tagger" and a[attr.NUM_CANDIDATES] == 1 and a[attr.ROUTING_S] > 0
     (event,) = span.events
     e = event.attributes
