@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from predictor.sim import BatchTimeModel, Engine, EngineConfig, SimRequest
-from predictor.sim.residual import FixedExtraTokens, ResidualLengthModel
+from predictor.sim.residual import FixedExtraTokens, ResidualLengthModel, capped_tokens
 from predictor.sim.snapshot import InstanceSnapshot
 
 logger = logging.getLogger(__name__)
@@ -216,8 +216,8 @@ class Ledger:
         self._admitted_at_s[request_id] = now_s
         self._admitted[request_id] = _Admitted(num_output_tokens, max_tokens or None, length_source)
         self._mean_prompt_tokens += _EMA_WEIGHT * (num_prompt_tokens - self._mean_prompt_tokens)
-        capped = min(num_output_tokens, max_tokens) if max_tokens else num_output_tokens  # sent before the cap
-        self._mean_output_tokens += _EMA_WEIGHT * (capped - self._mean_output_tokens)
+        self._mean_output_tokens += _EMA_WEIGHT * (capped_tokens(num_output_tokens, max_tokens)
+                                                   - self._mean_output_tokens)
         return True
 
     def add_block_keys(self, request_id: str, block_keys: tuple[int, ...], now_s: float) -> bool:
@@ -316,9 +316,7 @@ class Ledger:
         candidates = [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.request_id not in protected]
         def predicted(r) -> int:
             a = self._admitted.get(r.request_id)
-            if a is None:
-                return r.num_output_tokens
-            return min(a.num_predicted_output_tokens, a.max_tokens) if a.max_tokens else a.num_predicted_output_tokens
+            return r.num_output_tokens if a is None else capped_tokens(a.num_predicted_output_tokens, a.max_tokens)
 
         # phantoms first, then the furthest past (or closest to) their predicted length
         candidates.sort(key=lambda r: (not r.request_id.startswith("phantom-"), predicted(r) - r.num_generated_tokens))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from predictor.calibration import StepSample
 from predictor.sim import EngineConfig
 from predictor.sim.scheduler import SCHEDULING_POLICIES
+from predictor.sim.residual import capped_tokens
 from predictor.sim.snapshot import InstanceSnapshot, RequestState
 
 logger = logging.getLogger(__name__)
@@ -439,12 +440,13 @@ class AdmitRecords:
               now_s: float = 0.0, *, max_tokens: int | None = None, length_source: int = 0,
               block_keys: tuple[int, ...] | None = None, priority: int = 0) -> None:
         """Record an admission at ``now_s`` (seconds, monotonic clock) of a request with ``num_output_tokens``
-        PREDICTED output tokens (before the cap), its cap ``max_tokens`` (None = unknown), the prediction's ``length_source``, its
-        prompt's ``block_keys`` (None = none sent) and its engine ``priority`` (vLLM's: lower = earlier)."""
+        PREDICTED output tokens (before the cap), its cap ``max_tokens`` (None = unknown), the prediction's
+        ``length_source``, its prompt's ``block_keys`` (None = none sent) and its engine ``priority`` (vLLM's: lower
+        = earlier)."""
         self._by_id[request_id] = _Admission(max(num_prompt_tokens, 1), num_output_tokens, now_s,
                                              max_tokens or None, length_source, block_keys, priority)
-        capped = min(num_output_tokens, max_tokens) if max_tokens else num_output_tokens  # sent before the cap
-        self.mean_output_tokens += _EMA_WEIGHT * (capped - self.mean_output_tokens)
+        self.mean_output_tokens += _EMA_WEIGHT * (capped_tokens(num_output_tokens, max_tokens)
+                                                  - self.mean_output_tokens)
         while len(self._by_id) > self.max_records:
             self._by_id.pop(next(iter(self._by_id)))
         # An engine id seen before this admission may belong to it: let it be matched again.

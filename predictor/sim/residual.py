@@ -72,6 +72,12 @@ class ResidualLengthModel(abc.ABC):
         """
 
 
+def capped_tokens(num_tokens: int, max_tokens: int | None) -> int:
+    """``num_tokens`` capped by ``max_tokens`` (None or 0: none given, as in the sidecar protocol), tokens: the
+    extproc sends its length estimate before the cap (``extproc/lengths.py``)."""
+    return min(num_tokens, max_tokens) if max_tokens else num_tokens
+
+
 def _cap(total: float, num_generated_tokens: int, max_tokens: int | None) -> int:
     value = max(int(math.ceil(total)), num_generated_tokens + 1)
     if max_tokens is not None and max_tokens > num_generated_tokens:

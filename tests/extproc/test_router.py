@@ -220,9 +220,10 @@ async def test_concurrent_burst_does_not_herd(sidecars, num_instances):
 
     One process runs the router and every sidecar here, and in CI it shares 2 cores with other work: with the
     0.2 s deadline of the other tests, 13 and 22 of 64 answers came late beside 3 busy processes on 2 cores, a
-    late answer is routed without a prediction, and CI failed once with counts 10 against 4. What this test holds is what decisions that are answered do to each
-    other, so it gives the sidecars 5 s to answer and holds that outlast the burst (late answers have their own
-    tests: test_failed_sidecars_cost_at_most_the_deadline, tests/extproc/test_predictor_client.py)."""
+    late answer is routed without a prediction, and CI failed once with counts 10 against 4. What this test holds
+    is what decisions that are answered do to each other, so it gives the sidecars 5 s to answer and holds that
+    outlast the burst (late answers have their own tests: test_failed_sidecars_cost_at_most_the_deadline,
+    tests/extproc/test_predictor_client.py)."""
     started = await sidecars(num_instances)
     router = make_router([f"127.0.0.1:{s.port}" for s in started], seed=5, predict_timeout_s=5.0, hold_s=30.0)
     try:
