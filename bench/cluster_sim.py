@@ -74,6 +74,7 @@ from bench.migration import MigrationController, MigrationParams
 from extproc.admission import AdmissionParams, CriticalPressure, meets, shed_reason
 from extproc.objectives import NO_OBJECTIVES, Objectives
 from extproc.fleet_state import predict_from_state
+from extproc.lengths import capped_output_tokens
 from extproc.policies.base import EndpointMetrics, EndpointView, Policy, Prediction
 from extproc.policies.least_requests import LeastRequestsPolicy
 from extproc.policies.registry import build_policy
@@ -680,10 +681,11 @@ class _Cluster:
         r = self._assign_rng.randrange(len(self.routers))
         router = self.routers[r]
         keys = request.prompt_block_keys(self.block_size)
+        # a TPOT objective is checked with the estimate capped by max_tokens, as extproc.router does
+        num_capped_tokens = capped_output_tokens(request.num_predicted_output_tokens, request.max_tokens)
         routing_request = RoutingRequest(request_id, "POST", "/v1/completions", max_tokens=request.max_tokens,
                                          arrival_time_s=request.arrival_time_s, block_keys=keys,
-                                         objectives=request.objectives,
-                                         num_predicted_output_tokens=request.num_predicted_output_tokens)
+                                         objectives=request.objectives, num_predicted_output_tokens=num_capped_tokens)
         views = self.views(router, request.arrival_time_s, keys)
         if router.policy.needs_predictions:
             candidates = router.policy.candidates(routing_request, views)
@@ -695,7 +697,7 @@ class _Cluster:
             if self.admission is not None:
                 now_s = request.arrival_time_s
                 router.pressure.observe(request.objectives, scored, now_s, self.protect_ttft_s)
-                reason = shed_reason(request.objectives, scored, request.num_predicted_output_tokens,
+                reason = shed_reason(request.objectives, scored, num_capped_tokens,
                                      self.admission.rule, self.protect_ttft_s, router.pressure.active(now_s))
                 if reason is not None:
                     self._refuse(request_id, request, reason, router, scored, views)
@@ -718,7 +720,8 @@ class _Cluster:
         num_predictions = self.num_predictions
         unprobed_met = any(meets(request.objectives, dataclasses.replace(
             v, prediction=self.predict(self.index[v.address], request_id, request, router)),
-            request.num_predicted_output_tokens) for v in views if v.address not in probed)
+            capped_output_tokens(request.num_predicted_output_tokens, request.max_tokens))
+            for v in views if v.address not in probed)
         self.num_predictions = num_predictions
         self.num_shed_unprobed_met += unprobed_met
 

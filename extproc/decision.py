@@ -49,7 +49,9 @@ class Decision:
             ""), or "".
         routed: the request as the policy saw it (its block keys included), less its prompt (text, token ids and
             messages: a routed request is not held in memory for its whole life), for ``Policy.on_finished``
-            when it ends; None when the policy did not choose (a fallback, no prompt).
+            when it ends (only when the policy chose) and for the Admit of a sidecar that serves it elsewhere
+            (``Router.served``: its ``max_tokens``, block keys and priority); None when nothing was predicted and
+            the policy did not choose (a fallback of a non-predicting policy, no prompt).
     """
 
     destination: str

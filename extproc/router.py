@@ -247,7 +247,9 @@ class Router:
                 chosen, policy_name, basis = self._fallback.choose(request, views), self._fallback.TYPE, "fallback"
                 reason = FALLBACK_NO_METRICS if self.policy.needs_metrics else FALLBACK_UNDECIDED
             decision = Decision(chosen.address, policy_name, request.request_id, basis=basis, fallback_reason=reason)
-        if decision.policy == self.policy.TYPE and decision.basis != "fallback":
+        if decision.num_prompt_tokens or (decision.policy == self.policy.TYPE and decision.basis != "fallback"):
+            # Predicted decisions keep it even when they fell back: a sidecar that hears of the request later
+            # (`served`) needs its max_tokens, block keys and priority as the chosen one had them.
             decision = replace(decision, routed=replace(request, prompt_text=None, prompt_token_ids=None,
                                                         chat_messages=None, last_user_message=None))
         fallbacks = self._fallback_list(decision, views) if self._num_fallbacks else decision.fallbacks
@@ -549,7 +551,7 @@ class Router:
         hears of it (``Policy.on_finished``, with ``decision.routed`` and the endpoint that served it) when it chose
         the endpoint itself."""
         self.pool.release(decision.destination, decision.num_sequences)
-        if decision.routed is not None:
+        if decision.routed is not None and decision.policy == self.policy.TYPE and decision.basis != "fallback":
             try:
                 self.policy.on_finished(decision.routed, decision.destination)
             except Exception:  # noqa: BLE001 (a policy's bookkeeping must not lose a release)

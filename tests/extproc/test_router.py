@@ -113,6 +113,29 @@ async def test_the_sidecar_prices_the_estimate_capped_by_max_tokens(sidecars):
         await router.predictors.close()
 
 
+async def test_a_fallback_served_elsewhere_admits_with_its_max_tokens(sidecars):
+    """A predicted decision that fell back (no usable prediction) and that a fallback endpoint then served: that
+    endpoint's sidecar is admitted the request with its max_tokens, so it prices the capped length too."""
+    started = await sidecars(2)
+    # no holds: the request reaches the other sidecar by the served Admit alone (a Predict's hold carries
+    # max_tokens too, until its Release lands)
+    router = make_router([f"127.0.0.1:{s.port}" for s in started], accept_stale=False, hold_s=0.0)
+    try:
+        decision = await router.route(request(8, max_tokens=5))
+        assert decision.basis == "fallback" and decision.num_prompt_tokens > 0
+        other = next(e for e in ("10.0.0.1:8000", "10.0.0.2:8000") if e != decision.destination)
+        sidecar = started[0] if other == "10.0.0.1:8000" else started[1]
+        moved = router.served(decision, other)
+        assert moved.destination == other and moved.served_elsewhere
+        await until(lambda: sidecar.ledger.predicted_output_tokens(decision.request_id) is not None)
+        snapshot = sidecar.ledger.snapshot()
+        (state,) = [r for r in (*snapshot.waiting, *snapshot.running) if r.request_id == decision.request_id]
+        assert state.num_output_tokens == 5  # priced under the cap, not at the uncapped 128
+        router.release(moved)  # a fallback: the policy does not hear of it, and nothing fails
+    finally:
+        await router.predictors.close()
+
+
 async def _stalled_server():
     server = grpc.aio.server()
     pb_grpc.add_PredictorServicer_to_server(StalledPredictor(), server)
@@ -474,6 +497,34 @@ async def test_a_sheddable_request_predicted_to_queue_is_refused_and_the_holds_d
     assert samples[("astrolabe_extproc_shed_total", (("priority", "-1"), ("reason", "headroom")))] == 1
     assert samples[("astrolabe_extproc_shed_total", (("priority", "-1"), ("reason", "slo_unreachable")))] == 1
     assert samples[("astrolabe_extproc_decisions_total", (("basis", "shed"),))] == 2
+
+
+async def test_a_tpot_objective_is_checked_with_the_estimate_capped_by_max_tokens(sidecars):
+    """The sidecars price a reply capped at 2 tokens at 2 tokens, and its TPOT is their E2E - TTFT over 1 token,
+    not over the 127 of the uncapped estimate (128): an objective of a tenth of that is out of reach, and a
+    sheddable request is refused; one of three times it is met."""
+    import dataclasses
+
+    from extproc.admission import AdmissionParams
+    from extproc.errors import RoutingError
+    from extproc.objectives import Objectives
+
+    started = await sidecars(2)
+    for sidecar in started:
+        await _loaded(sidecar, num_requests=4, num_prompt_tokens=200)
+    router = make_router([f"127.0.0.1:{s.port}" for s in started])
+    router.admission = AdmissionParams("slo")
+    try:
+        probe = await router.route(request(0, max_tokens=2))  # no objective: routed, and its predictions read
+        decode_s = min(p.e2e_s - p.ttft_s for _, p in probe.candidates if p is not None)
+        assert decode_s > 0
+        capped = dataclasses.replace(request(1, max_tokens=2), objectives=Objectives(None, decode_s / 10, -1))
+        with pytest.raises(RoutingError, match="slo_unreachable"):
+            await router.route(capped)
+        met = dataclasses.replace(capped, request_id="req-2", objectives=Objectives(None, decode_s * 3, -1))
+        assert (await router.route(met)).destination
+    finally:
+        await router.predictors.close()
 
 
 async def test_an_idle_instance_admits_a_sheddable_request(sidecars):

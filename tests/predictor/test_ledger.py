@@ -53,6 +53,17 @@ def test_snapshot_applies_each_requests_residual_rule_and_cap():
     assert generated["capped"] < states["capped"].num_output_tokens <= 60
 
 
+def test_an_estimate_past_the_kv_cache_is_admitted_as_predict_priced_it():
+    """Predict cuts an estimate to what the KV cache holds beside the prompt (InstanceSnapshot.fit_request): the
+    Admit that follows must not be refused for it. A prompt larger than the cache stays refused."""
+    led = ledger()
+    assert led.admit("long estimate", 20, 5000, now_s=0.0)
+    assert led.admit("long estimate, capped", 20, 5000, now_s=0.0, max_tokens=2)
+    assert led.admit("prompt near the cache", 1000, 100, now_s=0.0)  # 1,100 tokens > 64 blocks x 16
+    with pytest.raises(ValueError):
+        led.admit("prompt past the cache", 2000, 10, now_s=0.0)
+
+
 def test_phantoms_finish_on_their_own():
     led = ledger()
     led.reconcile(BackendObservation(num_running=1, num_waiting=0), now_s=0.0)
@@ -92,6 +103,23 @@ def test_reconcile_removes_the_most_overdue_first():
     led.reconcile(BackendObservation(num_running=1, num_waiting=0), now_s=0.3)
     ids = {r.request_id for r in (*led.scheduler.running, *led.scheduler.waiting)}
     assert ids == {"long"}  # "short" is far past its prediction: its Release was most likely lost
+
+
+def test_reconcile_and_phantoms_use_the_estimate_capped_by_max_tokens():
+    """An estimate of 5,000 tokens under max_tokens 2 is a 2-token request: past it after a few steps (so the most
+    overdue, removed first), and what phantoms are made of (the mean of recent admissions)."""
+    led = ledger(visibility_grace_s=0.0)
+    for i in range(40):
+        led.admit(f"capped{i}", 20, 5000, now_s=0.0, max_tokens=2)
+        led.release(f"capped{i}", now_s=0.0)
+    led.admit("capped", 20, 5000, now_s=0.0, max_tokens=2)
+    led.admit("long", 20, 400, now_s=0.0)
+    led.advance(0.05)
+    led.reconcile(BackendObservation(num_running=1, num_waiting=0), now_s=0.05)
+    assert {r.request_id for r in (*led.scheduler.running, *led.scheduler.waiting)} == {"long"}
+    led.reconcile(BackendObservation(num_running=2, num_waiting=0), now_s=0.05)
+    phantom = next(r for r in led.scheduler.waiting if r.request_id.startswith("phantom-"))
+    assert phantom.num_output_tokens < 100  # the mean moved towards 2 tokens (and 400 once), not towards 5,000
 
 
 def test_reconcile_removes_phantoms_first():

@@ -85,6 +85,14 @@ def test_admit_records_match_engine_ids_containing_the_admitted_id():
     assert records.expected_output_tokens("cmpl-abc123-0", None) == round(records.mean_output_tokens)
 
 
+def test_admit_records_mean_uses_the_estimate_capped_by_max_tokens():
+    records = AdmitRecords(default_output_tokens=100)
+    for i in range(10):
+        records.admit(f"r{i}", 5000, max_tokens=10)
+    assert 10 < records.mean_output_tokens < 100  # towards the 10 tokens priced, not the 5,000 estimated
+    assert records.expected_output_tokens("cmpl-r0-0", None) == 10
+
+
 def test_extproc_ids_match_by_their_x_request_id_part_once_each():
     """The extproc admits ``<x-request-id>/<suffix>``; a client reusing its id sends two such requests."""
     records = AdmitRecords(default_output_tokens=100)
