@@ -700,7 +700,7 @@ class _Cluster:
                 reason = shed_reason(request.objectives, scored, num_capped_tokens,
                                      self.admission.rule, self.protect_ttft_s, router.pressure.active(now_s))
                 if reason is not None:
-                    self._refuse(request_id, request, reason, router, scored, views)
+                    self._refuse(request_id, request, num_capped_tokens, reason, router, scored, views)
                     return None
             chosen = router.policy.choose(routing_request, scored)
         else:
@@ -711,16 +711,16 @@ class _Cluster:
             chosen = router.fallback.choose(routing_request, views)
         return r, self.index[chosen.address]
 
-    def _refuse(self, request_id: str, request: ClusterRequest, reason: str, router: _Router,
-                scored: Sequence[EndpointView], views: Sequence[EndpointView]) -> None:
+    def _refuse(self, request_id: str, request: ClusterRequest, num_capped_tokens: int, reason: str,
+                router: _Router, scored: Sequence[EndpointView], views: Sequence[EndpointView]) -> None:
         """Records a refusal and whether an unprobed instance was predicted to meet the request's objectives (the
-        simulation can ask every instance; those predictions are not counted as the policy's)."""
+        simulation can ask every instance; those predictions are not counted as the policy's); ``num_capped_tokens``:
+        the request's estimate capped by its max_tokens, what TPOT objectives are checked with."""
         self.shed[request_id] = reason
         probed = {v.address for v in scored}
         num_predictions = self.num_predictions
         unprobed_met = any(meets(request.objectives, dataclasses.replace(
-            v, prediction=self.predict(self.index[v.address], request_id, request, router)),
-            capped_output_tokens(request.num_predicted_output_tokens, request.max_tokens))
+            v, prediction=self.predict(self.index[v.address], request_id, request, router)), num_capped_tokens)
             for v in views if v.address not in probed)
         self.num_predictions = num_predictions
         self.num_shed_unprobed_met += unprobed_met

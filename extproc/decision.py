@@ -50,8 +50,8 @@ class Decision:
         routed: the request as the policy saw it (its block keys included), less its prompt (text, token ids and
             messages: a routed request is not held in memory for its whole life), for ``Policy.on_finished``
             when it ends (only when the policy chose) and for the Admit of a sidecar that serves it elsewhere
-            (``Router.served``: its ``max_tokens``, block keys and priority); None when nothing was predicted and
-            the policy did not choose (a fallback of a non-predicting policy, no prompt).
+            (``Router.served``: its ``max_tokens``, block keys and priority); set on every decision the router
+            makes, None on one built without it.
     """
 
     destination: str

@@ -247,11 +247,10 @@ class Router:
                 chosen, policy_name, basis = self._fallback.choose(request, views), self._fallback.TYPE, "fallback"
                 reason = FALLBACK_NO_METRICS if self.policy.needs_metrics else FALLBACK_UNDECIDED
             decision = Decision(chosen.address, policy_name, request.request_id, basis=basis, fallback_reason=reason)
-        if decision.num_prompt_tokens or (decision.policy == self.policy.TYPE and decision.basis != "fallback"):
-            # Predicted decisions keep it even when they fell back: a sidecar that hears of the request later
-            # (`served`) needs its max_tokens, block keys and priority as the chosen one had them.
-            decision = replace(decision, routed=replace(request, prompt_text=None, prompt_token_ids=None,
-                                                        chat_messages=None, last_user_message=None))
+        # Every decision keeps it, fallbacks too: a sidecar that hears of the request later (`served`) needs its
+        # max_tokens, block keys and priority as the chosen one had them; `release` tells the policy only of its own.
+        decision = replace(decision, routed=replace(request, prompt_text=None, prompt_token_ids=None,
+                                                    chat_messages=None, last_user_message=None))
         fallbacks = self._fallback_list(decision, views) if self._num_fallbacks else decision.fallbacks
         end_s = self._clock()
         decision = replace(decision, fallbacks=fallbacks, routing_s=end_s - request.arrival_time_s,
