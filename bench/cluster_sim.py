@@ -705,10 +705,11 @@ class _Cluster:
             chosen = router.policy.choose(routing_request, scored)
         else:
             chosen = router.policy.choose(routing_request, views)
-        self.routing_requests[request_id] = routing_request
-        if chosen is None:
+        if chosen is None:  # the policy did not choose: it does not hear of the request again (as extproc.router)
             self.num_fallbacks += 1
             chosen = router.fallback.choose(routing_request, views)
+        else:
+            self.routing_requests[request_id] = routing_request
         return r, self.index[chosen.address]
 
     def _refuse(self, request_id: str, request: ClusterRequest, num_capped_tokens: int, reason: str,

@@ -218,8 +218,9 @@ class Ledger:
         self._admitted_at_s[request_id] = now_s
         self._admitted[request_id] = _Admitted(num_output_tokens, max_tokens or None, length_source)
         self._mean_prompt_tokens += _EMA_WEIGHT * (num_prompt_tokens - self._mean_prompt_tokens)
-        self._mean_output_tokens += _EMA_WEIGHT * (capped_tokens(num_output_tokens, max_tokens)
-                                                   - self._mean_output_tokens)
+        # what phantoms are made of: the estimate as Predict priced it (max_tokens, then the KV cache)
+        num_priced_tokens = min(capped_tokens(num_output_tokens, max_tokens), num_open_ended_tokens)
+        self._mean_output_tokens += _EMA_WEIGHT * (num_priced_tokens - self._mean_output_tokens)
         return True
 
     def add_block_keys(self, request_id: str, block_keys: tuple[int, ...], now_s: float) -> bool:
@@ -316,9 +317,11 @@ class Ledger:
         if count <= 0:
             return 0
         candidates = [r for r in (*self.scheduler.running, *self.scheduler.waiting) if r.request_id not in protected]
-        def predicted(r) -> int:
+        def predicted(r) -> int:  # capped as Predict priced it: by max_tokens, then by the open-ended length
             a = self._admitted.get(r.request_id)
-            return r.num_output_tokens if a is None else capped_tokens(a.num_predicted_output_tokens, a.max_tokens)
+            if a is None:
+                return r.num_output_tokens
+            return min(capped_tokens(a.num_predicted_output_tokens, a.max_tokens), r.num_output_tokens)
 
         # phantoms first, then the furthest past (or closest to) their predicted length
         candidates.sort(key=lambda r: (not r.request_id.startswith("phantom-"), predicted(r) - r.num_generated_tokens))

@@ -108,3 +108,42 @@ def test_goodput_bench_prints_goodput_attainment_and_ratios(tmp_path, capsys):
     assert lines[0].startswith("policy,multiple,rate_qps,goodput_qps") and len(lines) == 1 + 3 * 2
     assert main(["--multiples", "0", "--no-progress"]) == 2
     assert main(["--policies", "astrolabe-k2+nope", "--no-progress"]) == 2
+
+
+def test_a_tpot_objective_is_checked_with_the_estimate_capped_by_max_tokens():
+    """As extproc.router: a reply estimated at 128 tokens under max_tokens 2 is priced at 2 tokens, so its TPOT is
+    the decode time over 1 token, not over 127: an objective of a tenth of that is refused, three times it is met
+    (on busy instances: an idle one admits a sheddable request whatever its prediction)."""
+    from bench.cluster_sim import _Cluster
+
+    spec = PolicySpec("k2+slo", "astrolabe", {"k": 2}, admission=AdmissionParams("slo"))
+    cluster = _Cluster(CONFIG, spec)
+    for n in range(8):
+        cluster.dispatch(*cluster.route(f"load{n}", ClusterRequest(0.0, 200, 200, 200)), f"load{n}",
+                         ClusterRequest(0.0, 200, 200, 200))
+    capped = ClusterRequest(0.0, 200, 2, 128, max_tokens=2)
+    decode_s = min(p.e2e_s - p.ttft_s for p in (cluster.predict(i, "probe", capped) for i in range(2)))
+    assert decode_s > 0
+    assert cluster.route("out", dataclasses.replace(capped, objectives=Objectives(None, decode_s / 10, -1))) is None
+    assert cluster.shed == {"out": "slo_unreachable"}
+    assert cluster.route("met", dataclasses.replace(capped, objectives=Objectives(None, decode_s * 3, -1)))
+
+
+def test_the_policy_hears_only_of_the_requests_it_chose():
+    """A request the policy did not place (it returned None: least-requests placed it) is not reported to its
+    ``on_finished``, as extproc.router.Router.release; the ones it chose are."""
+    from bench.cluster_sim import _Cluster
+
+    cluster = _Cluster(CONFIG, PolicySpec("llm-d", "llm-d-precise", {}))
+    finished = []
+    for router in cluster.routers:
+        choose = router.policy.choose
+        router.policy.choose = lambda request, views, choose=choose: \
+            None if request.request_id.startswith("fallback") else choose(request, views)
+        router.policy.on_finished = lambda request, address: finished.append(request.request_id)
+    for n, name in enumerate(("fallback-0", "chosen-0", "fallback-1", "chosen-1")):
+        request = ClusterRequest(n * 0.01, 100, 5, 5)
+        cluster.advance_to(request.arrival_time_s)
+        cluster.dispatch(*cluster.route(name, request), name, request)
+    cluster.drain()
+    assert cluster.num_fallbacks == 2 and sorted(finished) == ["chosen-0", "chosen-1"]

@@ -120,6 +120,8 @@ async def test_a_fallback_served_elsewhere_admits_with_its_max_tokens(sidecars):
     # no holds: the request reaches the other sidecar by the served Admit alone (a Predict's hold carries
     # max_tokens too, until its Release lands)
     router = make_router([f"127.0.0.1:{s.port}" for s in started], accept_stale=False, hold_s=0.0)
+    finished = []
+    router.policy.on_finished = lambda routed, address: finished.append((routed, address))
     try:
         decision = await router.route(request(8, max_tokens=5))
         assert decision.basis == "fallback" and decision.num_prompt_tokens > 0
@@ -131,7 +133,8 @@ async def test_a_fallback_served_elsewhere_admits_with_its_max_tokens(sidecars):
         snapshot = sidecar.ledger.snapshot()
         (state,) = [r for r in (*snapshot.waiting, *snapshot.running) if r.request_id == decision.request_id]
         assert state.num_output_tokens == 5  # priced under the cap, not at the uncapped 128
-        router.release(moved)  # a fallback: the policy does not hear of it, and nothing fails
+        router.release(moved)  # a fallback: the policy did not choose it and does not hear of it
+        assert decision.routed is not None and finished == []
     finally:
         await router.predictors.close()
 

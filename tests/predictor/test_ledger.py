@@ -106,20 +106,40 @@ def test_reconcile_removes_the_most_overdue_first():
 
 
 def test_reconcile_and_phantoms_use_the_estimate_capped_by_max_tokens():
-    """An estimate of 5,000 tokens under max_tokens 2 is a 2-token request: past it after a few steps (so the most
-    overdue, removed first), and what phantoms are made of (the mean of recent admissions)."""
+    """An estimate of 900 tokens (it fits the 1,024-token cache beside a 20-token prompt) under max_tokens 2 is a
+    2-token request: past it after a few steps (so the most overdue, removed first), and what phantoms are made of
+    (the mean of recent admissions)."""
     led = ledger(visibility_grace_s=0.0)
     for i in range(40):
-        led.admit(f"capped{i}", 20, 5000, now_s=0.0, max_tokens=2)
+        led.admit(f"capped{i}", 20, 900, now_s=0.0, max_tokens=2)
         led.release(f"capped{i}", now_s=0.0)
-    led.admit("capped", 20, 5000, now_s=0.0, max_tokens=2)
+    led.admit("capped", 20, 900, now_s=0.0, max_tokens=2)
     led.admit("long", 20, 400, now_s=0.0)
     led.advance(0.05)
     led.reconcile(BackendObservation(num_running=1, num_waiting=0), now_s=0.05)
     assert {r.request_id for r in (*led.scheduler.running, *led.scheduler.waiting)} == {"long"}
     led.reconcile(BackendObservation(num_running=2, num_waiting=0), now_s=0.05)
     phantom = next(r for r in led.scheduler.waiting if r.request_id.startswith("phantom-"))
-    assert phantom.num_output_tokens < 100  # the mean moved towards 2 tokens (and 400 once), not towards 5,000
+    assert phantom.num_output_tokens < 100  # the mean moved towards 2 tokens (and 400 once), not towards 900
+
+
+def test_reconcile_and_phantoms_use_the_estimate_capped_by_the_kv_cache():
+    """An estimate past what the KV cache holds beside the prompt (5,000 tokens on a 1,024-token cache, prompt 20)
+    is priced as 1,004 tokens, as Predict cut it: it ranks as closer to its end than an estimate of 1,010, and the
+    phantoms made from such admissions fit the cache (uncapped, the mean would make phantoms that cannot fit, and
+    none would be added)."""
+    led = ledger(visibility_grace_s=0.0)
+    for i in range(40):
+        led.admit(f"long{i}", 20, 5000, now_s=0.0)
+        led.release(f"long{i}", now_s=0.0)
+    led.admit("past the cache", 20, 5000, now_s=0.0)
+    led.admit("fits", 20, 1010, now_s=0.0)
+    led.advance(0.05)
+    led.reconcile(BackendObservation(num_running=1, num_waiting=0), now_s=0.05)
+    assert {r.request_id for r in (*led.scheduler.running, *led.scheduler.waiting)} == {"fits"}
+    assert led.reconcile(BackendObservation(num_running=2, num_waiting=0), now_s=0.05) == 1
+    phantom = next(r for r in led.scheduler.waiting if r.request_id.startswith("phantom-"))
+    assert 900 < phantom.num_output_tokens <= 1004
 
 
 def test_reconcile_removes_phantoms_first():
