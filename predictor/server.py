@@ -509,9 +509,20 @@ class _View:
 
 
 class Sidecar:
-    """The running sidecar: ledger, reconciliation loop, gRPC server."""
+    """The running sidecar: ledger, reconciliation loop, gRPC server.
 
-    def __init__(self, config: SidecarConfig, tracing: Tracing | None = None) -> None:
+    Args:
+        config: its settings.
+        tracing: its tracer (None = off).
+        residual: its residual-length rules, built from ``config`` when None (`run` builds them once, to check the
+            configuration, and hands them over).
+
+    Raises:
+        ValueError: a bad setting (and what `ResidualRules` raises when it builds them).
+    """
+
+    def __init__(self, config: SidecarConfig, tracing: Tracing | None = None,
+                 residual: ResidualRules | None = None) -> None:
         self.config = config
         self.tracing = tracing or Tracing.off()
         if config.calibration not in CALIBRATION_MODES:
@@ -532,7 +543,8 @@ class Sidecar:
             "astrolabe_predictor_simulation_seconds", "Work of one Predict (state read, simulation), seconds",
             buckets=(0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1), registry=None)
         self._absorbed: tuple[int, int] = (0, -1)  # (pid, seq) of the last plugin state absorbed
-        self.residual = ResidualRules(config.residual_lengths, config.length_errors, config.length_distribution)
+        self.residual = residual or ResidualRules(config.residual_lengths, config.length_errors,
+                                                  config.length_distribution)
         # Named SGLang: its rules before it answers.
         self.ledger = self._new_ledger(self._with_backend_rules(config.engine, config.backend_engine))
         self.kv_index = (KvEventIndex(self.ledger.scheduler.config.block_size,
@@ -1135,9 +1147,10 @@ def backend_restarted(before: BackendObservation | None, after: BackendObservati
     return any(old is not None and new is not None and new < old for old, new in pairs)
 
 
-async def serve(config: SidecarConfig, tracing: Tracing | None = None) -> None:
-    """Runs the sidecar until SIGTERM or SIGINT (``tracing``: as `Sidecar`; the caller shuts it down)."""
-    sidecar = Sidecar(config, tracing)
+async def serve(config: SidecarConfig, tracing: Tracing | None = None, residual: ResidualRules | None = None) -> None:
+    """Runs the sidecar until SIGTERM or SIGINT (``tracing``, ``residual``: as `Sidecar`; the caller shuts the
+    tracer down)."""
+    sidecar = Sidecar(config, tracing, residual)
     await sidecar.start()
     await wait_for_termination()
     await sidecar.stop()
@@ -1301,9 +1314,9 @@ def run(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, batch_time_model=resolve_batch_time_model(config.batch_time_model,
                                                                                        config.model_config))
         load_batch_time(config.batch_time_model, config.time_scale)
-        # a tagger directory without quantiles.npz falls back to binned here, with its one warning
-        config = dataclasses.replace(config, length_distribution=ResidualRules(
-            config.residual_lengths, config.length_errors, config.length_distribution).length_distribution)
+        # built once, here: a tagger directory without quantiles.npz falls back to binned, with its one warning
+        residual = ResidualRules(config.residual_lengths, config.length_errors, config.length_distribution)
+        config = dataclasses.replace(config, length_distribution=residual.length_distribution)
         PluginStateSource(config.state_source, config.vllm_state_path)
         if config.metrics_listen:
             _check_host_port(config.metrics_listen, "--metrics-listen")
@@ -1321,7 +1334,7 @@ def run(args: argparse.Namespace) -> int:
         logger.error("invalid tracing configuration: %s", exc)
         return 2
     try:
-        uvloop.run(serve(config, tracing))
+        uvloop.run(serve(config, tracing, residual))
     except (OSError, RuntimeError) as exc:  # an address that cannot be bound (gRPC or metrics)
         logger.error("sidecar cannot start: %s", exc)
         return 2

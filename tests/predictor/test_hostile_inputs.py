@@ -195,3 +195,24 @@ def test_a_taggers_broken_quantiles_stop_the_sidecar_at_start(tmp_path, caplog):
     assert "levels must ascend" in caplog.text
     with pytest.raises(SystemExit):
         astrolabe_main(["predictor", "serve", "--backend", "127.0.0.1:1", "--length-distribution", "buckets"])
+
+
+def test_the_sidecar_reads_its_taggers_files_once_at_start(tmp_path, monkeypatch, caplog):
+    """`run` builds the residual rules once (checking the files and falling back to binned without quantiles.npz,
+    with one warning) and the sidecar it starts uses those rules."""
+    import predictor.server as server
+    from tagger.errors import LengthErrorModel
+
+    shutil.copy(SHIPPED_LIGHT_DIR / "errors.npz", tmp_path / "errors.npz")  # no quantiles.npz
+    loads, started = [], []
+    load = LengthErrorModel.load
+    monkeypatch.setattr(LengthErrorModel, "load", staticmethod(lambda path: loads.append(path) or load(path)))
+
+    async def serve(config, tracing=None, residual=None):
+        started.append(server.Sidecar(config, tracing, residual))
+
+    monkeypatch.setattr(server, "serve", serve)
+    assert astrolabe_main(["predictor", "serve", "--backend", "127.0.0.1:1", "--length-errors", str(tmp_path)]) == 0
+    (sidecar,) = started
+    assert len(loads) == 1 and caplog.text.count("has no quantiles.npz") == 1
+    assert sidecar.config.length_distribution == "binned" == sidecar.residual.length_distribution
