@@ -125,15 +125,15 @@ def test_reconcile_and_phantoms_use_the_estimate_capped_by_max_tokens():
 
 def test_reconcile_and_phantoms_use_the_estimate_capped_by_the_kv_cache():
     """An estimate past what the KV cache holds beside the prompt (5,000 tokens on a 1,024-token cache, prompt 20)
-    is priced as 1,004 tokens, as Predict cut it: it ranks as closer to its end than an estimate of 1,010, and the
-    phantoms made from such admissions fit the cache (uncapped, the mean would make phantoms that cannot fit, and
-    none would be added)."""
+    is priced as 1,004 tokens, as Predict cut it: it ranks as closer to its end than an estimate of 1,010 that fits
+    beside a 10-token prompt (admission order does not decide it), and the phantoms made from such admissions fit
+    the cache (uncapped, the mean would make phantoms that cannot fit, and none would be added)."""
     led = ledger(visibility_grace_s=0.0)
     for i in range(40):
         led.admit(f"long{i}", 20, 5000, now_s=0.0)
         led.release(f"long{i}", now_s=0.0)
+    led.admit("fits", 10, 1010, now_s=0.0)  # 10 + 1,010 <= 1,024: not capped
     led.admit("past the cache", 20, 5000, now_s=0.0)
-    led.admit("fits", 20, 1010, now_s=0.0)
     led.advance(0.05)
     led.reconcile(BackendObservation(num_running=1, num_waiting=0), now_s=0.05)
     assert {r.request_id for r in (*led.scheduler.running, *led.scheduler.waiting)} == {"fits"}
