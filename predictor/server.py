@@ -515,7 +515,8 @@ class Sidecar:
         config: its settings.
         tracing: its tracer (None = off).
         residual: its residual-length rules, built from ``config`` when None (`run` builds them once, to check the
-            configuration, and hands them over).
+            configuration, and hands them over); rules passed in must be built from this ``config``'s
+            ``residual_lengths``, ``length_errors`` and ``length_distribution`` (not checked).
 
     Raises:
         ValueError: a bad setting (and what `ResidualRules` raises when it builds them).
@@ -543,7 +544,7 @@ class Sidecar:
             "astrolabe_predictor_simulation_seconds", "Work of one Predict (state read, simulation), seconds",
             buckets=(0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1), registry=None)
         self._absorbed: tuple[int, int] = (0, -1)  # (pid, seq) of the last plugin state absorbed
-        self.residual = residual or ResidualRules(config.residual_lengths, config.length_errors,
+        self.residual = residual if residual is not None else ResidualRules(config.residual_lengths, config.length_errors,
                                                   config.length_distribution)
         # Named SGLang: its rules before it answers.
         self.ledger = self._new_ledger(self._with_backend_rules(config.engine, config.backend_engine))

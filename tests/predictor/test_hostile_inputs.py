@@ -208,10 +208,16 @@ def test_the_sidecar_reads_its_taggers_files_once_at_start(tmp_path, monkeypatch
     load = LengthErrorModel.load
     monkeypatch.setattr(LengthErrorModel, "load", staticmethod(lambda path: loads.append(path) or load(path)))
 
-    async def serve(config, tracing=None, residual=None):
-        started.append(server.Sidecar(config, tracing, residual))
+    async def start(self):
+        started.append(self)
 
-    monkeypatch.setattr(server, "serve", serve)
+    async def nothing(*args, **kwargs):
+        return None
+
+    # The real serve() runs (it must hand the rules on); only what would bind ports or wait for a signal is stubbed.
+    monkeypatch.setattr(server.Sidecar, "start", start)
+    monkeypatch.setattr(server.Sidecar, "stop", nothing)
+    monkeypatch.setattr(server, "wait_for_termination", nothing)
     assert astrolabe_main(["predictor", "serve", "--backend", "127.0.0.1:1", "--length-errors", str(tmp_path)]) == 0
     (sidecar,) = started
     assert len(loads) == 1 and caplog.text.count("has no quantiles.npz") == 1
