@@ -475,8 +475,9 @@ class _Cluster:
         # per instance, dispatches on their way (arrival at the instance, id, request), earliest first
         self.in_transit: list[collections.deque] = [collections.deque() for _ in self.engines]
         self.published: list[tuple[InstanceSnapshot, frozenset[str]]] = []
-        # per instance, the block keys its last published state shows (built on first use after a publish)
-        self.published_keys: list[frozenset[int] | None] = []
+        # per instance, the block keys its last published state shows: those held or cached, and those its
+        # requests hold (built on first use after a publish)
+        self.published_keys: list[tuple[frozenset[int], frozenset[int]] | None] = []  # (held or cached, held)
         self.next_state_s: list[float] = []
         if self.staleness_s > 0 and self.policy.needs_predictions:
             phase_rng = random.Random(config.seed + 3)
@@ -575,25 +576,44 @@ class _Cluster:
         return any(e.has_work() for e in self.engines) or (self.migration is not None
                                                            and bool(self.migration.num_in_flight))
 
-    def num_prefix_blocks_cached(self, i: int, keys: tuple[int, ...] | None) -> int | None:
-        """Leading blocks of ``keys`` that instance ``i`` holds or caches as the router's state shows it
-        (``EndpointView.num_prefix_blocks_cached``): the last published state (its requests' prompt keys and
-        ``InstanceSnapshot.cached_block_keys``) with stale states, else the engine's own block pool (exact).
-        None without keys."""
+    def prefix_blocks(self, i: int, keys: tuple[int, ...] | None) -> tuple[int | None, int | None]:
+        """(``EndpointView.num_prefix_blocks_cached``, ``EndpointView.num_prefix_blocks_in_use``) of instance ``i``
+        for a prompt of block keys ``keys`` as the router's state shows them: the leading blocks it holds or
+        caches, and those its requests hold. With stale states: the last published state (its requests' prompt
+        keys, running and waiting, and ``InstanceSnapshot.cached_block_keys``); else the engine's own block pool
+        and queues (exact: a running request holds a reference on a block in use, a waiting one has its key).
+        (None, None) without keys."""
         if keys is None:
-            return None
+            return None, None
         if not self.published:
-            return len(self.engines[i].scheduler.prefix_cache.lookup(keys, len(keys)))
+            scheduler = self.engines[i].scheduler
+            pool = scheduler.prefix_cache
+            hits = pool.lookup(keys, len(keys))
+            n = len(hits)
+            in_use = 0
+            while in_use < n and pool.ref_count(hits[in_use]):  # held by a running request
+                in_use += 1
+            for waiting in scheduler.waiting:  # or in a waiting one's prompt (a key chains its whole prefix)
+                if in_use == n:
+                    break
+                held = waiting.block_keys
+                if held and len(held) > in_use and held[in_use] == keys[in_use]:
+                    while in_use < n and in_use < len(held) and held[in_use] == keys[in_use]:
+                        in_use += 1
+            return n, in_use
         shown = self.published_keys[i]
         if shown is None:
             snapshot = self.published[i][0]
-            shown = self.published_keys[i] = frozenset(
-                [*snapshot.cached_block_keys,
-                 *(k for r in (*snapshot.running, *snapshot.waiting) for k in r.block_keys or ())])
+            held = frozenset(k for r in (*snapshot.running, *snapshot.waiting) for k in r.block_keys or ())
+            shown = self.published_keys[i] = (held | frozenset(snapshot.cached_block_keys), held)
+        cached, held = shown
         n = 0
-        while n < len(keys) and keys[n] in shown:
+        while n < len(keys) and keys[n] in cached:
             n += 1
-        return n
+        in_use = 0
+        while in_use < n and keys[in_use] in held:
+            in_use += 1
+        return n, in_use
 
     def views(self, router: _Router, now_s: float, keys: tuple[int, ...] | None = None) -> list[EndpointView]:
         since_s = now_s - router.policy.recent_window_s
@@ -604,9 +624,10 @@ class _Cluster:
                 times_s.popleft()
             sampled = router.metrics[i]
             metrics = None if sampled is None else dataclasses.replace(sampled[1], age_s=now_s - sampled[0])
+            cached, in_use = self.prefix_blocks(i, keys)
             views.append(EndpointView(address, router.in_flight[i], address, metrics=metrics,
-                                      num_recent_requests=len(times_s),
-                                      num_prefix_blocks_cached=self.num_prefix_blocks_cached(i, keys)))
+                                      num_recent_requests=len(times_s), num_prefix_blocks_cached=cached,
+                                      num_prefix_blocks_in_use=in_use))
         # as extproc/router.py fills it: the astrolabe policy's load bound reads it
         mean_in_flight = sum(router.in_flight) / len(router.in_flight) if router.in_flight else 0.0
         return [dataclasses.replace(v, mean_in_flight=mean_in_flight) for v in views]

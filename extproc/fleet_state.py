@@ -78,7 +78,8 @@ class _Watched:
     task: asyncio.Task | None = None
     unsupported: bool = False
     failing: bool = False
-    keys: tuple[pb.InstanceState, set[int]] | None = None  # (a message, the block keys it holds or caches), when asked
+    # (a message, the block keys it holds or caches, those its requests hold), built when first asked
+    keys: tuple[pb.InstanceState, set[int], set[int]] | None = None
 
     @property
     def state(self) -> WatchedState | None:
@@ -247,11 +248,13 @@ class FleetState:
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, config.max_backoff_s)
 
-    def num_prefix_blocks_cached(self, address: str, block_keys: Sequence[int], block_size: int) -> int | None:
-        """Leading blocks of ``block_keys`` that ``address``'s last state holds or caches: its requests' prompt
-        blocks and its cached free blocks (``EndpointView.num_prefix_blocks_cached``), walked until the first miss.
+    def prefix_blocks(self, address: str, block_keys: Sequence[int], block_size: int) -> tuple[int, int] | None:
+        """(``EndpointView.num_prefix_blocks_cached``, ``EndpointView.num_prefix_blocks_in_use``): the leading
+        blocks of ``block_keys`` that ``address``'s last state holds or caches (its requests' prompt blocks and its
+        cached free blocks), walked until the first miss, and of those the leading ones its requests (running or
+        waiting) hold in their prompts.
 
-        The set of a state's keys is built once per message, when first asked, from the message's key columns
+        The sets of a state's keys are built once per message, when first asked, from the message's key columns
         without decoding the rest (every key a request holds is in ``InstanceState.block_keys`` once: a shared run
         refers to keys sent for an earlier request): O(keys in the state), about 1.7 ms for 20,000 keys on this
         machine under load, for each endpoint whose state changed since the last decision. None: no state, or one
@@ -269,16 +272,20 @@ class FleetState:
                                "--block-size); logged once", address, message.block_size, block_size)
             return None
         if entry.keys is None or entry.keys[0] is not message:
-            held = set(message.block_keys)
+            in_use = set(message.block_keys)
+            held = set(in_use)
             held.update(message.cached_block_keys)
-            entry.keys = (message, held)
-        cached = entry.keys[1]
+            entry.keys = (message, held, in_use)
+        _, cached, in_use = entry.keys
         num = 0
         for key in block_keys:
             if key not in cached:
                 break
             num += 1
-        return num
+        num_in_use = 0
+        while num_in_use < num and block_keys[num_in_use] in in_use:
+            num_in_use += 1
+        return num, num_in_use
 
     def predict(self, address: str, num_prompt_tokens: int, num_output_tokens: int, *,
                 max_tokens: int | None = None, length_source: int = 0, block_keys: tuple[int, ...] | None = None,

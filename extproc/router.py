@@ -269,14 +269,21 @@ class Router:
         return decision
 
     def _with_prefix_blocks(self, request: RoutingRequest, views: list[EndpointView]) -> list[EndpointView]:
-        """``views`` with ``num_prefix_blocks_cached`` filled from each endpoint's sidecar's last watched state
-        (``FleetState.num_prefix_blocks_cached``); unchanged without watched states."""
+        """``views`` with ``num_prefix_blocks_cached`` and ``num_prefix_blocks_in_use`` filled from each endpoint's
+        sidecar's last watched state (``FleetState.prefix_blocks``; None where it has none); unchanged without
+        watched states."""
         fleet = self.fleet
         if fleet is None:
             return views
         block_size = self.prompt_tokens.block_size
-        return [replace(v, num_prefix_blocks_cached=fleet.num_prefix_blocks_cached(
-                    v.predictor, request.block_keys, block_size)) if v.predictor else v for v in views]
+        filled = []
+        for v in views:
+            if not v.predictor:
+                filled.append(v)
+                continue
+            cached, in_use = fleet.prefix_blocks(v.predictor, request.block_keys, block_size) or (None, None)
+            filled.append(replace(v, num_prefix_blocks_cached=cached, num_prefix_blocks_in_use=in_use))
+        return filled
 
     async def _route_predicted(self, request: RoutingRequest, views: list[EndpointView], tokens: PromptTokens,
                                tokens_s: float) -> Decision:

@@ -96,6 +96,8 @@ class EndpointView:
         num_prefix_blocks_cached: leading blocks of ``RoutingRequest.block_keys`` that the endpoint's last
             published state holds or caches (the router's view of its prefix cache); None = unknown (no state, or
             the request has no block keys).
+        num_prefix_blocks_in_use: of those, the leading blocks that the state's requests (running or waiting) hold
+            in their prompts: a prefix other requests there use now; None = unknown (as above).
     """
 
     address: str
@@ -107,6 +109,7 @@ class EndpointView:
     mean_in_flight: float = 0.0
     num_unseen_dispatches: int = 0
     num_prefix_blocks_cached: int | None = None
+    num_prefix_blocks_in_use: int | None = None
 
 
 class Policy(abc.ABC):

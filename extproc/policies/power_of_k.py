@@ -73,6 +73,18 @@ other replicas' traffic). A sidecar whose predictions are wrong (a restarted eng
 at most about ``max_load_ratio`` times its fair share of the requests in flight, whatever it predicts. The rule
 is SGLang's cache-aware router's load-balance guard (sgl-router ``cache_aware.rs``: a worker over
 ``balance_rel_threshold`` x the least loaded is skipped), taken on this replica's own in-flight counts.
+With ``confirm_load_bound`` (default) the candidate must also be past the bound by its sidecar's count, which
+includes every replica's requests: ``load + 1 > max_load_ratio * (least + 1)`` against the stand-ins' fewest. With
+4 replicas each sees about a quarter of an instance's requests, and near the knee instances passed one replica's
+bound by chance: on the shared-prefix workload (seeds 0-5, 4 replicas) the P99 TTFT crossing of 2 s moved from
+82.0 to 85.6 req/s with the confirmation (bench/README.md, "Confirming the load bound"). One case keeps this
+replica's count alone: a private home, one holding at least `AFFINITY_MIN_LEAD` of the prompt's blocks more than
+every stand-in where no request on it holds them now (``EndpointView.num_prefix_blocks_in_use``: its state's
+running and waiting requests) and no earlier decision of this replica found the same deepest cached block
+(`PowerOfKPolicy._hit_seen_before`): a conversation between its turns, whose next turn hits the previous reply.
+Releasing it moves the conversation with its copy, and on the multi-turn workload that release is what the bound
+buys: confirming it too lowered the crossing from 24.5 to 24.2 sessions/s (seeds 0-3), while releasing a shared
+prefix's home leaves a second home that stays and takes cache from other prefixes.
 
 Objectives (``prefer_meeting``, default on): a request with a TTFT or TPOT objective (``RoutingRequest.objectives``,
 ``extproc/admission.py``) is placed among the candidates predicted to meet all of its objectives when any does (the
@@ -138,6 +150,7 @@ of two choices; measurements behind the defaults: bench/README.md "Choosing the 
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
 import random
@@ -157,6 +170,8 @@ against the candidate holding the most (a copy worth keeping off it). Measured o
 85 req/s, P99 TTFT): 1/2 7.5 s (partly evicted contexts no longer kept their home), 1/4 1.47 s, 1/8 1.15 s,
 any lead 1.21 s; a lead of one 16-token block on a 400-token prompt otherwise confined a new application to the
 instances that first held that block (bench/README.md, "Cache affinity: what it costs")."""
+MAX_HIT_KEYS = 65536
+"""Deepest-hit block keys a policy remembers (`PowerOfKPolicy._hit_seen_before`): about 4 MiB."""
 MAX_TIE_TOLERANCE = 0.5
 """Widest near-tie, a fraction of the best score: a sidecar reporting a larger model error still leaves a
 prediction twice as good as another's decisive."""
@@ -180,6 +195,9 @@ class Params:
             (>= 0, at most `MAX_TIE_TOLERANCE`; a sidecar's larger ``model_error`` widens it up to that cap).
         max_load_ratio: a candidate over this multiple of the fleet's mean in-flight count is passed over while
             another is not (>= 1; 0 = no bound).
+        confirm_load_bound: a candidate over that bound is passed over only when its sidecar's count is over it
+            too, against the stand-in's, unless it is a private home: a prefix's home whose prefix no other request
+            shares (module docstring, "A bound on what one sidecar can pull"); false = this replica's count alone.
         prefix_probe: one probe goes to the prompt's prefix home (module docstring), when the request carries
             block keys and k >= 2.
         cache_affinity: only the candidates holding the most of the prompt's leading blocks
@@ -206,6 +224,7 @@ class Params:
     cache_affinity: bool = True
     affinity_max_ttft_s: float = 4.0
     prefer_meeting: bool = True
+    confirm_load_bound: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
@@ -225,6 +244,9 @@ class Params:
                              f"{self.affinity_max_ttft_s!r}")
         if not isinstance(self.prefer_meeting, bool):
             raise ValueError(f"policy {TYPE!r}: prefer_meeting must be true or false, got {self.prefer_meeting!r}")
+        if not isinstance(self.confirm_load_bound, bool):
+            raise ValueError(f"policy {TYPE!r}: confirm_load_bound must be true or false, got "
+                             f"{self.confirm_load_bound!r}")
         if not isinstance(self.prefix_probe, bool):
             raise ValueError(f"policy {TYPE!r}: prefix_probe must be true or false, got {self.prefix_probe!r}")
         if (isinstance(self.memory_s, bool) or not isinstance(self.memory_s, int | float)
@@ -255,6 +277,8 @@ class PowerOfKPolicy(Policy):
         self._rng = rng
         # address -> ((queueing part of the score, load), arrival_time_s of the answer)
         self._recent: dict[str, tuple[tuple[float, int], float]] = {}
+        # keys of the deepest block an earlier decision's prompt found cached (`_hit_seen_before`), oldest first
+        self._hit_keys: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     def score(self, endpoint: EndpointView) -> float:
         """The figure compared (lower is better), seconds; ``endpoint.prediction`` must be set. The requests this
@@ -336,7 +360,7 @@ class PowerOfKPolicy(Policy):
             scored = [e for e in scored if meets(objectives, e, request.num_predicted_output_tokens)] or scored
         ratio = self.params.max_load_ratio
         if ratio:
-            scored = self._within_load_bound(scored, ratio)
+            scored = self._within_load_bound(request, scored, ratio)
         if self.params.cache_affinity:
             scored = self._affine(request, scored)
         score = self.score
@@ -379,17 +403,51 @@ class PowerOfKPolicy(Policy):
             return prediction.idle_e2e_s
         return idle_s + self.params.e2e_weight * prediction.idle_e2e_s
 
-    @staticmethod
-    def _within_load_bound(scored: list[EndpointView], ratio: float) -> list[EndpointView]:
+    def _hit_seen_before(self, request, scored: Sequence[EndpointView]) -> bool:
+        """Whether an earlier decision of this replica found the same deepest cached block for its prompt: the key of
+        the prompt's last block that a candidate holds (``num_prefix_blocks_cached``, the most among ``scored``)
+        was such a hit before, so the prefix is shared by several requests (a tenant's context, a system prompt),
+        not the tail of one conversation (whose next turn hits the previous reply, a block no earlier prompt hit).
+        Records this hit; remembers the last `MAX_HIT_KEYS` such keys."""
+        keys = getattr(request, "block_keys", None)
+        most = max((e.num_prefix_blocks_cached or 0) for e in scored) if keys else 0
+        if not most:
+            return False
+        key = keys[min(most, len(keys)) - 1]
+        hits = self._hit_keys
+        if key in hits:
+            hits.move_to_end(key)
+            return True
+        hits[key] = None
+        if len(hits) > MAX_HIT_KEYS:
+            hits.popitem(last=False)
+        return False
+
+    def _within_load_bound(self, request, scored: list[EndpointView], ratio: float) -> list[EndpointView]:
         """``scored`` less the candidates over the load bound that another candidate can stand in for: one within
         the bound whose sidecar counts no more requests (`load`) than the one it replaces. The second condition
         keeps the bound from sending work to an instance that is busier for reasons this replica cannot see
-        (other replicas' or other routers' requests)."""
+        (other replicas' or other routers' requests). With ``confirm_load_bound``, the candidate must moreover be
+        past the bound by its sidecar's count, ``load + 1 > max_load_ratio * (least + 1)`` against the stand-ins'
+        fewest, unless it is a private home: it holds at least `AFFINITY_MIN_LEAD` of the prompt's blocks more
+        than every stand-in, no request on it holds them now (``EndpointView.num_prefix_blocks_in_use``) and no
+        earlier decision hit them (`_hit_seen_before`) (module docstring, "A bound on what one sidecar can
+        pull")."""
         within = [e for e in scored if e.num_in_flight + 1 <= ratio * (e.mean_in_flight + 1)]
+        seen = self._hit_seen_before(request, scored) if self.params.confirm_load_bound else False
         if not within or len(within) == len(scored):
             return scored
         least = min(load(e) for e in within)
-        return [e for e in scored if e in within or load(e) < least]
+        if not self.params.confirm_load_bound:
+            return [e for e in scored if e in within or load(e) < least]
+        fewest = min((e.num_prefix_blocks_cached or 0) for e in within)
+        lead = max(len(getattr(request, "block_keys", None) or ()) * AFFINITY_MIN_LEAD, 1)
+
+        def private_home(e: EndpointView) -> bool:
+            return ((e.num_prefix_blocks_cached or 0) - fewest >= lead and not seen
+                    and (e.num_prefix_blocks_in_use or 0) - fewest < lead)
+        return [e for e in scored if e in within or load(e) < least
+                or (not private_home(e) and load(e) + 1 <= ratio * (least + 1))]
 
 
 def _has_objective(objectives) -> bool:

@@ -111,10 +111,18 @@ def test_sidecar_states_carry_prompt_keys_and_views_count_cached_blocks():
     probe = keyed("b", 160, 10, arrival_s=0.3, prefix="doc", prefix_tokens=128)
     views = cluster.views(cluster.routers[0], 0.3, probe.prompt_block_keys(16))
     assert [v.num_prefix_blocks_cached for v in views] == [0, 8, 0]  # the shared 128-token document
+    assert [v.num_prefix_blocks_in_use for v in views] == [0, 8, 0]  # r0, running, holds it
     assert all(v.num_prefix_blocks_cached is None for v in cluster.views(cluster.routers[0], 0.3))
     # the prediction prices the hit: a shorter TTFT than for the same prompt without keys
     assert cluster.predict(1, "p", probe).ttft_s < cluster.predict(1, "p", dataclasses.replace(
         probe, block_keys=None)).ttft_s
+    cluster.advance_to(60.0)  # r0 has finished: its blocks stay cached, free, used by no request
+    assert not cluster.has_work()
+    views = cluster.views(cluster.routers[0], 60.0, probe.prompt_block_keys(16))
+    assert [(v.num_prefix_blocks_cached, v.num_prefix_blocks_in_use) for v in views] == [(0, 0), (8, 0), (0, 0)]
+    cluster.dispatch(0, 1, "r1", keyed("c", 160, 10, arrival_s=60.0, prefix="doc", prefix_tokens=128))
+    views = cluster.views(cluster.routers[0], 60.0, probe.prompt_block_keys(16))  # r1 waits: its prompt counts
+    assert [(v.num_prefix_blocks_cached, v.num_prefix_blocks_in_use) for v in views] == [(0, 0), (8, 8), (0, 0)]
 
 
 def test_stale_views_count_what_the_published_state_shows():
@@ -126,6 +134,10 @@ def test_stale_views_count_what_the_published_state_shows():
     assert [v.num_prefix_blocks_cached for v in cluster.views(cluster.routers[0], 0.0, keys)] == [0, 0]
     cluster.advance_to(0.2)  # every instance has published since
     assert [v.num_prefix_blocks_cached for v in cluster.views(cluster.routers[0], 0.2, keys)] == [6, 0]
+    assert [v.num_prefix_blocks_in_use for v in cluster.views(cluster.routers[0], 0.2, keys)] == [6, 0]
+    cluster.advance_to(60.0)  # finished, and published since: cached free blocks, held by no request
+    assert [(v.num_prefix_blocks_cached, v.num_prefix_blocks_in_use)
+            for v in cluster.views(cluster.routers[0], 60.0, keys)] == [(6, 0), (0, 0)]
 
 
 def test_the_policy_hears_of_every_request_it_routed_finishing():

@@ -101,6 +101,8 @@ async def test_watched_states_fill_num_prefix_blocks_cached_and_price_the_hit_lo
         decision = await router.route(_request(1))
         cached = {v.address: v.num_prefix_blocks_cached for v in seen_views[-1]}
         assert cached == {"10.0.0.1:8000": 20, "10.0.0.2:8000": 0}  # walked until the first miss
+        in_use = {v.address: v.num_prefix_blocks_in_use for v in seen_views[-1]}
+        assert in_use == {"10.0.0.1:8000": 20, "10.0.0.2:8000": 0}  # "elsewhere" holds them
         ttft = {address: p.ttft_s for address, p in decision.candidates}
         assert ttft["10.0.0.1:8000"] < ttft["10.0.0.2:8000"]
         other = await router.route(_request(2, "an unrelated question " * 40))

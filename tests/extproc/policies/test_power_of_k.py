@@ -128,7 +128,7 @@ def test_probe_best_ignores_endpoints_that_left_the_pool():
                                     {"extra_probes": 1.5}, {"queue_threshold_s": -0.1}, {"queue_threshold_s": "x"},
                                     {"tie_tolerance": -0.01}, {"tie_tolerance": 0.6}, {"tie_tolerance": True},
                                     {"max_load_ratio": 0.5}, {"max_load_ratio": float("inf")},
-                                    {"max_load_ratio": "2"}])
+                                    {"max_load_ratio": "2"}, {"confirm_load_bound": 1}])
 def test_bad_params(params):
     with pytest.raises(ValueError):
         build(params, random.Random(0))
@@ -194,13 +194,21 @@ def test_equal_load_near_ties_are_random():
 
 def test_an_optimistic_sidecar_cannot_pull_past_the_load_bound():
     """However good its prediction, a candidate that would hold more than max_load_ratio x the fleet's mean in
-    flight (+1 both sides) is passed over for one within the bound."""
+    flight (+1 both sides) is passed over for one within the bound, when its sidecar's count confirms it."""
     policy = build({"metric": "ttft"}, random.Random(0))
     # mean 2: bound (2 + 1) x 2 = 6 with this request, so 5 in flight is the most it may have
-    assert policy.choose(REQ, [view(1, 0.01, in_flight=6, mean_in_flight=2.0),
-                               view(2, 0.90, in_flight=1, mean_in_flight=2.0)]).address == "10.0.0.2:80"
-    assert policy.choose(REQ, [view(1, 0.01, in_flight=5, mean_in_flight=2.0),
-                               view(2, 0.90, in_flight=1, mean_in_flight=2.0)]).address == "10.0.0.1:80"
+    # (each sidecar counts what this replica sent it: 6 + 1 > 2 x (1 + 1) confirms the bound)
+    assert policy.choose(REQ, [view(1, 0.01, in_flight=6, mean_in_flight=2.0, num_requests=6),
+                               view(2, 0.90, in_flight=1, mean_in_flight=2.0, num_requests=1)]).address == "10.0.0.2:80"
+    assert policy.choose(REQ, [view(1, 0.01, in_flight=5, mean_in_flight=2.0, num_requests=5),
+                               view(2, 0.90, in_flight=1, mean_in_flight=2.0, num_requests=1)]).address == "10.0.0.1:80"
+    # over this replica's bound, but its sidecar counts no more than 2 x the other's (+1 both sides): other
+    # replicas' requests fill the fleet, so the count of this replica alone does not pass it over
+    assert policy.choose(REQ, [view(1, 0.01, in_flight=6, mean_in_flight=2.0, num_requests=7),
+                               view(2, 0.90, in_flight=1, mean_in_flight=2.0, num_requests=3)]).address == "10.0.0.1:80"
+    assert build({"metric": "ttft", "confirm_load_bound": False}, random.Random(0)).choose(
+        REQ, [view(1, 0.01, in_flight=6, mean_in_flight=2.0, num_requests=7),
+              view(2, 0.90, in_flight=1, mean_in_flight=2.0, num_requests=3)]).address == "10.0.0.2:80"
     # ... unless its sidecar counts more requests than the one over the bound (traffic this replica cannot see)
     assert policy.choose(REQ, [view(1, 0.01, in_flight=6, mean_in_flight=2.0, num_requests=6),
                                view(2, 0.90, in_flight=1, mean_in_flight=2.0, num_requests=40)]).address == \
@@ -415,6 +423,48 @@ def test_cache_affinity_yields_to_the_load_bound(seed):
                           prediction=Prediction(0.45, 1.4, queue_s=0.0, num_requests=1))]
     policy = build({"metric": "ttft"}, random.Random(seed))
     assert policy.choose(keyed([1]), views).address == "10.0.0.2:80"
+
+
+def _over_bound_home(in_use: int, home_requests: int, cached: int = 128) -> list[EndpointView]:
+    """A home past this replica's load bound (9 in flight, mean 2) holding ``cached`` of the prompt's 128 blocks,
+    ``in_use`` of them held by its requests, its sidecar counting ``home_requests``; a cold stand-in counting 1."""
+    return [EndpointView("10.0.0.1:80", num_in_flight=9, mean_in_flight=2.0, num_prefix_blocks_cached=cached,
+                         num_prefix_blocks_in_use=in_use,
+                         prediction=Prediction(0.2, 1.0, queue_s=0.1, num_requests=home_requests)),
+            EndpointView("10.0.0.2:80", num_in_flight=1, mean_in_flight=2.0, num_prefix_blocks_cached=0,
+                         num_prefix_blocks_in_use=0, prediction=Prediction(0.45, 1.4, queue_s=0.0, num_requests=1))]
+
+
+@pytest.mark.parametrize("in_use, home_requests, cached, params, released", [
+    (0, 3, 128, {}, True),  # a private home (its copy sits in free cache, a conversation between turns): it moves
+    (128, 3, 128, {}, False),  # requests on it hold the prefix: its sidecar counts 3 + 1 <= 2 x (1 + 1), kept
+    (128, 4, 128, {}, True),  # 4 + 1 > 2 x (1 + 1): the sidecar confirms the bound
+    (64, 3, 128, {}, False),  # half the prefix held is still at least an eighth of the prompt's 128 blocks
+    (15, 3, 128, {}, True),  # under an eighth held: a private home
+    (0, 3, 15, {}, False),  # not a home (a lead under an eighth): confirmed by the sidecar's count or kept
+    (0, 4, 15, {}, True),
+    (128, 3, 128, {"confirm_load_bound": False}, True)])  # this replica's count alone
+def test_the_load_bound_is_confirmed_by_the_sidecars_count_except_for_a_private_home(
+        in_use, home_requests, cached, params, released):
+    """Past this replica's load bound a candidate is passed over for one within it only when its sidecar's count,
+    every replica's requests, is past the bound too; a home whose prefix no other request shares is released on
+    this replica's count alone."""
+    policy = build({"metric": "ttft", **params}, random.Random(0))
+    chosen = policy.choose(keyed(range(128)), _over_bound_home(in_use, home_requests, cached)).address
+    assert chosen == ("10.0.0.2:80" if released else "10.0.0.1:80")
+
+
+def test_a_home_whose_deepest_hit_an_earlier_decision_found_is_not_private():
+    """The same deepest cached block found by an earlier decision (a tenant's context, many users): the prefix is
+    shared, so its home is kept until its sidecar's count confirms the bound; a conversation's next turn hits its
+    previous reply, a block no earlier prompt hit, and its home is released. Remembered per policy object."""
+    policy = build({"metric": "ttft"}, random.Random(0))
+    tenant = keyed(range(128))
+    assert policy.choose(tenant, _over_bound_home(0, 3)).address == "10.0.0.2:80"  # first hit on block 127
+    assert policy.choose(tenant, _over_bound_home(0, 3)).address == "10.0.0.1:80"  # seen: shared, kept
+    assert policy.choose(keyed(range(1000, 1128)), _over_bound_home(0, 3)).address == "10.0.0.2:80"  # another
+    assert build({"metric": "ttft"}, random.Random(0)).choose(tenant, _over_bound_home(0, 3)).address == \
+        "10.0.0.2:80"
 
 
 @pytest.mark.parametrize("value", [1, 0, "true", None])
