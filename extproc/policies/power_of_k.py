@@ -70,7 +70,9 @@ being routed, would exceed ``max_load_ratio`` times the fleet's mean (``Endpoint
 sides so that small counts are not over-constrained) is passed over while another candidate stays within the
 bound and its sidecar counts no more requests (else the other is busier for reasons this replica cannot see:
 other replicas' traffic). A sidecar whose predictions are wrong (a restarted engine, a model still calibrating, a bug) can then draw
-at most about ``max_load_ratio`` times its fair share of the requests in flight, whatever it predicts. The rule
+at most about ``max_load_ratio`` times its fair share of the requests in flight, whatever it predicts, as long as
+it counts its requests (``Prediction.num_requests``) truly: with ``confirm_load_bound`` (below) a sidecar that
+under-reports its count escapes the bound until the count passes 2x the stand-in's. The rule
 is SGLang's cache-aware router's load-balance guard (sgl-router ``cache_aware.rs``: a worker over
 ``balance_rel_threshold`` x the least loaded is skipped), taken on this replica's own in-flight counts.
 With ``confirm_load_bound`` (default) the candidate must also be past the bound by its sidecar's count, which
@@ -171,7 +173,7 @@ against the candidate holding the most (a copy worth keeping off it). Measured o
 any lead 1.21 s; a lead of one 16-token block on a 400-token prompt otherwise confined a new application to the
 instances that first held that block (bench/README.md, "Cache affinity: what it costs")."""
 MAX_HIT_KEYS = 65536
-"""Deepest-hit block keys a policy remembers (`PowerOfKPolicy._hit_seen_before`): about 4 MiB."""
+"""Deepest-hit block keys a policy remembers (`PowerOfKPolicy._hit_seen_before`): about 8 MiB per process."""
 MAX_TIE_TOLERANCE = 0.5
 """Widest near-tie, a fraction of the best score: a sidecar reporting a larger model error still leaves a
 prediction twice as good as another's decisive."""
@@ -408,7 +410,9 @@ class PowerOfKPolicy(Policy):
         the prompt's last block that a candidate holds (``num_prefix_blocks_cached``, the most among ``scored``)
         was such a hit before, so the prefix is shared by several requests (a tenant's context, a system prompt),
         not the tail of one conversation (whose next turn hits the previous reply, a block no earlier prompt hit).
-        Records this hit; remembers the last `MAX_HIT_KEYS` such keys."""
+        Records this hit; runs on every decision with ``confirm_load_bound`` (a prefix is learnt as shared while the
+        bound does not matter), remembers the last `MAX_HIT_KEYS` such keys, one memory per policy object (per
+        extproc worker process). The verdict is the deepest candidate's, applied to every candidate."""
         keys = getattr(request, "block_keys", None)
         most = max((e.num_prefix_blocks_cached or 0) for e in scored) if keys else 0
         if not most:

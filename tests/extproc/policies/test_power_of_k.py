@@ -467,6 +467,14 @@ def test_a_home_whose_deepest_hit_an_earlier_decision_found_is_not_private():
         "10.0.0.2:80"
 
 
+def test_hits_are_learnt_while_the_load_bound_does_not_matter():
+    """A decision within the bound records its deepest hit too: the next one, over the bound, finds it seen."""
+    policy = build({"metric": "ttft"}, random.Random(0))
+    within = [dataclasses.replace(v, num_in_flight=1) for v in _over_bound_home(0, 3)]
+    assert policy.choose(keyed(range(128)), within).address == "10.0.0.1:80"
+    assert policy.choose(keyed(range(128)), _over_bound_home(0, 3)).address == "10.0.0.1:80"  # seen: kept
+
+
 @pytest.mark.parametrize("value", [1, 0, "true", None])
 def test_cache_affinity_must_be_true_or_false(value):
     with pytest.raises(ValueError, match="cache_affinity"):
