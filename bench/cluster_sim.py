@@ -73,7 +73,7 @@ import numpy as np
 from bench.migration import MigrationController, MigrationParams
 from extproc.admission import AdmissionParams, CriticalPressure, meets, shed_reason
 from extproc.objectives import NO_OBJECTIVES, Objectives
-from extproc.fleet_state import predict_from_state
+from extproc.fleet_state import leading_blocks, predict_from_state
 from extproc.lengths import capped_output_tokens
 from extproc.policies.base import EndpointMetrics, EndpointView, Policy, Prediction
 from extproc.policies.least_requests import LeastRequestsPolicy
@@ -594,26 +594,18 @@ class _Cluster:
             while in_use < n and pool.ref_count(hits[in_use]):  # held by a running request
                 in_use += 1
             for waiting in scheduler.waiting:  # or in a waiting one's prompt (a key chains its whole prefix)
+                held = waiting.block_keys or ()
+                while in_use < n and in_use < len(held) and held[in_use] == keys[in_use]:
+                    in_use += 1
                 if in_use == n:
                     break
-                held = waiting.block_keys
-                if held and len(held) > in_use and held[in_use] == keys[in_use]:
-                    while in_use < n and in_use < len(held) and held[in_use] == keys[in_use]:
-                        in_use += 1
             return n, in_use
         shown = self.published_keys[i]
         if shown is None:
             snapshot = self.published[i][0]
             held = frozenset(k for r in (*snapshot.running, *snapshot.waiting) for k in r.block_keys or ())
             shown = self.published_keys[i] = (held | frozenset(snapshot.cached_block_keys), held)
-        cached, held = shown
-        n = 0
-        while n < len(keys) and keys[n] in cached:
-            n += 1
-        in_use = 0
-        while in_use < n and keys[in_use] in held:
-            in_use += 1
-        return n, in_use
+        return leading_blocks(keys, *shown)
 
     def views(self, router: _Router, now_s: float, keys: tuple[int, ...] | None = None) -> list[EndpointView]:
         since_s = now_s - router.policy.recent_window_s

@@ -42,7 +42,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -64,6 +64,21 @@ than ``max_age_s`` (or the sidecar's own older than ``max_state_age_s``); a requ
 state that cannot be used."""
 MAX_EXPECTED_CACHED = 4096
 """Distinct (output tokens, cap, length source) whose expected output `FleetState` remembers before it starts over."""
+
+
+def leading_blocks(block_keys: Sequence[int], cached: Container[int], held: Container[int]) -> tuple[int, int]:
+    """(leading keys of ``block_keys`` in ``cached``, walked until the first miss; of those, the leading ones in
+    ``held``): ``EndpointView.num_prefix_blocks_cached`` and ``num_prefix_blocks_in_use`` from a state's key sets
+    (``held``: its requests' prompt keys; ``cached``: those and its cached free blocks' keys)."""
+    num = 0
+    for key in block_keys:
+        if key not in cached:
+            break
+        num += 1
+    num_in_use = 0
+    while num_in_use < num and block_keys[num_in_use] in held:
+        num_in_use += 1
+    return num, num_in_use
 
 
 @dataclass(slots=True)
@@ -276,16 +291,7 @@ class FleetState:
             held = set(in_use)
             held.update(message.cached_block_keys)
             entry.keys = (message, held, in_use)
-        _, cached, in_use = entry.keys
-        num = 0
-        for key in block_keys:
-            if key not in cached:
-                break
-            num += 1
-        num_in_use = 0
-        while num_in_use < num and block_keys[num_in_use] in in_use:
-            num_in_use += 1
-        return num, num_in_use
+        return leading_blocks(block_keys, entry.keys[1], entry.keys[2])
 
     def predict(self, address: str, num_prompt_tokens: int, num_output_tokens: int, *,
                 max_tokens: int | None = None, length_source: int = 0, block_keys: tuple[int, ...] | None = None,

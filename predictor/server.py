@@ -544,8 +544,9 @@ class Sidecar:
             "astrolabe_predictor_simulation_seconds", "Work of one Predict (state read, simulation), seconds",
             buckets=(0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1), registry=None)
         self._absorbed: tuple[int, int] = (0, -1)  # (pid, seq) of the last plugin state absorbed
-        self.residual = residual if residual is not None else ResidualRules(config.residual_lengths, config.length_errors,
-                                                  config.length_distribution)
+        if residual is None:
+            residual = ResidualRules(config.residual_lengths, config.length_errors, config.length_distribution)
+        self.residual = residual
         # Named SGLang: its rules before it answers.
         self.ledger = self._new_ledger(self._with_backend_rules(config.engine, config.backend_engine))
         self.kv_index = (KvEventIndex(self.ledger.scheduler.config.block_size,
