@@ -70,9 +70,11 @@ being routed, would exceed ``max_load_ratio`` times the fleet's mean (``Endpoint
 sides so that small counts are not over-constrained) is passed over while another candidate stays within the
 bound and its sidecar counts no more requests (else the other is busier for reasons this replica cannot see:
 other replicas' traffic). A sidecar whose predictions are wrong (a restarted engine, a model still calibrating, a bug) can then draw
-at most about ``max_load_ratio`` times its fair share of the requests in flight, whatever it predicts, as long as
-it counts its requests (``Prediction.num_requests``) truly: with ``confirm_load_bound`` (below) a sidecar that
-under-reports its count escapes the bound until the count passes 2x the stand-in's. The rule
+at most about ``max_load_ratio`` times its fair share of the requests in flight, whatever it predicts. Its count
+(``Prediction.num_requests``, see `load`) is never taken as less than this replica's own requests in flight there,
+so with one replica this holds whatever it reports; with R replicas and ``confirm_load_bound`` (below), a sidecar
+that under-reports is passed over once this replica's own requests there pass ``max_load_ratio`` times the
+stand-in's whole count, which can let it draw up to about R times the bound. The rule
 is SGLang's cache-aware router's load-balance guard (sgl-router ``cache_aware.rs``: a worker over
 ``balance_rel_threshold`` x the least loaded is skipped), taken on this replica's own in-flight counts.
 With ``confirm_load_bound`` (default) the candidate must also be past the bound by its sidecar's count, which
@@ -83,7 +85,7 @@ bound by chance: on the shared-prefix workload (seeds 0-5, 4 replicas) the P99 T
 replica's count alone: a private home, one holding at least `AFFINITY_MIN_LEAD` of the prompt's blocks more than
 every stand-in where no request on it holds them now (``EndpointView.num_prefix_blocks_in_use``: its state's
 running and waiting requests) and no earlier decision of this replica found the same deepest cached block
-(`PowerOfKPolicy._hit_seen_before`): a conversation between its turns, whose next turn hits the previous reply.
+(`PowerOfKPolicy._hits_seen_before`): a conversation between its turns, whose next turn hits the previous reply.
 Releasing it moves the conversation with its copy, and on the multi-turn workload that release is what the bound
 buys: confirming it too lowered the crossing from 24.5 to 24.2 sessions/s (seeds 0-3), while releasing a shared
 prefix's home leaves a second home that stays and takes cache from other prefixes.
@@ -173,7 +175,7 @@ against the candidate holding the most (a copy worth keeping off it). Measured o
 any lead 1.21 s; a lead of one 16-token block on a 400-token prompt otherwise confined a new application to the
 instances that first held that block (bench/README.md, "Cache affinity: what it costs")."""
 MAX_HIT_KEYS = 65536
-"""Deepest-hit block keys a policy remembers (`PowerOfKPolicy._hit_seen_before`): about 8 MiB per process."""
+"""Deepest-hit block keys a policy remembers (`PowerOfKPolicy._hits_seen_before`): about 8 MiB per process."""
 MAX_TIE_TOLERANCE = 0.5
 """Widest near-tie, a fraction of the best score: a sidecar reporting a larger model error still leaves a
 prediction twice as good as another's decisive."""
@@ -279,7 +281,7 @@ class PowerOfKPolicy(Policy):
         self._rng = rng
         # address -> ((queueing part of the score, load), arrival_time_s of the answer)
         self._recent: dict[str, tuple[tuple[float, int], float]] = {}
-        # keys of the deepest block an earlier decision's prompt found cached (`_hit_seen_before`), oldest first
+        # keys of the deepest block an earlier decision's prompt found cached (`_hits_seen_before`), oldest first
         self._hit_keys: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     def score(self, endpoint: EndpointView) -> float:
@@ -384,7 +386,7 @@ class PowerOfKPolicy(Policy):
         (``num_prefix_blocks_cached`` None: their sidecar prices the hit itself). None is passed over when every
         candidate holding the most predicts a TTFT (`ttft_s`) past ``affinity_max_ttft_s``."""
         most = max((e.num_prefix_blocks_cached or 0) for e in scored)
-        lead = len(getattr(request, "block_keys", None) or ()) * AFFINITY_MIN_LEAD
+        lead = affinity_lead(request)
         if not most or most < lead:
             return scored
         bound_s = self.params.affinity_max_ttft_s
@@ -405,27 +407,33 @@ class PowerOfKPolicy(Policy):
             return prediction.idle_e2e_s
         return idle_s + self.params.e2e_weight * prediction.idle_e2e_s
 
-    def _hit_seen_before(self, request, scored: Sequence[EndpointView]) -> bool:
-        """Whether an earlier decision of this replica found the same deepest cached block for its prompt: the key of
-        the prompt's last block that a candidate holds (``num_prefix_blocks_cached``, the most among ``scored``)
-        was such a hit before, so the prefix is shared by several requests (a tenant's context, a system prompt),
-        not the tail of one conversation (whose next turn hits the previous reply, a block no earlier prompt hit).
-        Records this hit; runs on every decision with ``confirm_load_bound`` (a prefix is learnt as shared while the
-        bound does not matter), remembers the last `MAX_HIT_KEYS` such keys, one memory per policy object (per
-        extproc worker process). The verdict is the deepest candidate's, applied to every candidate."""
+    def _hits_seen_before(self, request, scored: Sequence[EndpointView]) -> frozenset[str]:
+        """The addresses of the candidates whose deepest cached block for this prompt (the key of the prompt's last
+        block the candidate holds, ``num_prefix_blocks_cached``) an earlier decision of this replica found as its
+        deepest hit: the prefix they hold is shared by several requests (a tenant's context, a system prompt), not
+        the tail of one conversation (whose next turn hits the previous reply, a block no earlier prompt hit).
+        Each candidate is looked up by its own deepest block, so a shallower home of a shared system prompt is
+        seen even when a deeper, unseen home of the conversation was probed beside it. Records this decision's
+        deepest hit (the most among ``scored``); runs on every decision with ``confirm_load_bound`` (a prefix is
+        learnt as shared while the bound does not matter) and remembers the last `MAX_HIT_KEYS` such keys, one
+        memory per policy object (per extproc worker process)."""
         keys = getattr(request, "block_keys", None)
-        most = max((e.num_prefix_blocks_cached or 0) for e in scored) if keys else 0
-        if not most:
-            return False
-        key = keys[min(most, len(keys)) - 1]
+        if not keys:
+            return frozenset()
         hits = self._hit_keys
-        if key in hits:
-            hits.move_to_end(key)
-            return True
-        hits[key] = None
-        if len(hits) > MAX_HIT_KEYS:
-            hits.popitem(last=False)
-        return False
+        seen = set()
+        deepest = 0
+        for e in scored:
+            cached = min(e.num_prefix_blocks_cached or 0, len(keys))
+            if cached and keys[cached - 1] in hits:
+                seen.add(e.address)
+                hits.move_to_end(keys[cached - 1])
+            deepest = max(deepest, cached)
+        if deepest:
+            hits[keys[deepest - 1]] = None
+            if len(hits) > MAX_HIT_KEYS:
+                hits.popitem(last=False)
+        return frozenset(seen)
 
     def _within_load_bound(self, request, scored: list[EndpointView], ratio: float) -> list[EndpointView]:
         """``scored`` less the candidates over the load bound that another candidate can stand in for: one within
@@ -435,23 +443,29 @@ class PowerOfKPolicy(Policy):
         past the bound by its sidecar's count, ``load + 1 > max_load_ratio * (least + 1)`` against the stand-ins'
         fewest, unless it is a private home: it holds at least `AFFINITY_MIN_LEAD` of the prompt's blocks more
         than every stand-in, no request on it holds them now (``EndpointView.num_prefix_blocks_in_use``) and no
-        earlier decision hit them (`_hit_seen_before`) (module docstring, "A bound on what one sidecar can
+        earlier decision hit them (`_hits_seen_before`) (module docstring, "A bound on what one sidecar can
         pull")."""
         within = [e for e in scored if e.num_in_flight + 1 <= ratio * (e.mean_in_flight + 1)]
-        seen = self._hit_seen_before(request, scored) if self.params.confirm_load_bound else False
+        seen = self._hits_seen_before(request, scored) if self.params.confirm_load_bound else frozenset()
         if not within or len(within) == len(scored):
             return scored
         least = min(load(e) for e in within)
         if not self.params.confirm_load_bound:
             return [e for e in scored if e in within or load(e) < least]
         fewest = min((e.num_prefix_blocks_cached or 0) for e in within)
-        lead = max(len(getattr(request, "block_keys", None) or ()) * AFFINITY_MIN_LEAD, 1)
+        lead = affinity_lead(request)
 
         def private_home(e: EndpointView) -> bool:
-            return ((e.num_prefix_blocks_cached or 0) - fewest >= lead and not seen
+            return ((e.num_prefix_blocks_cached or 0) - fewest >= lead and e.address not in seen
                     and (e.num_prefix_blocks_in_use or 0) - fewest < lead)
         return [e for e in scored if e in within or load(e) < least
                 or (not private_home(e) and load(e) + 1 <= ratio * (least + 1))]
+
+
+def affinity_lead(request) -> float:
+    """The fewest of the prompt's full blocks (``RoutingRequest.block_keys``) by which one candidate must hold more
+    than another for affinity to count: `AFFINITY_MIN_LEAD` of them, and at least one block."""
+    return max(len(getattr(request, "block_keys", None) or ()) * AFFINITY_MIN_LEAD, 1)
 
 
 def _has_objective(objectives) -> bool:
@@ -496,9 +510,11 @@ def idle_ttft_s(endpoint: EndpointView) -> float:
 
 def load(endpoint: EndpointView) -> int:
     """Requests on ``endpoint`` as a decision can know them: its sidecar's count (other routers' held requests
-    included) and this replica's dispatches there that the count does not include; ``endpoint.prediction`` must
-    be set."""
-    return endpoint.prediction.num_requests + endpoint.num_unseen_dispatches
+    included) and this replica's dispatches there that the count does not include, and never fewer than this
+    replica's own requests in flight there (``num_in_flight``): a sidecar counting less under-reports (a bug, a
+    restarted engine), and its count alone would let it escape the load bound (module docstring, "A bound on what
+    one sidecar can pull"). ``endpoint.prediction`` must be set."""
+    return max(endpoint.prediction.num_requests + endpoint.num_unseen_dispatches, endpoint.num_in_flight)
 
 
 def build(params: Mapping[str, Any], rng: random.Random) -> PowerOfKPolicy:

@@ -108,6 +108,11 @@ async def test_watched_states_fill_num_prefix_blocks_cached_and_price_the_hit_lo
         other = await router.route(_request(2, "an unrelated question " * 40))
         assert {v.num_prefix_blocks_cached for v in seen_views[-1]} == {0}
         router.release(other)
+        router.release(decision)
+        async with grpc.aio.insecure_channel(addresses[0]) as channel:  # "elsewhere" ends: its blocks stay cached
+            assert (await pb_grpc.PredictorStub(channel).Release(pb.ReleaseRequest(request_id="elsewhere"))).known
+        # the next state shows the prefix cached (free, reusable) and held by no request
+        await until(lambda: fleet.prefix_blocks(addresses[0], keys, BLOCK_SIZE) == (20, 0))
     finally:
         await fleet.close()
         await client.close()

@@ -426,24 +426,26 @@ def test_cache_affinity_yields_to_the_load_bound(seed):
 
 
 def _over_bound_home(in_use: int, home_requests: int, cached: int = 128) -> list[EndpointView]:
-    """A home past this replica's load bound (9 in flight, mean 2) holding ``cached`` of the prompt's 128 blocks,
-    ``in_use`` of them held by its requests, its sidecar counting ``home_requests``; a cold stand-in counting 1."""
-    return [EndpointView("10.0.0.1:80", num_in_flight=9, mean_in_flight=2.0, num_prefix_blocks_cached=cached,
+    """A home just past this replica's load bound (6 in flight, mean 2: 6 + 1 > 2 x (2 + 1)) holding ``cached`` of
+    the prompt's 128 blocks, ``in_use`` of them held by its requests, its sidecar counting ``home_requests`` (every
+    replica's); a cold stand-in counting 3 (1 of them this replica's). The sidecar's count confirms the bound from 8
+    up: 8 + 1 > 2 x (3 + 1)."""
+    return [EndpointView("10.0.0.1:80", num_in_flight=6, mean_in_flight=2.0, num_prefix_blocks_cached=cached,
                          num_prefix_blocks_in_use=in_use,
                          prediction=Prediction(0.2, 1.0, queue_s=0.1, num_requests=home_requests)),
             EndpointView("10.0.0.2:80", num_in_flight=1, mean_in_flight=2.0, num_prefix_blocks_cached=0,
-                         num_prefix_blocks_in_use=0, prediction=Prediction(0.45, 1.4, queue_s=0.0, num_requests=1))]
+                         num_prefix_blocks_in_use=0, prediction=Prediction(0.45, 1.4, queue_s=0.0, num_requests=3))]
 
 
 @pytest.mark.parametrize("in_use, home_requests, cached, params, released", [
-    (0, 3, 128, {}, True),  # a private home (its copy sits in free cache, a conversation between turns): it moves
-    (128, 3, 128, {}, False),  # requests on it hold the prefix: its sidecar counts 3 + 1 <= 2 x (1 + 1), kept
-    (128, 4, 128, {}, True),  # 4 + 1 > 2 x (1 + 1): the sidecar confirms the bound
-    (64, 3, 128, {}, False),  # half the prefix held is still at least an eighth of the prompt's 128 blocks
-    (15, 3, 128, {}, True),  # under an eighth held: a private home
-    (0, 3, 15, {}, False),  # not a home (a lead under an eighth): confirmed by the sidecar's count or kept
-    (0, 4, 15, {}, True),
-    (128, 3, 128, {"confirm_load_bound": False}, True)])  # this replica's count alone
+    (0, 7, 128, {}, True),  # a private home (its copy sits in free cache, a conversation between turns): it moves
+    (128, 7, 128, {}, False),  # requests on it hold the prefix: its sidecar counts 7 + 1 <= 2 x (3 + 1), kept
+    (128, 8, 128, {}, True),  # 8 + 1 > 2 x (3 + 1): the sidecar confirms the bound
+    (64, 7, 128, {}, False),  # half the prefix held is still at least an eighth of the prompt's 128 blocks
+    (15, 7, 128, {}, True),  # under an eighth held: a private home
+    (0, 7, 15, {}, False),  # not a home (a lead under an eighth): confirmed by the sidecar's count or kept
+    (0, 8, 15, {}, True),
+    (128, 7, 128, {"confirm_load_bound": False}, True)])  # this replica's count alone
 def test_the_load_bound_is_confirmed_by_the_sidecars_count_except_for_a_private_home(
         in_use, home_requests, cached, params, released):
     """Past this replica's load bound a candidate is passed over for one within it only when its sidecar's count,
@@ -460,19 +462,58 @@ def test_a_home_whose_deepest_hit_an_earlier_decision_found_is_not_private():
     previous reply, a block no earlier prompt hit, and its home is released. Remembered per policy object."""
     policy = build({"metric": "ttft"}, random.Random(0))
     tenant = keyed(range(128))
-    assert policy.choose(tenant, _over_bound_home(0, 3)).address == "10.0.0.2:80"  # first hit on block 127
-    assert policy.choose(tenant, _over_bound_home(0, 3)).address == "10.0.0.1:80"  # seen: shared, kept
-    assert policy.choose(keyed(range(1000, 1128)), _over_bound_home(0, 3)).address == "10.0.0.2:80"  # another
-    assert build({"metric": "ttft"}, random.Random(0)).choose(tenant, _over_bound_home(0, 3)).address == \
+    assert policy.choose(tenant, _over_bound_home(0, 7)).address == "10.0.0.2:80"  # first hit on block 127
+    assert policy.choose(tenant, _over_bound_home(0, 7)).address == "10.0.0.1:80"  # seen: shared, kept
+    assert policy.choose(keyed(range(1000, 1128)), _over_bound_home(0, 7)).address == "10.0.0.2:80"  # another
+    assert build({"metric": "ttft"}, random.Random(0)).choose(tenant, _over_bound_home(0, 7)).address == \
         "10.0.0.2:80"
 
 
 def test_hits_are_learnt_while_the_load_bound_does_not_matter():
     """A decision within the bound records its deepest hit too: the next one, over the bound, finds it seen."""
     policy = build({"metric": "ttft"}, random.Random(0))
-    within = [dataclasses.replace(v, num_in_flight=1) for v in _over_bound_home(0, 3)]
+    within = [dataclasses.replace(v, num_in_flight=1) for v in _over_bound_home(0, 7)]
     assert policy.choose(keyed(range(128)), within).address == "10.0.0.1:80"
-    assert policy.choose(keyed(range(128)), _over_bound_home(0, 3)).address == "10.0.0.1:80"  # seen: kept
+    assert policy.choose(keyed(range(128)), _over_bound_home(0, 7)).address == "10.0.0.1:80"  # seen: kept
+
+
+@pytest.mark.parametrize("reported", [0, 2])
+@pytest.mark.parametrize("confirm", [True, False])
+def test_a_sidecar_that_under_reports_its_count_cannot_escape_the_load_bound(reported, confirm):
+    """A sidecar counting fewer requests than this replica alone has in flight there (a bug, a restarted engine)
+    counts as this replica's in-flight count: past the bound, its optimistic prediction does not keep it."""
+    views = [view(1, 0.01, in_flight=6, mean_in_flight=2.0, num_requests=reported),
+             view(2, 0.90, in_flight=1, mean_in_flight=2.0, num_requests=1)]
+    policy = build({"metric": "ttft", "confirm_load_bound": confirm}, random.Random(0))
+    assert policy.choose(REQ, views).address == "10.0.0.2:80"
+
+
+def _candidate(i: int, cached: int, in_flight: int, requests: int, ttft_s: float) -> EndpointView:
+    return EndpointView(f"10.0.0.{i}:80", num_in_flight=in_flight, mean_in_flight=2.0, num_prefix_blocks_cached=cached,
+                        num_prefix_blocks_in_use=0,
+                        prediction=Prediction(ttft_s, 1.0, queue_s=0.0, num_requests=requests))
+
+
+def test_each_candidate_is_private_or_shared_by_its_own_deepest_hit():
+    """A conversation's home (200 of 256 blocks, its tail never hit before) and a home of its shared system prompt
+    (the first 64 blocks, another user's decision hit them), both past this replica's bound, neither confirmed by
+    its sidecar's count: the conversation's home is private and released; the system prompt's is shared and kept,
+    and wins over the cold stand-in by affinity (it would go to the stand-in were it private as well)."""
+    policy = build({"metric": "ttft"}, random.Random(0))
+    other_user = keyed([*range(64), *range(5000, 5192)])
+    assert policy.choose(other_user, [_candidate(1, 64, 1, 3, 0.1), _candidate(2, 0, 1, 3, 0.5)]).address == \
+        "10.0.0.1:80"  # records block 63 as a hit
+    candidates = [_candidate(1, 200, 6, 7, 0.05), _candidate(2, 64, 6, 7, 0.2), _candidate(3, 0, 1, 3, 0.5)]
+    assert policy.choose(keyed(range(256)), candidates).address == "10.0.0.2:80"
+
+
+def test_a_home_is_private_only_by_its_lead_over_the_candidates_within_the_bound():
+    """The home's lead is measured against the stand-ins within the bound, not against every candidate: a home 8 of
+    128 blocks ahead of the stand-in is no private home (an eighth is 16), though another candidate past the bound
+    holds nothing, so its unconfirmed count keeps it, and it wins on its prediction."""
+    policy = build({"metric": "ttft", "tie_tolerance": 0}, random.Random(0))
+    candidates = [_candidate(1, 128, 6, 7, 0.05), _candidate(2, 120, 1, 3, 0.2), _candidate(3, 0, 6, 7, 0.5)]
+    assert policy.choose(keyed(range(128)), candidates).address == "10.0.0.1:80"
 
 
 @pytest.mark.parametrize("value", [1, 0, "true", None])
