@@ -206,7 +206,7 @@ class Ledger:
         # Open-ended: as long as the KV cache could ever hold, so that only Release ends it. An estimate past that
         # (a small instance, an estimate above max_tokens) is not refused: Predict priced it cut to the cache too
         # (`InstanceSnapshot.fit_request`); a prompt that cannot fit stays unservable (ValueError).
-        num_open_ended_tokens = max(config.num_gpu_blocks * config.block_size - num_prompt_tokens, 1)
+        num_open_ended_tokens = config.max_output_tokens(num_prompt_tokens)
         # max_new_tokens: SGLang's admission reserves KV by each request's cap (predictor.sim.scheduler).
         if block_keys and len(block_keys) > num_prompt_tokens // config.block_size:
             raise ValueError(f"{len(block_keys)} block keys for a prompt of {num_prompt_tokens} tokens "

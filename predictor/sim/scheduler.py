@@ -216,6 +216,12 @@ class EngineConfig:
                 f"max_num_seqs ({self.max_num_seqs}), as vLLM requires"
             )
 
+    def max_output_tokens(self, num_prompt_tokens: int) -> int:
+        """The most output tokens the KV cache could ever hold beside a prompt of ``num_prompt_tokens`` tokens: its
+        whole ``num_gpu_blocks * block_size`` tokens less the prompt, at least 1 (a prompt that cannot fit stays
+        unservable; the scheduler says so)."""
+        return max(self.num_gpu_blocks * self.block_size - num_prompt_tokens, 1)
+
 
 @dataclass(frozen=True, slots=True)
 class SGLangState:

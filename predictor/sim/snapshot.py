@@ -191,7 +191,7 @@ class InstanceSnapshot:
     def fit_request(self, request: RequestState) -> RequestState:
         """``request`` with its expected output length cut to what this instance's KV cache can hold beside its
         prompt (at least 1 token; a prompt that cannot fit stays unservable)."""
-        limit = max(self.config.num_gpu_blocks * self.config.block_size - request.num_prompt_tokens, 1)
+        limit = self.config.max_output_tokens(request.num_prompt_tokens)
         return request if request.num_output_tokens <= limit else replace(request, num_output_tokens=limit)
 
     def new_arrival_time_s(self) -> float:
