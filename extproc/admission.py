@@ -239,10 +239,18 @@ def meets(objectives: Objectives, endpoint: EndpointView, num_output_tokens: int
     return objectives.tpot_s is None or predicted_tpot_s(endpoint, num_output_tokens) <= objectives.tpot_s
 
 
+def load(endpoint: EndpointView) -> int:
+    """Requests on ``endpoint`` as a decision can know them: its sidecar's count (other routers' held requests
+    included) and this replica's dispatches there that the count does not include, and never fewer than this
+    replica's own requests in flight there (``num_in_flight``): a sidecar counting less under-reports (a bug, a
+    restarted engine), and its count alone would let it escape the load bound (extproc/policies/power_of_k.py, "A
+    bound on what one sidecar can pull"). ``endpoint.prediction`` must be set."""
+    return max(endpoint.prediction.num_requests + endpoint.num_unseen_dispatches, endpoint.num_in_flight)
+
+
 def is_idle(endpoint: EndpointView) -> bool:
-    """No request on the candidate as this decision knows it (its sidecar's count and this replica's dispatches
-    its answer lacks); ``endpoint.prediction`` must be set."""
-    return endpoint.prediction.num_requests + endpoint.num_unseen_dispatches == 0
+    """No request on the candidate as this decision knows it (`load` 0); ``endpoint.prediction`` must be set."""
+    return load(endpoint) == 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,7 @@ from predictor.api import NOTIFY_READY_KEY, pb, pb_grpc
 from predictor.backend_metrics import METRICS_FORMATS, SGLANG, check_metrics_format, parse_backend_metrics
 from predictor.calibration import CalibrationStatus, StepTimeCalibrator
 from predictor.engine_flags import add_engine_arguments, engine_from_args
+from predictor.early_releases import EarlyReleases
 from predictor.holds import MAX_HOLD_S, Holds
 from predictor.instance_state import Corrections, encode
 from predictor.ledger import BackendObservation, Ledger
@@ -399,6 +400,9 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         now_s = time.monotonic()
         sidecar.end_expired_holds(now_s)
         sidecar.saw_admit(request.router_id, request.admit_seq)
+        if sidecar.early_releases.admit_came_late(request.request_id, now_s):
+            logger.debug("Admit of %r after its Release: not counted", request.request_id)
+            return pb.AdmitResponse(duplicate=True)
         hold = sidecar.holds.confirm(request.request_id)
         if hold is not None:  # its Predict held it: counted since then, its prediction made then
             sidecar.outcomes.admit(request.request_id, hold.held_s, request.predicted_ttft_s, request.predicted_e2e_s)
@@ -432,7 +436,10 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         sidecar.num_changes += 1
         sidecar.outcomes.release(request.request_id, now_s, scored=not request.failed)
         sidecar.plugin.admits.release(request.request_id)
-        return pb.ReleaseResponse(known=sidecar.ledger.release(request.request_id, now_s, ran=not held))
+        known = sidecar.ledger.release(request.request_id, now_s, ran=not held)
+        if held or not known:  # no Admit of it handled here yet: a late one must not count it (`EarlyReleases`)
+            sidecar.early_releases.release(request.request_id, now_s)
+        return pb.ReleaseResponse(known=known)
 
     async def Notify(self, request_iterator, context):  # noqa: N802
         """Protocol v1.3: a router's Admits and Releases, batched (``NoticeBatch``), handled as the unary calls are,
@@ -557,6 +564,7 @@ class Sidecar:
                                         pending_grace_s=config.visibility_grace_s, residual=self.residual,
                                         kv_index=self.kv_index, default_policy=config.engine.scheduling_policy)
         self.holds = Holds()
+        self.early_releases = EarlyReleases()
         self.num_states_sent = 0  # InstanceState messages sent to watching routers (v1.2)
         self.num_watchers = 0
         self.watch_failed = False

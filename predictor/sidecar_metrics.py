@@ -16,6 +16,8 @@ is updated on the request path). Names (``astrolabe_predictor_*``; no label valu
 - ``astrolabe_predictor_state_age_seconds``: age of the state predictions start from;
 - ``astrolabe_predictor_reconciliations_total``, ``..._reconciliation_corrections_total{kind=added|removed}``:
   the ledger's reconciliations with the backend's /metrics and the requests they corrected;
+- ``astrolabe_predictor_late_admits_ignored_total``: Admits not counted because their request's Release was
+  handled first (``predictor.early_releases``);
 - ``astrolabe_predictor_simulation_seconds``: histogram of each Predict's work (state read and simulation);
 - ``astrolabe_predictor_backend_restarts_total``: engine restarts seen in the backend's counters
   (``predictor.server.backend_restarted``): the ledger and its prefix-cache model start empty then;
@@ -111,6 +113,9 @@ class SidecarCollector:
         corrections.add_metric(["added"], stats.num_phantoms_added)
         corrections.add_metric(["removed"], stats.num_requests_removed)
         yield corrections
+        yield CounterMetricFamily("astrolabe_predictor_late_admits_ignored", "Admits not counted because their "
+                                  "request's Release came first (predictor/early_releases.py)",
+                                  value=sidecar.early_releases.num_ignored_admits)
         yield from sidecar.simulation_seconds.collect()
         ledger = sidecar.ledger
         observed = sidecar.last_observed

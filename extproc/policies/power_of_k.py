@@ -49,7 +49,7 @@ queue. Affinity therefore does not yield to an ordinary queue, only to: the load
 a home whose in-flight count is past ``max_load_ratio`` times the fleet's mean; a home whose predicted TTFT is past
 ``affinity_max_ttft_s`` (4 s: a frozen or far slower instance; every home of the prefix among the candidates must
 be past it; measured at the shared-prefix knee, a 4 s bound changed nothing); an idle candidate (its sidecar counts
-no request and this replica sent it none the answer lacks: ``load`` 0), which stays in the comparison beside the
+no request, this replica sent it none the answer lacks and has none in flight there: ``load`` 0), which stays in the comparison beside the
 homes: a copy there delays no request, and it is how a prefix that every request shares reaches the instances that
 hold nothing yet (without it, such a prefix at 100 req/s on 6 instances stayed on the 4 the load bound had spread it
 to, tests/bench/test_cluster_prefix.py); a candidate whose cache state is unknown (``num_prefix_blocks_cached``
@@ -69,12 +69,13 @@ A bound on what one sidecar can pull: a candidate whose in-flight count (this re
 being routed, would exceed ``max_load_ratio`` times the fleet's mean (``EndpointView.mean_in_flight``, + 1 on both
 sides so that small counts are not over-constrained) is passed over while another candidate stays within the
 bound and its sidecar counts no more requests (else the other is busier for reasons this replica cannot see:
-other replicas' traffic). A sidecar whose predictions are wrong (a restarted engine, a model still calibrating, a bug) can then draw
-at most about ``max_load_ratio`` times its fair share of the requests in flight, whatever it predicts. Its count
-(``Prediction.num_requests``, see `load`) is never taken as less than this replica's own requests in flight there,
-so with one replica this holds whatever it reports; with R replicas and ``confirm_load_bound`` (below), a sidecar
-that under-reports is passed over once this replica's own requests there pass ``max_load_ratio`` times the
-stand-in's whole count, which can let it draw up to about R times the bound. The rule
+other replicas' traffic). A sidecar whose predictions are wrong (a restarted engine, a model still calibrating, a
+bug) can then draw, whatever it predicts, about ``max_load_ratio`` times the requests of the least loaded
+candidate that stands in for it (+ 1 both sides), and so at most about that multiple of its fair share of the
+requests in flight. Its count (``Prediction.num_requests``, see `load`) is never taken as less than this
+replica's own requests in flight there, so with one replica this holds whatever it reports; with R replicas and
+``confirm_load_bound`` (below), a sidecar that under-reports is passed over once this replica's own requests there
+pass ``max_load_ratio`` times the stand-in's whole count, which can let it draw up to about R times the bound. The rule
 is SGLang's cache-aware router's load-balance guard (sgl-router ``cache_aware.rs``: a worker over
 ``balance_rel_threshold`` x the least loaded is skipped), taken on this replica's own in-flight counts.
 With ``confirm_load_bound`` (default) the candidate must also be past the bound by its sidecar's count, which
@@ -84,8 +85,8 @@ bound by chance: on the shared-prefix workload (seeds 0-5, 4 replicas) the P99 T
 82.0 to 85.6 req/s with the confirmation (bench/README.md, "Confirming the load bound"). One case keeps this
 replica's count alone: a private home, one holding at least `AFFINITY_MIN_LEAD` of the prompt's blocks more than
 every stand-in where no request on it holds them now (``EndpointView.num_prefix_blocks_in_use``: its state's
-running and waiting requests) and no earlier decision of this replica found the same deepest cached block
-(`PowerOfKPolicy._hits_seen_before`): a conversation between its turns, whose next turn hits the previous reply.
+running and waiting requests) and whose deepest cached block of the prompt no earlier decision of this replica
+found as its deepest hit (`PowerOfKPolicy._hits_seen_before`): a conversation between its turns, whose next turn hits the previous reply.
 Releasing it moves the conversation with its copy, and on the multi-turn workload that release is what the bound
 buys: confirming it too lowered the crossing from 24.5 to 24.2 sessions/s (seeds 0-3), while releasing a shared
 prefix's home leaves a second home that stays and takes cache from other prefixes.
@@ -162,7 +163,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from extproc.admission import meets, predicted_ttft_s
+from extproc.admission import is_idle, load, meets, predicted_ttft_s
 from extproc.objectives import NO_OBJECTIVES
 from extproc.policies.base import EndpointView, Policy, min_random_tie
 
@@ -392,7 +393,7 @@ class PowerOfKPolicy(Policy):
         bound_s = self.params.affinity_max_ttft_s
         if bound_s and all(ttft_s(e) > bound_s for e in scored if e.num_prefix_blocks_cached == most):
             return scored
-        return [e for e in scored if e.num_prefix_blocks_cached is None or not load(e)
+        return [e for e in scored if e.num_prefix_blocks_cached is None or is_idle(e)
                 or most - e.num_prefix_blocks_cached < lead]
 
     def idle_score(self, endpoint: EndpointView) -> float:
@@ -437,14 +438,14 @@ class PowerOfKPolicy(Policy):
 
     def _within_load_bound(self, request, scored: list[EndpointView], ratio: float) -> list[EndpointView]:
         """``scored`` less the candidates over the load bound that another candidate can stand in for: one within
-        the bound whose sidecar counts no more requests (`load`) than the one it replaces. The second condition
-        keeps the bound from sending work to an instance that is busier for reasons this replica cannot see
-        (other replicas' or other routers' requests). With ``confirm_load_bound``, the candidate must moreover be
-        past the bound by its sidecar's count, ``load + 1 > max_load_ratio * (least + 1)`` against the stand-ins'
-        fewest, unless it is a private home: it holds at least `AFFINITY_MIN_LEAD` of the prompt's blocks more
-        than every stand-in, no request on it holds them now (``EndpointView.num_prefix_blocks_in_use``) and no
-        earlier decision hit them (`_hits_seen_before`) (module docstring, "A bound on what one sidecar can
-        pull")."""
+        the bound that counts no more requests (`load`: its sidecar's count, floored at this replica's in flight)
+        than the one it replaces. The second condition keeps the bound from sending work to an instance that is
+        busier for reasons this replica cannot see (other replicas' or other routers' requests). With
+        ``confirm_load_bound``, the candidate must moreover be past the bound by its sidecar's count, ``load + 1 >
+        max_load_ratio * (least + 1)`` against the stand-ins' fewest, unless it is a private home: it holds at
+        least `AFFINITY_MIN_LEAD` of the prompt's blocks more than every stand-in, no request on it holds them now
+        (``EndpointView.num_prefix_blocks_in_use``) and no earlier decision's deepest hit was its own deepest cached
+        block (`_hits_seen_before`) (module docstring, "A bound on what one sidecar can pull")."""
         within = [e for e in scored if e.num_in_flight + 1 <= ratio * (e.mean_in_flight + 1)]
         seen = self._hits_seen_before(request, scored) if self.params.confirm_load_bound else frozenset()
         if not within or len(within) == len(scored):
@@ -506,15 +507,6 @@ def idle_ttft_s(endpoint: EndpointView) -> float:
     ``queue_s`` (its prefill of what the instance's cache does not hold, and its first decode step);
     ``endpoint.prediction`` must be set."""
     return endpoint.prediction.ttft_s - endpoint.prediction.queue_s
-
-
-def load(endpoint: EndpointView) -> int:
-    """Requests on ``endpoint`` as a decision can know them: its sidecar's count (other routers' held requests
-    included) and this replica's dispatches there that the count does not include, and never fewer than this
-    replica's own requests in flight there (``num_in_flight``): a sidecar counting less under-reports (a bug, a
-    restarted engine), and its count alone would let it escape the load bound (module docstring, "A bound on what
-    one sidecar can pull"). ``endpoint.prediction`` must be set."""
-    return max(endpoint.prediction.num_requests + endpoint.num_unseen_dispatches, endpoint.num_in_flight)
 
 
 def build(params: Mapping[str, Any], rng: random.Random) -> PowerOfKPolicy:

@@ -488,6 +488,32 @@ def test_a_sidecar_that_under_reports_its_count_cannot_escape_the_load_bound(rep
     assert policy.choose(REQ, views).address == "10.0.0.2:80"
 
 
+def test_a_sidecar_counting_none_while_this_replica_has_requests_there_is_not_idle():
+    """Cache affinity keeps an idle candidate beside the homes; one whose sidecar reports no request while this
+    replica has requests in flight there is not idle (an under-report), so the home wins."""
+    views = _home_and_cold(0.5)
+    views[1] = EndpointView("10.0.0.2:80", num_prefix_blocks_cached=0, num_in_flight=3,
+                            prediction=Prediction(0.45, 1.4, queue_s=0.0, num_requests=0))
+    policy = build({"metric": "ttft", "tie_tolerance": 0}, random.Random(0))
+    assert {policy.choose(keyed([1]), views).address for _ in range(10)} == {"10.0.0.1:80"}
+    views[1] = dataclasses.replace(views[1], num_in_flight=0)  # idle indeed: compared, and its TTFT wins
+    assert {policy.choose(keyed([1]), views).address for _ in range(10)} == {"10.0.0.2:80"}
+
+
+def test_the_memory_of_hits_keeps_the_most_recently_found(monkeypatch):
+    """At most MAX_HIT_KEYS deepest hits are remembered; a hit found again moves to the newest, so the oldest
+    that nobody found since is forgotten first (it then counts as unseen: its home can be private again)."""
+    import extproc.policies.power_of_k as power_of_k
+
+    monkeypatch.setattr(power_of_k, "MAX_HIT_KEYS", 2)
+    policy = build({"metric": "ttft"}, random.Random(0))
+    within = [dataclasses.replace(v, num_in_flight=1) for v in _over_bound_home(0, 7)]
+    for keys in (range(128), range(1000, 1128), range(128), range(2000, 2128)):  # a, b, a again, c: b goes
+        policy.choose(keyed(keys), within)
+    assert policy.choose(keyed(range(128)), _over_bound_home(0, 7)).address == "10.0.0.1:80"  # a: seen, kept
+    assert policy.choose(keyed(range(1000, 1128)), _over_bound_home(0, 7)).address == "10.0.0.2:80"  # b: forgotten
+
+
 def _candidate(i: int, cached: int, in_flight: int, requests: int, ttft_s: float) -> EndpointView:
     return EndpointView(f"10.0.0.{i}:80", num_in_flight=in_flight, mean_in_flight=2.0, num_prefix_blocks_cached=cached,
                         num_prefix_blocks_in_use=0,
