@@ -10,20 +10,25 @@ running until its Release (its output length is open-ended), so without this the
 reconciliation with the engine's ``/metrics`` removes it, and for ever with no engine to reconcile with (seen in
 tests/extproc/test_prefix_keys_routing.py).
 
-A Release of an id that is neither held nor in the ledger is remembered for `EARLY_RELEASE_TTL_S`; an Admit of a
-remembered id is then not counted. A Release also finds nothing when the request already finished in the
-simulation or was reconciled away: those ids are remembered too, harmlessly, since request ids are not reused (a
-client that reuses an ``x-request-id`` within the TTL after such a Release loses one request from the count).
-Runs on one thread (the sidecar's event loop); times are ``time.monotonic()`` seconds.
+A Release of an id that this sidecar neither holds nor counts (not in its ledger, no plugin-mode admission record)
+is remembered for `EARLY_RELEASE_TTL_S`; an Admit of a remembered id is then not counted. A Release also finds
+nothing when the request already finished in the simulation or was reconciled away: those ids are remembered too,
+harmlessly, since the router gives every decision its own id (``{x-request-id}/{uuid}``, ``extproc/router.py``), so
+an id does not come back after its Release. One exception is left out on purpose: a Release that drops a
+Predict's hold (a candidate not chosen, protocol v1.1) is not remembered, since the router Admits that same id at
+such a candidate when Envoy served the request elsewhere than chosen (``Router.served``); the race a hold leaves
+(the chosen instance's confirming Admit handled after the request's Release) stays, and is rarer still, as that
+Admit leaves at the decision, a whole request before the Release. Ids are kept as their hash (a fixed 8 bytes
+each, whatever a router sends). Runs on one thread (the sidecar's event loop); times are ``time.monotonic()`` seconds.
 """
 
 from __future__ import annotations
 
 import collections
 
-EARLY_RELEASE_TTL_S = 30.0
-"""How long a Release of an unknown id waits for its Admit, seconds (an Admit is a notice that takes milliseconds;
-the router's notify timeout is seconds)."""
+EARLY_RELEASE_TTL_S = 5.0
+"""How long a Release of an unknown id waits for its Admit, seconds: ten times the router's deadline on a unary
+Admit (``PredictorClientConfig.notify_timeout_s``, 0.5 s)."""
 
 MAX_EARLY_RELEASES = 4096
 """Most ids remembered at once; beyond it the oldest is forgotten first (a flood of Releases of unknown ids must not
@@ -40,7 +45,7 @@ class EarlyReleases:
     def __init__(self, ttl_s: float = EARLY_RELEASE_TTL_S, max_ids: int = MAX_EARLY_RELEASES) -> None:
         self._ttl_s = ttl_s
         self._max_ids = max_ids
-        self._released: collections.OrderedDict[str, float] = collections.OrderedDict()  # id -> released at
+        self._released: collections.OrderedDict[int, float] = collections.OrderedDict()  # hash(id) -> released at
         self.num_ignored_admits = 0
 
     def __len__(self) -> int:
@@ -49,8 +54,9 @@ class EarlyReleases:
     def release(self, request_id: str, now_s: float) -> None:
         """Remembers that ``request_id`` was released at ``now_s`` with nothing to end."""
         self._expire(now_s)
-        self._released[request_id] = now_s
-        self._released.move_to_end(request_id)
+        key = hash(request_id)
+        self._released[key] = now_s
+        self._released.move_to_end(key)
         while len(self._released) > self._max_ids:
             self._released.popitem(last=False)
 
@@ -58,7 +64,7 @@ class EarlyReleases:
         """Whether ``request_id``'s Release came before this Admit (within the TTL): the Admit must not be counted.
         Forgets the id either way."""
         self._expire(now_s)
-        if self._released.pop(request_id, None) is None:
+        if self._released.pop(hash(request_id), None) is None:
             return False
         self.num_ignored_admits += 1
         return True

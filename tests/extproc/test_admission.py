@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -144,6 +145,9 @@ def test_an_idle_candidate_or_no_prediction_admits():
     assert shed_reason(SHEDDABLE, [view(9.0), view(9.0, num_requests=0)], 100, "headroom", 0.5) is None
     # ... unless this replica sent it requests its answer does not include yet
     assert shed_reason(SHEDDABLE, [view(9.0, num_requests=0, unseen=1)], 100, "headroom", 0.5) is not None
+    # ... or has requests in flight there that its sidecar does not count (an under-report)
+    assert shed_reason(SHEDDABLE, [dataclasses.replace(view(9.0, num_requests=0), num_in_flight=2)], 100,
+                       "headroom", 0.5) is not None
     nothing = EndpointView("10.0.0.2:80")
     assert shed_reason(SHEDDABLE, [nothing], 100, "headroom", 0.5) is None
     # a candidate without an answer is left out; the others decide

@@ -45,6 +45,10 @@ async def test_the_sidecars_metrics_show_every_checked_prediction_as_a_ratio(tmp
                                                  num_predicted_output_tokens=10, predicted_e2e_s=predicted_s),
                                  timeout=5)
                 await stub.Release(pb.ReleaseRequest(request_id=name), timeout=5)
+            # a Release handled before its Admit (they travel on different calls): the Admit is not counted
+            await stub.Release(pb.ReleaseRequest(request_id="late"), timeout=5)
+            await stub.Admit(pb.AdmitRequest(request_id="late", num_prompt_tokens=10, num_predicted_output_tokens=10),
+                             timeout=5)
         async with httpx.AsyncClient() as client:
             text = (await client.get(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=5)).text
     finally:
@@ -62,6 +66,8 @@ async def test_the_sidecars_metrics_show_every_checked_prediction_as_a_ratio(tmp
                    if s.name.endswith("_total")}
     assert corrections == {"added", "removed"}
     assert families["astrolabe_predictor_ingress_delay_seconds"].samples[0].value == 0.0
+    # "long" and "short" were admitted (plugin mode: an admission record, no ledger entry) before their Release
+    assert families["astrolabe_predictor_late_admits_ignored"].samples[0].value == 1
     simulation = {s.name: s.value for s in families["astrolabe_predictor_simulation_seconds"].samples}
     assert simulation["astrolabe_predictor_simulation_seconds_count"] == 1  # the one Predict
     # no label value comes from a request: only the metric names and the fixed label sets
