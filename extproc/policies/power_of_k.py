@@ -48,11 +48,14 @@ every spill copies a prefix, so spilling once the home queues turns into a casca
 queue. Affinity therefore does not yield to an ordinary queue, only to: the load bound (below), which passes over
 a home whose in-flight count is past ``max_load_ratio`` times the fleet's mean; a home whose predicted TTFT is past
 ``affinity_max_ttft_s`` (4 s: a frozen or far slower instance; every home of the prefix among the candidates must
-be past it; measured at the shared-prefix knee, a 4 s bound changed nothing); an idle candidate (its sidecar counts
-no request, this replica sent it none the answer lacks and has none in flight there: ``load`` 0), which stays in the comparison beside the
-homes: a copy there delays no request, and it is how a prefix that every request shares reaches the instances that
-hold nothing yet (without it, such a prefix at 100 req/s on 6 instances stayed on the 4 the load bound had spread it
-to, tests/bench/test_cluster_prefix.py); a candidate whose cache state is unknown (``num_prefix_blocks_cached``
+be past it, and another candidate must predict a TTFT within it: when every candidate is past it, as past the
+knee, a copy would only add a prefill and evict a prefix; measured on the shared-prefix workload, seeds 0-5, the
+P99 TTFT at 90 req/s fell from 13.0 to 8.5 s with that condition, nothing else moved, bench/README.md "Cache
+affinity past the knee"); an idle candidate (its sidecar counts no request, this replica sent it none the answer
+lacks and has none in flight there: ``load`` 0), which stays in the comparison beside the homes: a copy there
+delays no request, and it is how a prefix that every request shares reaches the instances that hold nothing yet
+(without it, such a prefix at 100 req/s on 6 instances stayed on the 4 the load bound had spread it to,
+tests/bench/test_cluster_prefix.py); a candidate whose cache state is unknown (``num_prefix_blocks_cached``
 None: a sidecar that publishes no state, or another block size), which its own prediction prices; and a lead too
 small to be worth a copy (under `AFFINITY_MIN_LEAD` of the prompt's blocks), where the score alone decides. What
 affinity costs, and is not fixed: an instance that is slower but not past the bound keeps its prefixes' traffic
@@ -209,8 +212,8 @@ class Params:
             (``EndpointView.num_prefix_blocks_cached``) are compared when others lack at least
             `AFFINITY_MIN_LEAD` of the prompt's blocks, idle candidates and ones without a cache state excepted
             (module docstring, "Cache affinity"); false = the score alone decides.
-        affinity_max_ttft_s: affinity yields when every candidate holding the most predicts a TTFT past this,
-            seconds (>= 0; 0 = never).
+        affinity_max_ttft_s: affinity yields when every candidate holding the most predicts a TTFT past this
+            and another candidate a TTFT within it, seconds (>= 0; 0 = never).
         prefer_meeting: a request with objectives (``RoutingRequest.objectives``) is placed among the candidates
             predicted to meet them (``extproc.admission.meets``) when any does, and gets the second round of
             probes when none of the first round does (module docstring, "Objectives").
@@ -385,13 +388,15 @@ class PowerOfKPolicy(Policy):
         those lacking, against the candidate holding the most, at least `AFFINITY_MIN_LEAD` of the prompt's full
         blocks (``RoutingRequest.block_keys``), unless idle (``load`` 0) or without a known cache state
         (``num_prefix_blocks_cached`` None: their sidecar prices the hit itself). None is passed over when every
-        candidate holding the most predicts a TTFT (`ttft_s`) past ``affinity_max_ttft_s``."""
+        candidate holding the most predicts a TTFT (`ttft_s`) past ``affinity_max_ttft_s`` while another predicts
+        one within it."""
         most = max((e.num_prefix_blocks_cached or 0) for e in scored)
         lead = affinity_lead(request)
         if not most or most < lead:
             return scored
         bound_s = self.params.affinity_max_ttft_s
-        if bound_s and all(ttft_s(e) > bound_s for e in scored if e.num_prefix_blocks_cached == most):
+        if bound_s and all(ttft_s(e) > bound_s for e in scored if e.num_prefix_blocks_cached == most) \
+                and any(ttft_s(e) <= bound_s for e in scored if e.num_prefix_blocks_cached != most):
             return scored
         return [e for e in scored if e.num_prefix_blocks_cached is None or is_idle(e)
                 or most - e.num_prefix_blocks_cached < lead]

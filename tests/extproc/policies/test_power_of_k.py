@@ -359,6 +359,18 @@ def test_cache_affinity_keeps_the_home_until_its_ttft_passes_affinity_max_ttft_s
     assert chosen == {"10.0.0.1:80" if home else "10.0.0.2:80"}
 
 
+def test_affinity_does_not_yield_when_no_candidate_is_within_the_ttft_bound():
+    """Past the knee every candidate predicts a TTFT past affinity_max_ttft_s: a copy on the cold one would only add
+    its prefill and evict another prefix there, so the home keeps the request."""
+    views = _home_and_cold(6.0)
+    views[1] = EndpointView("10.0.0.2:80", num_prefix_blocks_cached=0,
+                            prediction=Prediction(4.5, 5.4, queue_s=4.05, num_requests=1))
+    policy = build({"metric": "ttft", "tie_tolerance": 0}, random.Random(0))
+    assert {policy.choose(keyed([1]), views).address for _ in range(10)} == {"10.0.0.1:80"}
+    views[1] = dataclasses.replace(views[1], prediction=Prediction(3.9, 4.8, queue_s=3.45, num_requests=1))
+    assert {policy.choose(keyed([1]), views).address for _ in range(10)} == {"10.0.0.2:80"}  # within: it yields
+
+
 def test_affinity_max_ttft_s_0_never_releases_the_home():
     policy = build({"metric": "ttft", "tie_tolerance": 0, "affinity_max_ttft_s": 0}, random.Random(0))
     assert policy.choose(keyed([1]), _home_and_cold(60.0)).address == "10.0.0.1:80"
