@@ -330,16 +330,22 @@ def test_a_backend_killed_mid_stream_costs_only_its_streams(stack, fleet, pool):
     in_flight_lost = [r for r in run.lost() if r.status == 200 and r.instance == victim
                       and r.send_offset_s < kill_s + RACE_S]
     assert len(in_flight_lost) >= 1, "the kill found no stream on the victim: nothing was tested"
-    assert len(in_flight_lost) <= run.notes["victim in flight at the kill"] + len(run.sent(kill_s - RACE_S, kill_s
-                                                                                          + RACE_S))
+    # A request the victim had read but not answered when it died (before its first byte) is not retried: Envoy
+    # retries only a reset before the request was sent (retry_on: reset-before-request), so it ends in Envoy's 503
+    # without an instance. It is one of the victim's requests in flight at the kill, not a refusal (seen once in
+    # make test with --pool on a loaded 2-core machine).
+    unanswered = [r for r in run.lost() if r.status == 503 and r.instance is None and r.send_offset_s < kill_s + RACE_S]
+    assert len(in_flight_lost) + len(unanswered) <= run.notes["victim in flight at the kill"] + len(
+        run.sent(kill_s - RACE_S, kill_s + RACE_S))
     # Without --pool Envoy cannot retry elsewhere (ORIGINAL_DST retries the header's host): the requests sent to the
     # dead endpoint before the extproc heard of the first refusal (its 503's response.code_details) are refused.
-    refused = [r for r in run.lost() if r.status == 503 and r.instance is None
+    refused = [r for r in run.lost() if r.status == 503 and r.instance is None and r not in unanswered
                and r.send_offset_s < run.marks.get("ejected", math.inf) + RACE_S]
     run.notes["refused before the ejection"] = len(refused)
     print(f"backend killed ({'pool' if pool else 'ORIGINAL_DST'}): refused before the ejection {len(refused)}")
     assert refused == [] if pool else len(refused) <= MAX_REFUSED_BEFORE_EJECTION, run.summary()
-    assert [r for r in run.lost() if r not in in_flight_lost and r not in refused] == [], run.summary()
+    assert [r for r in run.lost() if r not in in_flight_lost and r not in refused and r not in unanswered] == [], \
+        run.summary()
     assert "ejected" in run.marks and run.marks["ejected"] - kill_s < 2.0
     _wait_counts_back_to_zero(stack, fleet.instances)
     _wait_idle(fleet)
