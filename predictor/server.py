@@ -435,8 +435,7 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         held = sidecar.holds.drop(request.request_id)
         sidecar.num_changes += 1
         sidecar.outcomes.release(request.request_id, now_s, scored=not request.failed)
-        admitted = sidecar.plugin.admits.is_admitted(request.request_id)
-        sidecar.plugin.admits.release(request.request_id)
+        admitted = sidecar.plugin.admits.release(request.request_id)
         known = sidecar.ledger.release(request.request_id, now_s, ran=not held)
         if not (held or known or admitted):  # no Admit of it handled yet: a late one must not count it
             sidecar.early_releases.release(request.request_id, now_s)

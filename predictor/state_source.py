@@ -473,7 +473,9 @@ class AdmitRecords:
         """Whether ``request_id`` has an admission record (admitted and not released)."""
         return request_id in self._by_id
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str) -> bool:
+        """Ends ``request_id``'s admission record (its prompt's block keys count as freed, newest last); returns
+        whether it had one."""
         admission = self._by_id.pop(request_id, None)
         self._seen.discard(request_id)
         if admission is not None and admission.block_keys:
@@ -483,6 +485,7 @@ class AdmitRecords:
                 freed.move_to_end(key)
             while len(freed) > MAX_FREED_KEYS:
                 freed.popitem(last=False)
+        return admission is not None
 
     def freed_keys(self, num_free_blocks: int) -> tuple[int, ...]:
         """The prompt block keys of released requests that an engine with ``num_free_blocks`` free KV blocks
