@@ -279,14 +279,16 @@ def format_comparison(comparisons: Sequence[Comparison], target: str = TARGET) -
     p99 = [c for c in comparisons if c.figure == "TTFT p99"]
     mean = {c.baseline: c for c in comparisons if c.figure == "TTFT mean"}
     beats = [c.baseline for c in p99 if c.verdict == "better"]
+    worse_mean = [c.baseline for c in p99 if c.baseline in mean and mean[c.baseline].verdict == "worse"]
     if len(beats) == len(p99):
-        worse_mean = [b for b in beats if mean[b].verdict == "worse"]
         lines.append(f"verdict: {target}'s P99 TTFT is lower than every baseline's"
                      + (f", but its mean TTFT is worse than {', '.join(worse_mean)}'s" if worse_mean
                         else ", and its mean TTFT is no worse"))
     else:
         lines.append(f"verdict: {target}'s P99 TTFT is NOT lower than that of "
-                     + ", ".join(f"{c.baseline} ({c.verdict})" for c in p99 if c.verdict != "better"))
+                     + ", ".join(f"{c.baseline} ({c.verdict})" for c in p99 if c.verdict != "better")
+                     + (f"; its mean TTFT is worse than {', '.join(worse_mean)}'s" if worse_mean
+                        else "; its mean TTFT is no worse than any baseline's"))
     return "\n".join(lines)
 
 

@@ -634,6 +634,8 @@ class Sidecar:
                 self.outcomes.first_token(admit_id, at_s)
         for engine_request_id, at_s in self.plugin.new_arrivals(state):
             admit_id = admits.admit_id_of(engine_request_id)
+            if admit_id is not None:
+                self.outcomes.engine_arrival(admit_id, at_s)
             admitted_s = admits.admitted_at_s(admit_id) if admit_id is not None else None
             if admitted_s is not None:
                 self.ingress.observe(at_s - admitted_s, now_s)

@@ -11,6 +11,8 @@ is updated on the request path). Names (``astrolabe_predictor_*``; no label valu
 - ``astrolabe_predictor_prediction_checked_total{metric}``: requests whose prediction was checked (ttft, e2e);
 - ``astrolabe_predictor_prediction_mape_ratio{metric}``: their mean absolute percentage error (0.2 = 20%);
 - ``astrolabe_predictor_prediction_bias_ratio{metric}``: geometric mean of predicted / observed;
+- ``astrolabe_predictor_ttft_unobservable_total``: requests whose TTFT was not checked because the engine had
+  them (received or answered) before their Admit was handled (``predictor.outcomes``);
 - ``astrolabe_predictor_prediction_ratio{metric}``: histogram of predicted / observed per checked request
   (buckets ``predictor.outcomes.RATIO_BUCKETS``); the sidecar is one endpoint's, so this is per endpoint;
 - ``astrolabe_predictor_state_age_seconds``: age of the state predictions start from;
@@ -88,6 +90,9 @@ class SidecarCollector:
         yield checked
         yield mape
         yield bias
+        yield CounterMetricFamily("astrolabe_predictor_ttft_unobservable", "requests whose TTFT was not checked: "
+                                  "the engine had them before their Admit was handled (predictor/outcomes.py)",
+                                  value=sidecar.outcomes.num_ttft_unobservable)
         ratio = HistogramMetricFamily("astrolabe_predictor_prediction_ratio", "predicted / observed of every "
                                       "checked request (1 = exact; < 1 = predicted too short)", labels=["metric"])
         for metric, stats in (("ttft", sidecar.outcomes.ttft), ("e2e", sidecar.outcomes.e2e)):

@@ -119,7 +119,10 @@ def test_comparison_against_every_baseline_with_paired_intervals() -> None:
 def test_comparison_says_where_it_loses_and_rejects_different_traces() -> None:
     base = [0.1 + 0.001 * i for i in range(300)]
     text = format_comparison(compare([_run("astrolabe", [t * 2 for t in base]), _run("least-requests", base)]))
-    assert "NOT lower than that of least-requests (worse)" in text
+    assert "NOT lower than that of least-requests (worse); its mean TTFT is worse than least-requests's" in text
+    # no P99 win, and no mean loss either: the line says both
+    same = format_comparison(compare([_run("astrolabe", base), _run("least-requests", base)]))
+    assert "NOT lower than that of least-requests (no difference); its mean TTFT is no worse than any" in same
     with pytest.raises(ValueError, match="same traces"):
         compare([_run("astrolabe", base), _run("least-requests", base[:-1])])
 

@@ -6,6 +6,7 @@ import math
 import time
 
 import grpc
+import httpx
 import pytest
 
 from predictor.api import pb, pb_grpc
@@ -101,3 +102,44 @@ async def test_a_sidecar_measures_the_delay_from_admit_to_the_engine_and_adds_it
     assert after.ttft_s - before.ttft_s == pytest.approx(shift, abs=1e-3)
     assert after.e2e_s - before.e2e_s == pytest.approx(shift, abs=1e-3)
     assert after.queue_s == pytest.approx(before.queue_s, abs=1e-6)  # the engine's own queue only
+
+
+async def test_a_request_the_engine_had_before_its_admit_was_handled_is_not_ttft_checked(tmp_path):
+    """The router does not wait for Admit: one handled after its request reached the engine (the plugin's
+    ``arrivals``) or after its first token would measure a TTFT of a few ms or of nothing. The sidecar leaves that
+    TTFT unchecked (``ttft_unobservable``, and the metric) and still checks the E2E; an Admit in time is checked."""
+    path = tmp_path / "state.json"
+    path.write_text(_state_text(arrivals=[]))
+    sidecar = Sidecar(SidecarConfig(backend="127.0.0.1:1", listen="127.0.0.1:0", state_source="vllm-plugin",
+                                    vllm_state_path=str(path), discover_kv_cache=False,
+                                    metrics_listen="127.0.0.1:0"))
+    await sidecar.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.port}") as channel:
+            stub = pb_grpc.PredictorStub(channel)
+            admitted_s = {}
+            for name in ("late", "in-time"):
+                await stub.Admit(pb.AdmitRequest(request_id=f"{name}/x", num_prompt_tokens=10,
+                                                 num_predicted_output_tokens=10, predicted_ttft_s=0.02,
+                                                 predicted_e2e_s=1.0), timeout=5)
+                admitted_s[name] = sidecar.plugin.admits.admitted_at_s(f"{name}/x")
+            late, in_time = admitted_s["late"], admitted_s["in-time"]
+            path.write_text(_state_text(
+                seq=2, published_monotonic_s=time.monotonic(),
+                arrivals=[["cmpl-late-0-1a2b3c4d", late - 0.010], ["cmpl-in-time-0-1a2b3c4d", in_time + 0.005]],
+                first_tokens=[["cmpl-late-0-1a2b3c4d", late + 0.002], ["cmpl-in-time-0-1a2b3c4d", in_time + 0.025]]))
+            deadline_s = time.monotonic() + 5
+            while sidecar.outcomes.awaits_first_token("in-time/x") and time.monotonic() < deadline_s:
+                await asyncio.sleep(ABSORB_INTERVAL_S / 4)
+            for name in ("late", "in-time"):
+                await stub.Release(pb.ReleaseRequest(request_id=f"{name}/x"), timeout=5)
+            outcomes = json.loads((await stub.State(pb.StateRequest(), timeout=5)).state_json)["outcomes"]
+        async with httpx.AsyncClient() as client:
+            metrics = (await client.get(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=5)).text
+    finally:
+        await sidecar.stop(0)
+    assert outcomes["ttft"]["count"] == 1 and outcomes["ttft"]["mape"] == pytest.approx(0.2, abs=1e-6)
+    assert outcomes["e2e"]["count"] == 2 and outcomes["ttft_unobservable"] == 1
+    records = {r[0]: r for r in outcomes["recent"]}
+    assert records["late/x"][2] is None and records["in-time/x"][2] == pytest.approx(0.025, abs=1e-9)
+    assert "astrolabe_predictor_ttft_unobservable_total 1.0" in metrics

@@ -41,6 +41,30 @@ def test_a_request_without_a_prediction_or_a_first_token_is_checked_only_where_i
     assert tracker.release("ledger", 2.0) is None  # released twice: counted once
 
 
+def test_a_late_admit_leaves_the_ttft_unchecked_and_the_e2e_checked():
+    # The router does not wait for its Admit: one handled after the engine's first token (or after the engine
+    # received the request) would measure a TTFT of nothing, clamped to 1 us (a 1,000-request demo's TTFT MAPE
+    # went from ~45% to 1,687% on one such request).
+    tracker = OutcomeTracker()
+    tracker.admit("after-first-token", 10.0, predicted_ttft_s=0.02, predicted_e2e_s=2.0)
+    tracker.first_token("after-first-token", 9.99)
+    assert not tracker.awaits_first_token("after-first-token")  # the Release need not read the state again
+    tracker.admit("after-arrival", 10.0, predicted_ttft_s=0.02, predicted_e2e_s=2.0)
+    tracker.engine_arrival("after-arrival", 9.995)
+    tracker.first_token("after-arrival", 10.001)
+    tracker.admit("on-time", 10.0, predicted_ttft_s=0.02, predicted_e2e_s=2.0)
+    tracker.engine_arrival("on-time", 10.004)
+    tracker.first_token("on-time", 10.025)
+    late = tracker.release("after-first-token", 12.0)
+    assert late is not None and late[2] is None and late[4] == pytest.approx(2.0)
+    assert tracker.release("after-arrival", 12.0)[2] is None
+    assert tracker.release("on-time", 12.0)[2] == pytest.approx(0.025)
+    assert tracker.ttft.count == 1 and tracker.ttft.mape == pytest.approx(0.2)
+    assert tracker.e2e.count == 3
+    assert tracker.num_ttft_unobservable == 2 and tracker.as_dict()["ttft_unobservable"] == 2
+    tracker.engine_arrival("unknown", 1.0)  # ignored
+
+
 def test_bias_correction_cancels_a_persistent_bias_after_enough_requests_and_is_bounded():
     tracker = OutcomeTracker(bias_correction=True, min_samples=10)
     for i in range(9):
