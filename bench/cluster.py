@@ -343,7 +343,7 @@ def run_sweep(specs: Sequence[PolicySpec], rates_qps: Sequence[float],
             (``build_sessions``); the seed also seeds the routers.
         config: fleet settings (its ``seed`` is replaced by each trace's).
         workers: processes (1 = in this process).
-        progress: show a tqdm bar of points on stderr.
+        progress: show a tqdm bar of points on stderr when it is a terminal.
 
     Returns:
         One point per (policy, rate, seed), ordered by policy (``specs`` order), rate (ascending), seed.
@@ -353,7 +353,7 @@ def run_sweep(specs: Sequence[PolicySpec], rates_qps: Sequence[float],
     # Most expensive first (predictions per request x rate) so that a slow point does not finish last alone.
     tasks.sort(key=lambda t: -(t[0].params.get("k", 0) + 0.1) * t[1])
     points: list[SeedPoint] = []
-    bar = tqdm(total=len(tasks), desc="cluster points", unit="pt", disable=not progress)
+    bar = tqdm(total=len(tasks), desc="cluster points", unit="pt", disable=None if progress else True)
     try:
         if workers <= 1:
             for task in tasks:

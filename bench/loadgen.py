@@ -252,7 +252,7 @@ async def replay(
         request_timeout_s: limit per request, seconds.
         overall_timeout_s: limit on the whole replay from its start, seconds; requests still open then are
             cancelled and reported with an error, and requests not yet sent are reported unsent.
-        progress: show a tqdm bar of completed requests (on stderr).
+        progress: show a tqdm bar of completed requests (on stderr, when it is a terminal).
         progress_desc: label of the bar.
         system_prompt: a system message put before every request's prompt (None: none).
 
@@ -262,7 +262,7 @@ async def replay(
     urls = [u.rstrip("/") + CHAT_PATH for u in ([base_url] if isinstance(base_url, str) else base_url)]
     # limit=0: one connection per in-flight request, as many as the trace needs (open loop).
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    bar = tqdm(total=len(trace), desc=progress_desc, unit="req", disable=not progress, leave=True)
+    bar = tqdm(total=len(trace), desc=progress_desc, unit="req", disable=None if progress else True, leave=True)
     tasks: list[asyncio.Task[RequestResult]] = []
     start_s = time.monotonic()
     deadline_s = start_s + overall_timeout_s
@@ -392,7 +392,7 @@ async def replay_sessions(
         request_timeout_s: limit per turn, seconds.
         overall_timeout_s: limit on the whole replay, seconds; turns still open then are reported as cancelled,
             turns not sent by then as not sent.
-        progress: show a tqdm bar of finished turns (on stderr).
+        progress: show a tqdm bar of finished turns (on stderr, when it is a terminal).
         progress_desc: label of the bar.
 
     Returns:
@@ -401,8 +401,8 @@ async def replay_sessions(
     """
     urls = [u.rstrip("/") + CHAT_PATH for u in ([base_url] if isinstance(base_url, str) else base_url)]
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    bar = tqdm(total=sum(len(s.turns) for s in sessions), desc=progress_desc, unit="req", disable=not progress,
-               leave=True)
+    bar = tqdm(total=sum(len(s.turns) for s in sessions), desc=progress_desc, unit="req",
+               disable=None if progress else True, leave=True)
     start_s = time.monotonic()
     deadline_s = start_s + overall_timeout_s
     try:
