@@ -20,17 +20,19 @@ replies).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.util
 import ipaddress
 import json
 import logging
+import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
@@ -851,16 +853,38 @@ def _tracing_from_args(args: argparse.Namespace) -> EnvoyTracing | None:
         defaults.flush_interval_s if args.trace_flush_interval_s is None else args.trace_flush_interval_s)
 
 
+_PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal the calling process gets when its parent dies (Linux; <linux/prctl.h>)."""
+
+
+def _die_with_parent(prctl, parent_pid: int) -> None:
+    """In the forked child before exec (``preexec_fn``): ask Linux (``prctl``: libc's, looked up in the parent) for
+    SIGTERM when the parent, the launcher, dies however it dies (SIGKILL, the OOM killer), so that Envoy never
+    outlives it holding its ports; if the parent is already gone, exit at once. The launcher runs no other threads,
+    so calling into libc between fork and exec is safe here."""
+    prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
 def _run_foreground(cmd: list[str]) -> int:
-    """Run ``cmd``, forwarding SIGTERM/SIGINT to it; returns its exit status (128+N if killed by N)."""
-    proc = subprocess.Popen(cmd)
+    """Run ``cmd``, forwarding SIGTERM, SIGINT and SIGHUP (as SIGTERM) to it; returns its exit status (128+N if
+    killed by N). On Linux the child also gets SIGTERM if this process dies without forwarding (`_die_with_parent`);
+    the config folder is then left behind, as any SIGKILL leaves a temporary directory."""
+    preexec: Callable[[], None] | None = None
+    if sys.platform.startswith("linux"):
+        prctl, parent_pid = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
+
+        def preexec() -> None:
+            _die_with_parent(prctl, parent_pid)
+    proc = subprocess.Popen(cmd, preexec_fn=preexec)
     logger.info("envoy started: pid %s", proc.pid)
 
     def _forward(signum: int, _frame: FrameType | None) -> None:
         if proc.poll() is None:
-            proc.send_signal(signum)
+            proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
 
-    previous = {sig: signal.signal(sig, _forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, _forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         returncode = proc.wait()
     finally:

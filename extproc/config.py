@@ -352,7 +352,7 @@ class PredictorClientSection:
         description="First backoff of a failing sidecar (skipped, not asked), seconds; doubles per failure in a "
                     "row.")
     max_backoff_s: _PositiveSeconds = Field(
-        _PREDICTOR_CLIENT.max_backoff_s, description="Cap of the doubling backoff, seconds.")
+        _PREDICTOR_CLIENT.max_backoff_s, description="Cap of the doubling backoff, seconds (>= min_backoff_s).")
     max_loop_lag_s: _PositiveSeconds = Field(
         _PREDICTOR_CLIENT.max_loop_lag_s,
         description="The extproc's own event-loop lag tolerated per Predict, seconds: the gRPC deadline is "
@@ -389,6 +389,12 @@ class PredictorClientSection:
                     "long-lived Notify stream per sidecar, protocol v1.3, extproc/notices.py; unary calls to a "
                     "sidecar without it, and for a sampled request's Admit, which is traced) or 'unary' (one call "
                     "each).")
+
+    def __post_init__(self) -> None:
+        if self.max_backoff_s < self.min_backoff_s:
+            raise _Located(("max_backoff_s",), f"must be at least min_backoff_s ({self.min_backoff_s:g} s), got "
+                                               f"{self.max_backoff_s:g} s: the backoff doubles from the one to the "
+                                               "other")
 
 
 @dataclass(frozen=True, slots=True, config=_config("TracingSection"))

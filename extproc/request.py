@@ -12,7 +12,9 @@ Accepted shapes (OpenAI API, as vLLM serves it — vllm/entrypoints/openai/proto
   ``input_ids``, as SGLang 0.5.23 serves it);
   ``sampling_params`` (an object, or one per prompt) with ``max_new_tokens`` (SGLang's default 128 when absent,
   python/sglang/srt/sampling/sampling_params.py) and ``n``; ``stream``. Its ``model`` is absent (any endpoint).
-- any other path: the body must be a JSON object; only ``model`` and ``stream`` are read.
+- any other path: the body must be a JSON object; only ``model`` and ``stream`` are read. A body whose
+  ``content-type`` is not JSON there (vLLM's ``/v1/audio/transcriptions`` and ``/v1/audio/translations`` take
+  ``multipart/form-data``) is not read at all: the request is routed on its headers (`opaque_body_request`).
 A list of prompts is routed as one request (one backend serves the whole batch): its texts are joined with
 newlines and its token ids concatenated.
 
@@ -25,6 +27,7 @@ Raises ``RoutingError(BAD_REQUEST)`` for every malformed body; nothing else esca
 
 from __future__ import annotations
 
+import email.message
 import json
 import urllib.parse
 import zlib
@@ -369,6 +372,41 @@ def bodiless_request(request_id: str, method: str, path: str) -> RoutingRequest:
     if method.upper() == "POST" and route in INFERENCE_PATHS:
         raise _bad(f"request body is empty: POST {route} needs a JSON object")
     return RoutingRequest(request_id, method, path)
+
+
+def is_json_media_type(content_type: str | None) -> bool:
+    """Whether a request's ``content-type`` header value names JSON: ``application/json`` or a structured ``+json``
+    type (RFC 6839), parameters such as ``charset`` ignored, any case; None or empty (no header) counts as JSON.
+    The rule vLLM's and SGLang's FastAPI servers read a body by (fastapi/routing.py ``get_request_handler``: a body
+    of any other type is not parsed as JSON, so those servers refuse it on their inference routes)."""
+    if not content_type or not content_type.strip():
+        return True
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def opaque_body_request(request_id: str, method: str, path: str, num_body_bytes: int) -> RoutingRequest:
+    """The routing view of a request whose body is not JSON on a route that is not an inference route (e.g. vLLM's
+    ``/v1/audio/transcriptions``, ``multipart/form-data``): routed on its headers, its body passed on unread.
+
+    Args:
+        request_id: the request's id.
+        method: HTTP method.
+        path: request path; a query string is ignored.
+        num_body_bytes: the body's size as received, bytes.
+
+    Returns:
+        A ``RoutingRequest`` with no model and no prompt.
+
+    Raises:
+        RoutingError: BAD_REQUEST for an inference route (`INFERENCE_PATHS`): vLLM and SGLang read only JSON there.
+    """
+    route = _route_path(path)
+    if route in INFERENCE_PATHS:
+        raise _bad(f"{route} takes a JSON body (content-type: application/json)")
+    return RoutingRequest(request_id, method, route, num_body_bytes=num_body_bytes)
 
 
 def parse_body(request_id: str, method: str, path: str, body: bytes, content_encoding: str | None = None,

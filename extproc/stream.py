@@ -39,7 +39,8 @@ from extproc.admission import NO_HEADER_OBJECTIVES, header_objectives, objective
 from extproc.config import ConfigError, parse_ip_port
 from extproc.errors import ErrorCode, RoutingError
 from extproc.engine_priority import body_with_priority, identity_encoded, writes_priority
-from extproc.request import MAX_DECODED_FACTOR, RoutingRequest, bodiless_request, parse_body
+from extproc.request import (MAX_DECODED_FACTOR, RoutingRequest, bodiless_request, is_json_media_type,
+                             opaque_body_request, parse_body)
 from extproc.decision import Decision
 from extproc.router import Router
 from extproc.spans import NO_SPAN, RequestSpan
@@ -175,6 +176,7 @@ class StreamHandler:
         encodings = [h for h in headers.headers.headers if h.key.lower() == "content-encoding"]
         self._content_encoding = ", ".join((h.raw_value or h.value.encode()).decode("latin-1")
                                            for h in encodings) if encodings else None
+        self._content_type = values.get("content-type")
         self._request_id = values.get(wire.REQUEST_ID_HEADER) or uuid.uuid4().hex
         self._objectives = header_objectives(objective_header_values(pairs))
         self._span.start(values, self._request_id)
@@ -230,14 +232,19 @@ class StreamHandler:
         """The decision on the body, and the body with the request's engine priority written in
         (``extproc/engine_priority.py``; None: the body goes on unchanged)."""
         body = bytes(self._body)
-        request = parse_body(self._request_id, self._method, self._path, body, self._content_encoding,
-                             MAX_DECODED_FACTOR * self._max_body_bytes)
+        # Not JSON, off the inference routes (an audio upload): routed on its headers, its body left as sent.
+        opaque = not is_json_media_type(self._content_type)
+        if opaque:
+            request = opaque_body_request(self._request_id, self._method, self._path, len(body))
+        else:
+            request = parse_body(self._request_id, self._method, self._path, body, self._content_encoding,
+                                 MAX_DECODED_FACTOR * self._max_body_bytes)
         if self._body_mode == _BodyMode.BUFFERED:
             # A routed stream lives as long as its HTTP request: it must not hold the body meanwhile.
             self._body = bytearray()
         decision = await self._route(request)
         priority = self._engine_priority
-        if priority is None or not writes_priority(request.path):
+        if priority is None or opaque or not writes_priority(request.path):
             return decision, None
         if not identity_encoded(self._content_encoding):
             self._router.metrics.engine_priority_bodies.labels("encoded").inc()

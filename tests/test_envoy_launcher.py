@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -417,6 +418,23 @@ def test_launcher_runs_envoys_side_by_side_fails_closed_and_forwards_sigterm(tmp
             assert not pid_alive(proc.pid)
             assert not pid_alive(envoy_pid)
     assert "POST" not in backend.log_tail()
+
+
+def test_envoy_does_not_outlive_a_killed_launcher() -> None:
+    """SIGKILL (or the OOM killer) gives the launcher no chance to forward anything: Linux's parent-death signal
+    must still end Envoy, or it keeps serving and holding its ports, and the same command then fails to start
+    (found by a hostile review: "cannot bind '127.0.0.1:...': Address already in use")."""
+    with ProcessGroup() as procs:
+        proc, listen_port = _start_launcher(procs, "full-duplex")
+        (envoy_pid,) = _child_pids(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout_s=30)
+        deadline_s = time.monotonic() + 30
+        while pid_alive(envoy_pid) and time.monotonic() < deadline_s:
+            time.sleep(0.05)
+        assert not pid_alive(envoy_pid)
+        with socket.socket() as sock:  # its listener is gone with it
+            assert sock.connect_ex(("127.0.0.1", listen_port)) != 0
 
 
 # An HTTP/1.1 backend that answers every POST with "<its port> <request body>". In full-duplex mode Envoy

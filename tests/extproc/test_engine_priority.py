@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from extproc import wire
 from extproc.engine_priority import body_with_priority, identity_encoded, writes_priority
 from tests.extproc.test_stream import Mode, body_msg, headers_msg, running_server
 
@@ -187,3 +188,35 @@ async def test_engine_priority_without_a_nonzero_priority_warns_at_start(caplog,
     ExtprocServer(parse_config({"listen": "127.0.0.1:0", "policy": "round-robin", "endpoints": ENDPOINTS,
                                 "objectives": {"named": named, "engine_priority": True}}))
     assert ("every configured objective has priority 0" in caplog.text) == warned
+
+
+async def test_an_audio_upload_is_routed_with_its_multipart_body_untouched(server):
+    """vLLM's /v1/audio/transcriptions takes multipart/form-data (a hostile review: refused as invalid JSON). Its
+    body is neither parsed nor given a priority: a JSON member appended to a multipart body would corrupt it."""
+    srv, stub = server
+    body = (b'--xyz\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper\r\n--xyz\r\n'
+            b'Content-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\nRIFF\x00\x01}\r\n--xyz--\r\n')
+    call = stub.Process()
+    await call.write(headers_msg(path="/v1/audio/transcriptions", extra=(
+        ("content-type", "multipart/form-data; boundary=xyz"), ("x-gateway-inference-objective", "batch"))))
+    await call.read()
+    await call.write(body_msg(body))
+    answer = (await call.read()).request_body.response
+    assert _headers(answer)[wire.DESTINATION_HEADER] in {e["address"] for e in ENDPOINTS}
+    assert not answer.HasField("body_mutation") and "content-length" not in _headers(answer)
+    assert srv.router.metrics.engine_priority_bodies.labels("written")._value.get() == 0
+    await call.done_writing()
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "multipart/form-data; boundary=xyz"])
+async def test_an_inference_route_with_a_body_that_is_not_json_is_400(server, content_type):
+    """vLLM reads only a JSON body there (FastAPI does not parse another type as JSON): refused here, clearly."""
+    _, stub = server
+    call = stub.Process()
+    await call.write(headers_msg(extra=(("content-type", content_type),)))
+    await call.read()
+    await call.write(body_msg(BODY))
+    immediate = (await call.read()).immediate_response
+    assert immediate.status.code == 400
+    assert "takes a JSON body" in json.loads(immediate.body)["error"]["message"]
+    await call.done_writing()

@@ -18,7 +18,8 @@ Properties of every stream (each example bounded by ``asyncio.timeout``: a hang 
 - the pool's in-flight counts are back to zero once the stream has ended;
 - nothing is logged at ERROR (the handler logs a bug as "internal error", a 500);
 - for an undamaged script, the answers are exactly those the module docstring of ``extproc.stream`` lists, and
-  the outcome is the one ``parse_body`` (or ``bodiless_request``, for headers that end the stream: the oracle) and
+  the outcome is the one ``parse_body`` (``opaque_body_request`` for a ``content-type`` other than JSON,
+  ``bodiless_request`` for headers that end the stream: the oracle) and
   the pool imply: routed, or the 400/404/413 with the parser's message.
 
 Memory per stream is checked beside them with tracemalloc: a body over ``max_body_bytes`` is refused as soon as
@@ -52,7 +53,7 @@ from hypothesis import strategies as st
 from extproc import wire
 from extproc.config import parse_config
 from extproc.errors import ErrorCode, RoutingError
-from extproc.request import MAX_DECODED_FACTOR, bodiless_request, parse_body
+from extproc.request import MAX_DECODED_FACTOR, bodiless_request, is_json_media_type, opaque_body_request, parse_body
 from extproc.server import ExtprocServer
 from extproc.stream import StreamHandler
 from tests.extproc.fuzz_bodies import (
@@ -197,8 +198,11 @@ def scripts(draw, max_body_bytes: int = MAX_BODY_BYTES) -> Script:
     mode = draw(st.sampled_from([*_MODES, *_MODES, *_MODES, *_OTHER_MODES, None]))
     response_mode = draw(st.sampled_from(_RESPONSE_MODES))
     pairs = [(":method", method.encode()), (":path", path.encode()), ("x-request-id", b"fuzz")]
+    content_type = None
     if draw(st.booleans()):
-        pairs.append(("content-type", draw(st.sampled_from([b"application/json", b"text/plain", b"", b"\xff"]))))
+        content_type = draw(st.sampled_from([b"application/json", b"text/plain", b"", b"\xff",
+                                             b"multipart/form-data; boundary=x"]))
+        pairs.append(("content-type", content_type))
     if draw(st.booleans()):
         pairs.append(("content-length", draw(st.sampled_from([str(len(body)).encode(), b"-1", b"x", b"9" * 30]))))
     encodings = [encoding] if encoding is not None else []
@@ -233,6 +237,7 @@ def scripts(draw, max_body_bytes: int = MAX_BODY_BYTES) -> Script:
             steps.append(body_request(draw(st.binary(max_size=30)), eos=False, response=True))
         steps.append(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
     oracle = {"method": method, "path": path if drop != ":path" else "", "body": body,
+              "content_type": None if content_type is None else content_type.decode("latin-1"),
               "encoding": ", ".join(encodings) or None, "mode": mode, "response_mode": response_mode,
               "headers_eos": headers_eos, "trailers": trailers, "hint": hint, "extra": extra,
               "num_request_steps": num_request_steps, "steps": list(steps), "max_body_bytes": max_body_bytes}
@@ -293,8 +298,11 @@ def _expected(oracle: dict) -> tuple[list[str], object]:
         else:
             error = None
             try:
-                request = parse_body("fuzz", oracle["method"], oracle["path"], body, oracle["encoding"],
-                                     MAX_DECODED_FACTOR * oracle["max_body_bytes"])
+                if is_json_media_type(oracle["content_type"]):
+                    request = parse_body("fuzz", oracle["method"], oracle["path"], body, oracle["encoding"],
+                                         MAX_DECODED_FACTOR * oracle["max_body_bytes"])
+                else:  # not JSON: read only off the inference routes, and then not at all
+                    request = opaque_body_request("fuzz", oracle["method"], oracle["path"], len(body))
                 if request.model is not None and request.model != MODEL:
                     error = RoutingError(ErrorCode.MODEL_NOT_FOUND, f"The model `{request.model}` does not exist.")
             except RoutingError as exc:

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from extproc.errors import ErrorCode, RoutingError
-from extproc.request import parse_body
+from extproc.request import is_json_media_type, opaque_body_request, parse_body
 
 
 def _parse(path, body):
@@ -203,3 +203,19 @@ def test_malformed_generate_bodies_are_400_naming_the_field(body, param):
     with pytest.raises(RoutingError) as err:
         parse_body("r1", "POST", "/generate", json.dumps(body).encode())
     assert err.value.code == ErrorCode.BAD_REQUEST and err.value.param == param
+
+
+@pytest.mark.parametrize("content_type, is_json", [
+    (None, True), ("", True), ("application/json", True), ("Application/JSON; charset=utf-8", True),
+    ("application/vnd.api+json", True), ("multipart/form-data; boundary=x", False), ("text/plain", False),
+    ("application/x-www-form-urlencoded", False), ("text/json", False)])
+def test_json_media_types_are_the_ones_fastapi_parses_as_json(content_type, is_json):
+    assert is_json_media_type(content_type) is is_json
+
+
+def test_an_opaque_body_is_routed_on_its_headers_except_on_an_inference_route():
+    request = opaque_body_request("r", "POST", "/v1/audio/transcriptions?x=1", 1234)
+    assert (request.path, request.model, request.prompt_text, request.num_body_bytes) == (
+        "/v1/audio/transcriptions", None, None, 1234)
+    with pytest.raises(RoutingError, match="takes a JSON body"):
+        opaque_body_request("r", "POST", "/v1/chat/completions", 10)
