@@ -868,9 +868,10 @@ def _die_with_parent(prctl, parent_pid: int) -> None:
 
 
 def _run_foreground(cmd: list[str]) -> int:
-    """Run ``cmd``, forwarding SIGTERM, SIGINT and SIGHUP (as SIGTERM) to it; returns its exit status (128+N if
-    killed by N). On Linux the child also gets SIGTERM if this process dies without forwarding (`_die_with_parent`);
-    the config folder is then left behind, as any SIGKILL leaves a temporary directory."""
+    """Run ``cmd``, forwarding SIGTERM, SIGINT and SIGHUP (as SIGTERM) to it, the last two unless this process
+    ignores them (``nohup``); returns its exit status (128+N if killed by N). On Linux the child also gets SIGTERM
+    if this process dies without forwarding (`_die_with_parent`); the config folder is then left behind, as any
+    SIGKILL leaves a temporary directory."""
     preexec: Callable[[], None] | None = None
     if sys.platform.startswith("linux"):
         prctl, parent_pid = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
@@ -884,7 +885,11 @@ def _run_foreground(cmd: list[str]) -> int:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
 
-    previous = {sig: signal.signal(sig, _forward) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    # A signal the launcher was started to ignore (SIGHUP under nohup, SIGINT for `cmd &` in a script) stays
+    # ignored: forwarding it would end Envoy when its terminal closes.
+    forwarded = [sig for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+                 if sig == signal.SIGTERM or signal.getsignal(sig) is not signal.SIG_IGN]
+    previous = {sig: signal.signal(sig, _forward) for sig in forwarded}
     try:
         returncode = proc.wait()
     finally:

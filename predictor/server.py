@@ -420,6 +420,7 @@ class PredictorServicer(pb_grpc.PredictorServicer):
                               priority=request.priority)
         if added:
             sidecar.outcomes.admit(request.request_id, now_s, request.predicted_ttft_s, request.predicted_e2e_s)
+            sidecar.check_engine_had_it(request.request_id)
         return pb.AdmitResponse(duplicate=not added)
 
     async def Release(self, request, context):  # noqa: N802
@@ -671,6 +672,21 @@ class Sidecar:
         return tuple(block_keys)
 
     _warned_block_keys = False
+
+    def check_engine_had_it(self, request_id: str) -> None:
+        """For an Admit just counted: the events of the plugin's last state read (its ``arrivals`` and
+        ``first_tokens``) that belong to ``request_id`` reached the outcome check before the Admit could claim them,
+        and are never handed out again (`_absorb` takes each once), so they are given to it here: a request the
+        engine received or answered before this admission is not TTFT-checked (``predictor.outcomes``). The state
+        holds the last 64 arrivals; only engine ids that contain the request's ``x-request-id`` are matched."""
+        state = self.plugin.last_state
+        if state is None:
+            return
+        x_request_id = request_id.rpartition("/")[0] or request_id
+        admits = self.plugin.admits
+        for engine_request_id, at_s in (*state.arrivals, *state.first_tokens):
+            if x_request_id in engine_request_id and admits.admit_id_of(engine_request_id) == request_id:
+                self.outcomes.engine_arrival(request_id, at_s)
 
     def admit(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int, now_s: float, *,
               max_tokens: int | None = None, length_source: int = 0,

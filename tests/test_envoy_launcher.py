@@ -437,6 +437,25 @@ def test_envoy_does_not_outlive_a_killed_launcher() -> None:
             assert sock.connect_ex(("127.0.0.1", listen_port)) != 0
 
 
+def test_a_launcher_under_nohup_keeps_envoy_through_a_hangup() -> None:
+    """``nohup astrolabe envoy ... &`` ignores SIGHUP: closing the terminal must not end Envoy (a review found the
+    forwarded SIGHUP ended it); SIGTERM still does."""
+    listen_port, admin_port = free_port(), free_port()
+    with ProcessGroup() as procs:
+        proc = procs.start(
+            ["nohup", sys.executable, "-m", "astrolabe", "envoy", "--mode", "full-duplex", "--listen-port",
+             str(listen_port), "--admin-port", str(admin_port), "--extproc", f"127.0.0.1:{free_port()}",
+             "--concurrency", "1"], name="envoy-nohup", cwd=_REPO_ROOT)
+        assert proc.wait_http(f"http://127.0.0.1:{admin_port}/ready", timeout_s=60) == b"LIVE\n"
+        (envoy_pid,) = _child_pids(proc.pid)
+        os.kill(proc.pid, signal.SIGHUP)
+        time.sleep(1.0)
+        assert pid_alive(proc.pid) and pid_alive(envoy_pid), proc.log_tail()
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout_s=30) == 0, proc.log_tail()
+        assert not pid_alive(envoy_pid)
+
+
 # An HTTP/1.1 backend that answers every POST with "<its port> <request body>". In full-duplex mode Envoy
 # forwards the body chunked (the processor re-sends it, so the length is not known up front).
 _ECHO_BACKEND = """

@@ -143,3 +143,39 @@ async def test_a_request_the_engine_had_before_its_admit_was_handled_is_not_ttft
     records = {r[0]: r for r in outcomes["recent"]}
     assert records["late/x"][2] is None and records["in-time/x"][2] == pytest.approx(0.025, abs=1e-9)
     assert "astrolabe_predictor_ttft_unobservable_total 1.0" in metrics
+
+
+async def test_an_arrival_read_before_its_admit_still_leaves_the_ttft_unchecked(tmp_path):
+    """The state loop hands out each arrival once (every 0.1 s): one read before its Admit was handled matched no
+    admission then, so the Admit looks back at the last state read (a review found the first token then scored
+    2 ms after the late admission: a TTFT error of 900%)."""
+    path = tmp_path / "state.json"
+    path.write_text(_state_text(arrivals=[]))
+    sidecar = Sidecar(SidecarConfig(backend="127.0.0.1:1", listen="127.0.0.1:0", state_source="vllm-plugin",
+                                    vllm_state_path=str(path), discover_kv_cache=False))
+    await sidecar.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.port}") as channel:
+            stub = pb_grpc.PredictorStub(channel)
+            arrival_s = time.monotonic()
+            path.write_text(_state_text(seq=2, published_monotonic_s=arrival_s,
+                                        arrivals=[["cmpl-late-0-1a2b3c4d", arrival_s]]))
+            deadline_s = time.monotonic() + 5
+            while (sidecar.plugin.last_state is None or not sidecar.plugin.last_state.arrivals) \
+                    and time.monotonic() < deadline_s:
+                await asyncio.sleep(ABSORB_INTERVAL_S / 4)
+            await asyncio.sleep(2 * ABSORB_INTERVAL_S)  # absorbed, matched to nothing
+            await stub.Admit(pb.AdmitRequest(request_id="late/x", num_prompt_tokens=10,
+                                             num_predicted_output_tokens=10, predicted_ttft_s=0.02,
+                                             predicted_e2e_s=1.0), timeout=5)
+            admitted_s = sidecar.plugin.admits.admitted_at_s("late/x")
+            assert admitted_s > arrival_s
+            path.write_text(_state_text(seq=3, published_monotonic_s=time.monotonic(),
+                                        arrivals=[["cmpl-late-0-1a2b3c4d", arrival_s]],
+                                        first_tokens=[["cmpl-late-0-1a2b3c4d", admitted_s + 0.002]]))
+            await asyncio.sleep(3 * ABSORB_INTERVAL_S)
+            await stub.Release(pb.ReleaseRequest(request_id="late/x"), timeout=5)
+            outcomes = json.loads((await stub.State(pb.StateRequest(), timeout=5)).state_json)["outcomes"]
+    finally:
+        await sidecar.stop(0)
+    assert outcomes["ttft_unobservable"] == 1 and outcomes["ttft"]["count"] == 0 and outcomes["e2e"]["count"] == 1
