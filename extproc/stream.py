@@ -78,6 +78,7 @@ class StreamHandler:
         self._method = ""
         self._path = ""
         self._content_encoding: str | None = None
+        self._content_type: str | None = None
         self._request_id = ""
         self._arrival_time_s = 0.0
         self._span = span
@@ -176,7 +177,8 @@ class StreamHandler:
         encodings = [h for h in headers.headers.headers if h.key.lower() == "content-encoding"]
         self._content_encoding = ", ".join((h.raw_value or h.value.encode()).decode("latin-1")
                                            for h in encodings) if encodings else None
-        self._content_type = values.get("content-type")
+        # the first of repeated lines, as Starlette (vLLM's and SGLang's servers) reads it
+        self._content_type = next((v for k, v in pairs if k == "content-type"), None)
         self._request_id = values.get(wire.REQUEST_ID_HEADER) or uuid.uuid4().hex
         self._objectives = header_objectives(objective_header_values(pairs))
         self._span.start(values, self._request_id)
