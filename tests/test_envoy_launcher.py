@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -427,6 +428,8 @@ def test_envoy_does_not_outlive_a_killed_launcher() -> None:
     with ProcessGroup() as procs:
         proc, listen_port = _start_launcher(procs, "full-duplex")
         (envoy_pid,) = _child_pids(proc.pid)
+        args = Path(f"/proc/{envoy_pid}/cmdline").read_bytes().split(b"\0")
+        config_dir = Path(args[args.index(b"-c") + 1].decode()).parent  # the killed launcher cannot remove it
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout_s=30)
         deadline_s = time.monotonic() + 30
@@ -435,6 +438,8 @@ def test_envoy_does_not_outlive_a_killed_launcher() -> None:
         assert not pid_alive(envoy_pid)
         with socket.socket() as sock:  # its listener is gone with it
             assert sock.connect_ex(("127.0.0.1", listen_port)) != 0
+    assert config_dir.name.startswith("astrolabe-envoy-")
+    shutil.rmtree(config_dir)
 
 
 def test_a_launcher_under_nohup_keeps_envoy_through_a_hangup() -> None:

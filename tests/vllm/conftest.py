@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 from astrolabe.procs import ProcessGroup
-from deploy.vllm.launch import REPO_DIR, SERVED_MODEL_NAME, start_vllm_servers
+from deploy.vllm.launch import REPO_DIR, SERVED_MODEL_NAME, remove_stale_state_files, start_vllm_servers, state_dir
 from tests.integration.stack import Stack
 
 if os.environ.get("ASTROLABE_VLLM_TESTS") != "1":
@@ -39,6 +39,13 @@ def fresh_run_dir(name: str):
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The servers' plugin state files outlive them by design (the sidecar must see the engine gone;
+    deploy/vllm/launch.py): once every stack has stopped, the tier removes those whose engine is gone, so a run
+    leaves none in /dev/shm (files of a live engine, e.g. another run's, stay)."""
+    remove_stale_state_files(state_dir(REPO_DIR / ".cache" / "vllm"))
 
 
 @pytest.fixture(scope="session")
