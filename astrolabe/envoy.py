@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import importlib.util
 import ipaddress
 import json
@@ -32,7 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
@@ -872,12 +873,8 @@ def _run_foreground(cmd: list[str]) -> int:
     ignores them (``nohup``); returns its exit status (128+N if killed by N). On Linux the child also gets SIGTERM
     if this process dies without forwarding (`_die_with_parent`); the config folder is then left behind, as any
     SIGKILL leaves a temporary directory."""
-    preexec: Callable[[], None] | None = None
-    if sys.platform.startswith("linux"):
-        prctl, parent_pid = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
-
-        def preexec() -> None:
-            _die_with_parent(prctl, parent_pid)
+    preexec = (functools.partial(_die_with_parent, ctypes.CDLL(None, use_errno=True).prctl, os.getpid())
+               if sys.platform.startswith("linux") else None)
     proc = subprocess.Popen(cmd, preexec_fn=preexec)
     logger.info("envoy started: pid %s", proc.pid)
 

@@ -73,7 +73,7 @@ from predictor.sim.snapshot import InstanceSnapshot, RequestState
 from predictor.ingress import IngressDelayEstimator
 from predictor.kv_events import KvEventIndex, KvEventSubscriber
 from predictor.state_source import (STATE_SOURCE_LEDGER, STATE_SOURCE_PLUGIN, STATE_SOURCES, PluginStateSource,
-                                    pending_id)
+                                    pending_id, x_request_id_of)
 
 logger = logging.getLogger(__name__)
 
@@ -682,7 +682,7 @@ class Sidecar:
         state = self.plugin.last_state
         if state is None:
             return
-        x_request_id = request_id.rpartition("/")[0] or request_id
+        x_request_id = x_request_id_of(request_id)
         admits = self.plugin.admits
         for engine_request_id, at_s in (*state.arrivals, *state.first_tokens):
             if x_request_id in engine_request_id and admits.admit_id_of(engine_request_id) == request_id:

@@ -75,6 +75,12 @@ def x_request_id_candidates(engine_request_id: str) -> frozenset[str]:
     return frozenset((body, *(body[:i] for i in cut if i > 0)))
 
 
+def x_request_id_of(admit_id: str) -> str:
+    """The client's ``x-request-id`` part of an id the extproc admitted: it appends ``/<unique suffix>``
+    (``extproc/router.py``), and the client's id may itself hold '/'; an id without one is taken whole."""
+    return admit_id.rsplit("/", 1)[0]
+
+
 @dataclass(frozen=True, slots=True)
 class PluginState:
     """One parsed state file.
@@ -522,7 +528,7 @@ class AdmitRecords:
         matched = set(self._engine_to_admit.values())
         best, best_len = None, 0
         for rid in self._by_id:
-            x_request_id = rid.rsplit("/", 1)[0]  # the extproc appends "/<suffix>"; the client's id may hold '/'
+            x_request_id = x_request_id_of(rid)
             if len(x_request_id) > best_len and x_request_id in candidates and rid not in matched:
                 best, best_len = rid, len(x_request_id)
         return best
