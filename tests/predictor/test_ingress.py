@@ -5,14 +5,13 @@ import json
 import math
 import time
 
-import grpc
 import httpx
 import pytest
 
-from predictor.api import pb, pb_grpc
+from predictor.api import pb
 from predictor.ingress import MAX_INGRESS_S, IngressDelayEstimator
-from predictor.server import ABSORB_INTERVAL_S, Sidecar, SidecarConfig
-from tests.predictor.test_state_source import _state_text
+from predictor.server import ABSORB_INTERVAL_S
+from tests.predictor.test_state_source import _state_text, plugin_sidecar
 
 
 def test_the_estimate_is_the_median_of_the_window_once_there_are_enough():
@@ -67,34 +66,27 @@ async def test_a_sidecar_measures_the_delay_from_admit_to_the_engine_and_adds_it
     measures the delay (State shows it) and predicts as before."""
     path = tmp_path / "state.json"
     path.write_text(_state_text(arrivals=[]))
-    sidecar = Sidecar(SidecarConfig(backend="127.0.0.1:1", listen="127.0.0.1:0", state_source="vllm-plugin",
-                                    vllm_state_path=str(path), discover_kv_cache=False, ingress_delay=mode))
-    await sidecar.start()
     ask = pb.PredictRequest(request_id="p", num_prompt_tokens=10, num_predicted_output_tokens=10)
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.port}") as channel:
-            stub = pb_grpc.PredictorStub(channel)
-            before = await stub.Predict(ask, timeout=5)
-            admitted_s = {}
-            for i in range(10):
-                await stub.Admit(pb.AdmitRequest(request_id=f"r{i}/x", num_prompt_tokens=10,
-                                                 num_predicted_output_tokens=10), timeout=5)
-                admitted_s[i] = sidecar.plugin.admits.admitted_at_s(f"r{i}/x")
-            # The engine names them cmpl-<x-request-id>-0-<suffix>; they arrived 0.3 s after their Admit and
-            # finished since (empty queues again; their Release has not come yet, and they are not counted as
-            # still on their way).
-            arrivals = [[f"cmpl-r{i}-0-1a2b3c4d", admitted_s[i] + 0.3] for i in range(10)]
-            path.write_text(_state_text(seq=2, published_monotonic_s=time.monotonic(), arrivals=arrivals))
-            # absorbed off the prediction's path, within ABSORB_INTERVAL_S
-            deadline_s = time.monotonic() + 5
-            while True:
-                state = json.loads((await stub.State(pb.StateRequest(), timeout=5)).state_json)
-                if state["ingress"]["num_observed"] == 10 or time.monotonic() > deadline_s:
-                    break
-                await asyncio.sleep(ABSORB_INTERVAL_S / 4)
-            after = await stub.Predict(ask, timeout=5)
-    finally:
-        await sidecar.stop(0)
+    async with plugin_sidecar(path, ingress_delay=mode) as (sidecar, stub):
+        before = await stub.Predict(ask, timeout=5)
+        admitted_s = {}
+        for i in range(10):
+            await stub.Admit(pb.AdmitRequest(request_id=f"r{i}/x", num_prompt_tokens=10,
+                                             num_predicted_output_tokens=10), timeout=5)
+            admitted_s[i] = sidecar.plugin.admits.admitted_at_s(f"r{i}/x")
+        # The engine names them cmpl-<x-request-id>-0-<suffix>; they arrived 0.3 s after their Admit and
+        # finished since (empty queues again; their Release has not come yet, and they are not counted as
+        # still on their way).
+        arrivals = [[f"cmpl-r{i}-0-1a2b3c4d", admitted_s[i] + 0.3] for i in range(10)]
+        path.write_text(_state_text(seq=2, published_monotonic_s=time.monotonic(), arrivals=arrivals))
+        # absorbed off the prediction's path, within ABSORB_INTERVAL_S
+        deadline_s = time.monotonic() + 5
+        while True:
+            state = json.loads((await stub.State(pb.StateRequest(), timeout=5)).state_json)
+            if state["ingress"]["num_observed"] == 10 or time.monotonic() > deadline_s:
+                break
+            await asyncio.sleep(ABSORB_INTERVAL_S / 4)
+        after = await stub.Predict(ask, timeout=5)
     ingress = state["ingress"]
     assert ingress["num_observed"] == 10 and ingress["delay_s"] == pytest.approx(0.3, abs=1e-6)
     assert ingress["mode"] == mode and ingress["in_use"]
@@ -110,34 +102,26 @@ async def test_a_request_the_engine_had_before_its_admit_was_handled_is_not_ttft
     TTFT unchecked (``ttft_unobservable``, and the metric) and still checks the E2E; an Admit in time is checked."""
     path = tmp_path / "state.json"
     path.write_text(_state_text(arrivals=[]))
-    sidecar = Sidecar(SidecarConfig(backend="127.0.0.1:1", listen="127.0.0.1:0", state_source="vllm-plugin",
-                                    vllm_state_path=str(path), discover_kv_cache=False,
-                                    metrics_listen="127.0.0.1:0"))
-    await sidecar.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.port}") as channel:
-            stub = pb_grpc.PredictorStub(channel)
-            admitted_s = {}
-            for name in ("late", "in-time"):
-                await stub.Admit(pb.AdmitRequest(request_id=f"{name}/x", num_prompt_tokens=10,
-                                                 num_predicted_output_tokens=10, predicted_ttft_s=0.02,
-                                                 predicted_e2e_s=1.0), timeout=5)
-                admitted_s[name] = sidecar.plugin.admits.admitted_at_s(f"{name}/x")
-            late, in_time = admitted_s["late"], admitted_s["in-time"]
-            path.write_text(_state_text(
-                seq=2, published_monotonic_s=time.monotonic(),
-                arrivals=[["cmpl-late-0-1a2b3c4d", late - 0.010], ["cmpl-in-time-0-1a2b3c4d", in_time + 0.005]],
-                first_tokens=[["cmpl-late-0-1a2b3c4d", late + 0.002], ["cmpl-in-time-0-1a2b3c4d", in_time + 0.025]]))
-            deadline_s = time.monotonic() + 5
-            while sidecar.outcomes.awaits_first_token("in-time/x") and time.monotonic() < deadline_s:
-                await asyncio.sleep(ABSORB_INTERVAL_S / 4)
-            for name in ("late", "in-time"):
-                await stub.Release(pb.ReleaseRequest(request_id=f"{name}/x"), timeout=5)
-            outcomes = json.loads((await stub.State(pb.StateRequest(), timeout=5)).state_json)["outcomes"]
+    async with plugin_sidecar(path, metrics_listen="127.0.0.1:0") as (sidecar, stub):
+        admitted_s = {}
+        for name in ("late", "in-time"):
+            await stub.Admit(pb.AdmitRequest(request_id=f"{name}/x", num_prompt_tokens=10,
+                                             num_predicted_output_tokens=10, predicted_ttft_s=0.02,
+                                             predicted_e2e_s=1.0), timeout=5)
+            admitted_s[name] = sidecar.plugin.admits.admitted_at_s(f"{name}/x")
+        late, in_time = admitted_s["late"], admitted_s["in-time"]
+        path.write_text(_state_text(
+            seq=2, published_monotonic_s=time.monotonic(),
+            arrivals=[["cmpl-late-0-1a2b3c4d", late - 0.010], ["cmpl-in-time-0-1a2b3c4d", in_time + 0.005]],
+            first_tokens=[["cmpl-late-0-1a2b3c4d", late + 0.002], ["cmpl-in-time-0-1a2b3c4d", in_time + 0.025]]))
+        deadline_s = time.monotonic() + 5
+        while sidecar.outcomes.awaits_first_token("in-time/x") and time.monotonic() < deadline_s:
+            await asyncio.sleep(ABSORB_INTERVAL_S / 4)
+        for name in ("late", "in-time"):
+            await stub.Release(pb.ReleaseRequest(request_id=f"{name}/x"), timeout=5)
+        outcomes = json.loads((await stub.State(pb.StateRequest(), timeout=5)).state_json)["outcomes"]
         async with httpx.AsyncClient() as client:
             metrics = (await client.get(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=5)).text
-    finally:
-        await sidecar.stop(0)
     assert outcomes["ttft"]["count"] == 1 and outcomes["ttft"]["mape"] == pytest.approx(0.2, abs=1e-6)
     assert outcomes["e2e"]["count"] == 2 and outcomes["ttft_unobservable"] == 1
     records = {r[0]: r for r in outcomes["recent"]}
@@ -151,31 +135,24 @@ async def test_an_arrival_read_before_its_admit_still_leaves_the_ttft_unchecked(
     2 ms after the late admission: a TTFT error of 900%)."""
     path = tmp_path / "state.json"
     path.write_text(_state_text(arrivals=[]))
-    sidecar = Sidecar(SidecarConfig(backend="127.0.0.1:1", listen="127.0.0.1:0", state_source="vllm-plugin",
-                                    vllm_state_path=str(path), discover_kv_cache=False))
-    await sidecar.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.port}") as channel:
-            stub = pb_grpc.PredictorStub(channel)
-            arrival_s = time.monotonic()
-            path.write_text(_state_text(seq=2, published_monotonic_s=arrival_s,
-                                        arrivals=[["cmpl-late-0-1a2b3c4d", arrival_s]]))
-            deadline_s = time.monotonic() + 5
-            while (sidecar.plugin.last_state is None or not sidecar.plugin.last_state.arrivals) \
-                    and time.monotonic() < deadline_s:
-                await asyncio.sleep(ABSORB_INTERVAL_S / 4)
-            await asyncio.sleep(2 * ABSORB_INTERVAL_S)  # absorbed, matched to nothing
-            await stub.Admit(pb.AdmitRequest(request_id="late/x", num_prompt_tokens=10,
-                                             num_predicted_output_tokens=10, predicted_ttft_s=0.02,
-                                             predicted_e2e_s=1.0), timeout=5)
-            admitted_s = sidecar.plugin.admits.admitted_at_s("late/x")
-            assert admitted_s > arrival_s
-            path.write_text(_state_text(seq=3, published_monotonic_s=time.monotonic(),
-                                        arrivals=[["cmpl-late-0-1a2b3c4d", arrival_s]],
-                                        first_tokens=[["cmpl-late-0-1a2b3c4d", admitted_s + 0.002]]))
-            await asyncio.sleep(3 * ABSORB_INTERVAL_S)
-            await stub.Release(pb.ReleaseRequest(request_id="late/x"), timeout=5)
-            outcomes = json.loads((await stub.State(pb.StateRequest(), timeout=5)).state_json)["outcomes"]
-    finally:
-        await sidecar.stop(0)
+    async with plugin_sidecar(path) as (sidecar, stub):
+        arrival_s = time.monotonic()
+        path.write_text(_state_text(seq=2, published_monotonic_s=arrival_s,
+                                    arrivals=[["cmpl-late-0-1a2b3c4d", arrival_s]]))
+        deadline_s = time.monotonic() + 5
+        while (sidecar.plugin.last_state is None or not sidecar.plugin.last_state.arrivals) \
+                and time.monotonic() < deadline_s:
+            await asyncio.sleep(ABSORB_INTERVAL_S / 4)
+        await asyncio.sleep(2 * ABSORB_INTERVAL_S)  # absorbed, matched to nothing
+        await stub.Admit(pb.AdmitRequest(request_id="late/x", num_prompt_tokens=10,
+                                         num_predicted_output_tokens=10, predicted_ttft_s=0.02,
+                                         predicted_e2e_s=1.0), timeout=5)
+        admitted_s = sidecar.plugin.admits.admitted_at_s("late/x")
+        assert admitted_s > arrival_s
+        path.write_text(_state_text(seq=3, published_monotonic_s=time.monotonic(),
+                                    arrivals=[["cmpl-late-0-1a2b3c4d", arrival_s]],
+                                    first_tokens=[["cmpl-late-0-1a2b3c4d", admitted_s + 0.002]]))
+        await asyncio.sleep(3 * ABSORB_INTERVAL_S)
+        await stub.Release(pb.ReleaseRequest(request_id="late/x"), timeout=5)
+        outcomes = json.loads((await stub.State(pb.StateRequest(), timeout=5)).state_json)["outcomes"]
     assert outcomes["ttft_unobservable"] == 1 and outcomes["ttft"]["count"] == 0 and outcomes["e2e"]["count"] == 1

@@ -1,15 +1,13 @@
 """The sidecar's /metrics: prediction-error histograms, state age, reconciliation and ingress figures."""
 
 
-import grpc
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from predictor.api import pb, pb_grpc
+from predictor.api import pb
 from predictor.outcomes import RATIO_BUCKETS, ErrorStats
-from predictor.server import Sidecar, SidecarConfig
-from tests.predictor.test_state_source import _state_text
+from tests.predictor.test_state_source import _state_text, plugin_sidecar
 
 
 def test_ratio_buckets_count_each_request_once_with_le_semantics():
@@ -29,30 +27,22 @@ def _families(text: str) -> dict:
 async def test_the_sidecars_metrics_show_every_checked_prediction_as_a_ratio(tmp_path):
     path = tmp_path / "state.json"
     path.write_text(_state_text())
-    sidecar = Sidecar(SidecarConfig(backend="127.0.0.1:1", listen="127.0.0.1:0", state_source="vllm-plugin",
-                                    vllm_state_path=str(path), discover_kv_cache=False,
-                                    metrics_listen="127.0.0.1:0"))
-    await sidecar.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.port}") as channel:
-            stub = pb_grpc.PredictorStub(channel)
-            await stub.Predict(pb.PredictRequest(request_id="p", num_prompt_tokens=10,
-                                                 num_predicted_output_tokens=10), timeout=5)
-            # Predicted E2E 1 hour: whatever the few ms until Release, the ratio lands in +Inf; predicted 1 us:
-            # in the lowest bucket.
-            for name, predicted_s in (("long", 3600.0), ("short", 1e-6)):
-                await stub.Admit(pb.AdmitRequest(request_id=name, num_prompt_tokens=10,
-                                                 num_predicted_output_tokens=10, predicted_e2e_s=predicted_s),
-                                 timeout=5)
-                await stub.Release(pb.ReleaseRequest(request_id=name), timeout=5)
-            # a Release handled before its Admit (they travel on different calls): the Admit is not counted
-            await stub.Release(pb.ReleaseRequest(request_id="late"), timeout=5)
-            await stub.Admit(pb.AdmitRequest(request_id="late", num_prompt_tokens=10, num_predicted_output_tokens=10),
+    async with plugin_sidecar(path, metrics_listen="127.0.0.1:0") as (sidecar, stub):
+        await stub.Predict(pb.PredictRequest(request_id="p", num_prompt_tokens=10,
+                                             num_predicted_output_tokens=10), timeout=5)
+        # Predicted E2E 1 hour: whatever the few ms until Release, the ratio lands in +Inf; predicted 1 us:
+        # in the lowest bucket.
+        for name, predicted_s in (("long", 3600.0), ("short", 1e-6)):
+            await stub.Admit(pb.AdmitRequest(request_id=name, num_prompt_tokens=10,
+                                             num_predicted_output_tokens=10, predicted_e2e_s=predicted_s),
                              timeout=5)
+            await stub.Release(pb.ReleaseRequest(request_id=name), timeout=5)
+        # a Release handled before its Admit (they travel on different calls): the Admit is not counted
+        await stub.Release(pb.ReleaseRequest(request_id="late"), timeout=5)
+        await stub.Admit(pb.AdmitRequest(request_id="late", num_prompt_tokens=10, num_predicted_output_tokens=10),
+                         timeout=5)
         async with httpx.AsyncClient() as client:
             text = (await client.get(f"http://127.0.0.1:{sidecar.metrics_port}/metrics", timeout=5)).text
-    finally:
-        await sidecar.stop(0)
     families = _families(text)
     ratio = {(s.name, s.labels.get("le")): s.value for s in families["astrolabe_predictor_prediction_ratio"].samples
              if s.labels.get("metric") == "e2e"}

@@ -1,5 +1,6 @@
 """Plugin state: reading the file, matching engine ids to admissions, snapshots, and the sidecar's choice."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -296,28 +297,35 @@ def test_an_x_request_id_with_a_slash_matches_its_engine_request():
 async def test_plugin_mode_admit_checks_the_prompt_and_reports_duplicates(tmp_path):
     path = tmp_path / "state.json"
     publish(path, busy_scheduler())
+    async with plugin_sidecar(path) as (sidecar, stub):
+        reply = await stub.Predict(pb.PredictRequest(request_id="p", num_prompt_tokens=10,
+                                                     num_predicted_output_tokens=10))
+        assert reply.state_source == "vllm-plugin"
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Admit(pb.AdmitRequest(request_id="huge", num_prompt_tokens=2**32 - 1,
+                                             num_predicted_output_tokens=1))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV blocks" in info.value.details()
+        # a long guess is admitted (the snapshot cuts it to the KV cache) and predictions keep working
+        first = await stub.Admit(pb.AdmitRequest(request_id="long/1", num_prompt_tokens=100,
+                                                 num_predicted_output_tokens=2**31))
+        again = await stub.Admit(pb.AdmitRequest(request_id="long/1", num_prompt_tokens=100,
+                                                 num_predicted_output_tokens=2**31))
+        assert (first.duplicate, again.duplicate) == (False, True)
+        reply = await stub.Predict(pb.PredictRequest(request_id="p", num_prompt_tokens=10,
+                                                     num_predicted_output_tokens=10))
+        assert reply.ttft_s > 0 and reply.e2e_s >= reply.ttft_s and reply.queue_s >= 0
+
+
+@contextlib.asynccontextmanager
+async def plugin_sidecar(path, **config):
+    """A sidecar in plugin mode reading the state file ``path`` (no backend, no KV-cache discovery; ``config``:
+    more `SidecarConfig` fields), started, and a stub on it: ``(sidecar, stub)``; stopped on exit."""
     sidecar = Sidecar(SidecarConfig(backend="127.0.0.1:1", listen="127.0.0.1:0", state_source="vllm-plugin",
-                                    vllm_state_path=str(path), discover_kv_cache=False))
+                                    vllm_state_path=str(path), discover_kv_cache=False, **config))
     await sidecar.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.port}") as channel:
-            stub = pb_grpc.PredictorStub(channel)
-            reply = await stub.Predict(pb.PredictRequest(request_id="p", num_prompt_tokens=10,
-                                                         num_predicted_output_tokens=10))
-            assert reply.state_source == "vllm-plugin"
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await stub.Admit(pb.AdmitRequest(request_id="huge", num_prompt_tokens=2**32 - 1,
-                                                 num_predicted_output_tokens=1))
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV blocks" in info.value.details()
-            # a long guess is admitted (the snapshot cuts it to the KV cache) and predictions keep working
-            first = await stub.Admit(pb.AdmitRequest(request_id="long/1", num_prompt_tokens=100,
-                                                     num_predicted_output_tokens=2**31))
-            again = await stub.Admit(pb.AdmitRequest(request_id="long/1", num_prompt_tokens=100,
-                                                     num_predicted_output_tokens=2**31))
-            assert (first.duplicate, again.duplicate) == (False, True)
-            reply = await stub.Predict(pb.PredictRequest(request_id="p", num_prompt_tokens=10,
-                                                         num_predicted_output_tokens=10))
-            assert reply.ttft_s > 0 and reply.e2e_s >= reply.ttft_s and reply.queue_s >= 0
+            yield sidecar, pb_grpc.PredictorStub(channel)
     finally:
         await sidecar.stop(0)
 
